@@ -1,0 +1,1 @@
+"""Cache-side building blocks: eviction policies, slot tables and the pinned host arena."""

@@ -1,0 +1,1 @@
+"""Pack files and readers: the NVMe tier and the persistent quantization cache."""
