@@ -1,0 +1,77 @@
+"""Install layout and import hygiene: `kernels/` and `vllm_adapter/` live only under `tierstore.`,
+and `import tierstore` stays light."""
+
+import json
+import os
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+PROBE = """
+import importlib.util, json, sys
+import tierstore, tierstore.kernels, tierstore.vllm_adapter
+print(json.dumps({
+    "kernels_file": tierstore.kernels.__file__,
+    "adapter_file": tierstore.vllm_adapter.__file__,
+    "bare_kernels": importlib.util.find_spec("kernels") is not None,
+    "bare_vllm_adapter": importlib.util.find_spec("vllm_adapter") is not None,
+}))
+"""
+
+
+def _probe(python: str) -> dict:
+    # Run outside the repository so the source folders are not on sys.path by accident.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([python, "-c", PROBE], cwd="/", env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def test_import_tierstore_loads_no_heavy_or_optional_packages():
+    code = (
+        "import sys, tierstore, tierstore.cli\n"
+        "heavy = [m for m in ('vllm', 'triton', 'transformers', 'tierstore.kernels', 'tierstore.vllm_adapter')"
+        " if m in sys.modules]\n"
+        "print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_editable_install_maps_folders_under_tierstore():
+    found = _probe(sys.executable)
+    assert Path(found["kernels_file"]) == REPO / "kernels" / "__init__.py"
+    assert Path(found["adapter_file"]) == REPO / "vllm_adapter" / "__init__.py"
+    assert not found["bare_kernels"]
+    assert not found["bare_vllm_adapter"]
+
+
+@pytest.mark.slow
+def test_wheel_installs_kernels_and_adapter_under_tierstore(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        check=True,
+    )
+    (wheel,) = tmp_path.glob("tierstore-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert top_level == {"tierstore"}
+    assert "tierstore/kernels/__init__.py" in names
+    assert "tierstore/vllm_adapter/__init__.py" in names
+
+    scratch = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(scratch)
+    python = str(scratch / "bin" / "python")
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True)
+    found = _probe(python)
+    site = scratch / "lib"
+    assert Path(found["kernels_file"]).is_relative_to(site)
+    assert Path(found["kernels_file"]).parent.name == "kernels"
+    assert Path(found["adapter_file"]).parent.parent.name == "tierstore"
+    assert not found["bare_kernels"]
+    assert not found["bare_vllm_adapter"]
