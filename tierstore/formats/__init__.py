@@ -9,13 +9,29 @@ from tierstore.formats.block_formats import (
     encode_nvfp4,
 )
 from tierstore.formats.fp_codecs import E2M1_MAGNITUDES
+from tierstore.formats.w2 import (
+    W2_ABI_TAG,
+    W2_BLOCK,
+    W2_LEVELS,
+    W2Tensor,
+    quantize_w2,
+    w2_block_exponents,
+    w2_from_mxfp4,
+)
 
 __all__ = [
     "E2M1_MAGNITUDES",
+    "W2_ABI_TAG",
+    "W2_BLOCK",
+    "W2_LEVELS",
+    "W2Tensor",
     "dequantize_fp8_block",
     "dequantize_mxfp4",
     "dequantize_nvfp4",
     "encode_fp8_block",
     "encode_mxfp4",
     "encode_nvfp4",
+    "quantize_w2",
+    "w2_block_exponents",
+    "w2_from_mxfp4",
 ]
