@@ -1,0 +1,29 @@
+"""Reading HF safetensors MoE checkpoints (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3) layer by layer.
+
+    with open_checkpoint(path) as ckpt:
+        ckpt.geometry, ckpt.source_format          # MoEGeometry; "bf16" | "fp16" | "fp32" | "nvfp4" | "fp8_block" | "mxfp4"
+        for layer in ckpt.iter_layers(progress=True):
+            for expert in layer.experts:
+                expert.w13.dequantize()            # float64 [2I, H], gate rows then up rows
+                expert.w2.dequantize()             # float64 [H, I]
+
+Quantized per-expert tensors: NVFP4 (modelopt: `weight` uint8, `weight_scale` e4m3 block-16,
+`weight_scale_2` fp32, `input_scale`), FP8 block (`weight` e4m3, `weight_scale_inv` fp32) and
+MXFP4 (`weight` uint8 packed e2m1, low nibble = even k; `weight_scale` uint8 UE8M0 per 32 along K).
+"""
+
+from tierstore.checkpoint.config import SUPPORTED_MODEL_TYPES, geometry_from_config
+from tierstore.checkpoint.layout import ExpertWeights, SharedExperts
+from tierstore.checkpoint.matrices import SourceMatrix
+from tierstore.checkpoint.reader import Checkpoint, MoELayer, open_checkpoint
+
+__all__ = [
+    "Checkpoint",
+    "ExpertWeights",
+    "MoELayer",
+    "SUPPORTED_MODEL_TYPES",
+    "SharedExperts",
+    "SourceMatrix",
+    "geometry_from_config",
+    "open_checkpoint",
+]
