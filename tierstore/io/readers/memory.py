@@ -1,0 +1,35 @@
+"""Reader backend over an in-memory file image (tests, simulation, the all-in-RAM tier)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tierstore.io.readers.base import PendingBatch, ReadOp, Reader
+
+
+class MemoryReader(Reader):
+    """Serves reads from `image` (any bytes-like object); reads past its end come back short."""
+
+    name = "memory"
+
+    def __init__(self, image, label: str = "<memory>"):
+        self.path = label
+        self.direct = False
+        self.fd = -1
+        self._image = memoryview(image).cast("B")
+
+    def submit(self, ops: Sequence[ReadOp]) -> PendingBatch:
+        self.check_ops(ops)
+        batch = PendingBatch(ops)
+        for op in batch.ops:
+            chunk = self._image[op.offset:op.offset + len(op.dest)]
+            op.dest[:len(chunk)] = chunk
+            if len(chunk) < len(op.dest):
+                batch.failures[op.offset] = f"short read: got {len(chunk)} of {len(op.dest)} bytes (end of image)"
+        return batch
+
+    def complete(self, batch: PendingBatch) -> None:
+        self.raise_failures(batch)
+
+    def file_identity(self) -> tuple[int, int]:
+        return (-1, id(self._image))
