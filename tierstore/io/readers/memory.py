@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from tierstore.io.readers.base import PendingBatch, ReadOp, Reader
 
@@ -12,11 +14,19 @@ class MemoryReader(Reader):
 
     name = "memory"
 
-    def __init__(self, image, label: str = "<memory>"):
+    def __init__(self, image, label: str = "<memory>", identity: tuple[int, int] | None = None):
         self.path = label
         self.direct = False
         self.fd = -1
         self._image = memoryview(image).cast("B")
+        self._identity = identity if identity is not None else (-1, id(self._image))
+
+    @classmethod
+    def from_file(cls, path: Path | str) -> MemoryReader:
+        """A reader over a whole file loaded into RAM; it identifies as that file."""
+        with open(path, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            return cls(handle.read(), label=str(path), identity=(info.st_dev, info.st_ino))
 
     def submit(self, ops: Sequence[ReadOp]) -> PendingBatch:
         self.check_ops(ops)
@@ -32,4 +42,4 @@ class MemoryReader(Reader):
         self.raise_failures(batch)
 
     def file_identity(self) -> tuple[int, int]:
-        return (-1, id(self._image))
+        return self._identity
