@@ -1,0 +1,289 @@
+"""Host arena over a pack: the backend matrix (in-RAM / pack only / pack + arena, buffered and
+O_DIRECT) for cold, warm, reboot, eviction, overflow, scan and preheat; fail-closed faults;
+hostile heat files."""
+
+import hashlib
+import json
+import logging
+import random
+
+import pytest
+import torch
+
+from tierstore.cache.arena import Arena, arena_slots, parse_heat
+from tierstore.errors import PackFormatError, ReadError
+from tierstore.io.layout import PackSpec
+from tierstore.io.pack import Pack
+from tierstore.io.pack_rows import PackRows
+from tierstore.io.pack_writer import PackWriter
+from tierstore.io.readers import FaultPlan, FaultyReader, MemoryReader, PreadvPoolReader, UringReader
+from tierstore.io.readers.choice import direct_io_supported, uring_unavailable_reason
+
+LAYERS, EXPERTS, ROW_BYTES = 4, 16, 20000  # stride 20480: rows carry page padding
+ALL_KEYS = [(layer, expert) for layer in range(LAYERS) for expert in range(EXPERTS)]
+
+
+def row(layer, expert):
+    return hashlib.shake_128(f"{layer},{expert}".encode()).digest(ROW_BYTES)
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("pack")
+    spec = PackSpec(tag="base", num_layers=LAYERS, num_experts=EXPERTS, row_bytes=ROW_BYTES,
+                    checkpoint_id="arena-test", abi_tag="w2-test", zero_mode="auto")
+    with PackWriter(directory, spec) as writer:
+        for layer in range(LAYERS):
+            writer.write_layer(layer, (row(layer, e) for e in range(EXPERTS)))
+    return Pack(directory, spec)
+
+
+class CountingRows:
+    """Wraps a row source and counts how often each key is read from it."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.num_layers, self.num_experts = inner.num_layers, inner.num_experts
+        self.row_bytes, self.stride = inner.row_bytes, inner.stride
+        self.reads: dict = {}
+
+    def has_layer(self, layer):
+        return self.inner.has_layer(layer)
+
+    def read_rows(self, keys, dests):
+        self.inner.read_rows(keys, dests)
+        for key in keys:
+            self.reads[key] = self.reads.get(key, 0) + 1
+
+
+def make_reader(kind, pack):
+    if kind == "memory":
+        return MemoryReader.from_file(pack.path)
+    backend, mode = kind.split("-")
+    direct = mode == "direct"
+    if direct and not direct_io_supported(pack.path):
+        pytest.skip("filesystem refuses O_DIRECT")
+    if backend == "uring":
+        if uring_unavailable_reason() is not None:
+            pytest.skip(f"io_uring unavailable: {uring_unavailable_reason()}")
+        return UringReader(pack.path, direct=direct, depth=16)
+    return PreadvPoolReader(pack.path, direct=direct, threads=4)
+
+
+READERS = ["memory", "preadv-buffered", "preadv-direct", "uring-buffered", "uring-direct"]
+
+
+def open_arena(pack, kind, num_slots, **kwargs):
+    source = CountingRows(PackRows(pack, make_reader(kind, pack)))
+    return Arena(source, num_slots, **kwargs), source
+
+
+def assert_rows(keys, views):
+    for key, view in zip(keys, views):
+        assert view.dtype == torch.uint8 and view.shape == (ROW_BYTES,)
+        assert bytes(view.numpy()) == row(*key), key
+
+
+@pytest.mark.parametrize("kind", READERS)
+@pytest.mark.parametrize("num_slots", [0, 64], ids=["pack-only", "pack+arena"])
+def test_cold_then_warm_sweeps(pack, kind, num_slots):
+    arena, source = open_arena(pack, kind, num_slots)
+    for sweep in range(2):
+        for start in range(0, len(ALL_KEYS), 8):
+            keys = ALL_KEYS[start:start + 8]
+            assert_rows(keys, arena.fetch(keys))
+    stats = arena.stats()
+    if num_slots:
+        assert stats.hit_rows == 64 and stats.miss_rows == 64  # the second sweep is all hits
+        assert set(source.reads.values()) == {1}  # no row read from disk twice
+    else:
+        assert stats.hit_rows == 0 and stats.overflow_rows == 128
+        assert set(source.reads.values()) == {2}
+
+
+@pytest.mark.parametrize("kind", READERS)
+def test_reboot_with_garbage_memory_serves_rows_from_the_pack(pack, kind):
+    arena, source = open_arena(pack, kind, 64)
+    arena.memory.copy_(torch.randint(0, 256, arena.memory.shape, dtype=torch.uint8))
+    keys = random.Random(1).sample(ALL_KEYS, 20)
+    assert_rows(keys, arena.fetch(keys))
+    assert arena.stats().miss_rows == 20
+
+
+@pytest.mark.parametrize("kind", READERS)
+def test_eviction_stress_keeps_bytes_right(pack, kind):
+    arena, source = open_arena(pack, kind, 24)
+    rng = random.Random(2)
+    for _ in range(2):
+        keys = ALL_KEYS[:]
+        rng.shuffle(keys)
+        for start in range(0, 64, 8):
+            batch = keys[start:start + 8] + [keys[start]]  # with a duplicate
+            assert_rows(batch, arena.fetch(batch))
+    assert sum(source.reads.values()) > 64
+    assert arena.stats().evictions > 0 and arena.stats().overflow_rows == 0
+
+
+@pytest.mark.parametrize("kind", READERS)
+def test_batch_larger_than_the_arena_overflows_through_staging(pack, kind, caplog):
+    arena, _ = open_arena(pack, kind, 24)
+    with caplog.at_level(logging.WARNING, logger="tierstore.cache"):
+        assert_rows(ALL_KEYS, arena.fetch(ALL_KEYS))
+    assert arena.stats().overflow_rows == 40
+    assert "overflowed" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["memory", "preadv-direct"])
+def test_scan_fills_free_slots_and_never_evicts(pack, kind):
+    arena, _ = open_arena(pack, kind, 24)
+    first, second, decode = ALL_KEYS[:16], ALL_KEYS[16:32], ALL_KEYS[32:36]
+    assert_rows(first, arena.fetch(first, scan=True))
+    assert all(key in arena for key in first)
+    assert_rows(second, arena.fetch(second, scan=True))
+    assert all(key in arena for key in first)  # the hot set survives the scan
+    assert sum(key in arena for key in second) == 8 and arena.stats().overflow_rows == 8
+    assert_rows(decode, arena.fetch(decode))  # decode evicts and inserts
+    assert all(key in arena for key in decode) and arena.stats().evictions == 4
+
+
+def test_hits_are_zero_copy_views_and_duplicates_share_a_slot(pack):
+    arena, source = open_arena(pack, "memory", 8)
+    first = arena.fetch([(1, 1), (1, 1), (2, 2)])
+    assert first[0].data_ptr() == first[1].data_ptr()
+    assert source.reads == {(1, 1): 1, (2, 2): 1}
+    again = arena.fetch([(2, 2)])
+    base, end = arena.memory.data_ptr(), arena.memory.data_ptr() + arena.memory.numel()
+    assert again[0].data_ptr() == first[2].data_ptr() and base <= again[0].data_ptr() < end
+    assert arena.memory.data_ptr() % 4096 == 0
+
+
+@pytest.mark.parametrize("kind", ["memory", "preadv-buffered", "uring-direct"])
+def test_preheat_makes_the_hottest_rows_hits_after_reopen(pack, kind, tmp_path):
+    heat = tmp_path / "x.pack.heat.json"
+    arena, _ = open_arena(pack, kind, 8, heat_path=heat)
+    for key in ALL_KEYS[:12]:  # the last 8 fetched are the hottest
+        arena.fetch([key])
+    arena.close()
+    assert parse_heat(heat, LAYERS, EXPERTS)[:8] == ALL_KEYS[11:3:-1]
+    reopened, source = open_arena(pack, kind, 8, heat_path=heat)
+    assert sum(source.reads.values()) == 8
+    assert_rows(ALL_KEYS[4:12], reopened.fetch(ALL_KEYS[4:12]))
+    assert reopened.stats().hit_rows == 8 and reopened.stats().miss_rows == 0
+    reopened.fetch([ALL_KEYS[20]])  # the LRU victim is the coldest preheated row
+    assert ALL_KEYS[4] not in reopened and ALL_KEYS[11] in reopened
+
+
+def test_heat_file_is_written_periodically(pack, tmp_path):
+    heat = tmp_path / "h.json"
+    arena, _ = open_arena(pack, "memory", 8, heat_path=heat, heat_every=3)
+    arena.fetch([(0, 0)])
+    arena.fetch([(0, 0)])  # a pure hit places nothing and does not count
+    arena.fetch([(0, 1)])
+    assert not heat.exists()
+    arena.fetch([(0, 2)])
+    assert parse_heat(heat, LAYERS, EXPERTS) == [(0, 2), (0, 1), (0, 0)]
+
+
+@pytest.mark.parametrize("content", [
+    b"", b"{", b"[]", b'{"format": "tierstore-heat"}',
+    json.dumps({"format": "tierstore-heat", "version": 1, "num_layers": 4, "num_experts": 16,
+                "keys": [[0, 99]]}).encode(),
+    json.dumps({"format": "tierstore-heat", "version": 1, "num_layers": 4, "num_experts": 16,
+                "keys": [[-1, 0]]}).encode(),
+    json.dumps({"format": "tierstore-heat", "version": 1, "num_layers": 4, "num_experts": 16,
+                "keys": [[True, 0]]}).encode(),
+    json.dumps({"format": "tierstore-heat", "version": 1, "num_layers": 4, "num_experts": 16,
+                "keys": [[0, 0]] * 100000}).encode(),
+    json.dumps({"format": "tierstore-heat", "version": 1, "num_layers": 5, "num_experts": 16,
+                "keys": []}).encode(),
+    json.dumps({"format": "tierstore-heat", "version": 1, "num_layers": 4, "num_experts": 16,
+                "keys": [["../../etc", 0]]}).encode(),
+    b"1" * 10000,
+], ids=range(11))
+def test_hostile_heat_files_give_a_cold_arena_with_a_warning(pack, tmp_path, caplog, content):
+    heat = tmp_path / "bad.heat.json"
+    heat.write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="tierstore.cache"):
+        arena, source = open_arena(pack, "memory", 8, heat_path=heat)
+    assert "cold arena" in caplog.text
+    assert source.reads == {} and len(arena._table) == 0
+    assert_rows([(0, 0)], arena.fetch([(0, 0)]))
+    with pytest.raises(PackFormatError):
+        parse_heat(heat, LAYERS, EXPERTS)
+
+
+def test_heat_file_that_is_a_directory_gives_a_cold_arena(pack, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="tierstore.cache"):
+        arena, _ = open_arena(pack, "memory", 8, heat_path=tmp_path)
+    assert "cold arena" in caplog.text and len(arena._table) == 0
+
+
+def faulty_arena(pack, plan, num_slots=8):
+    reader = FaultyReader(PreadvPoolReader(pack.path), plan)
+    return Arena(PackRows(pack, reader), num_slots), reader
+
+
+@pytest.mark.parametrize("fault", ["eio", "short"])
+def test_read_failure_mid_batch_publishes_nothing_and_a_retry_reads_correct_bytes(pack, fault):
+    victim = pack.spec.row_offset(1, 5)
+    plan = FaultPlan(eio_offsets={victim}) if fault == "eio" else FaultPlan(short_offsets={victim})
+    arena, reader = faulty_arena(pack, plan)
+    warm = [(0, 0), (0, 1)]
+    arena.fetch(warm)
+    batch = [(1, 4), (1, 5), (1, 6)]
+    with pytest.raises(ReadError, match=f"offset {victim}"):
+        arena.fetch(batch)
+    assert not any(key in arena for key in batch)
+    assert all(key in arena for key in warm)
+    assert_rows(batch, arena.fetch(batch))
+    assert reader.fired == [(fault, victim)]
+
+
+def test_failed_read_into_an_evicted_slot_leaves_no_stale_hit(pack):
+    victim = pack.spec.row_offset(2, 0)
+    arena, _ = faulty_arena(pack, FaultPlan(eio_offsets={victim}), num_slots=2)
+    arena.fetch([(0, 0), (0, 1)])
+    with pytest.raises(ReadError):
+        arena.fetch([(2, 0)])  # evicts (0, 0) for a read that fails
+    assert (0, 0) not in arena and (2, 0) not in arena and (0, 1) in arena
+    assert_rows([(0, 0), (2, 0)], arena.fetch([(0, 0), (2, 0)]))
+
+
+def test_flipped_bit_is_caught_by_the_checksum_and_never_served(pack):
+    victim = pack.spec.row_offset(3, 3)
+    arena, _ = faulty_arena(pack, FaultPlan(flip_offsets={victim}))
+    with pytest.raises(PackFormatError, match=r"checksum: \(3, 3\)"):
+        arena.fetch([(3, 2), (3, 3)])
+    assert (3, 3) not in arena and (3, 2) not in arena
+    assert_rows([(3, 3)], arena.fetch([(3, 3)]))
+
+
+def test_random_fault_storm_never_serves_wrong_bytes(pack):
+    arena, reader = faulty_arena(pack, FaultPlan(eio_rate=0.05, short_rate=0.05, flip_rate=0.05, seed=3), 16)
+    rng, failures = random.Random(5), 0
+    for _ in range(60):
+        keys = rng.sample(ALL_KEYS, 6)
+        try:
+            views = arena.fetch(keys)
+        except (ReadError, PackFormatError):
+            failures += 1
+            continue
+        assert_rows(keys, views)
+    assert failures > 0 and len(reader.fired) > 0
+
+
+def test_keys_outside_the_source_are_refused(pack):
+    arena, _ = open_arena(pack, "memory", 4)
+    for key in ((4, 0), (0, 16), (-1, 0)):
+        with pytest.raises(PackFormatError, match="outside"):
+            arena.fetch([key])
+
+
+def test_arena_sizing():
+    stride = 1 << 20
+    assert arena_slots("auto", stride, 400 * stride) == 100
+    assert arena_slots(0.5, stride, 400 * stride) == 512
+    assert arena_slots("0.001", stride, 400 * stride) == 16  # floor of 16 slots
+    for bad in ("lots", "-1", "nan"):
+        with pytest.raises(ValueError, match="arena size"):
+            arena_slots(bad, stride, 1)

@@ -1,0 +1,316 @@
+"""The host arena: one pinned (or, without CUDA, page-aligned ordinary) allocation of `num_slots`
+rows over a row source such as a pack, with LRU replacement and a persisted hot set.
+
+Contract of `fetch(keys, scan)`:
+- hits return zero-copy views of arena slots; duplicate keys in a batch share one slot;
+- misses take free slots, else (unless `scan`) evict the least recently used slot not used by
+  this batch; what finds no slot is read through a staging buffer (`overflow`);
+- keys are published only after all reads of the batch succeeded; on failure the batch's slots
+  go back to the free list with no owner, so a failed read can never be served as a hit;
+- returned views stay valid until the next `fetch` (staging) or the slot's eviction. The arena
+  is not thread-safe: callers serialise fetches.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from tierstore.cache.slots import SlotTable
+from tierstore.errors import CapacityError, PackFormatError
+
+log = logging.getLogger("tierstore.cache")
+
+PAGE_BYTES = 4096
+HEAT_FORMAT = "tierstore-heat"
+HEAT_VERSION = 1
+MAX_HEAT_BYTES = 64 << 20
+LATENCY_WINDOW = 2048
+MIN_AUTO_SLOTS = 16
+
+Key = tuple[int, int]
+
+
+class RowSource(Protocol):
+    """Where the arena's rows come from (tierstore.io.pack_rows.PackRows is one)."""
+
+    num_layers: int
+    num_experts: int
+    row_bytes: int
+    stride: int
+
+    def has_layer(self, layer: int) -> bool: ...
+
+    def read_rows(self, keys: Sequence[Key], dests: Sequence[memoryview]) -> None: ...
+
+
+def arena_slots(size: str | float, stride: int, pack_bytes: int) -> int:
+    """Slots for a size in GiB, or `auto` (a quarter of the pack); at least 16."""
+    if size == "auto":
+        budget = pack_bytes // 4
+    else:
+        try:
+            gib = float(size)
+        except ValueError:
+            raise ValueError(f"arena size must be a number of GiB or 'auto', got {size!r}") from None
+        if not gib >= 0:
+            raise ValueError(f"arena size must be >= 0 GiB, got {size!r}")
+        budget = int(gib * (1 << 30))
+    return max(budget // stride, MIN_AUTO_SLOTS)
+
+
+def aligned_host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """A page-aligned uint8 tensor [nbytes], pinned when `pin`. Pinning failure raises
+    CapacityError naming a size that does fit."""
+    try:
+        raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=pin)
+    except RuntimeError as exc:
+        if not pin:
+            raise CapacityError(f"cannot allocate {nbytes} bytes of host memory: {exc}") from None
+        raise CapacityError(f"cannot pin {nbytes / 2**30:.2f} GiB of host memory; "
+                            f"{_largest_pinnable(nbytes) / 2**30:.2f} GiB would fit") from None
+    start = (-raw.data_ptr()) % PAGE_BYTES
+    return raw[start:start + nbytes]
+
+
+def _largest_pinnable(nbytes: int) -> int:
+    size = nbytes // 2
+    while size >= PAGE_BYTES:
+        try:
+            del_me = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:
+            size //= 2
+            continue
+        del del_me
+        return size
+    return 0
+
+
+def _percentile(samples, fraction: float) -> float:
+    if not samples:
+        return 0.0
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+@dataclass(frozen=True)
+class ArenaStats:
+    hit_rows: int
+    miss_rows: int
+    miss_bytes: int
+    overflow_rows: int
+    evictions: int
+    hit_p50_s: float
+    hit_p99_s: float
+    disk_p50_s: float
+    disk_p99_s: float
+
+
+class Arena:
+    def __init__(self, source: RowSource, num_slots: int, heat_path: Path | str | None = None,
+                 heat_every: int = 1024, preheat: bool = True, pin: bool | None = None):
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        self.source = source
+        self.num_slots = num_slots
+        self.stride = source.stride
+        self.heat_path = Path(heat_path) if heat_path is not None else None
+        self.heat_every = heat_every
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.memory = aligned_host_buffer(num_slots * self.stride, self.pin)  # [num_slots * stride] uint8
+        self._table = SlotTable(num_slots)
+        self._staging = aligned_host_buffer(0, self.pin)
+        self._placing_calls = 0
+        self._overflow_warned = False
+        self._hit_rows = self._miss_rows = self._overflow_rows = self._evictions = 0
+        self._hit_latency: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._disk_latency: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        if preheat and self.heat_path is not None and num_slots:
+            self._preheat()
+
+    # -- views -------------------------------------------------------------------------------
+    def slot_memory(self) -> memoryview:
+        """The whole slot region, e.g. to register with an io_uring reader."""
+        return memoryview(self.memory.numpy())
+
+    def _slot_tensor(self, slot: int) -> torch.Tensor:
+        return self.memory[slot * self.stride:(slot + 1) * self.stride]
+
+    def _slot_view(self, slot: int) -> memoryview:
+        return memoryview(self._slot_tensor(slot).numpy())
+
+    def _staging_tensors(self, count: int) -> list[torch.Tensor]:
+        if self._staging.numel() < count * self.stride:
+            self._staging = aligned_host_buffer(max(count * self.stride, 2 * self._staging.numel()), self.pin)
+        return [self._staging[i * self.stride:(i + 1) * self.stride] for i in range(count)]
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._table
+
+    # -- fetch -------------------------------------------------------------------------------
+    def _check_key(self, key: Key) -> Key:
+        layer, expert = key
+        if not (0 <= layer < self.source.num_layers and 0 <= expert < self.source.num_experts):
+            raise PackFormatError(f"row {key} is outside {self.source.num_layers} layers x "
+                                  f"{self.source.num_experts} experts")
+        if not self.source.has_layer(layer):
+            raise PackFormatError(f"layer {layer} is not available from the row source")
+        return (int(layer), int(expert))
+
+    def fetch(self, keys: Sequence[Key], scan: bool = False) -> list[torch.Tensor]:
+        """Rows for `keys` as uint8 tensors [row_bytes]. `scan` (prefill): fill free slots only,
+        never evict."""
+        started = time.perf_counter()
+        keys = [self._check_key(key) for key in keys]
+        row_bytes = self.source.row_bytes
+        resident: dict[Key, torch.Tensor] = {}
+        busy: set[int] = set()
+        for key in keys:
+            if key in resident:
+                continue
+            slot = self._table.hit(key)
+            if slot is not None:
+                busy.add(slot)
+                resident[key] = self._slot_tensor(slot)
+        hit_rows = len(resident)
+        missing = [key for key in dict.fromkeys(keys) if key not in resident]
+        placed: list[tuple[Key, int]] = []
+        overflow: list[Key] = []
+        for key in missing:
+            slot = self._table.take_free()
+            if slot is None and not scan:
+                slot = self._table.evict_lru(busy)
+                if slot is not None:
+                    self._evictions += 1
+            if slot is None:
+                overflow.append(key)
+            else:
+                busy.add(slot)
+                placed.append((key, slot))
+        if missing:
+            self._read(placed, overflow, resident, scan)
+        self._hit_rows += hit_rows
+        self._miss_rows += len(missing)
+        (self._disk_latency if missing else self._hit_latency).append(time.perf_counter() - started)
+        return [resident[key][:row_bytes] for key in keys]
+
+    def _read(self, placed: list[tuple[Key, int]], overflow: list[Key],
+              resident: dict[Key, torch.Tensor], scan: bool) -> None:
+        staging = self._staging_tensors(len(overflow))
+        read_keys = [key for key, _ in placed] + overflow
+        dests = [self._slot_view(slot) for _, slot in placed] + [memoryview(t.numpy()) for t in staging]
+        try:
+            self.source.read_rows(read_keys, dests)
+        except BaseException:
+            for _, slot in placed:
+                self._table.release(slot)
+            raise
+        for key, slot in placed:
+            self._table.publish(key, slot)
+            resident[key] = self._slot_tensor(slot)
+        for key, tensor in zip(overflow, staging):
+            resident[key] = tensor
+        self._overflow_rows += len(overflow)
+        if overflow and not scan and not self._overflow_warned:
+            log.warning("arena of %d slots overflowed: %d rows of one batch went through staging",
+                        self.num_slots, len(overflow))
+            self._overflow_warned = True
+        if placed:
+            self._placing_calls += 1
+            if self.heat_path is not None and self._placing_calls % self.heat_every == 0:
+                self.save_heat()
+
+    # -- stats -------------------------------------------------------------------------------
+    def stats(self) -> ArenaStats:
+        return ArenaStats(
+            hit_rows=self._hit_rows, miss_rows=self._miss_rows,
+            miss_bytes=self._miss_rows * self.source.row_bytes, overflow_rows=self._overflow_rows,
+            evictions=self._evictions,
+            hit_p50_s=_percentile(self._hit_latency, 0.50), hit_p99_s=_percentile(self._hit_latency, 0.99),
+            disk_p50_s=_percentile(self._disk_latency, 0.50), disk_p99_s=_percentile(self._disk_latency, 0.99),
+        )
+
+    # -- heat --------------------------------------------------------------------------------
+    def save_heat(self) -> None:
+        """Write the published keys, hottest first, to the heat file (atomic replace)."""
+        if self.heat_path is None:
+            return
+        body = {"format": HEAT_FORMAT, "version": HEAT_VERSION, "num_layers": self.source.num_layers,
+                "num_experts": self.source.num_experts, "keys": [list(k) for k in self._table.hottest_first()]}
+        _atomic_write(self.heat_path, json.dumps(body).encode())
+
+    def _preheat(self) -> None:
+        try:
+            keys = parse_heat(self.heat_path, self.source.num_layers, self.source.num_experts)
+        except FileNotFoundError:
+            return
+        except (PackFormatError, OSError) as exc:
+            log.warning("ignoring heat file, starting with a cold arena: %s", exc)
+            return
+        keys = [key for key in keys if self.source.has_layer(key[0])][:self.num_slots]
+        slots = [self._table.take_free() for _ in keys]
+        try:
+            self.source.read_rows(keys, [self._slot_view(slot) for slot in slots])
+        except Exception as exc:  # any failure: a cold arena, never a half-trusted one
+            log.warning("preheat from %s failed, starting with a cold arena: %s", self.heat_path, exc)
+            self._table.clear()
+            return
+        for key, slot in reversed(list(zip(keys, slots))):  # the hottest ends most recently used
+            self._table.publish(key, slot)
+
+    def close(self) -> None:
+        self.save_heat()
+
+
+def parse_heat(path: Path, num_layers: int, num_experts: int) -> list[Key]:
+    """Keys of a heat file, hottest first, deduplicated; PackFormatError naming any defect."""
+    with open(path, "rb") as handle:
+        raw = handle.read(MAX_HEAT_BYTES + 1)
+    if len(raw) > MAX_HEAT_BYTES:
+        raise PackFormatError(f"{path} is larger than {MAX_HEAT_BYTES} bytes")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise PackFormatError(f"{path} is not valid JSON: {exc}") from None
+    fields = {"format", "version", "num_layers", "num_experts", "keys"}
+    if type(body) is not dict or set(body) != fields:
+        raise PackFormatError(f"{path} must be an object with exactly {sorted(fields)}")
+    if body["format"] != HEAT_FORMAT or body["version"] != HEAT_VERSION or type(body["version"]) is not int:
+        raise PackFormatError(f"{path} is not a {HEAT_FORMAT} version {HEAT_VERSION} file")
+    if body["num_layers"] != num_layers or body["num_experts"] != num_experts:
+        raise PackFormatError(f"{path} describes another geometry ({body['num_layers']!r:.20} x "
+                              f"{body['num_experts']!r:.20}, expected {num_layers} x {num_experts})")
+    keys = body["keys"]
+    if type(keys) is not list or len(keys) > num_layers * num_experts:
+        raise PackFormatError(f"{path}: keys must be a list of at most {num_layers * num_experts} entries")
+    parsed: dict[Key, None] = {}
+    for entry in keys:
+        if (type(entry) is not list or len(entry) != 2 or any(type(v) is not int for v in entry)
+                or not 0 <= entry[0] < num_layers or not 0 <= entry[1] < num_experts):
+            raise PackFormatError(f"{path}: key {entry!r:.60} is not a [layer, expert] pair in range")
+        parsed[(entry[0], entry[1])] = None
+    return list(parsed)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp_name, path)
+    except BaseException:
+        if os.path.exists(temp_name):
+            os.unlink(temp_name)
+        raise
