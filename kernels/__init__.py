@@ -2,6 +2,13 @@
 
 import importlib.util
 
+from .layout import ABI_TAG, SlotLayout, fp4_slot_layout, pack_slot, unpack_matrix_ref, w2_slot_layout
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-__all__ = ["HAS_TRITON"]
+__all__ = ["ABI_TAG", "HAS_TRITON", "SlotLayout", "fp4_slot_layout", "pack_slot", "unpack_matrix_ref", "w2_slot_layout"]
+
+if HAS_TRITON:
+    from .moe_mm import MissLog, MoeWorkspace, TierPool, fp4_tier, moe_mm, moe_mm_ref, w2_tier
+
+    __all__ += ["MissLog", "MoeWorkspace", "TierPool", "fp4_tier", "moe_mm", "moe_mm_ref", "w2_tier"]

@@ -1,0 +1,1 @@
+"""Triton kernels behind the public ops in `kernels`; import only where triton is installed."""

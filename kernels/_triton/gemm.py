@@ -1,0 +1,126 @@
+"""Block GEMM over routed pairs, decoding packed W2 / FP4 weights in registers (tensor cores).
+
+Grid (block, n-tile). A block is BT pairs routed to one expert (see route.py). The program
+looks the expert up in the FP4 table first, then the W2 table, and computes, for its BN output
+rows n and its pairs' activation rows a:
+
+    acc[n, pair] = sum_k W[n, k] * A[a(pair), k]       (swap-AB: weights on the MMA M side)
+
+Per K tile it loads each weight row's WPS words once, then for every bit slot decodes a
+[BN, WPS] tile (one run of K) and feeds `tl.dot`; the power-of-two scale multiplies the fp32
+partial sum of each 32-block. GATED runs gate rows n and up rows n + N_OUT together and writes
+SwiGLU(gate, up) (gate clamped to <= limit, up to [-limit, limit] when HAS_LIMIT); otherwise the
+accumulator is written as fp32. Rows are written only for the block's pairs: no atomics.
+"""
+
+import triton
+import triton.language as tl
+
+from .decode import decode_fp4_slot, decode_w2_slot, scale_from_bytes
+
+
+@triton.jit
+def _decode(words, SLOT: tl.constexpr, IS_W2: tl.constexpr):
+    if IS_W2:
+        return decode_w2_slot(words, SLOT)
+    else:
+        return decode_fp4_slot(words, SLOT)
+
+
+@triton.jit
+def _tier_tile(
+    words_ptr, scales_ptr, rows, n_mask, a_ptr, a_rows, stride_a, K, num_blocks_k, words_per_row, blocks_per_row,
+    up_row_offset,
+    GATED: tl.constexpr, IS_W2: tl.constexpr, WPS: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    VPW: tl.constexpr = 16 if IS_W2 else 8
+    EXP_OFFSET: tl.constexpr = 2 if IS_W2 else 14
+    SLOTS_PER_BLOCK: tl.constexpr = 32 // WPS
+    TILE_K: tl.constexpr = VPW * WPS
+    u = tl.arange(0, WPS)
+    gate_rows = rows[:, None] * words_per_row + u[None, :]  # [BN, WPS]
+    up_rows = (rows[:, None] + up_row_offset) * words_per_row + u[None, :]
+    acc_g = tl.zeros([BN, BT], tl.float32)
+    acc_u = tl.zeros([BN, BT], tl.float32)
+    for t in range(0, words_per_row // WPS):
+        w_g = tl.load(words_ptr + gate_rows + t * WPS, mask=n_mask[:, None], other=0)  # [BN, WPS] int32
+        if GATED:
+            w_u = tl.load(words_ptr + up_rows + t * WPS, mask=n_mask[:, None], other=0)
+        for j in tl.static_range(VPW):
+            k = t * TILE_K + j * WPS + u  # [WPS]
+            a_t = tl.load(a_ptr + a_rows[None, :] * stride_a + k[:, None], mask=(k < K)[:, None], other=0.0)  # [WPS, BT]
+            d_g = _decode(w_g, j, IS_W2).to(a_t.dtype)
+            if j % SLOTS_PER_BLOCK == 0:
+                part_g = tl.dot(d_g, a_t, input_precision=PRECISION)
+            else:
+                part_g = tl.dot(d_g, a_t, part_g, input_precision=PRECISION)
+            if GATED:
+                d_u = _decode(w_u, j, IS_W2).to(a_t.dtype)
+                if j % SLOTS_PER_BLOCK == 0:
+                    part_u = tl.dot(d_u, a_t, input_precision=PRECISION)
+                else:
+                    part_u = tl.dot(d_u, a_t, part_u, input_precision=PRECISION)
+            if j % SLOTS_PER_BLOCK == SLOTS_PER_BLOCK - 1:
+                blk = (t * TILE_K + j * WPS) // 32
+                live = n_mask & (tl.zeros([BN], tl.int32) + blk < num_blocks_k)
+                s_g = tl.load(scales_ptr + rows * blocks_per_row + blk, mask=live, other=0)
+                acc_g += part_g * tl.where(live, scale_from_bytes(s_g, EXP_OFFSET), 0.0)[:, None]
+                if GATED:
+                    s_u = tl.load(scales_ptr + (rows + up_row_offset) * blocks_per_row + blk, mask=live, other=0)
+                    acc_u += part_u * tl.where(live, scale_from_bytes(s_u, EXP_OFFSET), 0.0)[:, None]
+    return acc_g, acc_u
+
+
+@triton.jit
+def moe_gemm_kernel(
+    a_ptr, stride_a, out_ptr, stride_out,
+    w2_words_ptr, w2_scales_ptr, w2_slot_bytes, w2_words_off, w2_scales_off, w2_words_per_row, w2_blocks_per_row,
+    f4_words_ptr, f4_scales_ptr, f4_slot_bytes, f4_words_off, f4_scales_off, f4_words_per_row, f4_blocks_per_row,
+    w2_table_ptr, f4_table_ptr, table_row,
+    block_expert_ptr, block_fill_ptr, block_pairs_ptr, num_blocks_ptr,
+    N_OUT, K, top_k, limit,
+    GATED: tl.constexpr, HAS_LIMIT: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr,
+    W2_WPS: tl.constexpr, F4_WPS: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    if b >= tl.load(num_blocks_ptr):
+        return
+    n_tile = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + b)
+    fill = tl.load(block_fill_ptr + b)
+    lanes = tl.arange(0, BT)
+    lane_ok = lanes < fill
+    pairs = tl.load(block_pairs_ptr + b * BT + lanes, mask=lane_ok, other=0)  # [BT]
+    a_rows = pairs // top_k if ROWS_ARE_TOKENS else pairs
+    rows = n_tile * BN + tl.arange(0, BN)  # [BN]
+    n_mask = rows < N_OUT
+    num_blocks_k = K // 32
+
+    f4_slot = tl.load(f4_table_ptr + table_row + expert)
+    if f4_slot >= 0:
+        base = f4_slot.to(tl.int64) * f4_slot_bytes
+        acc_g, acc_u = _tier_tile(
+            f4_words_ptr + (base + f4_words_off) // 4, f4_scales_ptr + base + f4_scales_off, rows, n_mask,
+            a_ptr, a_rows, stride_a, K, num_blocks_k, f4_words_per_row, f4_blocks_per_row, N_OUT,
+            GATED, False, F4_WPS, BN, BT, PRECISION,
+        )
+    else:
+        base = tl.load(w2_table_ptr + table_row + expert).to(tl.int64) * w2_slot_bytes
+        acc_g, acc_u = _tier_tile(
+            w2_words_ptr + (base + w2_words_off) // 4, w2_scales_ptr + base + w2_scales_off, rows, n_mask,
+            a_ptr, a_rows, stride_a, K, num_blocks_k, w2_words_per_row, w2_blocks_per_row, N_OUT,
+            GATED, True, W2_WPS, BN, BT, PRECISION,
+        )
+
+    if GATED:
+        gate = acc_g
+        up = acc_u
+        if HAS_LIMIT:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        result = gate * tl.sigmoid(gate) * up
+    else:
+        result = acc_g
+    out = out_ptr + pairs[None, :].to(tl.int64) * stride_out + rows[:, None]  # [BN, BT]
+    tl.store(out, result.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & lane_ok[None, :])

@@ -1,0 +1,197 @@
+"""Fused tiered MoE: routed experts read from an FP4 pool, else a W2 pool, else logged as misses.
+
+    out[t] = sum_j w[t, j] * W2_e(SwiGLU(W13_e x[t]))   for e = topk_ids[t, j] resident
+
+Launch sequence (all shapes static, all buffers preallocated: capture-safe, no host sync):
+route (tiers, expert blocks, miss log) -> gate_up GEMM + SwiGLU -> down GEMM -> fixed-order
+combine. No atomics touch numbers, so repeated launches give identical bytes, and a pair's result
+does not depend on which other pairs share its batch. `moe_mm_ref` is the plain-torch reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ._triton.combine import combine_kernel
+from ._triton.gemm import moe_gemm_kernel
+from ._triton.route import route_kernel
+from .layout import SlotLayout, fp4_slot_layout, unpack_matrix_ref, w2_slot_layout
+
+_BN = 64
+_ROUTE_CHUNK = 32
+_COMBINE_BH = 256
+
+
+@dataclass(frozen=True)
+class TierPool:
+    """One tier on the device: slot bytes uint8 [S, slot_bytes] and its table int32 [layers, E] (-1 = absent)."""
+
+    slots: torch.Tensor
+    table: torch.Tensor
+    layout: SlotLayout
+
+    def __post_init__(self) -> None:
+        if self.slots.dtype != torch.uint8 or self.slots.dim() != 2 or self.slots.shape[1] != self.layout.slot_bytes:
+            raise ValueError(f"slots must be uint8 [S, {self.layout.slot_bytes}], got {self.slots.dtype} {tuple(self.slots.shape)}")
+        if self.table.dtype != torch.int32 or self.table.dim() != 2:
+            raise ValueError(f"table must be int32 [layers, E], got {self.table.dtype} {tuple(self.table.shape)}")
+
+    @classmethod
+    def empty(cls, layout: SlotLayout, num_slots: int, layers: int, experts: int, device) -> TierPool:
+        slots = torch.zeros(max(num_slots, 1), layout.slot_bytes, dtype=torch.uint8, device=device)
+        table = torch.full((layers, experts), -1, dtype=torch.int32, device=device)
+        return cls(slots, table, layout)
+
+
+@dataclass(frozen=True)
+class MissLog:
+    """counts int32 [2] = (missing pairs, missing experts incl. overflow); entries int32 [capacity, 2] = (layer, expert)."""
+
+    counts: torch.Tensor
+    entries: torch.Tensor
+
+    @classmethod
+    def allocate(cls, capacity: int, device) -> MissLog:
+        return cls(torch.zeros(2, dtype=torch.int32, device=device), torch.full((capacity, 2), -1, dtype=torch.int32, device=device))
+
+    def reset(self) -> None:
+        self.counts.zero_()
+
+
+@dataclass(frozen=True)
+class MoeWorkspace:
+    """Scratch for one static batch size: expert blocks, activations [P, I], per-pair outputs [P, H] fp32."""
+
+    block_tokens: int
+    block_expert: torch.Tensor  # [max_blocks] int32
+    block_fill: torch.Tensor  # [max_blocks] int32
+    block_pairs: torch.Tensor  # [max_blocks * BT] int32
+    num_blocks: torch.Tensor  # [1] int32
+    act: torch.Tensor  # [P, I] activation dtype
+    y: torch.Tensor  # [P, H] float32
+
+    @classmethod
+    def allocate(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype, device) -> MoeWorkspace:
+        pairs = num_tokens * top_k
+        block_tokens = 16 if pairs <= 16 * num_experts else 64
+        max_blocks = min(num_experts, pairs) + triton.cdiv(pairs, block_tokens)
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            block_tokens=block_tokens,
+            block_expert=torch.zeros(max_blocks, **i32),
+            block_fill=torch.zeros(max_blocks, **i32),
+            block_pairs=torch.zeros(max_blocks * block_tokens, **i32),
+            num_blocks=torch.zeros(1, **i32),
+            act=torch.empty(pairs, inter, dtype=dtype, device=device),
+            y=torch.empty(pairs, hidden, dtype=torch.float32, device=device),
+        )
+
+
+def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: MoeWorkspace, n_out: int, k: int,
+          top_k: int, gated: bool, limit: float | None, rows_are_tokens: bool) -> None:
+    m2 = w2.layout.w13 if which == "w13" else w2.layout.w2
+    m4 = fp4.layout.w13 if which == "w13" else fp4.layout.w2
+    def offsets(layout: SlotLayout):
+        if which == "w13":
+            return layout.w13_words_offset, layout.w13_scales_offset
+        return layout.w2_words_offset, layout.w2_scales_offset
+    w2_words_off, w2_scales_off = offsets(w2.layout)
+    f4_words_off, f4_scales_off = offsets(fp4.layout)
+    grid = (ws.block_expert.numel(), triton.cdiv(n_out, _BN))
+    moe_gemm_kernel[grid](
+        a, a.stride(0), out, out.stride(0),
+        w2.slots.view(torch.int32), w2.slots, w2.layout.slot_bytes, w2_words_off, w2_scales_off,
+        m2.words_per_row, m2.blocks_per_row,
+        fp4.slots.view(torch.int32), fp4.slots, fp4.layout.slot_bytes, f4_words_off, f4_scales_off,
+        m4.words_per_row, m4.blocks_per_row,
+        w2.table, fp4.table, table_row,
+        ws.block_expert, ws.block_fill, ws.block_pairs, ws.num_blocks,
+        n_out, k, top_k, 0.0 if limit is None else float(limit),
+        GATED=gated, HAS_LIMIT=limit is not None, ROWS_ARE_TOKENS=rows_are_tokens,
+        W2_WPS=m2.wps, F4_WPS=m4.wps, BN=_BN, BT=ws.block_tokens,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
+
+
+def moe_mm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w2: TierPool, fp4: TierPool,
+           layer: int, misses: MissLog, workspace: MoeWorkspace, out: torch.Tensor | None = None,
+           swiglu_limit: float | None = None) -> torch.Tensor:
+    """hidden [T, H] (bf16 on GPU; fp32/fp16 in the interpreter), topk_ids/topk_weights [T, k] -> out [T, H]."""
+    num_tokens, h = hidden.shape
+    top_k = topk_ids.shape[1]
+    num_experts = w2.table.shape[1]
+    inter = w2.layout.inter
+    if w2.layout.hidden != h or fp4.layout.hidden != h or fp4.layout.inter != inter:
+        raise ValueError(f"pool geometry (H={w2.layout.hidden}/{fp4.layout.hidden}, I={inter}/{fp4.layout.inter}) "
+                         f"does not match hidden [T, {h}]")
+    if workspace.act.shape != (num_tokens * top_k, inter) or workspace.act.dtype != hidden.dtype:
+        raise ValueError(f"workspace was sized for {tuple(workspace.act.shape)} {workspace.act.dtype}, "
+                         f"need ({num_tokens * top_k}, {inter}) {hidden.dtype}")
+    hidden = hidden.contiguous()
+    topk_ids = topk_ids.contiguous()
+    topk_weights = topk_weights.contiguous()
+    if out is None:
+        out = torch.empty_like(hidden)
+    table_row = layer * num_experts
+    route_kernel[(1,)](
+        topk_ids, topk_ids.numel(), w2.table, fp4.table, layer, num_experts,
+        workspace.block_expert, workspace.block_fill, workspace.block_pairs, workspace.num_blocks,
+        misses.counts, misses.entries, misses.entries.shape[0],
+        EP=triton.next_power_of_2(num_experts), CHUNK=_ROUTE_CHUNK, BT=workspace.block_tokens, num_warps=4,
+    )
+    _gemm(hidden, workspace.act, w2, fp4, "w13", table_row, workspace, inter, h, top_k, True, swiglu_limit, True)
+    _gemm(workspace.act, workspace.y, w2, fp4, "w2", table_row, workspace, h, inter, top_k, False, None, False)
+    combine_kernel[(num_tokens, triton.cdiv(h, _COMBINE_BH))](
+        workspace.y, workspace.y.stride(0), topk_ids, topk_weights, w2.table, fp4.table, table_row,
+        out, out.stride(0), h, TOP_K=top_k, BH=_COMBINE_BH, num_warps=4,
+    )
+    return out
+
+
+def moe_mm_ref(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w2: TierPool, fp4: TierPool,
+               layer: int, swiglu_limit: float | None = None, act_dtype: torch.dtype | None = None):
+    """Plain-torch reference: (out float32 [T, H], missing pairs, sorted list of missing (layer, expert)).
+
+    Weights are decoded from the packed slots with `unpack_matrix_ref`; arithmetic is float32 with the
+    SwiGLU output rounded to `act_dtype` (the kernel's activation dtype) when given.
+    """
+    x = hidden.float()
+    out = torch.zeros_like(x)
+    missing_pairs = 0
+    missing = set()
+    for t in range(topk_ids.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            s4, s2 = int(fp4.table[layer, e]), int(w2.table[layer, e])
+            if s4 >= 0:
+                pool, slot = fp4, s4
+            elif s2 >= 0:
+                pool, slot = w2, s2
+            else:
+                missing_pairs += 1
+                missing.add((layer, e))
+                continue
+            w13 = unpack_matrix_ref(pool.slots[slot], pool.layout, "w13")  # [2I, H]
+            down = unpack_matrix_ref(pool.slots[slot], pool.layout, "w2")  # [H, I]
+            gate_up = w13 @ x[t]
+            gate, up = gate_up.chunk(2)
+            if swiglu_limit is not None:
+                gate = gate.clamp(max=swiglu_limit)
+                up = up.clamp(-swiglu_limit, swiglu_limit)
+            act = torch.nn.functional.silu(gate) * up
+            if act_dtype is not None:
+                act = act.to(act_dtype).float()
+            out[t] += topk_weights[t, j].float() * (down @ act)
+    return out, missing_pairs, sorted(missing)
+
+
+def w2_tier(hidden: int, inter: int, num_slots: int, layers: int, experts: int, device) -> TierPool:
+    return TierPool.empty(w2_slot_layout(hidden, inter), num_slots, layers, experts, device)
+
+
+def fp4_tier(hidden: int, inter: int, num_slots: int, layers: int, experts: int, device) -> TierPool:
+    return TierPool.empty(fp4_slot_layout(hidden, inter), num_slots, layers, experts, device)
