@@ -99,7 +99,7 @@ def test_bad_rows_are_refused(tmp_path):
             writer.write_layer(0, [b"x" * 4999] * 4)
         with pytest.raises(PackFormatError, match="3 rows given, 4 needed"):
             writer.write_layer(0, [b"x" * 5000] * 3)
-        with pytest.raises(PackFormatError, match="more than 4 rows"):
+        with pytest.raises(PackFormatError, match="expert 4 is outside"):
             writer.write_layer(0, [b"x" * 5000] * 5)
         with pytest.raises(PackFormatError, match="outside"):
             writer.write_layer(6, [])

@@ -91,33 +91,29 @@ class PackWriter:
     def write_layer(self, layer: int, rows: Iterable) -> None:
         """Write and commit `layer`: `rows` yields one bytes-like row of `spec.row_bytes` bytes per
         expert, in expert order. Only one row is held at a time."""
-        spec = self.spec
-        if type(layer) is not int or not 0 <= layer < spec.num_layers:
-            raise PackFormatError(f"layer {layer!r} is outside the pack's {spec.num_layers} layers")
-        padding = bytes(spec.stride - spec.row_bytes)
-        checksums = []
+        pending = self.begin_layer(layer)
+        for expert, row in enumerate(rows):
+            pending.write_row(expert, row)
+        pending.commit()
+
+    def begin_layer(self, layer: int) -> LayerWrite:
+        """Start writing `layer` row by row (for callers that interleave several packs)."""
+        if type(layer) is not int or not 0 <= layer < self.spec.num_layers:
+            raise PackFormatError(f"layer {layer!r} is outside the pack's {self.spec.num_layers} layers")
+        return LayerWrite(self, layer)
+
+    def _write(self, layer: int, payload: memoryview, offset: int) -> None:
         try:
-            for expert, row in enumerate(rows):
-                if expert >= spec.num_experts:
-                    raise PackFormatError(f"layer {layer}: more than {spec.num_experts} rows given")
-                payload = memoryview(row).cast("B")
-                if len(payload) != spec.row_bytes:
-                    raise PackFormatError(f"layer {layer} expert {expert}: row is {len(payload)} bytes, "
-                                          f"the pack's rows are {spec.row_bytes}")
-                offset = spec.row_offset(layer, expert)
-                write_all(self._fd, payload, offset)
-                write_all(self._fd, memoryview(padding), offset + spec.row_bytes)
-                checksums.append(row_checksum(payload))
-            if len(checksums) != spec.num_experts:
-                raise PackFormatError(f"layer {layer}: {len(checksums)} rows given, {spec.num_experts} needed")
-            os.fdatasync(self._fd)
+            write_all(self._fd, payload, offset)
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise CapacityError(f"disk full while writing layer {layer} to {self.paths.pack} "
-                                    f"(a layer needs {spec.num_experts * spec.stride} bytes); "
-                                    "layers already committed are intact") from exc
-            raise
-        self._commit(layer, tuple(checksums))
+            self._raise_write_error(layer, exc)
+
+    def _raise_write_error(self, layer: int, exc: OSError):
+        if exc.errno == errno.ENOSPC:
+            raise CapacityError(f"disk full while writing layer {layer} to {self.paths.pack} "
+                                f"(a layer needs {self.spec.num_experts * self.spec.stride} bytes); "
+                                "layers already committed are intact") from exc
+        raise exc
 
     def _commit(self, layer: int, checksums: tuple[str, ...]) -> None:
         with locked(self.paths, exclusive=True):
@@ -136,3 +132,35 @@ class PackWriter:
                     raise CapacityError(f"disk full while recording layer {layer} in {self.paths.sidecar}; "
                                         "layers already committed are intact") from exc
                 raise
+
+
+class LayerWrite:
+    """One layer being written: `write_row` each expert (any order), then `commit`."""
+
+    def __init__(self, writer: PackWriter, layer: int):
+        self.writer = writer
+        self.layer = layer
+        self._checksums: dict[int, str] = {}
+
+    def write_row(self, expert: int, row) -> None:
+        spec, layer = self.writer.spec, self.layer
+        if type(expert) is not int or not 0 <= expert < spec.num_experts:
+            raise PackFormatError(f"layer {layer}: expert {expert!r} is outside the pack's {spec.num_experts} experts")
+        payload = memoryview(row).cast("B")
+        if len(payload) != spec.row_bytes:
+            raise PackFormatError(f"layer {layer} expert {expert}: row is {len(payload)} bytes, "
+                                  f"the pack's rows are {spec.row_bytes}")
+        offset = spec.row_offset(layer, expert)
+        self.writer._write(layer, payload, offset)
+        self.writer._write(layer, memoryview(bytes(spec.stride - spec.row_bytes)), offset + spec.row_bytes)
+        self._checksums[expert] = row_checksum(payload)
+
+    def commit(self) -> None:
+        spec = self.writer.spec
+        if len(self._checksums) != spec.num_experts:
+            raise PackFormatError(f"layer {self.layer}: {len(self._checksums)} rows given, {spec.num_experts} needed")
+        try:
+            os.fdatasync(self.writer._fd)
+        except OSError as exc:
+            self.writer._raise_write_error(self.layer, exc)
+        self.writer._commit(self.layer, tuple(self._checksums[e] for e in range(spec.num_experts)))
