@@ -7,6 +7,7 @@ Importing this package loads neither vllm, triton nor transformers; GPU kernels 
 from tierstore.errors import (
     CapacityError,
     CheckpointError,
+    ConfigError,
     FormatError,
     PackFormatError,
     ReadError,
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CapacityError",
     "CheckpointError",
+    "ConfigError",
     "FormatError",
     "MoEGeometry",
     "PRESETS",

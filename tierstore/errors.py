@@ -27,3 +27,7 @@ class CapacityError(TierstoreError):
 
 class TraceFormatError(TierstoreError, ValueError):
     """A routing trace file does not follow its documented format."""
+
+
+class ConfigError(TierstoreError, ValueError):
+    """A knob, size or option has a value tierstore cannot use."""
