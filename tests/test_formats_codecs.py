@@ -335,3 +335,20 @@ def test_encoders_on_exact_ties(seed, n):
     assert np.array_equal(scale.to(torch.float64).numpy()[:, 0], ref_round_e4m3(amax[:, 0] / 6.0))
     assert np.array_equal(scale.to(torch.float64).numpy()[:, 1], np.ones(n))
     assert np.array_equal(unpack(packed)[:, 16:], ref_snap_e2m1(tied_nibbles))
+
+
+@pytest.mark.gpu
+def test_codecs_on_cuda_match_cpu_bit_for_bit():
+    w = random_weight(9, 64, 256, torch.float32)
+    for encode, decode in [
+        (encode_nvfp4, dequantize_nvfp4),
+        (lambda x: encode_fp8_block(x, (16, 96)), lambda q, s: dequantize_fp8_block(q, s, (16, 96))),
+        (encode_mxfp4, dequantize_mxfp4),
+    ]:
+        cpu = encode(w)
+        gpu = encode(w.cuda())
+        for a, b in zip(cpu, gpu):
+            assert b.device.type == "cuda"
+            assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, (
+                b.view(torch.uint8) if b.element_size() == 1 else b).cpu())
+        assert torch.equal(decode(*cpu), decode(*gpu).cpu())
