@@ -45,8 +45,7 @@ def ref_round_e4m3(x: np.ndarray) -> np.ndarray:
     dist = np.abs(mag[..., None] - E4M3_VALUES)  # [..., 127]
     best = dist.min(axis=-1, keepdims=True)
     tied = dist == best
-    # among tied candidates prefer an even code (mantissa lsb 0)
-    score = np.where(tied, (E4M3_CODES % 2) * 1 + 0, 9)
+    score = np.where(tied, E4M3_CODES % 2, 2)  # among tied candidates an even code (mantissa lsb 0) wins
     pick = np.argmin(score, axis=-1)
     return np.copysign(E4M3_VALUES[pick], x)
 
