@@ -1,0 +1,205 @@
+"""`tierstore pack` / `tierstore verify` on small synthetic checkpoints: exact rows, resumability,
+identity, kill -9 safety, corruption reports."""
+
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierstore.checkpoint import open_checkpoint
+from tierstore.checkpoint.synthetic import write_synthetic_checkpoint
+from tierstore.cli import main
+from tierstore.formats import quantize_w2
+from tierstore.io import pack_build
+from tierstore.io.identity import checkpoint_identity
+from tierstore.io.pack import Pack
+from tierstore.io.pack_build import build_packs, pack_specs
+from tierstore.io.pack_rows import PackRows
+from tierstore.io.readers import PreadvPoolReader
+from tierstore.io.row_codec import decode_row
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("ckpt"), num_layers=3, num_experts=4, top_k=2,
+                                      hidden=64, expert_inter=32, seed=3)
+
+
+def read_row(directory, spec, layer, expert) -> torch.Tensor:
+    pack = Pack(directory, spec)
+    with PreadvPoolReader(pack.path) as reader:
+        dest = torch.empty(spec.stride, dtype=torch.uint8)
+        PackRows(pack, reader).read_rows([(layer, expert)], [memoryview(dest.numpy())])
+    return dest[:spec.row_bytes]
+
+
+def test_rows_hold_exactly_the_requantized_codes_nibbles_and_scales(checkpoint, tmp_path):
+    report = build_packs(checkpoint, tmp_path, tags=("base", "fp4"), device="cpu", progress=False)
+    assert report.written == {"base": [0, 1, 2], "fp4": [0, 1, 2]}
+    assert report.peak_rss_bytes > 0 and report.bytes_written > 0
+    with open_checkpoint(checkpoint) as ckpt:
+        specs = pack_specs(ckpt, ("base", "fp4"), "auto")
+        for layer, expert in ((0, 0), (2, 3)):
+            weights = ckpt.layer(layer).experts[expert]
+            w13, w2 = quantize_w2(weights.w13.dequantize()), quantize_w2(weights.w2.dequantize())
+            base = decode_row(read_row(tmp_path, specs["base"], layer, expert), specs["base"].segments)
+            fp4 = decode_row(read_row(tmp_path, specs["fp4"], layer, expert), specs["fp4"].segments)
+            for name, tensor in (("w13", w13), ("w2", w2)):
+                assert torch.equal(base[f"{name}.codes"], tensor.packed_codes())
+                assert torch.equal(fp4[f"{name}.nibbles"], tensor.packed_nibbles())
+                assert torch.equal(base[f"{name}.scales"], tensor.scale_bytes())
+                assert torch.equal(fp4[f"{name}.scales"], tensor.scale_bytes())
+
+
+def test_segments_are_64_byte_aligned_and_the_abi_tag_is_in_the_identity(checkpoint):
+    with open_checkpoint(checkpoint) as ckpt:
+        spec = pack_specs(ckpt, ("base",), "auto")["base"]
+        assert [s.name for s in spec.segments] == ["w13.codes", "w13.scales", "w2.codes", "w2.scales"]
+        assert all(s.offset % 64 == 0 for s in spec.segments)
+        assert spec.segments[0].shape == (64, 16) and spec.segments[3].shape == (64, 1)
+        assert spec.abi_tag.startswith("tsym4-") and "row64-v1" in spec.abi_tag
+        assert pack_specs(ckpt, ("base",), "sign")["base"].key() != spec.key()
+
+
+def test_rerun_skips_built_layers_and_resumes_after_a_failure(checkpoint, tmp_path, monkeypatch):
+    calls = []
+    real = pack_build.requantize
+
+    def fail_in_layer_2(matrix, *args):
+        calls.append(matrix)
+        if len(calls) > 2 * 4 * 2:  # layers 0 and 1 (4 experts x w13/w2) succeed
+            raise RuntimeError("injected crash during layer 2")
+        return real(matrix, *args)
+
+    monkeypatch.setattr(pack_build, "requantize", fail_in_layer_2)
+    with pytest.raises(RuntimeError, match="injected"):
+        build_packs(checkpoint, tmp_path, device="cpu", progress=False)
+    monkeypatch.setattr(pack_build, "requantize", real)
+    report = build_packs(checkpoint, tmp_path, device="cpu", progress=False)
+    assert report.skipped["base"] == [0, 1] and report.written["base"] == [2]
+    again = build_packs(checkpoint, tmp_path, device="cpu", progress=False)
+    assert again.written["base"] == [] and again.bytes_written == 0
+
+
+def test_a_touched_shard_is_another_checkpoint_and_gets_a_new_pack(checkpoint, tmp_path):
+    with open_checkpoint(checkpoint) as ckpt:
+        files = ckpt.identity_files()
+    before = checkpoint_identity(files)
+    assert checkpoint_identity(files) == before
+    shard = next(f for f in files if f.suffix == ".safetensors")
+    stat = os.stat(shard)
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    try:
+        assert checkpoint_identity(files) != before
+    finally:
+        os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert checkpoint_identity(files, override="my-model-2026") == "my-model-2026"
+    with pytest.raises(Exception, match="override"):
+        checkpoint_identity(files, override="../x")
+
+
+def test_mxfp4_checkpoints_keep_their_nibbles_verbatim(tmp_path):
+    ckpt_dir = write_synthetic_checkpoint(tmp_path / "mx", num_layers=2, num_experts=2, top_k=1, hidden=64,
+                                          expert_inter=32, fmt="mxfp4", seed=1)
+    build_packs(ckpt_dir, tmp_path / "packs", tags=("fp4",), device="cpu", progress=False)
+    with open_checkpoint(ckpt_dir) as ckpt:
+        spec = pack_specs(ckpt, ("fp4",), "auto")["fp4"]
+        assert spec.zero_mode == "verbatim"
+        packed, scales = ckpt.layer(1).experts[1].w2.mxfp4_parts()
+    row = decode_row(read_row(tmp_path / "packs", spec, 1, 1), spec.segments)
+    assert torch.equal(row["w2.nibbles"], packed)
+    assert torch.equal(row["w2.scales"], scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales)
+
+
+def test_verify_names_every_flipped_row_and_fails(checkpoint, tmp_path, capsys):
+    assert main(["pack", str(checkpoint), "--out", str(tmp_path), "--tier", "both", "--device", "cpu",
+                 "--no-progress"]) == 0
+    assert main(["verify", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count("ok ") == 2
+    with open_checkpoint(checkpoint) as ckpt:
+        spec = pack_specs(ckpt, ("fp4",), "auto")["fp4"]
+    pack_path = Pack(tmp_path, spec).path
+    rng = random.Random(9)
+    victims = rng.sample([(layer, expert) for layer in range(3) for expert in range(4)], 3)
+    with open(pack_path, "r+b") as handle:
+        for layer, expert in victims:
+            handle.seek(spec.row_offset(layer, expert) + rng.randrange(spec.row_bytes))
+            byte = handle.read(1)[0]
+            handle.seek(-1, os.SEEK_CUR)
+            handle.write(bytes([byte ^ 0xFF]))
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    for layer, expert in victims:
+        assert f"row (layer {layer}, expert {expert}) fails its checksum" in out
+    assert out.count("BAD") == 3 and "ok    base." in out
+    layer, expert = victims[0]
+    with pytest.raises(Exception, match="fail their checksum"):
+        read_row(tmp_path, spec, layer, expert)
+
+
+def test_verify_reports_hostile_and_truncated_packs_without_touching_other_files(checkpoint, tmp_path, capsys):
+    build_packs(checkpoint, tmp_path, device="cpu", progress=False)
+    (tmp_path / "evil.json").write_text('{"format": "tierstore-pack", "version": 1, "spec": {"tag": "../../x"}}')
+    (tmp_path / "junk.json").write_bytes(b"\x00\xff{")
+    pack_path = next(tmp_path.glob("*.pack"))
+    os.truncate(pack_path, os.path.getsize(pack_path) - 4096)
+    before = sorted(os.listdir(tmp_path))
+    parent_before = sorted(os.listdir(tmp_path.parent))
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "BAD   evil.json" in out and "BAD   junk.json" in out and "bytes, its spec needs" in out
+    assert sorted(os.listdir(tmp_path)) == before and sorted(os.listdir(tmp_path.parent)) == parent_before
+    assert main(["verify", str(tmp_path / "nowhere")]) == 2
+
+
+def test_cuda_request_without_a_device_is_a_clear_error(checkpoint, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert main(["pack", str(checkpoint), "--out", str(tmp_path), "--device", "cuda", "--no-progress"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_gpu_requantization_gives_exactly_the_cpu_pack(checkpoint, tmp_path):
+    build_packs(checkpoint, tmp_path / "cpu", tags=("base", "fp4"), device="cpu", progress=False)
+    build_packs(checkpoint, tmp_path / "gpu", tags=("base", "fp4"), device="cuda", progress=False)
+    for cpu_file in (tmp_path / "cpu").glob("*.pack"):
+        assert cpu_file.read_bytes() == (tmp_path / "gpu" / cpu_file.name).read_bytes()
+
+
+@pytest.mark.slow
+def test_kill_9_of_tierstore_pack_never_serves_a_wrong_row_and_a_rerun_completes_only_what_is_missing(tmp_path):
+    ckpt_dir = write_synthetic_checkpoint(tmp_path / "ckpt", num_layers=8, num_experts=8, top_k=2, hidden=128,
+                                          expert_inter=64, seed=5)
+    out = tmp_path / "packs"
+    command = [sys.executable, "-m", "tierstore", "pack", str(ckpt_dir), "--out", str(out), "--device", "cpu",
+               "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    reference = tmp_path / "reference"
+    build_packs(ckpt_dir, reference, device="cpu", progress=False)
+    with open_checkpoint(ckpt_dir) as ckpt:
+        spec = pack_specs(ckpt, ("base",), "auto")["base"]
+    rng = random.Random(11)
+    for _ in range(10):
+        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.3, 2.5))
+        process.kill()
+        process.wait()
+        try:
+            layers = Pack(out, spec).layers
+        except Exception:
+            continue  # killed before the first generation existed
+        for layer in layers:
+            for expert in range(spec.num_experts):
+                assert torch.equal(read_row(out, spec, layer, expert), read_row(reference, spec, layer, expert))
+    recorded = Pack(out, spec).layers
+    report = build_packs(ckpt_dir, out, device="cpu", progress=False)
+    assert report.written["base"] == sorted(set(range(8)) - recorded)
+    assert Path(report.packs["base"]).read_bytes() == next(reference.glob("*.pack")).read_bytes()
