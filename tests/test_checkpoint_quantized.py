@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoint_fixtures import quantize_checkpoint, save_hf_checkpoint, tiny_hf_model
+from safetensors.torch import load_file, save_file
 
 from tierstore.checkpoint import open_checkpoint
 from tierstore.errors import CheckpointError
@@ -103,3 +104,25 @@ def test_mxfp4_parts_are_the_stored_bytes_verbatim(quantized_checkpoints):
         packed2, scale2 = weights.w2.mxfp4_parts()
         assert torch.equal(packed2, written[f"{prefix}.down_proj.weight"])
         assert torch.equal(scale2, written[f"{prefix}.down_proj.weight_scale"])
+
+
+def test_mxfp4_scales_stored_as_float8_e8m0_read_the_same(quantized_checkpoints, tmp_path):
+    path, written = quantized_checkpoints["mxfp4"]
+    retyped = tmp_path / "e8m0"
+    retyped.mkdir()
+    for file in path.iterdir():
+        if file.suffix != ".safetensors":
+            (retyped / file.name).write_bytes(file.read_bytes())
+            continue
+        tensors = load_file(file)
+        for name in tensors:
+            if name.endswith("_proj.weight_scale"):
+                tensors[name] = tensors[name].view(torch.float8_e8m0fnu)
+        save_file(tensors, str(retyped / file.name))
+    prefix = "model.layers.1.mlp.experts.0.down_proj"
+    with open_checkpoint(path) as original, open_checkpoint(retyped) as e8m0:
+        assert e8m0.files.dtype(f"{prefix}.weight_scale") == "F8_E8M0"
+        a, b = original.layer_experts(0)[0], e8m0.layer_experts(0)[0]
+        assert torch.equal(b.w2.mxfp4_parts()[1], written[f"{prefix}.weight_scale"])
+        assert torch.equal(a.w13.dequantize(), b.w13.dequantize())
+        assert torch.equal(a.w2.dequantize(), b.w2.dequantize())

@@ -117,19 +117,22 @@ class Fp8BlockMatrix(SourceMatrix):
 
 
 class Mxfp4Matrix(SourceMatrix):
-    """MXFP4 at `prefix`: weight uint8 [N, K/2] (low nibble = even k), weight_scale UE8M0 uint8 [N, K/32]."""
+    """MXFP4 at `prefix`: weight uint8 [N, K/2] (low nibble = even k), weight_scale UE8M0 [N, K/32].
+
+    The scale may be stored as uint8 bytes or as float8_e8m0fnu; mxfp4_parts() returns bytes either way.
+    """
 
     def __init__(self, files: TensorFiles, prefix: str, shape: tuple[int, int]):
         n, k = shape
         names = (f"{prefix}.weight", f"{prefix}.weight_scale")
         _require_multiple(files, names[0], k, MXFP4_BLOCK, "mxfp4")
         _expect(files, names[0], (n, k // 2), ("U8",))
-        _expect(files, names[1], (n, k // MXFP4_BLOCK), ("U8",))
+        _expect(files, names[1], (n, k // MXFP4_BLOCK), ("U8", "F8_E8M0"))
         self.files, self.shape, self.format, self.tensor_names = files, shape, "mxfp4", names
 
     def mxfp4_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
         packed, scale = (self.files.read(name) for name in self.tensor_names)
-        return packed, scale
+        return packed, scale.view(torch.uint8)
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_mxfp4(*self.mxfp4_parts())
