@@ -112,43 +112,76 @@ def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: M
         n_out, k, top_k, 0.0 if limit is None else float(limit),
         GATED=gated, HAS_LIMIT=limit is not None, ROWS_ARE_TOKENS=rows_are_tokens,
         W2_WPS=m2.wps, F4_WPS=m4.wps, BN=_BN, BT=ws.block_tokens,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if a.dtype == torch.float32 else None,
         num_warps=4,
     )
 
 
-def moe_mm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w2: TierPool, fp4: TierPool,
-           layer: int, misses: MissLog, workspace: MoeWorkspace, out: torch.Tensor | None = None,
-           swiglu_limit: float | None = None) -> torch.Tensor:
-    """hidden [T, H] (bf16 on GPU; fp32/fp16 in the interpreter), topk_ids/topk_weights [T, k] -> out [T, H]."""
-    num_tokens, h = hidden.shape
-    top_k = topk_ids.shape[1]
-    num_experts = w2.table.shape[1]
+def _check(hidden, topk_ids, w2: TierPool, fp4: TierPool, workspace: MoeWorkspace) -> None:
+    h = hidden.shape[1]
     inter = w2.layout.inter
     if w2.layout.hidden != h or fp4.layout.hidden != h or fp4.layout.inter != inter:
         raise ValueError(f"pool geometry (H={w2.layout.hidden}/{fp4.layout.hidden}, I={inter}/{fp4.layout.inter}) "
                          f"does not match hidden [T, {h}]")
-    if workspace.act.shape != (num_tokens * top_k, inter) or workspace.act.dtype != hidden.dtype:
+    pairs = topk_ids.numel()
+    if workspace.act.shape != (pairs, inter) or workspace.act.dtype != hidden.dtype:
         raise ValueError(f"workspace was sized for {tuple(workspace.act.shape)} {workspace.act.dtype}, "
-                         f"need ({num_tokens * top_k}, {inter}) {hidden.dtype}")
-    hidden = hidden.contiguous()
-    topk_ids = topk_ids.contiguous()
-    topk_weights = topk_weights.contiguous()
-    if out is None:
-        out = torch.empty_like(hidden)
-    table_row = layer * num_experts
+                         f"need ({pairs}, {inter}) {hidden.dtype}")
+    if not (hidden.is_contiguous() and topk_ids.is_contiguous()):
+        raise ValueError("hidden and topk_ids must be contiguous")
+
+
+def moe_route(topk_ids: torch.Tensor, w2: TierPool, fp4: TierPool, layer: int, misses: MissLog, workspace: MoeWorkspace) -> None:
+    """Stage 1: tiers, expert blocks and the miss log for this layer's routed pairs."""
+    num_experts = w2.table.shape[1]
     route_kernel[(1,)](
         topk_ids, topk_ids.numel(), w2.table, fp4.table, layer, num_experts,
         workspace.block_expert, workspace.block_fill, workspace.block_pairs, workspace.num_blocks,
         misses.counts, misses.entries, misses.entries.shape[0],
         EP=triton.next_power_of_2(num_experts), CHUNK=_ROUTE_CHUNK, BT=workspace.block_tokens, num_warps=4,
     )
-    _gemm(hidden, workspace.act, w2, fp4, "w13", table_row, workspace, inter, h, top_k, True, swiglu_limit, True)
-    _gemm(workspace.act, workspace.y, w2, fp4, "w2", table_row, workspace, h, inter, top_k, False, None, False)
+
+
+def moe_gate_up(hidden: torch.Tensor, top_k: int, w2: TierPool, fp4: TierPool, layer: int, workspace: MoeWorkspace,
+                swiglu_limit: float | None = None) -> None:
+    """Stage 2: workspace.act[pair] = SwiGLU(W13_e hidden[token]) for every placed pair."""
+    table_row = layer * w2.table.shape[1]
+    _gemm(hidden, workspace.act, w2, fp4, "w13", table_row, workspace, w2.layout.inter, hidden.shape[1], top_k,
+          True, swiglu_limit, True)
+
+
+def moe_down(top_k: int, w2: TierPool, fp4: TierPool, layer: int, workspace: MoeWorkspace) -> None:
+    """Stage 3: workspace.y[pair] = W2_e act[pair] (float32) for every placed pair."""
+    table_row = layer * w2.table.shape[1]
+    _gemm(workspace.act, workspace.y, w2, fp4, "w2", table_row, workspace, w2.layout.hidden, w2.layout.inter, top_k,
+          False, None, False)
+
+
+def moe_combine(topk_ids, topk_weights, w2: TierPool, fp4: TierPool, layer: int, workspace: MoeWorkspace, out) -> None:
+    """Stage 4: out[t] = sum_j w[t, j] * y[t * k + j] over resident pairs, j in order."""
+    num_tokens, top_k = topk_ids.shape
+    h = out.shape[1]
     combine_kernel[(num_tokens, triton.cdiv(h, _COMBINE_BH))](
-        workspace.y, workspace.y.stride(0), topk_ids, topk_weights, w2.table, fp4.table, table_row,
+        workspace.y, workspace.y.stride(0), topk_ids, topk_weights, w2.table, fp4.table, layer * w2.table.shape[1],
         out, out.stride(0), h, TOP_K=top_k, BH=_COMBINE_BH, num_warps=4,
     )
+
+
+def moe_mm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w2: TierPool, fp4: TierPool,
+           layer: int, misses: MissLog, workspace: MoeWorkspace, out: torch.Tensor | None = None,
+           swiglu_limit: float | None = None) -> torch.Tensor:
+    """hidden [T, H] (bf16 on GPU; fp32/fp16 in the interpreter), topk_ids/topk_weights [T, k] -> out [T, H].
+
+    Capture-safe when `out` is given: four launches, no allocation, no host sync.
+    """
+    _check(hidden, topk_ids, w2, fp4, workspace)
+    if out is None:
+        out = torch.empty_like(hidden)
+    top_k = topk_ids.shape[1]
+    moe_route(topk_ids, w2, fp4, layer, misses, workspace)
+    moe_gate_up(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit)
+    moe_down(top_k, w2, fp4, layer, workspace)
+    moe_combine(topk_ids, topk_weights, w2, fp4, layer, workspace, out)
     return out
 
 
@@ -163,6 +196,7 @@ def moe_mm_ref(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     out = torch.zeros_like(x)
     missing_pairs = 0
     missing = set()
+    decoded = {}
     for t in range(topk_ids.shape[0]):
         for j in range(topk_ids.shape[1]):
             e = int(topk_ids[t, j])
@@ -175,8 +209,10 @@ def moe_mm_ref(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                 missing_pairs += 1
                 missing.add((layer, e))
                 continue
-            w13 = unpack_matrix_ref(pool.slots[slot], pool.layout, "w13")  # [2I, H]
-            down = unpack_matrix_ref(pool.slots[slot], pool.layout, "w2")  # [H, I]
+            key = (id(pool), slot)
+            if key not in decoded:
+                decoded[key] = tuple(unpack_matrix_ref(pool.slots[slot], pool.layout, m) for m in ("w13", "w2"))
+            w13, down = decoded[key]  # [2I, H], [H, I]
             gate_up = w13 @ x[t]
             gate, up = gate_up.chunk(2)
             if swiglu_limit is not None:
