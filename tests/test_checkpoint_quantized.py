@@ -57,7 +57,8 @@ def test_every_expert_dequantizes_exactly_like_the_formats_decoder(quantized_che
             base = f"model.layers.{layer.decoder_layer}.mlp"
             for weights in layer.experts:
                 prefix = f"{base}.experts.{weights.expert}"
-                want13 = torch.cat([decode(fmt, written, f"{prefix}.gate_proj"), decode(fmt, written, f"{prefix}.up_proj")])
+                want13 = torch.cat([decode(fmt, written, f"{prefix}.gate_proj"),
+                                    decode(fmt, written, f"{prefix}.up_proj")])
                 assert weights.w13.format == weights.w2.format == fmt
                 assert torch.equal(weights.w13.dequantize(), want13)
                 assert torch.equal(weights.w2.dequantize(), decode(fmt, written, f"{prefix}.down_proj"))
@@ -98,7 +99,8 @@ def test_mxfp4_parts_are_the_stored_bytes_verbatim(quantized_checkpoints):
         weights = ckpt.layer_experts(1)[4]
         prefix = "model.layers.2.mlp.experts.4"
         packed, scale = weights.w13.mxfp4_parts()
-        assert torch.equal(packed, torch.cat([written[f"{prefix}.gate_proj.weight"], written[f"{prefix}.up_proj.weight"]]))
+        assert torch.equal(packed, torch.cat([written[f"{prefix}.gate_proj.weight"],
+                                              written[f"{prefix}.up_proj.weight"]]))
         assert torch.equal(scale, torch.cat([written[f"{prefix}.gate_proj.weight_scale"],
                                              written[f"{prefix}.up_proj.weight_scale"]]))
         packed2, scale2 = weights.w2.mxfp4_parts()

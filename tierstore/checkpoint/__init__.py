@@ -1,7 +1,8 @@
 """Reading HF safetensors MoE checkpoints (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3) layer by layer.
 
     with open_checkpoint(path) as ckpt:
-        ckpt.geometry, ckpt.source_format          # MoEGeometry; "bf16" | "fp16" | "fp32" | "nvfp4" | "fp8_block" | "mxfp4"
+        ckpt.geometry        # MoEGeometry
+        ckpt.source_format   # "bf16" | "fp16" | "fp32" | "nvfp4" | "fp8_block" | "mxfp4"
         for layer in ckpt.iter_layers(progress=True):
             for expert in layer.experts:
                 expert.w13.dequantize()            # float64 [2I, H], gate rows then up rows

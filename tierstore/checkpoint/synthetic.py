@@ -51,8 +51,9 @@ def synthetic_config(arch: str, *, num_layers: int, num_experts: int, top_k: int
         config.update(intermediate_size=expert_inter)
         config["num_local_experts" if arch == "mixtral" else "num_experts"] = num_experts
     elif arch in ("qwen2_moe", "qwen3_moe"):
-        config.update(num_experts=num_experts, moe_intermediate_size=expert_inter, intermediate_size=4 * expert_inter,
-                      decoder_sparse_step=1, mlp_only_layers=list(range(dense_layers)), norm_topk_prob=arch == "qwen3_moe")
+        config.update(num_experts=num_experts, moe_intermediate_size=expert_inter,
+                      intermediate_size=4 * expert_inter, decoder_sparse_step=1,
+                      mlp_only_layers=list(range(dense_layers)), norm_topk_prob=arch == "qwen3_moe")
         if arch == "qwen2_moe":
             config["shared_expert_intermediate_size"] = num_shared_experts * expert_inter
     else:
