@@ -77,6 +77,14 @@ def test_wrong_quantized_scale_shape_is_named(tmp_path):
         open_checkpoint(path).layer(1)
 
 
+def test_nvfp4_scale_2_that_does_not_divide_the_rows_is_named(tmp_path):
+    path = write_synthetic_checkpoint(tmp_path / "c", fmt="nvfp4", **DIMS)
+    name = "model.layers.0.mlp.experts.1.down_proj.weight_scale_2"
+    rewrite_tensors(path, lambda t: t.update({name: torch.ones(3)}))
+    with pytest.raises(CheckpointError, match=re.escape(f"'{name}'") + ".*shape \\[3\\], expected \\[\\], or \\[B\\]"):
+        open_checkpoint(path).layer(0)
+
+
 def test_declared_format_must_match_the_stored_tensors(tmp_path):
     path = write_synthetic_checkpoint(tmp_path / "c", **DIMS)
     edit_config(path, quantization_config={"quant_method": "modelopt", "quant_algo": "NVFP4"})

@@ -128,3 +128,42 @@ def test_mxfp4_scales_stored_as_float8_e8m0_read_the_same(quantized_checkpoints,
         assert torch.equal(b.w2.mxfp4_parts()[1], written[f"{prefix}.weight_scale"])
         assert torch.equal(a.w13.dequantize(), b.w13.dequantize())
         assert torch.equal(a.w2.dequantize(), b.w2.dequantize())
+
+
+def fuse_gate_up_per_expert(written: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same tensors with each routed expert's gate and up stored as one `gate_up_proj` (NVFP4: scale_2 [2])."""
+    fused = {}
+    for name, tensor in written.items():
+        if ".experts." not in name or ".up_proj." in name:
+            continue
+        if ".gate_proj." not in name:
+            fused[name] = tensor
+            continue
+        up = written[name.replace(".gate_proj.", ".up_proj.")]
+        if name.endswith("input_scale"):  # activation scale, shared by both halves
+            together = tensor
+        elif name.endswith("weight_scale_2"):
+            together = torch.stack([tensor, up])  # [2]: one per half
+        else:
+            together = torch.cat([tensor, up])
+        fused[name.replace(".gate_proj.", ".gate_up_proj.")] = together
+    return {**{n: t for n, t in written.items() if ".experts." not in n}, **fused}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_per_expert_fused_gate_up_reads_like_separate_halves(quantized_checkpoints, tmp_path, fmt):
+    path, written = quantized_checkpoints[fmt]
+    fused_dir = tmp_path / "fused"
+    fused_dir.mkdir()
+    (fused_dir / "config.json").write_bytes((path / "config.json").read_bytes())
+    save_file(fuse_gate_up_per_expert(written), str(fused_dir / "model.safetensors"))
+    with open_checkpoint(path) as separate, open_checkpoint(fused_dir) as fused:
+        assert fused.source_format == fmt
+        for a, b in zip(separate.iter_layers(), fused.iter_layers()):
+            for x, y in zip(a.experts, b.experts):
+                assert y.w13.tensor_names[0].endswith(f"experts.{y.expert}.gate_up_proj.weight")
+                assert torch.equal(x.w13.dequantize(), y.w13.dequantize())
+                assert torch.equal(x.w2.dequantize(), y.w2.dequantize())
+    if fmt == "nvfp4":
+        assert written["model.layers.1.mlp.experts.0.gate_proj.weight_scale_2"].item() != \
+            written["model.layers.1.mlp.experts.0.up_proj.weight_scale_2"].item()

@@ -12,6 +12,9 @@ Two expert layouts are read for every supported model_type:
   and `<block>.experts.down_proj` [E, H, I]; the transposed orientation [E, H, 2I] / [E, I, H] is
   also read. Orientation is decided from both shapes together, which is never ambiguous
   (2I == H and I == H cannot both hold). Fused tensors must be bf16/fp16/fp32.
+- fused per expert: `<block>.experts.<e>.gate_up_proj.weight` [2I, H] (gate rows, then up) and
+  `<block>.experts.<e>.down_proj.weight`, in any format (an NVFP4 gate_up may carry one
+  weight_scale_2 per half).
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ class LayerLayout:
     def experts(self) -> tuple[ExpertWeights, ...]:
         if self.files.has(f"{self.block}.experts.gate_up_proj"):
             return self._fused_experts()
+        if self.files.has(f"{self.block}.experts.0.gate_up_proj.weight"):
+            return tuple(self._fused_expert(e) for e in range(self.geometry.num_experts))
         gate, up, down = PROJECTIONS.get(self.model_type, DEFAULT_PROJECTIONS)
         return tuple(self._mlp(f"{self.block}.experts.{e}", (gate, up, down), self.geometry.expert_inter, e)
                      for e in range(self.geometry.num_experts))
@@ -92,6 +97,14 @@ class LayerLayout:
                 raise CheckpointError(f"tensor {prefix}.weight not found in {self.files.where()}")
         w13 = StackedRows((self._matrix(gate, (inter, hidden)), self._matrix(up, (inter, hidden))))
         return ExpertWeights(expert, w13, self._matrix(down, (hidden, inter)))
+
+    def _fused_expert(self, expert: int) -> ExpertWeights:
+        base, inter, hidden = f"{self.block}.experts.{expert}", self.geometry.expert_inter, self.geometry.hidden
+        for prefix in (f"{base}.gate_up_proj", f"{base}.down_proj"):
+            if not self.files.has(f"{prefix}.weight"):
+                raise CheckpointError(f"tensor {prefix}.weight not found in {self.files.where()}")
+        return ExpertWeights(expert, self._matrix(f"{base}.gate_up_proj", (2 * inter, hidden)),
+                             self._matrix(f"{base}.down_proj", (hidden, inter)))
 
     def _matrix(self, prefix: str, shape: tuple[int, int]) -> SourceMatrix:
         return matrix_at(self.files, prefix, shape, self.fp8_block)

@@ -81,7 +81,12 @@ class FloatMatrix(SourceMatrix):
 
 
 class Nvfp4Matrix(SourceMatrix):
-    """modelopt NVFP4 at `prefix`: weight uint8 [N, K/2], weight_scale e4m3 [N, K/16], weight_scale_2 fp32."""
+    """modelopt NVFP4 at `prefix`: weight uint8 [N, K/2], weight_scale e4m3 [N, K/16], weight_scale_2 fp32.
+
+    weight_scale_2 is per tensor ([] or [1]), per row block ([B] with N % B == 0, e.g. [2] for a
+    fused gate_up whose two halves were quantized separately) or per row ([N]); it is expanded
+    to one value per row, so each half keeps its own factor exactly.
+    """
 
     def __init__(self, files: TensorFiles, prefix: str, shape: tuple[int, int]):
         n, k = shape
@@ -89,14 +94,17 @@ class Nvfp4Matrix(SourceMatrix):
         _require_multiple(files, names[0], k, NVFP4_BLOCK, "nvfp4")
         _expect(files, names[0], (n, k // 2), ("U8",))
         _expect(files, names[1], (n, k // NVFP4_BLOCK), ("F8_E4M3",))
-        if files.shape(names[2]) not in ((), (1,)):
+        scale_2_shape = files.shape(names[2])
+        if not (scale_2_shape == () or len(scale_2_shape) == 1 and n % scale_2_shape[0] == 0):
             raise CheckpointError(f"tensor {names[2]!r} in {files.file_of(names[2])} has shape "
-                                  f"{list(files.shape(names[2]))}, expected a per-tensor scalar")
-        _expect(files, names[2], files.shape(names[2]), ("F32",))
+                                  f"{list(scale_2_shape)}, expected [], or [B] with B dividing N={n}")
+        _expect(files, names[2], scale_2_shape, ("F32",))
         self.files, self.shape, self.format, self.tensor_names = files, shape, "nvfp4", names
 
     def dequantize(self) -> torch.Tensor:
         packed, scale, scale_2 = (self.files.read(name) for name in self.tensor_names)
+        if scale_2.dim() == 1 and scale_2.numel() > 1:  # [B] -> one value per row [N]
+            scale_2 = scale_2.repeat_interleave(self.shape[0] // scale_2.numel())
         return dequantize_nvfp4(packed, scale, scale_2)
 
 
