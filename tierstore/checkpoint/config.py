@@ -9,7 +9,6 @@ from tierstore.errors import CheckpointError
 from tierstore.geometry import MoEGeometry
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
-QUANTIZED_FORMATS = ("nvfp4", "fp8_block", "mxfp4")
 DEFAULT_FP8_BLOCK = (128, 128)
 
 

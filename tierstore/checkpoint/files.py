@@ -20,6 +20,13 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
+# safetensors dtype strings -> torch dtypes (the ones a checkpoint reader meets)
+DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "U8": torch.uint8, "I8": torch.int8,
+    "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
+}
+
 
 def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> (safetensors dtype string, shape) from a .safetensors file's JSON header."""
@@ -135,4 +142,5 @@ class TensorFiles:
         self._handles.clear()
 
     def names(self) -> list[str]:
+        """Every tensor name in the checkpoint."""
         return list(self._entries)
