@@ -140,12 +140,13 @@ def _bf16_case(geo, w13, w2d, routings, reps):
     return _graph_time_us(fns, reps)
 
 
-def _fused_case(geo, w2, f4, routings, reps, gate_up_only: bool):
+def _fused_case(geo, w2, f4, routings, reps, gate_up_only: bool, block_tokens: int | None = None):
     fns = []
     for ids, weights in routings:
         tokens = ids.shape[0]
         x = torch.randn(tokens, geo.hidden, device="cuda", dtype=torch.bfloat16)
-        ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype, "cuda")
+        ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype, "cuda",
+                                   block_tokens=block_tokens)
         misses = MissLog.allocate(16, "cuda")
         out = torch.empty_like(x)
         if gate_up_only:
@@ -186,20 +187,24 @@ def run(preset: str, token_counts: list[int], reps: int) -> dict:
             "w2_fused": _fused_case(geo, w2, f4, routings, reps, gate_up_only=False),
             "w2_gate_up": _fused_case(geo, w2, f4, routings, reps, gate_up_only=True),
         }
+        if tokens * geo.top_k <= 2 * geo.num_experts:  # default there is BT = 1 (FMA); compare the MMA path
+            times["w2_fused_mma16"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, block_tokens=16)
         f4.table[0] = torch.arange(geo.num_experts, dtype=torch.int32)
         times["fp4_fused"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False)
         f4.table[0] = -1
         nbytes = {"bf16_grouped_mm": unique * bf16_expert, "w2_fused": unique * w2_expert,
+                  "w2_fused_mma16": unique * w2_expert,
                   "w2_gate_up": unique * w2_gate_up, "fp4_fused": unique * f4_expert}
         stream = {name: _stream_us(int(b), 4 if b > 256e6 else max(4, int(4 * 64e6 / b) + 1), reps)
-                  for name, b in nbytes.items() if name != "bf16_grouped_mm"}
+                  for name, b in nbytes.items() if name in times and name not in ("bf16_grouped_mm", "w2_fused_mma16")}
         for name, us in times.items():
             row = dict(preset=preset, tokens=tokens, variant=name, us=us, unique_experts=unique, bytes=nbytes[name],
                        gb_per_s=nbytes[name] / us / 1e3, pct_hbm=100 * nbytes[name] / (us * 1e-6) / HBM_BYTES_PER_S,
                        speedup_vs_bf16=times["bf16_grouped_mm"] / us, rotations=count)
-            if name in stream:
-                row["stream_us"] = stream[name]
-                row["pct_of_stream"] = 100 * stream[name] / us
+            ceiling = None if name == "bf16_grouped_mm" else stream.get(name, stream["w2_fused"])
+            if ceiling is not None:
+                row["stream_us"] = ceiling
+                row["pct_of_stream"] = 100 * ceiling / us
             cases.append(row)
             print(json.dumps(row), flush=True)
     return dict(checks=checks, cases=cases)

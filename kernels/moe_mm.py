@@ -74,9 +74,17 @@ class MoeWorkspace:
     y: torch.Tensor  # [P, H] float32
 
     @classmethod
-    def allocate(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype, device) -> MoeWorkspace:
+    def allocate(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype, device,
+                 block_tokens: int | None = None) -> MoeWorkspace:
+        """block_tokens: 1 = one pair per program on CUDA-core FMAs (decode); 16 or 64 = tensor-core blocks.
+
+        Default: 1 while pairs <= 2 * experts (about one token per expert), else 16, else 64 (prefill).
+        """
         pairs = num_tokens * top_k
-        block_tokens = 16 if pairs <= 16 * num_experts else 64
+        if block_tokens is None:
+            block_tokens = 1 if pairs <= 2 * num_experts else 16 if pairs <= 16 * num_experts else 64
+        if block_tokens not in (1, 16, 32, 64):
+            raise ValueError(f"block_tokens must be 1, 16, 32 or 64, got {block_tokens}")
         max_blocks = min(num_experts, pairs) + triton.cdiv(pairs, block_tokens)
         i32 = dict(dtype=torch.int32, device=device)
         return cls(

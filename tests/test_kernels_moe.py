@@ -32,8 +32,9 @@ def _setup(hidden, inter, experts, layers, seed, w2_slots, fp4_slots):
     return gen, w2, f4
 
 
-def _run(x, ids, wts, w2, f4, layer, misses, limit=None):
-    ws = MoeWorkspace.allocate(x.shape[0], ids.shape[1], w2.table.shape[1], x.shape[1], w2.layout.inter, x.dtype, DEVICE)
+def _run(x, ids, wts, w2, f4, layer, misses, limit=None, block_tokens=None):
+    ws = MoeWorkspace.allocate(x.shape[0], ids.shape[1], w2.table.shape[1], x.shape[1], w2.layout.inter, x.dtype, DEVICE,
+                               block_tokens=block_tokens)
     ws.act.fill_(float("nan"))
     ws.y.fill_(float("nan"))
     out = torch.full_like(x, float("nan"))
@@ -45,8 +46,9 @@ def _rel_err(out, ref):
     return float((out.float() - ref).norm() / ref.norm())
 
 
+@pytest.mark.parametrize("block_tokens", [1, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_mixed_residency_matches_reference_and_logs_misses(dtype):
+def test_mixed_residency_matches_reference_and_logs_misses(dtype, block_tokens):
     hidden, inter, experts, layers, top_k, tokens = 256, 96, 8, 2, 3, 5
     gen, w2, f4 = _setup(hidden, inter, experts, layers, 11, w2_slots=5, fp4_slots=2)
     w2.table[1, :5] = torch.tensor([4, 0, 1, 2, 3], dtype=torch.int32)
@@ -55,7 +57,7 @@ def test_mixed_residency_matches_reference_and_logs_misses(dtype):
     ids, wts = random_routing(tokens, top_k, experts, gen, DEVICE)
     x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
     misses = MissLog.allocate(8, DEVICE)
-    out = _run(x, ids, wts, w2, f4, 1, misses)
+    out = _run(x, ids, wts, w2, f4, 1, misses, block_tokens=block_tokens)
     ref, missing_pairs, missing = moe_mm_ref(x, ids, wts, w2, f4, 1, act_dtype=dtype)
     assert not out.isnan().any()
     assert _rel_err(out, ref) < TOLERANCE[dtype]

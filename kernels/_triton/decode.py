@@ -29,6 +29,19 @@ def decode_w2_slot(words, SLOT: tl.constexpr):
 
 
 @triton.jit
+def decode_w2_slot_scaled(words, SLOT: tl.constexpr, scale_bits):
+    """W2 bit slot -> float32 level * 2^(byte - 127), the scale added to the exponent field.
+
+    scale_bits = (byte - 125) << 23 (int32, broadcastable); exact for scale bytes 1..252.
+    """
+    w = words.to(tl.uint32, bitcast=True)
+    mag_bit: tl.constexpr = (2 * (SLOT // 2) + 16 * (SLOT % 2)) % 32
+    rot = _rotl(w, (24 - mag_bit + 32) % 32)
+    bits = ((rot & 0x81000000) | 0x3E800000).to(tl.int32, bitcast=True) + scale_bits
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _shift(w, s: tl.constexpr):
     # logical shift of a uint32 tensor: left by s if s >= 0 else right by -s
     if s >= 0:

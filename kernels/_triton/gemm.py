@@ -16,7 +16,7 @@ accumulator is written as fp32. Rows are written only for the block's pairs: no 
 import triton
 import triton.language as tl
 
-from .decode import decode_fp4_slot, decode_w2_slot, scale_from_bytes
+from .decode import decode_fp4_slot, decode_w2_slot, decode_w2_slot_scaled, scale_from_bytes
 
 
 @triton.jit
@@ -73,6 +73,49 @@ def _tier_tile(
 
 
 @triton.jit
+def _tier_tile_fma(
+    words_ptr, scales_ptr, rows, n_mask, a_row_ptr, K, num_blocks_k, words_per_row, blocks_per_row,
+    up_row_offset,
+    GATED: tl.constexpr, IS_W2: tl.constexpr, WPS: tl.constexpr, BN: tl.constexpr,
+):
+    """One pair (BT = 1), activation row at a_row_ptr: CUDA-core FMAs on [BN, WPS] accumulators, reduced over WPS at the end.
+
+    W2 adds the scale to the decoded value's exponent (no multiply); FP4 multiplies by it.
+    """
+    VPW: tl.constexpr = 16 if IS_W2 else 8
+    SLOTS_PER_BLOCK: tl.constexpr = 32 // WPS
+    TILE_K: tl.constexpr = VPW * WPS
+    u = tl.arange(0, WPS)
+    gate_rows = rows[:, None] * words_per_row + u[None, :]  # [BN, WPS]
+    up_rows = (rows[:, None] + up_row_offset) * words_per_row + u[None, :]
+    acc_g = tl.zeros([BN, WPS], tl.float32)
+    acc_u = tl.zeros([BN, WPS], tl.float32)
+    for t in range(0, words_per_row // WPS):
+        w_g = tl.load(words_ptr + gate_rows + t * WPS, mask=n_mask[:, None], other=0)  # [BN, WPS] int32
+        if GATED:
+            w_u = tl.load(words_ptr + up_rows + t * WPS, mask=n_mask[:, None], other=0)
+        for j in tl.static_range(VPW):
+            k = t * TILE_K + j * WPS + u  # [WPS]
+            x = tl.load(a_row_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]  # [1, WPS]
+            if j % SLOTS_PER_BLOCK == 0:
+                blk = (t * TILE_K + j * WPS) // 32
+                live = n_mask & (tl.zeros([BN], tl.int32) + blk < num_blocks_k)
+                s_g = tl.load(scales_ptr + rows * blocks_per_row + blk, mask=live, other=0).to(tl.int32)
+                if GATED:
+                    s_u = tl.load(scales_ptr + (rows + up_row_offset) * blocks_per_row + blk, mask=live, other=0)
+                    s_u = s_u.to(tl.int32)
+            if IS_W2:
+                acc_g += decode_w2_slot_scaled(w_g, j, ((s_g - 125) << 23)[:, None]) * x
+                if GATED:
+                    acc_u += decode_w2_slot_scaled(w_u, j, ((s_u - 125) << 23)[:, None]) * x
+            else:
+                acc_g += decode_fp4_slot(w_g, j) * tl.where(live, scale_from_bytes(s_g, 14), 0.0)[:, None] * x
+                if GATED:
+                    acc_u += decode_fp4_slot(w_u, j) * tl.where(live, scale_from_bytes(s_u, 14), 0.0)[:, None] * x
+    return tl.sum(acc_g, axis=1)[:, None], tl.sum(acc_u, axis=1)[:, None]
+
+
+@triton.jit
 def moe_gemm_kernel(
     a_ptr, stride_a, out_ptr, stride_out,
     w2_words_ptr, w2_scales_ptr, w2_slot_bytes, w2_words_off, w2_scales_off, w2_words_per_row, w2_blocks_per_row,
@@ -98,7 +141,23 @@ def moe_gemm_kernel(
     num_blocks_k = K // 32
 
     f4_slot = tl.load(f4_table_ptr + table_row + expert)
-    if f4_slot >= 0:
+    if BT == 1:
+        a_row_ptr = a_ptr + tl.sum(a_rows, axis=0).to(tl.int64) * stride_a
+        if f4_slot >= 0:
+            base = f4_slot.to(tl.int64) * f4_slot_bytes
+            acc_g, acc_u = _tier_tile_fma(
+                f4_words_ptr + (base + f4_words_off) // 4, f4_scales_ptr + base + f4_scales_off, rows, n_mask,
+                a_row_ptr, K, num_blocks_k, f4_words_per_row, f4_blocks_per_row, N_OUT,
+                GATED, False, F4_WPS, BN,
+            )
+        else:
+            base = tl.load(w2_table_ptr + table_row + expert).to(tl.int64) * w2_slot_bytes
+            acc_g, acc_u = _tier_tile_fma(
+                w2_words_ptr + (base + w2_words_off) // 4, w2_scales_ptr + base + w2_scales_off, rows, n_mask,
+                a_row_ptr, K, num_blocks_k, w2_words_per_row, w2_blocks_per_row, N_OUT,
+                GATED, True, W2_WPS, BN,
+            )
+    elif f4_slot >= 0:
         base = f4_slot.to(tl.int64) * f4_slot_bytes
         acc_g, acc_u = _tier_tile(
             f4_words_ptr + (base + f4_words_off) // 4, f4_scales_ptr + base + f4_scales_off, rows, n_mask,
