@@ -210,13 +210,13 @@ def run(preset: str, token_counts: list[int], reps: int) -> dict:
     return dict(checks=checks, cases=cases)
 
 
-def _provenance() -> dict:
+def _provenance(commit_hint: str | None) -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "kernels", "benchmarks/kernels.py"],
                                     capture_output=True, text=True).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "unknown", None
+        commit, dirty = commit_hint or "unknown", None  # the GPU machine's copy has no .git
     return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 commit=commit, dirty=dirty, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 abi_tag=ABI_TAG, python=sys.version.split()[0])
@@ -228,8 +228,9 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,8,32,64,512")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", required=True)
+    parser.add_argument("--commit", help="commit of the tree being measured, where it has no .git")
     args = parser.parse_args()
-    result = dict(provenance=_provenance(), **run(args.preset, [int(t) for t in args.tokens.split(",")], args.reps))
+    result = dict(provenance=_provenance(args.commit), **run(args.preset, [int(t) for t in args.tokens.split(",")], args.reps))
     with open(args.json, "w") as fh:
         json.dump(result, fh, indent=1)
     print(f"\n{'T':>4} {'variant':<16} {'us':>9} {'GB/s':>7} {'%HBM':>6} {'%stream':>8} {'x bf16':>7}")
