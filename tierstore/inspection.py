@@ -15,7 +15,7 @@ from tierstore.geometry import MoEGeometry
 
 WORKING_SET_REFUSAL = 1.15  # pools below layers x top-k x tokens x this are refused at start
 WORKING_SET_COMFORT = 1.40  # the reference system's comfortable pool size
-DEMO_CHECKPOINT_NAME = "demo-qwen3-moe-nvfp4-v1"
+DEMO_CHECKPOINT_NAME = "demo-qwen3-moe-nvfp4-v2"
 
 
 def expert_bytes_table(geometry: MoEGeometry) -> dict[str, dict[str, int]]:

@@ -1,7 +1,8 @@
 """Write small synthetic MoE checkpoints in the real on-disk naming (torch + safetensors only).
 
-Weights are Student-t (4 degrees of freedom) distributed, heavy-tailed like real expert weights,
-so codebook reports on them behave like on real checkpoints. Only the MoE-relevant tensors are
+Weights are Laplace distributed: peaked and heavy-tailed like real expert weights, so codebook
+reports on them behave like on real checkpoints (the L2-optimal 4-level set comes out
+sign-asymmetric, as it does on real experts; lighter tails such as Student-t(4) do not show it). Only the MoE-relevant tensors are
 written (routers, routed and shared experts, dense MLPs of non-MoE layers); attention and
 embeddings are not, since tierstore never reads them.
 """
@@ -23,7 +24,6 @@ from tierstore.formats import encode_fp8_block, encode_mxfp4, encode_nvfp4
 
 SYNTHETIC_FORMATS = ("bf16", "nvfp4", "fp8_block", "mxfp4")
 WEIGHT_STD = 0.02
-STUDENT_T_DOF = 4
 NVFP4_INPUT_SCALE = 1.0 / 448.0  # a plausible activation amax / (6 * 448) stand-in
 
 _ARCHITECTURES = {
@@ -32,12 +32,12 @@ _ARCHITECTURES = {
 }
 
 
-def student_t(shape: tuple[int, ...], generator: torch.Generator, std: float = WEIGHT_STD) -> torch.Tensor:
-    """float32 Student-t(4) samples scaled to standard deviation `std`: z / sqrt(chi2_4 / 4)."""
-    z = torch.randn(shape, generator=generator)
+def laplace(shape: tuple[int, ...], generator: torch.Generator, std: float = WEIGHT_STD) -> torch.Tensor:
+    """float32 Laplace samples scaled to standard deviation `std`: the difference of two Exp(1)
+    variables is Laplace(0, 1), whose standard deviation is sqrt(2)."""
     uniforms = torch.rand((2, *shape), generator=generator).clamp_min_(1e-12)
-    chi2_over_dof = -uniforms.log().sum(0) / 2  # chi2(4) = 2 * (Exp + Exp); divided by 4
-    return z / chi2_over_dof.sqrt() * (std / math.sqrt(STUDENT_T_DOF / (STUDENT_T_DOF - 2)))
+    exp_pair = -uniforms.log()
+    return (exp_pair[0] - exp_pair[1]) * (std / math.sqrt(2.0))
 
 
 def synthetic_config(arch: str, *, num_layers: int, num_experts: int, top_k: int, hidden: int,
@@ -94,7 +94,7 @@ def _mlp(prefixes, inter: int, hidden: int, gen: torch.Generator, fmt: str, fp8_
     gate, up, down = prefixes
     tensors = {}
     for prefix, shape in ((gate, (inter, hidden)), (up, (inter, hidden)), (down, (hidden, inter))):
-        tensors.update(encode_matrix(prefix, student_t(shape, gen), fmt, fp8_block))
+        tensors.update(encode_matrix(prefix, laplace(shape, gen), fmt, fp8_block))
     return tensors
 
 
@@ -107,18 +107,18 @@ def _layer_tensors(arch: str, layer: int, moe: bool, config: dict, gen: torch.Ge
                     "bf16", fp8_block)
     num_experts = config.get("n_routed_experts") or config.get("num_experts") or config["num_local_experts"]
     block = classic_expert_prefixes(arch, layer, 0)[0].rsplit(".experts.", 1)[0]
-    tensors = {f"{block}.gate.weight": student_t((num_experts, hidden), gen).to(torch.bfloat16)}
+    tensors = {f"{block}.gate.weight": laplace((num_experts, hidden), gen).to(torch.bfloat16)}
     for expert in range(num_experts):
         tensors.update(_mlp(classic_expert_prefixes(arch, layer, expert), inter, hidden, gen, fmt, fp8_block))
     if arch == "deepseek_v3":
-        tensors[f"{block}.gate.e_score_correction_bias"] = student_t((num_experts,), gen)
+        tensors[f"{block}.gate.e_score_correction_bias"] = laplace((num_experts,), gen)
     shared_inter = config.get("shared_expert_intermediate_size") or inter * (config.get("n_shared_experts") or 0)
     if shared_inter:
         name = "shared_expert" if arch == "qwen2_moe" else "shared_experts"
         tensors.update(_mlp([f"{block}.{name}.{p}" for p in DEFAULT_PROJECTIONS], shared_inter, hidden, gen,
                             fmt, fp8_block))
         if arch == "qwen2_moe":
-            tensors[f"{block}.shared_expert_gate.weight"] = student_t((1, hidden), gen).to(torch.bfloat16)
+            tensors[f"{block}.shared_expert_gate.weight"] = laplace((1, hidden), gen).to(torch.bfloat16)
     return tensors
 
 
