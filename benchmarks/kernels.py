@@ -140,13 +140,14 @@ def _bf16_case(geo, w13, w2d, routings, reps):
     return _graph_time_us(fns, reps)
 
 
-def _fused_case(geo, w2, f4, routings, reps, gate_up_only: bool, block_tokens: int | None = None):
+def _fused_case(geo, w2, f4, routings, reps, gate_up_only: bool, block_tokens: int | None = None,
+                config: tuple[int, int] = (64, 4)):
     fns = []
     for ids, weights in routings:
         tokens = ids.shape[0]
         x = torch.randn(tokens, geo.hidden, device="cuda", dtype=torch.bfloat16)
         ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype, "cuda",
-                                   block_tokens=block_tokens)
+                                   block_tokens=block_tokens, block_n=config[0], num_warps=config[1])
         misses = MissLog.allocate(16, "cuda")
         out = torch.empty_like(x)
         if gate_up_only:
@@ -161,7 +162,23 @@ def _unique_experts(routings) -> float:
     return sum(torch.unique(ids).numel() for ids, _ in routings) / len(routings)
 
 
-def run(preset: str, token_counts: list[int], reps: int) -> dict:
+SWEEP_CONFIGS = [(16, 2), (32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8)]
+
+
+def _sweep(geo, w2, f4, gen, reps) -> tuple[list[dict], tuple[int, int]]:
+    """W2 gate_up time per (block_n, num_warps) at T = 1 and 8; the best at T = 1 is used for the run."""
+    rows = []
+    routings = {t: _routings(t, geo.top_k, geo.num_experts, 6 if t == 1 else 4, gen) for t in (1, 8)}
+    for config in SWEEP_CONFIGS:
+        for tokens, rts in routings.items():
+            us = _fused_case(geo, w2, f4, rts, reps, gate_up_only=True, config=config)
+            rows.append(dict(tokens=tokens, block_n=config[0], num_warps=config[1], us=us))
+            print(f"sweep gate_up T={tokens} BN={config[0]} warps={config[1]}: {us:.1f} us", flush=True)
+    best = min((r for r in rows if r["tokens"] == 1), key=lambda r: r["us"])
+    return rows, (best["block_n"], best["num_warps"])
+
+
+def run(preset: str, token_counts: list[int], reps: int, sweep: bool) -> dict:
     geo = get_preset(preset)
     gen = torch.Generator(device="cuda").manual_seed(0)
     w2 = w2_tier(geo.hidden, geo.expert_inter, geo.num_experts, 1, geo.num_experts, "cuda")
@@ -170,6 +187,7 @@ def run(preset: str, token_counts: list[int], reps: int) -> dict:
     _randomize_pool(f4)
     w2.table[0] = torch.arange(geo.num_experts, dtype=torch.int32)
     checks = _check_correctness(geo, w2, f4, gen)
+    sweep_rows, config = _sweep(geo, w2, f4, gen, reps) if sweep else ([], (64, 4))
     w13_bf16 = torch.randn(geo.num_experts, 2 * geo.expert_inter, geo.hidden, device="cuda", dtype=torch.bfloat16)
     w2_bf16 = torch.randn(geo.num_experts, geo.hidden, geo.expert_inter, device="cuda", dtype=torch.bfloat16)
     lay2, lay4 = w2.layout, f4.layout
@@ -184,13 +202,14 @@ def run(preset: str, token_counts: list[int], reps: int) -> dict:
         unique = _unique_experts(routings)
         times = {
             "bf16_grouped_mm": _bf16_case(geo, w13_bf16, w2_bf16, routings, reps),
-            "w2_fused": _fused_case(geo, w2, f4, routings, reps, gate_up_only=False),
-            "w2_gate_up": _fused_case(geo, w2, f4, routings, reps, gate_up_only=True),
+            "w2_fused": _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, config=config),
+            "w2_gate_up": _fused_case(geo, w2, f4, routings, reps, gate_up_only=True, config=config),
         }
         if tokens * geo.top_k <= 2 * geo.num_experts:  # default there is BT = 1 (FMA); compare the MMA path
-            times["w2_fused_mma16"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, block_tokens=16)
+            times["w2_fused_mma16"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, block_tokens=16,
+                                                  config=config)
         f4.table[0] = torch.arange(geo.num_experts, dtype=torch.int32)
-        times["fp4_fused"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False)
+        times["fp4_fused"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, config=config)
         f4.table[0] = -1
         nbytes = {"bf16_grouped_mm": unique * bf16_expert, "w2_fused": unique * w2_expert,
                   "w2_fused_mma16": unique * w2_expert,
@@ -207,7 +226,7 @@ def run(preset: str, token_counts: list[int], reps: int) -> dict:
                 row["pct_of_stream"] = 100 * ceiling / us
             cases.append(row)
             print(json.dumps(row), flush=True)
-    return dict(checks=checks, cases=cases)
+    return dict(checks=checks, sweep=sweep_rows, config=dict(block_n=config[0], num_warps=config[1]), cases=cases)
 
 
 def _provenance(commit_hint: str | None) -> dict:
@@ -228,9 +247,10 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,8,32,64,512")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", required=True)
+    parser.add_argument("--sweep", action="store_true", help="pick block_n/num_warps by W2 gate_up time at T=1 first")
     parser.add_argument("--commit", help="commit of the tree being measured, where it has no .git")
     args = parser.parse_args()
-    result = dict(provenance=_provenance(args.commit), **run(args.preset, [int(t) for t in args.tokens.split(",")], args.reps))
+    result = dict(provenance=_provenance(args.commit), **run(args.preset, [int(t) for t in args.tokens.split(",")], args.reps, args.sweep))
     with open(args.json, "w") as fh:
         json.dump(result, fh, indent=1)
     print(f"\n{'T':>4} {'variant':<16} {'us':>9} {'GB/s':>7} {'%HBM':>6} {'%stream':>8} {'x bf16':>7}")

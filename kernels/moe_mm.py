@@ -20,7 +20,6 @@ from ._triton.gemm import moe_gemm_kernel
 from ._triton.route import route_kernel
 from .layout import SlotLayout, fp4_slot_layout, unpack_matrix_ref, w2_slot_layout
 
-_BN = 64
 _ROUTE_CHUNK = 32
 _COMBINE_BH = 256
 
@@ -66,6 +65,8 @@ class MoeWorkspace:
     """Scratch for one static batch size: expert blocks, activations [P, I], per-pair outputs [P, H] fp32."""
 
     block_tokens: int
+    block_n: int  # weight rows per program
+    num_warps: int
     block_expert: torch.Tensor  # [max_blocks] int32
     block_fill: torch.Tensor  # [max_blocks] int32
     block_pairs: torch.Tensor  # [max_blocks * BT] int32
@@ -75,20 +76,23 @@ class MoeWorkspace:
 
     @classmethod
     def allocate(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype, device,
-                 block_tokens: int | None = None) -> MoeWorkspace:
+                 block_tokens: int | None = None, block_n: int = 64, num_warps: int = 4) -> MoeWorkspace:
         """block_tokens: 1 = one pair per program on CUDA-core FMAs (decode); 16 or 64 = tensor-core blocks.
 
-        Default: 1 while pairs <= 2 * experts (about one token per expert), else 16, else 64 (prefill).
+        Default: 1 while pairs <= experts (measured crossover on the H200, benchmarks/kernel-notes.md),
+        else 16, else 64 (prefill).
         """
         pairs = num_tokens * top_k
         if block_tokens is None:
-            block_tokens = 1 if pairs <= 2 * num_experts else 16 if pairs <= 16 * num_experts else 64
+            block_tokens = 1 if pairs <= num_experts else 16 if pairs <= 16 * num_experts else 64
         if block_tokens not in (1, 16, 32, 64):
             raise ValueError(f"block_tokens must be 1, 16, 32 or 64, got {block_tokens}")
         max_blocks = min(num_experts, pairs) + triton.cdiv(pairs, block_tokens)
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
             block_tokens=block_tokens,
+            block_n=block_n,
+            num_warps=num_warps,
             block_expert=torch.zeros(max_blocks, **i32),
             block_fill=torch.zeros(max_blocks, **i32),
             block_pairs=torch.zeros(max_blocks * block_tokens, **i32),
@@ -108,7 +112,7 @@ def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: M
         return layout.w2_words_offset, layout.w2_scales_offset
     w2_words_off, w2_scales_off = offsets(w2.layout)
     f4_words_off, f4_scales_off = offsets(fp4.layout)
-    grid = (ws.block_expert.numel(), triton.cdiv(n_out, _BN))
+    grid = (ws.block_expert.numel(), triton.cdiv(n_out, ws.block_n))
     moe_gemm_kernel[grid](
         a, a.stride(0), out, out.stride(0),
         w2.slots.view(torch.int32), w2.slots, w2.layout.slot_bytes, w2_words_off, w2_scales_off,
@@ -119,9 +123,9 @@ def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: M
         ws.block_expert, ws.block_fill, ws.block_pairs, ws.num_blocks,
         n_out, k, top_k, 0.0 if limit is None else float(limit),
         GATED=gated, HAS_LIMIT=limit is not None, ROWS_ARE_TOKENS=rows_are_tokens,
-        W2_WPS=m2.wps, F4_WPS=m4.wps, BN=_BN, BT=ws.block_tokens,
+        W2_WPS=m2.wps, F4_WPS=m4.wps, BN=ws.block_n, BT=ws.block_tokens,
         PRECISION="ieee" if a.dtype == torch.float32 else None,
-        num_warps=4,
+        num_warps=ws.num_warps,
     )
 
 

@@ -60,10 +60,10 @@ def test_graph_replay_equals_eager_and_tracks_table_changes():
     geo = PRESETS["olmoe-1b-7b"]
     gen = torch.Generator().manual_seed(1)
     w2, f4 = _tiers(geo, 1)
-    tokens = 8
-    ids, wts = random_routing(tokens, geo.top_k, SLOTS, gen, "cuda")
+    tokens, top_k = 8, 4
+    ids, wts = random_routing(tokens, top_k, SLOTS, gen, "cuda")
     x = torch.randn(tokens, geo.hidden, generator=gen).cuda().to(torch.bfloat16)
-    ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype, "cuda")
+    ws = MoeWorkspace.allocate(tokens, top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype, "cuda")
     misses = MissLog.allocate(16, "cuda")
     out = torch.empty_like(x)
     w2.table[0, :SLOTS] = torch.arange(SLOTS, dtype=torch.int32).cuda()
