@@ -18,7 +18,7 @@ from tierstore.formats import W2Tensor, quantize_w2, w2_from_mxfp4
 from tierstore.io.identity import checkpoint_identity
 from tierstore.io.layout import PackSpec
 from tierstore.io.pack_writer import PackWriter
-from tierstore.io.row_codec import TAGS, encode_row, pack_abi_tag, row_bytes, row_segments
+from tierstore.io.row_codec import DEFAULT_ROW_CODEC, TAGS, RowCodec, row_bytes
 
 VERBATIM_ZERO_MODE = "verbatim"  # MXFP4 sources keep their nibbles: no zero signs are chosen
 
@@ -33,16 +33,18 @@ class BuildReport:
     peak_rss_bytes: int = 0
 
 
-def pack_specs(checkpoint, tags: tuple[str, ...], zero_mode: str, checkpoint_id: str | None = None) -> dict[str, PackSpec]:
-    """The spec of each tier's pack for an open checkpoint (what a reader at boot also computes)."""
+def pack_specs(checkpoint, tags: tuple[str, ...], zero_mode: str, checkpoint_id: str | None = None,
+               codec: RowCodec = DEFAULT_ROW_CODEC) -> dict[str, PackSpec]:
+    """The spec of each tier's pack for an open checkpoint (what a reader at boot also computes);
+    `codec` decides the row layout and its ABI tag."""
     geometry = checkpoint.geometry
     identity = checkpoint_identity(checkpoint.identity_files(), checkpoint_id)
     mode = VERBATIM_ZERO_MODE if checkpoint.source_format == "mxfp4" else zero_mode
     specs = {}
     for tag in tags:
-        segments = row_segments(tag, geometry)
+        segments = codec.segments(tag, geometry)
         specs[tag] = PackSpec(tag=tag, num_layers=geometry.num_moe_layers, num_experts=geometry.num_experts,
-                              row_bytes=row_bytes(segments), checkpoint_id=identity, abi_tag=pack_abi_tag(),
+                              row_bytes=row_bytes(segments), checkpoint_id=identity, abi_tag=codec.abi_tag,
                               zero_mode=mode, segments=segments)
     return specs
 
@@ -65,7 +67,7 @@ def resolve_device(device: str | None) -> str:
 
 def build_packs(checkpoint_path: Path | str, out_dir: Path | str, tags: tuple[str, ...] = ("base",),
                 device: str | None = None, zero_mode: str = "auto", checkpoint_id: str | None = None,
-                progress: bool = True) -> BuildReport:
+                progress: bool = True, codec: RowCodec = DEFAULT_ROW_CODEC) -> BuildReport:
     for tag in tags:
         if tag not in TAGS:
             raise TierstoreError(f"unknown tier {tag!r}; choose from {', '.join(TAGS)}")
@@ -73,7 +75,7 @@ def build_packs(checkpoint_path: Path | str, out_dir: Path | str, tags: tuple[st
     started = time.perf_counter()
     report = BuildReport()
     with open_checkpoint(checkpoint_path) as checkpoint:
-        specs = pack_specs(checkpoint, tags, zero_mode, checkpoint_id)
+        specs = pack_specs(checkpoint, tags, zero_mode, checkpoint_id, codec)
         writers = {tag: PackWriter(out_dir, spec) for tag, spec in specs.items()}
         try:
             done = {tag: writer.written_layers() for tag, writer in writers.items()}
@@ -93,7 +95,7 @@ def build_packs(checkpoint_path: Path | str, out_dir: Path | str, tags: tuple[st
                         w13 = requantize(expert.w13, checkpoint.source_format, zero_mode, device)
                         w2 = requantize(expert.w2, checkpoint.source_format, zero_mode, device)
                         for tag in missing:
-                            row = encode_row(tag, specs[tag].segments, w13, w2)
+                            row = codec.encode(tag, specs[tag].segments, w13, w2)
                             pending[tag].write_row(expert.expert, row.numpy())
                             bar.update(row.numel())
                             report.bytes_written += row.numel()

@@ -14,6 +14,8 @@ from any segment are aligned. Bit order inside codes/nibbles/scales is the forma
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from tierstore.errors import PackFormatError
@@ -78,3 +80,33 @@ def decode_row(row: torch.Tensor, segments: tuple[RowSegment, ...]) -> dict[str,
     if row.dtype != torch.uint8 or row.dim() != 1 or row.numel() < row_bytes(segments):
         raise PackFormatError(f"a row must be uint8 [>= {row_bytes(segments)}], got {row.dtype} {tuple(row.shape)}")
     return {s.name: row[s.offset:s.offset + s.nbytes].view(s.shape) for s in segments}
+
+
+class RowCodec(Protocol):
+    """How one expert's (w13, w2) W2Tensors become a pack row. Injectable so that a pack can hold
+    another layout (e.g. the kernels' slot layout, so a fetch is a plain copy) without tierstore.io
+    knowing that layout; `abi_tag` enters the pack identity."""
+
+    @property
+    def abi_tag(self) -> str: ...
+
+    def segments(self, tag: str, geometry: MoEGeometry) -> tuple[RowSegment, ...]: ...
+
+    def encode(self, tag: str, segments: tuple[RowSegment, ...], w13: W2Tensor, w2: W2Tensor) -> torch.Tensor: ...
+
+
+class Row64Codec:
+    """The layout described at the top of this module."""
+
+    @property
+    def abi_tag(self) -> str:
+        return pack_abi_tag()
+
+    def segments(self, tag: str, geometry: MoEGeometry) -> tuple[RowSegment, ...]:
+        return row_segments(tag, geometry)
+
+    def encode(self, tag: str, segments: tuple[RowSegment, ...], w13: W2Tensor, w2: W2Tensor) -> torch.Tensor:
+        return encode_row(tag, segments, w13, w2)
+
+
+DEFAULT_ROW_CODEC = Row64Codec()

@@ -1,0 +1,123 @@
+"""Greedy generation of a transformers model whose experts a TieredRuntime serves.
+
+A static KV cache makes a step replayable: before each replay the cache's write position is
+rewound, so the replay overwrites the same cache entries with the corrected values. On CUDA the
+decode step is captured once as a CUDA graph (pools and tables exist before the capture) and
+every pass is a graph replay; elsewhere, or when capture fails, the step runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tierstore.errors import ConfigError
+
+log = logging.getLogger("tierstore.runtime")
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    new_ids: list[int]
+    step_logits: list[torch.Tensor] = field(default_factory=list)  # float32 [V] per step (prefill first), if kept
+    routing: list = field(default_factory=list)  # int32 [L, k] per decode step, if recorded
+    seconds: float = 0.0
+    decode_seconds: float = 0.0
+    cuda_graph: bool = False
+
+
+class TieredGenerator:
+    def __init__(self, model, runtime, max_length: int, use_cuda_graph: bool | None = None):
+        from transformers import StaticCache
+
+        self.model, self.runtime, self.max_length = model, runtime, max_length
+        self.device = runtime.device
+        self.cache = StaticCache(config=model.config, max_cache_len=max_length)
+        self.use_cuda_graph = self.device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
+        if self.use_cuda_graph and self.device.type != "cuda":
+            raise ConfigError("CUDA graphs need a CUDA device")
+        self._ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1] static decode input
+        self._pos = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1]
+        self._graph = None
+        self._graph_logits = None
+
+    # -- cache position -----------------------------------------------------------------------
+    def _rewind(self, position: int) -> None:
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.fill_(position)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1]  # [V]
+
+    # -- decode step ----------------------------------------------------------------------------
+    def _decode_eager(self) -> torch.Tensor:
+        return self._forward(self._ids, self._pos)
+
+    def _capture(self, position: int) -> None:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up (allocations, autotuning) outside the capture
+                self._rewind(position)
+                self._decode_eager()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        self._rewind(position)
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                logits = self._decode_eager()
+        except RuntimeError as exc:
+            log.warning("CUDA graph capture of the decode step failed, running eagerly: %s", exc)
+            self.use_cuda_graph = False
+            return
+        self._graph, self._graph_logits = graph, logits
+
+    def _decode_pass(self) -> torch.Tensor:
+        if self._graph is not None:
+            self._graph.replay()
+            return self._graph_logits
+        return self._decode_eager()
+
+    # -- generation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, *, keep_logits: bool = False,
+                 record_routing: bool = False, eos_token_id: int | None = None) -> GenerationResult:
+        if not prompt_ids:
+            raise ConfigError("the prompt is empty")
+        if len(prompt_ids) + max_new_tokens > self.max_length:
+            raise ConfigError(f"prompt ({len(prompt_ids)}) + new tokens ({max_new_tokens}) exceed the static "
+                              f"cache of {self.max_length} positions")
+        if record_routing and self.runtime.log.routing is None:
+            raise ConfigError("routing can be recorded only by a runtime made with record_tokens >= 1")
+        result = GenerationResult(list(prompt_ids), [], cuda_graph=False)
+        started = time.perf_counter()
+        prompt = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
+        positions = torch.arange(len(prompt_ids), device=self.device)[None]  # [1, P]
+        self._rewind(0)
+        logits, _ = self.runtime.step(lambda: self._forward(prompt, positions), lambda: self._rewind(0), prefill=True)
+        decode_started = time.perf_counter()
+        for position in range(len(prompt_ids), len(prompt_ids) + max_new_tokens):
+            token = int(logits.argmax())
+            if keep_logits:
+                result.step_logits.append(logits.float().cpu().clone())
+            result.new_ids.append(token)
+            if token == eos_token_id or position == len(prompt_ids) + max_new_tokens - 1:
+                break
+            self._ids.fill_(token)
+            self._pos.fill_(position)
+            if self.use_cuda_graph and self._graph is None:
+                self._capture(position)
+            self._rewind(position)
+            logits, _ = self.runtime.step(self._decode_pass, lambda p=position: self._rewind(p))
+            if record_routing:
+                result.routing.append(self.runtime.last_pass.routing[:, 0, :].copy())
+        result.cuda_graph = self._graph is not None
+        result.decode_seconds = time.perf_counter() - decode_started
+        result.seconds = time.perf_counter() - started
+        return result

@@ -1,0 +1,34 @@
+"""Row sources the host arena reads from, besides a pack (`tierstore.io.pack_rows.PackRows`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tierstore.errors import PackFormatError, ReadError
+
+PAGE_BYTES = 4096
+
+
+class MemoryRowSource:
+    """Rows held in RAM: uint8 [layers, experts, row_bytes]. Satisfies the arena's RowSource
+    protocol, for tests and for benchmarks without a pack."""
+
+    def __init__(self, rows: torch.Tensor):
+        if rows.dtype != torch.uint8 or rows.dim() != 3:
+            raise PackFormatError(f"rows must be uint8 [layers, experts, row_bytes], got {rows.dtype} {tuple(rows.shape)}")
+        self.rows = rows.contiguous()
+        self.num_layers, self.num_experts, self.row_bytes = rows.shape
+        self.stride = -(-self.row_bytes // PAGE_BYTES) * PAGE_BYTES
+        self.reads = 0
+
+    def has_layer(self, layer: int) -> bool:
+        return 0 <= layer < self.num_layers
+
+    def read_rows(self, keys: Sequence[tuple[int, int]], dests: Sequence[memoryview]) -> None:
+        for (layer, expert), dest in zip(keys, dests, strict=True):
+            if len(dest) < self.row_bytes:
+                raise ReadError(f"destination of row ({layer}, {expert}) is {len(dest)} bytes, need {self.row_bytes}")
+            dest[:self.row_bytes] = memoryview(self.rows[layer, expert].numpy())
+            self.reads += 1

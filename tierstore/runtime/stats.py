@@ -1,0 +1,109 @@
+"""Step statistics of the tiered runtime and its KPI line."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+WINDOW = 4096
+
+
+@dataclass(frozen=True)
+class RuntimeStats:
+    steps: int
+    replayed_steps: int  # steps that replayed at least once
+    replays: int  # replays in total
+    second_order_steps: int  # steps that needed more than one replay
+    missing_pairs_per_step: float  # first pass, mean over steps
+    tolerated_steps: int  # steps that kept zeroed contributions under the miss tolerance
+    residue_steps: int  # approximate mode: steps returned with residue
+    residue_pairs: int
+    failed_steps: int
+    fetched_rows: int
+    fetched_bytes: int
+    fetch_seconds: float
+    step_p50_s: float
+    step_p99_s: float
+    arena_hit_share: float  # share of fetched rows the arena served without a pack read
+    pool_slots: int
+    pool_coverage: float  # pool slots / routed experts of the model
+
+    @property
+    def replay_rate(self) -> float:
+        return self.replayed_steps / self.steps if self.steps else 0.0
+
+    @property
+    def fetch_gbps(self) -> float:
+        return self.fetched_bytes / self.fetch_seconds / 1e9 if self.fetch_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        out = dict(self.__dict__)
+        out.update(replay_rate=self.replay_rate, fetch_gbps=self.fetch_gbps)
+        return out
+
+
+class StatsRecorder:
+    def __init__(self, pool_slots: int, total_experts: int):
+        self.pool_slots, self.total_experts = pool_slots, total_experts
+        self.steps = self.replayed = self.replays = self.second_order = 0
+        self.tolerated = self.residue_steps = self.residue_pairs = self.failed = 0
+        self.first_pass_misses = 0
+        self.fetched_rows = self.fetched_bytes = 0
+        self.fetch_seconds = 0.0
+        self.step_seconds: deque[float] = deque(maxlen=WINDOW)
+        self.recent: deque[tuple[bool, int]] = deque(maxlen=WINDOW)  # (replayed, first-pass missing pairs)
+
+    def add_fetch(self, rows: int, nbytes: int, seconds: float) -> None:
+        self.fetched_rows += rows
+        self.fetched_bytes += nbytes
+        self.fetch_seconds += seconds
+
+    def add_step(self, replays: int, first_misses: int, seconds: float, tolerated: bool, residue: int) -> None:
+        self.steps += 1
+        self.replays += replays
+        self.replayed += replays > 0
+        self.second_order += replays > 1
+        self.first_pass_misses += first_misses
+        self.tolerated += tolerated
+        self.residue_steps += residue > 0
+        self.residue_pairs += residue
+        self.step_seconds.append(seconds)
+        self.recent.append((replays > 0, first_misses))
+
+    def snapshot(self, arena_hits: int, arena_misses: int) -> RuntimeStats:
+        times = np.asarray(self.step_seconds) if self.step_seconds else np.zeros(1)
+        looked_up = arena_hits + arena_misses
+        return RuntimeStats(
+            steps=self.steps, replayed_steps=self.replayed, replays=self.replays,
+            second_order_steps=self.second_order,
+            missing_pairs_per_step=self.first_pass_misses / self.steps if self.steps else 0.0,
+            tolerated_steps=self.tolerated, residue_steps=self.residue_steps, residue_pairs=self.residue_pairs,
+            failed_steps=self.failed, fetched_rows=self.fetched_rows, fetched_bytes=self.fetched_bytes,
+            fetch_seconds=self.fetch_seconds,
+            step_p50_s=float(np.percentile(times, 50)), step_p99_s=float(np.percentile(times, 99)),
+            arena_hit_share=arena_hits / looked_up if looked_up else 0.0,
+            pool_slots=self.pool_slots, pool_coverage=self.pool_slots / self.total_experts,
+        )
+
+    def kpi_line(self, last: int, arena_hits: int, arena_misses: int) -> str:
+        """"[tierstore] KPI: replay X% of last N steps (avg Y missing pairs/step; cumulative Z% of M) ..." """
+        stats = self.snapshot(arena_hits, arena_misses)
+        window = list(self.recent)[-last:] if last else list(self.recent)
+        n = len(window)
+        recent_rate = sum(r for r, _ in window) / n if n else 0.0
+        recent_misses = sum(m for _, m in window) / n if n else 0.0
+        line = (f"[tierstore] KPI: replay {100 * recent_rate:.1f}% of last {n} steps "
+                f"(avg {recent_misses:.2f} missing pairs/step; cumulative {100 * stats.replay_rate:.1f}% of "
+                f"{stats.steps}) - pool {stats.pool_slots} slots = {100 * stats.pool_coverage:.1f}% of experts | "
+                f"fetch {stats.fetched_rows} rows {stats.fetched_bytes / 2**20:.1f} MiB at {stats.fetch_gbps:.2f} GB/s | "
+                f"step p50 {1e3 * stats.step_p50_s:.2f} ms p99 {1e3 * stats.step_p99_s:.2f} ms | "
+                f"arena hits {100 * stats.arena_hit_share:.1f}%")
+        if stats.second_order_steps:
+            line += f" | second-order replays {stats.second_order_steps}"
+        if stats.tolerated_steps:
+            line += f" | DEGRADED: {stats.tolerated_steps} steps kept misses under the tolerance"
+        if stats.residue_steps:
+            line += f" | DEGRADED: {stats.residue_steps} steps with residue ({stats.residue_pairs} pairs)"
+        return line

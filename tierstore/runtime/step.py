@@ -1,0 +1,82 @@
+"""The step protocol: forward, read the pass log (the one sync), fetch what missed, replay, to a
+fixed point.
+
+    forward -> misses? --no--> done
+                 | yes
+    <= tolerance: keep the logits (degraded, counted), fetch for later steps
+    replays == fp_max: strict -> raise ReplayLimitError; approximate -> keep residue (counted)
+    approximate after its mandatory replay: keep residue unless it is <= fp_thresh
+    otherwise: fetch every missing expert in one batch, rewind the KV cache, replay
+
+A replay of a step whose routed experts are all resident is bit-identical to a run where nothing
+ever missed: same slot bytes, deterministic kernels, fixed-order combine, identical inputs.
+Second-order misses (a corrected early layer re-routes a later one) are what the loop is for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from tierstore.errors import CapacityError
+from tierstore.runtime.config import RuntimeConfig
+from tierstore.runtime.passlog import PassReport
+
+T = TypeVar("T")
+
+
+class ReplayLimitError(CapacityError):
+    """Strict mode: misses remained after `fp_max` replays; no degraded logits were returned."""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    replays: int
+    first_pass_missing_pairs: int
+    residue_pairs: int  # > 0 only in degraded modes
+    tolerated: bool
+    last_pass: PassReport
+
+
+def run_step(forward: Callable[[], T], rewind: Callable[[], None], read_pass: Callable[[], PassReport],
+             fetch: Callable[[tuple, set, bool], int], config: RuntimeConfig) -> tuple[T, StepOutcome, set]:
+    """Run one step to its fixed point. `fetch(keys, routed, partial)` makes keys resident without
+    evicting `routed` (partial: as many as fit) and returns how many it installed.
+
+    Returns (result of the last forward, outcome, every (layer, expert) routed in any pass).
+    """
+    routed: set = set()
+    replays, first, residue, tolerated = 0, None, 0, False
+    approximate = config.replay_mode == "approximate"
+    while True:
+        result = forward()
+        report = read_pass()
+        routed.update(report.routed_keys)
+        first = report.missing_pairs if first is None else first
+        misses = report.missing_pairs
+        if misses == 0:
+            break
+        if misses <= config.miss_tolerance:
+            fetch(report.missing_keys, routed, True)
+            tolerated = True
+            break
+        if replays >= config.fp_max:
+            if not approximate:
+                raise ReplayLimitError(
+                    f"strict replay: {misses} routed pairs still missed after {replays} replays (fp_max "
+                    f"{config.fp_max}); no degraded logits are returned. Use a larger pool or raise fp_max; "
+                    "approximate mode and a miss tolerance are the explicit degraded alternatives")
+            residue = misses
+            break
+        if approximate and replays >= 1 and misses > config.fp_thresh:
+            residue = misses
+            break
+        installed = fetch(report.missing_keys, routed, approximate)
+        if approximate and installed == 0 and report.unlogged_experts == 0:
+            residue = misses  # nothing more fits: another replay would change nothing
+            break
+        rewind()
+        replays += 1
+    return result, StepOutcome(replays, first, residue, tolerated, report), routed
