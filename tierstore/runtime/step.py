@@ -45,15 +45,18 @@ def run_step(forward: Callable[[], T], rewind: Callable[[], None], read_pass: Ca
     """Run one step to its fixed point. `fetch(keys, routed, partial)` makes keys resident without
     evicting `routed` (partial: as many as fit) and returns how many it installed.
 
-    Returns (result of the last forward, outcome, every (layer, expert) routed in any pass).
+    Fetches protect the routed set of the pass just read: after its sync nothing reads the pool,
+    and experts routed only by an earlier, degraded pass are not needed by the replay (protecting
+    them too would make a pool that holds one step's working set fail on stale routes).
+
+    Returns (result of the last forward, outcome, the (layer, expert) keys the last pass routed).
     """
-    routed: set = set()
     replays, first, residue, tolerated = 0, None, 0, False
     approximate = config.replay_mode == "approximate"
     while True:
         result = forward()
         report = read_pass()
-        routed.update(report.routed_keys)
+        routed = set(report.routed_keys)
         first = report.missing_pairs if first is None else first
         misses = report.missing_pairs
         if misses == 0:
