@@ -1,0 +1,91 @@
+"""The adapter's knobs and checkpoint-format detection (no vLLM needed: these modules do not import it)."""
+
+import pytest
+
+from tierstore.errors import ConfigError
+from tierstore.vllm_adapter.settings import KNOBS, AdapterSettings, read_knobs
+from tierstore.vllm_adapter.source_formats import param_specs, source_format_from_quant_config, SourceFormat
+
+
+def test_defaults_when_nothing_is_set():
+    settings = AdapterSettings.from_environ({})
+    assert settings == AdapterSettings()
+    assert not settings.uses_expert_cache and settings.replay_mode == "strict" and settings.fp_max == 32
+
+
+def test_reference_names_and_tierstore_names_are_aliases(tmp_path):
+    env = {"VLLM_MOE_W2_BASE_CACHE_GB": "1.5", "TIERSTORE_FP_MAX": "4", "VLLM_MOE_W2_REPLAY_MODE": "approximate",
+           "VLLM_MOE_W2_DELTA_GB": "auto", "VLLM_MOE_W2_GATE": "1", "TIERSTORE_GATE_TAU": "0.7",
+           "VLLM_MOE_W2_STORE_DIR": str(tmp_path), "VLLM_MOE_W2_BASE_RAM_GB": "512MiB"}
+    settings = AdapterSettings.from_environ(env)
+    assert settings.base_cache_bytes == int(1.5 * 2**30)
+    assert settings.fp_max == 4 and settings.replay_mode == "approximate"
+    assert settings.fp4_pool_bytes == "auto" and settings.gate and settings.gate_tau == 0.7
+    assert settings.store_dir == tmp_path and settings.base_ram_bytes == 512 * 2**20
+
+
+def test_every_knob_has_a_default_and_a_meaning():
+    names = [k.name for k in KNOBS]
+    assert len(names) == len(set(names))
+    assert all(k.meaning for k in KNOBS)
+    assert set(read_knobs({})) == set(names)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"VLLM_MOE_W2_FP_MAX": "2", "TIERSTORE_FP_MAX": "3"}, "disagree"),
+    ({"VLLM_MOE_W2_NO_SUCH_KNOB": "1"}, "VLLM_MOE_W2_NO_SUCH_KNOB"),
+    ({"TIERSTORE_GATE": "1"}, "needs an FP4 pool"),
+    ({"TIERSTORE_GATE_TAU": "1.5"}, "GATE_TAU"),
+    ({"TIERSTORE_GATE_TAU": "high"}, "GATE_TAU"),
+    ({"TIERSTORE_REPLAY_MODE": "lenient"}, "REPLAY_MODE"),
+    ({"TIERSTORE_FP_MAX": "0"}, "FP_MAX"),
+    ({"TIERSTORE_BASE_MISS_TOL": "-1"}, "BASE_MISS_TOL"),
+    ({"TIERSTORE_BASE_CACHE_GB": "lots"}, "BASE_CACHE_GB"),
+    ({"TIERSTORE_BASE_CACHE_GB": "auto"}, "not `auto`"),
+    ({"TIERSTORE_BASE_RAM_GB": "4"}, "needs STORE_DIR"),
+    ({"TIERSTORE_TIER_DIRECT": "1"}, "needs STORE_DIR"),
+    ({"TIERSTORE_STORE_DIR": "/no/such/folder"}, "is not a folder"),
+    ({"TIERSTORE_ZERO_MODE": "zero"}, "ZERO_MODE"),
+    ({"TIERSTORE_EXECUTION": "lazy"}, "EXECUTION"),
+    ({"TIERSTORE_GATE": "maybe"}, "GATE must be 0 or 1"),
+])
+def test_bad_knobs_are_refused_naming_the_knob(env, message):
+    with pytest.raises(ConfigError, match=message):
+        AdapterSettings.from_environ(env)
+
+
+def test_other_tierstore_variables_are_not_the_adapters_business():
+    assert AdapterSettings.from_environ({"TIERSTORE_CACHE_DIR": "/tmp"}) == AdapterSettings()
+
+
+@pytest.mark.parametrize("quant_config, name, block", [
+    (None, "bf16", (128, 128)),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}, "nvfp4", (128, 128)),
+    ({"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4"}}, "nvfp4", (128, 128)),
+    ({"quant_method": "fp8", "weight_block_size": [64, 32]}, "fp8_block", (64, 32)),
+    ({"quant_method": "mxfp4"}, "mxfp4", (128, 128)),
+    ({"quant_method": "tierstore", "source_format": "fp8_block", "weight_block_size": [32, 32]}, "fp8_block", (32, 32)),
+])
+def test_source_format_from_checkpoint_quant_config(quant_config, name, block):
+    assert source_format_from_quant_config(quant_config) == SourceFormat(name, block)
+
+
+@pytest.mark.parametrize("quant_config, message", [
+    ({"quant_method": "gptq"}, "'gptq'"),
+    ({"quant_method": "fp8"}, "block"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "only NVFP4"),
+    ({"quant_method": "tierstore", "source_format": "int3"}, "int3"),
+])
+def test_unreadable_formats_are_named(quant_config, message):
+    with pytest.raises(ConfigError, match=message):
+        source_format_from_quant_config(quant_config)
+
+
+def test_param_shapes_per_format():
+    import torch
+
+    shapes = {s.name: s.shape for s in param_specs(SourceFormat("nvfp4"), 4, 256, 64, torch.bfloat16)}
+    assert shapes["w13_weight"] == (4, 128, 128) and shapes["w2_weight"] == (4, 256, 32)
+    assert shapes["w13_weight_scale"] == (4, 128, 16) and shapes["w13_weight_scale_2"] == (4, 2)
+    fp8 = {s.name: s.shape for s in param_specs(SourceFormat("fp8_block", (128, 128)), 4, 256, 192, torch.bfloat16)}
+    assert fp8["w13_weight_scale_inv"] == (4, 4, 2) and fp8["w2_weight_scale_inv"] == (4, 2, 2)
