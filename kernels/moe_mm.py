@@ -76,7 +76,7 @@ class MoeWorkspace:
 
     @classmethod
     def allocate(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype, device,
-                 block_tokens: int | None = None, block_n: int = 64, num_warps: int = 4) -> MoeWorkspace:
+                 block_tokens: int | None = None, block_n: int = 64, num_warps: int | None = None) -> MoeWorkspace:
         """block_tokens: 1 = one pair per program on CUDA-core FMAs (decode); 16 or 64 = tensor-core blocks.
 
         Default: 1 while pairs <= experts (measured crossover on the H200, benchmarks/kernel-notes.md),
@@ -85,6 +85,8 @@ class MoeWorkspace:
         pairs = num_tokens * top_k
         if block_tokens is None:
             block_tokens = 1 if pairs <= num_experts else 16 if pairs <= 16 * num_experts else 64
+        if num_warps is None:
+            num_warps = 8 if block_tokens == 1 else 4  # best measured per path (benchmarks/kernel-notes.md)
         if block_tokens not in (1, 16, 32, 64):
             raise ValueError(f"block_tokens must be 1, 16, 32 or 64, got {block_tokens}")
         max_blocks = min(num_experts, pairs) + triton.cdiv(pairs, block_tokens)
