@@ -1,0 +1,44 @@
+"""`tierstore generate CHECKPOINT --prompt TEXT`: greedy generation with the tiered runtime (packs
+built or reused, a small device pool, KPIs printed); `--verify-resident` checks every step's
+logits bit for bit against an all-resident run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="generate text with the tiered runtime and print its KPIs")
+    parser.add_argument("checkpoint", nargs="?", help="HF checkpoint directory (bf16/fp16/fp32 non-expert weights)")
+    parser.add_argument("--demo", action="store_true", help="use the built-in tiny demo model (built on first use)")
+    parser.add_argument("--prompt", default="The quick brown fox", help="prompt text")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument("--gpu-pool-gb", type=float, help="device pool size in GiB")
+    pool.add_argument("--gpu-pool-frac", type=float, help="device pool as a fraction of the routed experts (default 0.25)")
+    parser.add_argument("--arena-gb", default="auto", help="host arena in GiB, or auto (a quarter of the pack)")
+    parser.add_argument("--pack-dir", help="pack directory (default $TIERSTORE_CACHE_DIR/packs)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--policy", default="lru", help="eviction policy of the device pool (default lru)")
+    parser.add_argument("--replay-mode", choices=("strict", "approximate"), default="strict")
+    parser.add_argument("--miss-tol", type=int, default=0, help="missing pairs a step may keep without a replay (degraded)")
+    parser.add_argument("--fp-max", type=int, default=32, help="replays per step before strict mode gives up")
+    parser.add_argument("--force-pool", action="store_true", help="start even below the per-step working set")
+    parser.add_argument("--no-cuda-graph", action="store_true", help="run the decode step eagerly on cuda")
+    parser.add_argument("--verify-resident", action="store_true",
+                        help="rerun all-resident and compare every step's logits bit for bit")
+    parser.add_argument("--record-trace", help="save the decode steps' routing as a tierstore trace (.npz)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tierstore.errors import ConfigError
+    from tierstore.runtime.cli_generate import generate_command
+
+    if args.demo == (args.checkpoint is not None):
+        raise ConfigError("give either a checkpoint directory or --demo")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    return generate_command(args, out=sys.stdout)

@@ -1,0 +1,102 @@
+"""What `tierstore generate` does: build or reuse the pack, open a tiered model, generate, print
+the text and the KPIs, and optionally verify against an all-resident run."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from tierstore.cache.arena import arena_slots
+from tierstore.checkpoint import open_checkpoint
+from tierstore.kernels.layout import w2_slot_layout
+from tierstore.runtime.config import RuntimeConfig
+from tierstore.runtime.demo import cache_dir, demo_checkpoint
+from tierstore.runtime.engine import TieredRuntime, slots_for
+from tierstore.runtime.generation import TieredGenerator
+from tierstore.runtime.hf import install_tiered_experts, load_model, load_tokenizer
+from tierstore.runtime.packs import ensure_base_pack, open_base_rows
+
+
+def first_differing_step(got: list[torch.Tensor], want: list[torch.Tensor]) -> int | None:
+    """Index of the first step whose logits are not bit-identical (or whose count differs), else None."""
+    for step, (a, b) in enumerate(zip(got, want)):
+        if not torch.equal(a, b):
+            return step
+    return None if len(got) == len(want) else min(len(got), len(want))
+
+
+def _runtime(checkpoint, pack_dir, geometry, pool_slots, arena, device, config, record) -> TieredRuntime:
+    rows = open_base_rows(checkpoint, pack_dir)
+    slots = arena_slots(arena, rows.stride, rows.stride * geometry.total_routed_experts)
+    return TieredRuntime(geometry, rows, pool_slots=pool_slots, arena_slots=slots, device=device, config=config,
+                         heat_path=rows.pack.paths.heat, record_tokens=1 if record else 0)
+
+
+def generate_command(args, out) -> int:
+    checkpoint = Path(demo_checkpoint(progress=True) if args.demo else args.checkpoint)
+    pack_dir = Path(args.pack_dir) if args.pack_dir else cache_dir() / "packs"
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    started = time.perf_counter()
+    report = ensure_base_pack(checkpoint, pack_dir, device=device.type)
+    print(f"pack: {report.packs['base']} (built {len(report.written['base'])} layers, reused "
+          f"{len(report.skipped['base'])}) in {time.perf_counter() - started:.1f} s", file=out)
+    with open_checkpoint(checkpoint) as ckpt:
+        geometry = ckpt.geometry
+    config = RuntimeConfig(replay_mode=args.replay_mode, miss_tolerance=args.miss_tol, fp_max=args.fp_max,
+                           policy=args.policy, force_pool=args.force_pool, kpi_every=0)
+    slot_bytes = w2_slot_layout(geometry.hidden, geometry.expert_inter).slot_bytes
+    fraction = args.gpu_pool_frac if args.gpu_pool_frac is not None else (None if args.gpu_pool_gb else 0.25)
+    pool_slots = slots_for(geometry, slot_bytes, gib=args.gpu_pool_gb, fraction=fraction)
+    model = load_model(checkpoint, dtype, device)
+    tokenizer = load_tokenizer(checkpoint, model.config.vocab_size)
+    prompt = tokenizer.encode(args.prompt)
+    max_length = len(prompt) + args.max_new_tokens + 1
+    use_graph = device.type == "cuda" and not args.no_cuda_graph
+
+    runtime = _runtime(checkpoint, pack_dir, geometry, pool_slots, args.arena_gb, device, config, args.record_trace)
+    with runtime:
+        install_tiered_experts(model, runtime)
+        result = TieredGenerator(model, runtime, max_length, use_graph).generate(
+            prompt, args.max_new_tokens, keep_logits=args.verify_resident, record_routing=bool(args.record_trace))
+        stats = runtime.stats()
+        kpi = runtime.kpi_line()
+    decode_steps = max(len(result.new_ids) - 1, 0)
+    print(f"prompt: {args.prompt!r}", file=out)
+    print(f"output: {tokenizer.decode(result.new_ids)!r}", file=out)
+    print(f"tokens: {len(result.new_ids)} new in {result.seconds:.2f} s "
+          f"({decode_steps / result.decode_seconds if result.decode_seconds else 0:.1f} decode steps/s); device {device}, "
+          f"{geometry.num_moe_layers} MoE layers x {geometry.num_experts} experts, pool {stats.pool_slots} slots "
+          f"({100 * stats.pool_coverage:.0f}%), cuda graph: {'yes' if result.cuda_graph else 'no'}", file=out)
+    print(kpi, file=out)
+    if args.record_trace:
+        _save_trace(args.record_trace, geometry, result, out)
+    if not args.verify_resident:
+        return 0
+
+    everything = geometry.total_routed_experts
+    resident = _runtime(checkpoint, pack_dir, geometry, everything, args.arena_gb, device, config, False)
+    with resident:
+        resident.preload()
+        install_tiered_experts(model, resident)
+        reference = TieredGenerator(model, resident, max_length, use_graph).generate(
+            prompt, args.max_new_tokens, keep_logits=True)
+    differs = first_differing_step(result.step_logits, reference.step_logits)
+    if differs is None:
+        print(f"bit-identical: yes ({len(result.step_logits)} steps)", file=out)
+        return 0
+    print(f"bit-identical: NO: step {differs} differs from the all-resident run "
+          f"({len(result.step_logits)} vs {len(reference.step_logits)} steps)", file=out)
+    return 1
+
+
+def _save_trace(path, geometry, result, out) -> None:
+    from tierstore.sim.recorder import TraceRecorder
+
+    recorder = TraceRecorder(geometry.num_moe_layers, geometry.top_k, geometry.num_experts, source="tierstore generate")
+    for routing in result.routing:
+        recorder.record_step(routing)
+    if result.routing:
+        print(f"trace: {recorder.save(path)} ({len(result.routing)} decode steps)", file=out)
