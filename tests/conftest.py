@@ -1,6 +1,7 @@
 """Shared pytest set-up: markers `gpu` and `vllm` skip cleanly where their hardware or package is absent."""
 
 import importlib.util
+import os
 
 import pytest
 
@@ -11,6 +12,12 @@ def _has_cuda() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+# Without a GPU, Triton kernels run in Triton's CPU interpreter. Triton reads this switch when a
+# kernel is decorated, so it must be set before any test module imports the kernels.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

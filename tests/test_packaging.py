@@ -3,6 +3,7 @@ and `import tierstore` stays light."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -17,6 +18,7 @@ PROBE = """
 import importlib.util, json, sys
 import tierstore, tierstore.kernels, tierstore.vllm_adapter
 print(json.dumps({
+    "tierstore_file": tierstore.__file__,
     "kernels_file": tierstore.kernels.__file__,
     "adapter_file": tierstore.vllm_adapter.__file__,
     "bare_kernels": importlib.util.find_spec("kernels") is not None,
@@ -53,8 +55,14 @@ def test_editable_install_maps_folders_under_tierstore():
 
 @pytest.mark.slow
 def test_wheel_installs_kernels_and_adapter_under_tierstore(tmp_path):
+    source = tmp_path / "src"  # a copy, so the build leaves nothing behind in the repository
+    source.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    for folder in ("tierstore", "kernels", "vllm_adapter"):
+        shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
         check=True,
     )
     (wheel,) = tmp_path.glob("tierstore-*.whl")
@@ -68,9 +76,12 @@ def test_wheel_installs_kernels_and_adapter_under_tierstore(tmp_path):
     venv.EnvBuilder(with_pip=True).create(scratch)
     python = str(scratch / "bin" / "python")
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True)
+    # torch and friends come from the test environment, appended after the wheel's own site-packages
+    (scratch_site,) = scratch.glob("lib/python*/site-packages")
+    (scratch_site / "test-deps.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
     found = _probe(python)
-    site = scratch / "lib"
-    assert Path(found["kernels_file"]).is_relative_to(site)
+    assert Path(found["tierstore_file"]).is_relative_to(scratch_site)
+    assert Path(found["kernels_file"]).is_relative_to(scratch_site)
     assert Path(found["kernels_file"]).parent.name == "kernels"
     assert Path(found["adapter_file"]).parent.parent.name == "tierstore"
     assert not found["bare_kernels"]

@@ -60,7 +60,7 @@ def run(args) -> int:
         print(f"  - {note}")
     if args.trace and p.verdict != "refused":
         from tierstore.sim.importers import load_trace
-        from tierstore.sim.simulate import simulate
+        from tierstore.sim.simulation import simulate
 
         trace = load_trace(args.trace)
         r = simulate(trace, gpu_slots=min(p.gpu_pool_slots, trace.num_keys), geometry=g,

@@ -49,7 +49,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from tierstore.geometry import get_preset
     from tierstore.sim.importers import load_trace
-    from tierstore.sim.simulate import GIB, resolve_geometry
+    from tierstore.sim.simulation import GIB, resolve_geometry
     from tierstore.sim.sweep import render_table, sweep, write_csv, write_json
     from tierstore.sim.synthetic import synthetic_for
 

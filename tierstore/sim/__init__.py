@@ -19,7 +19,7 @@ _EXPORTS = {
     "TraceRecorder": "tierstore.sim.recorder",
     "synthetic_trace": "tierstore.sim.synthetic",
     "synthetic_for": "tierstore.sim.synthetic",
-    "simulate": "tierstore.sim.simulate",
+    "simulate": "tierstore.sim.simulation",
     "SimResult": "tierstore.sim.result",
     "CostModel": "tierstore.sim.cost",
     "sweep": "tierstore.sim.sweep",

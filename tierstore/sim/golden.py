@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tierstore.cache.policy import policy_names
 from tierstore.sim.importers import load_trace
-from tierstore.sim.simulate import simulate
+from tierstore.sim.simulation import simulate
 from tierstore.sim.synthetic import synthetic_trace
 from tierstore.sim.trace import save_trace
 

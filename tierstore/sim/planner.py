@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tierstore.errors import CapacityError
 from tierstore.geometry import MoEGeometry
-from tierstore.sim.simulate import GIB
+from tierstore.sim.simulation import GIB
 
 REFUSE_FACTOR = 1.15
 COMFORT_FACTOR = 1.40

@@ -7,7 +7,7 @@ import io
 import json
 from pathlib import Path
 
-from tierstore.sim.simulate import simulate
+from tierstore.sim.simulation import simulate
 from tierstore.sim.trace import Trace
 
 COLUMNS = ("policy", "gpu_slots", "coverage", "token_hit_rate", "zero_miss_step_fraction", "misses_mean",
