@@ -10,7 +10,7 @@ import sys
 from tierstore.errors import TierstoreError
 
 # One entry per subcommand module under tierstore/commands/, in --help order.
-COMMAND_MODULES = ("inspect", "sim", "plan", "pack", "verify", "generate")
+COMMAND_MODULES = ("inspect", "sim", "plan", "pack", "verify", "generate", "replay")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,91 @@
+"""Tiered decode benchmark (issue 5, section 4): `tierstore replay` at ds-v2-lite and qwen3-30b-a3b
+shapes, GPU pool at 10/25/50/100% coverage, with and without an arena, on a synthetic skewed trace
+(and any extra traces given, e.g. one recorded by `tierstore generate --record-trace`). Writes
+benchmarks/results/replay.json with provenance. Meant for the H200; not yet run.
+
+    python benchmarks/replay.py --pack-dir /path/on/the/disk [--layers 8] [--steps 200] [--trace extra.npz ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tierstore.geometry import get_preset
+from tierstore.runtime.replay import ensure_synthetic_pack, open_synthetic_rows, run_replay, trace_steps
+from tierstore.sim import load_trace
+
+PRESETS = ("ds-v2-lite", "qwen3-30b-a3b")
+COVERAGES = (0.10, 0.25, 0.50, 1.00)
+ARENA_GB = (0.0, 4.0)
+
+
+def skewed_steps(geometry, steps: int, seed: int = 0, alpha: float = 1.1) -> list[np.ndarray]:
+    """Zipf-like routing per layer with a per-layer random expert order, one token per step."""
+    rng = np.random.default_rng(seed)
+    probs = 1.0 / np.arange(1, geometry.num_experts + 1) ** alpha
+    probs /= probs.sum()
+    orders = [rng.permutation(geometry.num_experts) for _ in range(geometry.num_moe_layers)]
+    out = []
+    for _ in range(steps):
+        ids = [orders[l][rng.choice(geometry.num_experts, geometry.top_k, replace=False, p=probs)]
+               for l in range(geometry.num_moe_layers)]
+        out.append(np.asarray(ids, np.int64)[None])  # [1, L, k]
+    return out
+
+
+def provenance() -> dict:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    info = {"commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "torch": torch.__version__, "host": platform.node()}
+    if torch.cuda.is_available():
+        import triton
+
+        info.update(gpu=torch.cuda.get_device_name(), triton=triton.__version__)
+    return info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pack-dir", required=True)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--trace", action="append", default=[])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "replay.json"))
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    results = []
+    for preset in PRESETS:
+        geometry = get_preset(preset).with_layers(args.layers)
+        spec = ensure_synthetic_pack(geometry, args.pack_dir)
+        workloads = {"synthetic-skewed": skewed_steps(geometry, args.steps)}
+        for path in args.trace:
+            trace = load_trace(path)
+            if trace.num_experts == geometry.num_experts and trace.num_layers >= geometry.num_moe_layers:
+                workloads[Path(path).name] = trace_steps(trace.experts, trace.step, geometry.num_moe_layers, args.steps)
+        for name, steps in workloads.items():
+            for coverage in COVERAGES:
+                for arena_gb in ARENA_GB:
+                    pool = max(1, round(coverage * geometry.total_routed_experts))
+                    result = run_replay(geometry, lambda: open_synthetic_rows(spec, args.pack_dir), steps,
+                                        pool_slots=pool, arena_slots=int(arena_gb * 2**30) // spec.stride, device=device)
+                    result.update(preset=preset, workload=name, arena_gb=arena_gb)
+                    results.append(result)
+                    runs = result["runs"]
+                    print(f"{preset} {name} cov {coverage:.0%} arena {arena_gb} GiB: tiered {runs['tiered']['step_ms']:.3f} "
+                          f"ms, floor {result['floor_step_ms']:.3f} ms, resident {runs['resident']['step_ms']:.3f} ms, "
+                          f"naive {runs['naive']['step_ms']:.3f} ms", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"provenance": provenance(), "results": results}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
