@@ -20,9 +20,15 @@ if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _has_vllm() -> bool:
+    # A test folder named `vllm` on sys.path looks like a namespace package (no origin): not vLLM.
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
 def pytest_collection_modifyitems(config, items):
     has_cuda = _has_cuda()
-    has_vllm = importlib.util.find_spec("vllm") is not None
+    has_vllm = _has_vllm()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_vllm = pytest.mark.skip(reason="needs the vllm package")
     for item in items:
