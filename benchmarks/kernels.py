@@ -141,13 +141,13 @@ def _bf16_case(geo, w13, w2d, routings, reps):
 
 
 def _fused_case(geo, w2, f4, routings, reps, gate_up_only: bool, block_tokens: int | None = None,
-                config: tuple[int, int] = (64, 4)):
+                config: tuple[int, int] = (64, 4), ptx_w2: bool = True):
     fns = []
     for ids, weights in routings:
         tokens = ids.shape[0]
         x = torch.randn(tokens, geo.hidden, device="cuda", dtype=torch.bfloat16)
         ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype, "cuda",
-                                   block_tokens=block_tokens, block_n=config[0], num_warps=config[1])
+                                   block_tokens=block_tokens, block_n=config[0], num_warps=config[1], ptx_w2=ptx_w2)
         misses = MissLog.allocate(16, "cuda")
         out = torch.empty_like(x)
         if gate_up_only:
@@ -205,6 +205,11 @@ def run(preset: str, token_counts: list[int], reps: int, sweep: bool) -> dict:
             "w2_fused": _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, config=config),
             "w2_gate_up": _fused_case(geo, w2, f4, routings, reps, gate_up_only=True, config=config),
         }
+        if tokens * geo.top_k <= geo.num_experts:  # BT = 1: the plain-Triton decode beside the inline-PTX one
+            times["w2_fused_plain"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, config=config,
+                                                  ptx_w2=False)
+            times["w2_gate_up_plain"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=True, config=config,
+                                                    ptx_w2=False)
         if tokens * geo.top_k <= 2 * geo.num_experts:  # default there is BT = 1 (FMA); compare the MMA path
             times["w2_fused_mma16"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, block_tokens=16,
                                                   config=config)
@@ -212,15 +217,18 @@ def run(preset: str, token_counts: list[int], reps: int, sweep: bool) -> dict:
         times["fp4_fused"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, config=config)
         f4.table[0] = -1
         nbytes = {"bf16_grouped_mm": unique * bf16_expert, "w2_fused": unique * w2_expert,
-                  "w2_fused_mma16": unique * w2_expert,
+                  "w2_fused_mma16": unique * w2_expert, "w2_fused_plain": unique * w2_expert,
+                  "w2_gate_up_plain": unique * w2_gate_up,
                   "w2_gate_up": unique * w2_gate_up, "fp4_fused": unique * f4_expert}
         stream = {name: _stream_us(int(b), 4 if b > 256e6 else max(4, int(4 * 64e6 / b) + 1), reps)
-                  for name, b in nbytes.items() if name in times and name not in ("bf16_grouped_mm", "w2_fused_mma16")}
+                  for name, b in nbytes.items()
+                  if name in times and name not in ("bf16_grouped_mm", "w2_fused_mma16", "w2_fused_plain", "w2_gate_up_plain")}
         for name, us in times.items():
             row = dict(preset=preset, tokens=tokens, variant=name, us=us, unique_experts=unique, bytes=nbytes[name],
                        gb_per_s=nbytes[name] / us / 1e3, pct_hbm=100 * nbytes[name] / (us * 1e-6) / HBM_BYTES_PER_S,
                        speedup_vs_bf16=times["bf16_grouped_mm"] / us, rotations=count)
-            ceiling = None if name == "bf16_grouped_mm" else stream.get(name, stream["w2_fused"])
+            same_bytes = name.replace("_plain", "").replace("_mma16", "")
+            ceiling = None if name == "bf16_grouped_mm" else stream.get(name, stream[same_bytes])
             if ceiling is not None:
                 row["stream_us"] = ceiling
                 row["pct_of_stream"] = 100 * ceiling / us

@@ -73,10 +73,12 @@ class MoeWorkspace:
     num_blocks: torch.Tensor  # [1] int32
     act: torch.Tensor  # [P, I] activation dtype
     y: torch.Tensor  # [P, H] float32
+    ptx_w2: bool = True  # BT = 1 W2 with bf16 on CUDA: inline-PTX bf16x2 decode + FMA (else the plain-Triton path)
 
     @classmethod
     def allocate(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype, device,
-                 block_tokens: int | None = None, block_n: int = 64, num_warps: int | None = None) -> MoeWorkspace:
+                 block_tokens: int | None = None, block_n: int = 64, num_warps: int | None = None,
+                 ptx_w2: bool = True) -> MoeWorkspace:
         """block_tokens: 1 = one pair per program on CUDA-core FMAs (decode); 16 or 64 = tensor-core blocks.
 
         Default: 1 while pairs <= experts (measured crossover on the H200, benchmarks/kernel-notes.md),
@@ -101,6 +103,7 @@ class MoeWorkspace:
             num_blocks=torch.zeros(1, **i32),
             act=torch.empty(pairs, inter, dtype=dtype, device=device),
             y=torch.empty(pairs, hidden, dtype=torch.float32, device=device),
+            ptx_w2=ptx_w2,
         )
 
 
@@ -127,6 +130,7 @@ def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: M
         GATED=gated, HAS_LIMIT=limit is not None, ROWS_ARE_TOKENS=rows_are_tokens,
         W2_WPS=m2.wps, F4_WPS=m4.wps, BN=ws.block_n, BT=ws.block_tokens,
         PRECISION="ieee" if a.dtype == torch.float32 else None,
+        PTX_W2=ws.ptx_w2 and a.is_cuda and a.dtype == torch.bfloat16,
         num_warps=ws.num_warps,
     )
 

@@ -64,3 +64,39 @@ def decode_fp4_slot(words, SLOT: tl.constexpr):
 def scale_from_bytes(byte, EXP_OFFSET: tl.constexpr):
     """UE8M0 byte -> float32 2^(byte - 127 + EXP_OFFSET), built from exponent bits."""
     return ((byte.to(tl.int32) + EXP_OFFSET) << 23).to(tl.float32, bitcast=True)
+
+
+def _w2_word_dot_asm() -> str:
+    """PTX for `w2_word_dot_bf16x2` (built once at import; GPU path only)."""
+    lines = ["{", ".reg .b32 r, d, acc, lo, hi;"]
+    for i in range(8):
+        rot = (8 - 2 * i) % 32
+        src = "$1" if rot == 0 else "r"
+        if rot:
+            lines.append(f"shf.l.wrap.b32 r, $1, $1, {rot};")  # slots 2i, 2i+1 -> bits 8/15 and 24/31
+        lines.append(f"and.b32 d, {src}, 0x81008100;")
+        lines.append(f"add.s32 d, d, ${10 + i};")  # (+-1 or +-4) * 2^(scale byte - 127) as two bf16
+        if i == 0:
+            lines.append("mul.rn.bf16x2 acc, d, $2;")
+        else:
+            lines.append(f"fma.rn.bf16x2 acc, d, ${2 + i}, acc;")
+    lines += ["shl.b32 lo, acc, 16;", "and.b32 hi, acc, 0xffff0000;", "add.f32 $0, lo, hi;", "}"]
+    return "\n".join(lines)
+
+
+_W2_WORD_DOT_ASM = tl.constexpr(_w2_word_dot_asm())
+
+
+@triton.jit
+def w2_word_dot_bf16x2(w, x0, x1, x2, x3, x4, x5, x6, x7, s0, s1, s2, s3, s4, s5, s6, s7):
+    """Inline PTX (GPU only): sum over the 16 weights of W2 word w of weight * activation, as float32.
+
+    x_i: the activations of bit slots 2i (low half) and 2i+1 (high half) of this word as bfloat16x2;
+    s_i = (scale byte of slot 2i) << 7 | (scale byte of slot 2i+1) << 23. Per slot pair: one funnel
+    rotate, one and, one integer add (the scale enters both exponent fields) give the two weights as
+    bf16x2; one packed bf16 FMA. The eight products of a word are summed in bf16x2, then in float32.
+    """
+    return tl.inline_asm_elementwise(
+        _W2_WORD_DOT_ASM, "=r" + ",r" * 17, [w, x0, x1, x2, x3, x4, x5, x6, x7, s0, s1, s2, s3, s4, s5, s6, s7],
+        dtype=tl.float32, is_pure=True, pack=1,
+    )

@@ -16,7 +16,7 @@ accumulator is written as fp32. Rows are written only for the block's pairs: no 
 import triton
 import triton.language as tl
 
-from .decode import decode_fp4_slot, decode_w2_slot, decode_w2_slot_scaled, scale_from_bytes
+from .decode import decode_fp4_slot, decode_w2_slot, decode_w2_slot_scaled, scale_from_bytes, w2_word_dot_bf16x2
 
 
 @triton.jit
@@ -116,6 +116,87 @@ def _tier_tile_fma(
 
 
 @triton.jit
+def _x_bits(a_row_ptr, k, K):
+    """bfloat16 activations at k (0 past K) as their 16 bits in the low half of an int32."""
+    return tl.load(a_row_ptr + k, mask=k < K, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, blk_lo, blk_hi):
+    s_lo = tl.load(scales_ptr + rows * blocks_per_row + blk_lo, mask=n_mask, other=0).to(tl.int32)
+    s_hi = tl.load(scales_ptr + rows * blocks_per_row + blk_hi, mask=n_mask, other=0).to(tl.int32)
+    return ((s_lo << 7) | (s_hi << 23))[:, None]
+
+
+@triton.jit
+def _w2_tile_bf16x2(
+    words_ptr, scales_ptr, rows, n_mask, a_row_ptr, K, words_per_row, blocks_per_row, up_row_offset,
+    GATED: tl.constexpr, WPS: tl.constexpr, BN: tl.constexpr,
+):
+    """GPU fast path of `_tier_tile_fma` for W2 with bfloat16 activations (inline PTX, packed bf16x2 FMA).
+
+    Same result as the plain path up to bf16 rounding of the eight products of each word, which
+    are summed in bf16x2 before joining the float32 accumulator. The next K tile's words are
+    loaded before the current one is decoded (two tiles in flight per thread).
+    """
+    TILE_K: tl.constexpr = 16 * WPS
+    BLOCKS: tl.constexpr = TILE_K // 32
+    u = tl.arange(0, WPS)
+    gate_rows = rows[:, None] * words_per_row + u[None, :]  # [BN, WPS]
+    up_rows = (rows[:, None] + up_row_offset) * words_per_row + u[None, :]
+    acc_g = tl.zeros([BN, WPS], tl.float32)
+    acc_u = tl.zeros([BN, WPS], tl.float32)
+    tiles = words_per_row // WPS
+    w_g = tl.load(words_ptr + gate_rows, mask=n_mask[:, None], other=0)
+    w_u = w_g
+    if GATED:
+        w_u = tl.load(words_ptr + up_rows, mask=n_mask[:, None], other=0)
+    for t in range(0, tiles):
+        more = n_mask[:, None] & (t + 1 < tiles)
+        w_g_next = tl.load(words_ptr + gate_rows + (t + 1) * WPS, mask=more, other=0)
+        w_u_next = w_g_next
+        if GATED:
+            w_u_next = tl.load(words_ptr + up_rows + (t + 1) * WPS, mask=more, other=0)
+        k0 = t * TILE_K + u
+        x0 = (_x_bits(a_row_ptr, k0, K) | (_x_bits(a_row_ptr, k0 + WPS, K) << 16))[None, :]
+        x1 = (_x_bits(a_row_ptr, k0 + 2 * WPS, K) | (_x_bits(a_row_ptr, k0 + 3 * WPS, K) << 16))[None, :]
+        x2 = (_x_bits(a_row_ptr, k0 + 4 * WPS, K) | (_x_bits(a_row_ptr, k0 + 5 * WPS, K) << 16))[None, :]
+        x3 = (_x_bits(a_row_ptr, k0 + 6 * WPS, K) | (_x_bits(a_row_ptr, k0 + 7 * WPS, K) << 16))[None, :]
+        x4 = (_x_bits(a_row_ptr, k0 + 8 * WPS, K) | (_x_bits(a_row_ptr, k0 + 9 * WPS, K) << 16))[None, :]
+        x5 = (_x_bits(a_row_ptr, k0 + 10 * WPS, K) | (_x_bits(a_row_ptr, k0 + 11 * WPS, K) << 16))[None, :]
+        x6 = (_x_bits(a_row_ptr, k0 + 12 * WPS, K) | (_x_bits(a_row_ptr, k0 + 13 * WPS, K) << 16))[None, :]
+        x7 = (_x_bits(a_row_ptr, k0 + 14 * WPS, K) | (_x_bits(a_row_ptr, k0 + 15 * WPS, K) << 16))[None, :]
+        b = t * BLOCKS
+        acc_g += w2_word_dot_bf16x2(
+            w_g, x0, x1, x2, x3, x4, x5, x6, x7,
+            _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, b + 0 * WPS // 32, b + 1 * WPS // 32),
+            _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, b + 2 * WPS // 32, b + 3 * WPS // 32),
+            _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, b + 4 * WPS // 32, b + 5 * WPS // 32),
+            _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, b + 6 * WPS // 32, b + 7 * WPS // 32),
+            _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, b + 8 * WPS // 32, b + 9 * WPS // 32),
+            _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, b + 10 * WPS // 32, b + 11 * WPS // 32),
+            _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, b + 12 * WPS // 32, b + 13 * WPS // 32),
+            _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, b + 14 * WPS // 32, b + 15 * WPS // 32),
+        )
+        if GATED:
+            up = rows + up_row_offset
+            acc_u += w2_word_dot_bf16x2(
+                w_u, x0, x1, x2, x3, x4, x5, x6, x7,
+                _scale_pair(scales_ptr, up, n_mask, blocks_per_row, b + 0 * WPS // 32, b + 1 * WPS // 32),
+                _scale_pair(scales_ptr, up, n_mask, blocks_per_row, b + 2 * WPS // 32, b + 3 * WPS // 32),
+                _scale_pair(scales_ptr, up, n_mask, blocks_per_row, b + 4 * WPS // 32, b + 5 * WPS // 32),
+                _scale_pair(scales_ptr, up, n_mask, blocks_per_row, b + 6 * WPS // 32, b + 7 * WPS // 32),
+                _scale_pair(scales_ptr, up, n_mask, blocks_per_row, b + 8 * WPS // 32, b + 9 * WPS // 32),
+                _scale_pair(scales_ptr, up, n_mask, blocks_per_row, b + 10 * WPS // 32, b + 11 * WPS // 32),
+                _scale_pair(scales_ptr, up, n_mask, blocks_per_row, b + 12 * WPS // 32, b + 13 * WPS // 32),
+                _scale_pair(scales_ptr, up, n_mask, blocks_per_row, b + 14 * WPS // 32, b + 15 * WPS // 32),
+            )
+        w_g = w_g_next
+        w_u = w_u_next
+    return tl.sum(acc_g, axis=1)[:, None], tl.sum(acc_u, axis=1)[:, None]
+
+
+@triton.jit
 def moe_gemm_kernel(
     a_ptr, stride_a, out_ptr, stride_out,
     w2_words_ptr, w2_scales_ptr, w2_slot_bytes, w2_words_off, w2_scales_off, w2_words_per_row, w2_blocks_per_row,
@@ -125,6 +206,7 @@ def moe_gemm_kernel(
     N_OUT, K, top_k, limit,
     GATED: tl.constexpr, HAS_LIMIT: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr,
     W2_WPS: tl.constexpr, F4_WPS: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
+    PTX_W2: tl.constexpr,
 ):
     b = tl.program_id(0)
     if b >= tl.load(num_blocks_ptr):
@@ -152,11 +234,17 @@ def moe_gemm_kernel(
             )
         else:
             base = tl.load(w2_table_ptr + table_row + expert).to(tl.int64) * w2_slot_bytes
-            acc_g, acc_u = _tier_tile_fma(
-                w2_words_ptr + (base + w2_words_off) // 4, w2_scales_ptr + base + w2_scales_off, rows, n_mask,
-                a_row_ptr, K, num_blocks_k, w2_words_per_row, w2_blocks_per_row, N_OUT,
-                GATED, True, W2_WPS, BN,
-            )
+            if PTX_W2:
+                acc_g, acc_u = _w2_tile_bf16x2(
+                    w2_words_ptr + tl.multiple_of((base + w2_words_off) // 4, 4), w2_scales_ptr + base + w2_scales_off,
+                    rows, n_mask, a_row_ptr, K, w2_words_per_row, w2_blocks_per_row, N_OUT, GATED, W2_WPS, BN,
+                )
+            else:
+                acc_g, acc_u = _tier_tile_fma(
+                    w2_words_ptr + (base + w2_words_off) // 4, w2_scales_ptr + base + w2_scales_off, rows, n_mask,
+                    a_row_ptr, K, num_blocks_k, w2_words_per_row, w2_blocks_per_row, N_OUT,
+                    GATED, True, W2_WPS, BN,
+                )
     elif f4_slot >= 0:
         base = f4_slot.to(tl.int64) * f4_slot_bytes
         acc_g, acc_u = _tier_tile(
