@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections import Counter
 from pathlib import Path
 
 from tqdm import tqdm
 
+from tierstore.atomic_files import build_once, cache_dir
 from tierstore.geometry import MoEGeometry
 
 WORKING_SET_REFUSAL = 1.15  # pools below layers x top-k x tokens x this are refused at start
@@ -141,25 +141,9 @@ def inspect_checkpoint(checkpoint, *, gpu_bytes: int | None = None, ram_bytes: i
 
 def demo_checkpoint(progress: bool = False) -> Path:
     """The built-in default checkpoint (a tiny Qwen3-MoE in NVFP4), built on first use under
-    $TIERSTORE_CACHE_DIR (default ~/.cache/tierstore). Built in a temporary folder and renamed
-    into place, so an interrupted build never leaves a half-written checkpoint behind."""
+    $TIERSTORE_CACHE_DIR (default ~/.cache/tierstore)."""
     from tierstore.checkpoint.synthetic import write_synthetic_checkpoint
 
-    cache = Path(os.environ.get("TIERSTORE_CACHE_DIR") or Path.home() / ".cache" / "tierstore")
-    target = cache / DEMO_CHECKPOINT_NAME
-    if (target / "config.json").exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = cache / f".{DEMO_CHECKPOINT_NAME}.{os.getpid()}.tmp"
-    if progress:
-        print(f"building the demo checkpoint in {target} (first use only)")
-    write_synthetic_checkpoint(staging, arch="qwen3_moe", fmt="nvfp4", seed=0)
-    try:
-        os.rename(staging, target)
-    except OSError:  # another process finished first; keep its copy
-        import shutil
-
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (target / "config.json").exists():
-            raise
-    return target
+    return build_once(cache_dir() / DEMO_CHECKPOINT_NAME,
+                      lambda staging: write_synthetic_checkpoint(staging, arch="qwen3_moe", fmt="nvfp4", seed=0),
+                      progress)

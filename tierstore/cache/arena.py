@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -26,6 +24,7 @@ from typing import Protocol
 
 import torch
 
+from tierstore.atomic_files import atomic_write_bytes
 from tierstore.cache.slots import SlotTable
 from tierstore.errors import CapacityError, PackFormatError
 
@@ -87,11 +86,10 @@ def _largest_pinnable(nbytes: int) -> int:
     size = nbytes // 2
     while size >= PAGE_BYTES:
         try:
-            del_me = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            torch.empty(size, dtype=torch.uint8, pin_memory=True)  # freed at once: a probe
         except RuntimeError:
             size //= 2
             continue
-        del del_me
         return size
     return 0
 
@@ -247,7 +245,7 @@ class Arena:
             return
         body = {"format": HEAT_FORMAT, "version": HEAT_VERSION, "num_layers": self.source.num_layers,
                 "num_experts": self.source.num_experts, "keys": [list(k) for k in self._table.hottest_first()]}
-        _atomic_write(self.heat_path, json.dumps(body).encode())
+        atomic_write_bytes(self.heat_path, json.dumps(body).encode())
 
     def _preheat(self) -> None:
         try:
@@ -300,17 +298,3 @@ def parse_heat(path: Path, num_layers: int, num_experts: int) -> list[Key]:
             raise PackFormatError(f"{path}: key {entry!r:.60} is not a [layer, expert] pair in range")
         parsed[(entry[0], entry[1])] = None
     return list(parsed)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp_name, path)
-    except BaseException:
-        if os.path.exists(temp_name):
-            os.unlink(temp_name)
-        raise

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from tierstore.errors import CapacityError, PackFormatError
-from tierstore.io.atomic import atomic_create_sparse, atomic_write_bytes
+from tierstore.atomic_files import atomic_create_sparse, atomic_write_bytes
 from tierstore.io.checksum import row_checksum
 from tierstore.io.layout import PackSpec
 from tierstore.io.pack import PackPaths, load_valid_sidecar, locked

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import torch
 
+from tierstore.atomic_files import cache_dir
 from tierstore.cache.arena import arena_slots
 from tierstore.checkpoint import open_checkpoint
 from tierstore.kernels.layout import w2_slot_layout
 from tierstore.runtime.config import RuntimeConfig
-from tierstore.runtime.demo import cache_dir, demo_checkpoint
+from tierstore.runtime.demo import demo_checkpoint
 from tierstore.runtime.engine import TieredRuntime, slots_for
 from tierstore.runtime.generation import TieredGenerator
 from tierstore.runtime.hf import install_tiered_experts, load_model, load_tokenizer

@@ -4,9 +4,9 @@ transformers (byte-level vocabulary, no tokenizer files), built once under $TIER
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
+
+from tierstore.atomic_files import build_once, cache_dir
 
 DEMO_NAME = "demo-generate-qwen3-moe-v1"
 DEMO_CONFIG = dict(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=32,
@@ -15,21 +15,14 @@ DEMO_CONFIG = dict(vocab_size=256, hidden_size=128, intermediate_size=256, moe_i
 DEMO_SEED = 0
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("TIERSTORE_CACHE_DIR") or Path.home() / ".cache" / "tierstore")
-
-
 def demo_checkpoint(progress: bool = False) -> Path:
+    return build_once(cache_dir() / DEMO_NAME, _save_demo_model, progress)
+
+
+def _save_demo_model(staging: Path) -> None:
     import torch
     import transformers
 
-    target = cache_dir() / DEMO_NAME
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{DEMO_NAME}.{os.getpid()}.tmp"
-    if progress:
-        print(f"building the demo checkpoint in {target} (first use only)")
     config = transformers.Qwen3MoeConfig(**DEMO_CONFIG)
     with torch.random.fork_rng():
         torch.manual_seed(DEMO_SEED)
@@ -39,10 +32,3 @@ def demo_checkpoint(progress: bool = False) -> Path:
                 if name.endswith("mlp.gate.weight"):
                     param.normal_(0.0, 0.3)
     model.to(torch.bfloat16).save_pretrained(staging)
-    try:
-        os.rename(staging, target)
-    except OSError:  # another process finished first; keep its copy
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (target / "config.json").exists():
-            raise
-    return target
