@@ -3,12 +3,12 @@
 Life of a layer:
 1. `create_weights` registers parameters in the checkpoint's own format (bf16, FP8 block,
    NVFP4, MXFP4; see source_formats) so vLLM's weight loader fills and TP-shards them.
-2. `process_weights_after_loading` requantizes every local expert to W2, keeps the slot form of
-   the rows (device-resident, or host rows behind the process's expert cache) and frees the
-   checkpoint-format parameters.
-3. `apply` (router already run: topk_ids/topk_weights [T, k]) computes the routed experts on the
-   CPU reference or the CUDA kernels. Eager execution fetches missing experts first; graph
-   execution records them for the runner's `resolve_misses` + replay.
+2. `process_weights_after_loading` turns every local expert into W2 -- requantized from those
+   parameters, or read from the pack when STORE_DIR is set (no requantization after the pack's
+   first build) -- and frees the checkpoint-format parameters.
+3. `apply` (router already run: topk_ids/topk_weights [T, k]) computes the routed experts:
+   all resident on the CPU reference or the CUDA kernels, or through the process's tiered
+   runtime when an expert cache (BASE_CACHE_GB) smaller than the model is configured.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import logging
 
 import torch
 
-from tierstore.errors import CapacityError, ConfigError
+from tierstore.errors import ConfigError
 from tierstore.vllm_adapter.compat import FusedMoEMethodBase, set_weight_attrs
-from tierstore.vllm_adapter.expert_compute import KernelBackend, ReferenceBackend, w2_slot_bytes
-from tierstore.vllm_adapter.residency import LayerSlots, process_cache, resident_layer
+from tierstore.vllm_adapter.expert_compute import KernelBackend, ReferenceBackend, w2_slot_row
+from tierstore.vllm_adapter.pack_boot import decoder_layer, pack_boot
+from tierstore.vllm_adapter.residency import LayerSlots, resident_layer
 from tierstore.vllm_adapter.settings import AdapterSettings
 from tierstore.vllm_adapter.source_formats import (
     SourceFormat,
@@ -28,24 +29,19 @@ from tierstore.vllm_adapter.source_formats import (
     param_specs,
     requantize_expert,
 )
+from tierstore.vllm_adapter.tiered import TieredModel, tiered_model
 
 logger = logging.getLogger(__name__)
 
 
-def _needs_runtime(settings: AdapterSettings) -> list[str]:
-    """Knobs whose machinery is the tiered runtime (FP4 pool manager, gate, arena over a pack)."""
-    needs = []
+def _not_built_yet(settings: AdapterSettings) -> list[str]:
+    """Knobs whose machinery (the FP4 pool manager and the confidence gate) this adapter does not drive yet."""
+    missing = []
     if settings.fp4_pool_bytes != 0:
-        needs.append("DELTA_GB (FP4 pool)")
+        missing.append("DELTA_GB (FP4 pool)")
     if settings.gate:
-        needs.append("GATE")
-    if settings.store_dir is not None:
-        needs.append("STORE_DIR (pack boot / NVMe tier)")
-    if settings.base_ram_bytes is not None:
-        needs.append("BASE_RAM_GB")
-    if settings.tier_direct:
-        needs.append("TIER_DIRECT")
-    return needs
+        missing.append("GATE")
+    return missing
 
 
 def check_layer_supported(layer: torch.nn.Module, settings: AdapterSettings) -> None:
@@ -63,22 +59,13 @@ def check_layer_supported(layer: torch.nn.Module, settings: AdapterSettings) -> 
         raise ConfigError(f"layer {layer.layer_name!r} uses a SwiGLU alpha/beta variant; only the clamp is supported")
     if getattr(layer, "apply_router_weight_on_input", False):
         raise ConfigError(f"layer {layer.layer_name!r} applies router weights on the input; not supported")
-    unbuilt = _needs_runtime(settings)
+    unbuilt = _not_built_yet(settings)
     if unbuilt:
-        raise ConfigError(f"{', '.join(unbuilt)} need tierstore's tiered runtime, which this adapter does not "
-                          "drive yet; unset them (supported now: ZERO_MODE, BASE_CACHE_GB, BASE_MISS_TOL, "
-                          "REPLAY_MODE, FP_MAX, EXECUTION)")
-
-
-def _graph_mode_allowed() -> bool:
-    """True when MoE runs outside captured CUDA graphs (enforce_eager, or moe_forward split out)."""
-    from vllm.config import get_current_vllm_config
-
-    config = get_current_vllm_config()
-    if config.model_config is not None and config.model_config.enforce_eager:
-        return True
-    splitting = getattr(config.compilation_config, "splitting_ops", None) or []
-    return any("moe_forward" in op for op in splitting)
+        raise ConfigError(f"{', '.join(unbuilt)}: the FP4 pool and the gate are not driven by the vLLM adapter "
+                          "yet; unset them (every other knob works)")
+    if settings.store_dir is not None and moe.moe_parallel_config.tp_size > 1:
+        raise ConfigError("STORE_DIR packs hold whole experts; with tensor parallelism > 1 leave STORE_DIR unset "
+                          "(experts are then requantized from each rank's shard)")
 
 
 class TierstoreMoEMethod(FusedMoEMethodBase):
@@ -87,9 +74,9 @@ class TierstoreMoEMethod(FusedMoEMethodBase):
         self.source_format = source_format
         self.settings = settings
         self.prefix = prefix
-        self.slots: LayerSlots | None = None
+        self.slots: LayerSlots | None = None  # resident experts
+        self.tiered: TieredModel | None = None  # or the process's expert cache
         self.backend: ReferenceBackend | KernelBackend | None = None
-        self._miss_log = None
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -99,7 +86,7 @@ class TierstoreMoEMethod(FusedMoEMethodBase):
         tp_size = layer.moe_config.moe_parallel_config.tp_size
         check_shard_geometry(self.source_format, hidden_size, intermediate_size_per_partition, tp_size)
         if self.settings.uses_expert_cache and self.settings.execution == "eager" and torch.cuda.is_available() \
-                and not _graph_mode_allowed():
+                and not _moe_runs_outside_graphs():
             raise ConfigError("BASE_CACHE_GB with EXECUTION=eager fetches experts inside the MoE op, which a "
                               "captured CUDA graph would not repeat: run with --enforce-eager, or add "
                               "'vllm::moe_forward' and 'vllm::moe_forward_shared' to compilation_config.splitting_ops")
@@ -111,28 +98,46 @@ class TierstoreMoEMethod(FusedMoEMethodBase):
             set_weight_attrs(param, attrs if spec.quant_method is None else {**attrs, "quant_method": spec.quant_method})
         self._param_names = [spec.name for spec in specs]
         self.hidden, self.inter, self.num_experts = hidden_size, intermediate_size_per_partition, num_experts
+        self.decoder_layer = decoder_layer(self.prefix)
+        self.model_path = _current_model_path()
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        params = {name: getattr(layer, name).data for name in self._param_names}
-        device = params["w13_weight"].device
-        self.backend = (KernelBackend(self.hidden, self.inter, self.num_experts) if device.type == "cuda"
-                        else ReferenceBackend(self.hidden, self.inter))
-        per_expert = [self.backend.expert_rows(*requantize_expert(self.source_format, params, e, self.settings.zero_mode))
-                      for e in range(self.num_experts)]
-        rows = tuple(torch.stack(parts) for parts in zip(*per_expert))  # each [E, ...]
+        device = getattr(layer, self._param_names[0]).device
+        backend_class = KernelBackend if device.type == "cuda" else ReferenceBackend
+        self.backend = backend_class(self.hidden, self.inter, self.num_experts)
+        boot = None
+        if self.settings.store_dir is not None:
+            boot = pack_boot(self.model_path, self.settings.store_dir, self.settings.zero_mode,
+                             self.settings.tier_direct)
+            if (boot.geometry.num_experts, boot.geometry.expert_inter) != (self.num_experts, self.inter):
+                raise ConfigError(f"{self.prefix}: the pack holds {boot.geometry.num_experts} experts of intermediate "
+                                  f"size {boot.geometry.expert_inter}, the layer has {self.num_experts} of {self.inter}")
+        if self.settings.uses_expert_cache:
+            self.tiered = tiered_model(settings=self.settings, top_k=layer.top_k, hidden=self.hidden, inter=self.inter,
+                                       swiglu_limit=getattr(layer, "swiglu_limit", None), device=device, boot=boot)
+            self.tiered.add_layer(self.decoder_layer, self.num_experts,
+                                  None if boot is not None else self._requantized_slot_rows(layer))
+            source = "pack" if boot is not None else "requantized"
+        elif boot is not None:
+            slots = boot.slot_rows(boot.dense_layer(self.prefix))  # [E, slot_bytes]
+            self.slots = resident_layer(self.backend.rows_from_slots(slots), device)
+            source = "pack"
+        else:
+            per_expert = [self.backend.expert_rows(*w2) for w2 in self._requantized(layer)]
+            self.slots = resident_layer([torch.stack(parts) for parts in zip(*per_expert)], device)
+            source = "requantized"
         for name in self._param_names:  # the checkpoint-format copies are not needed any more
             delattr(layer, name)
-        if self.settings.uses_expert_cache:
-            slot_bytes = w2_slot_bytes(self.hidden, self.inter)
-            cache = process_cache(self.settings.base_cache_bytes // slot_bytes, slot_bytes, device,
-                                  lambda n: self.backend.empty_slots(n, device))
-            self.slots = cache.add_layer(self.prefix, tuple(r.cpu() for r in rows))
-        else:
-            self.slots = resident_layer(self.prefix, rows, device)
-        if self.backend.name == "kernels":
-            self._miss_log = self.backend.miss_log(device)
-        logger.info("tierstore: %s: %d experts as W2 (%s, %s)", self.prefix, self.num_experts, self.backend.name,
-                    "expert cache" if self.settings.uses_expert_cache else "resident")
+        logger.info("tierstore: %s: %d experts as W2 (%s), %s, %s", self.prefix, self.num_experts, source,
+                    "expert cache" if self.tiered is not None else "resident", self.backend.name)
+
+    def _requantized(self, layer: torch.nn.Module):
+        params = {name: getattr(layer, name).data for name in self._param_names}
+        return [requantize_expert(self.source_format, params, e, self.settings.zero_mode)
+                for e in range(self.num_experts)]
+
+    def _requantized_slot_rows(self, layer: torch.nn.Module) -> torch.Tensor:
+        return torch.stack([w2_slot_row(w13.to("cpu"), w2.to("cpu")) for w13, w2 in self._requantized(layer)])
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None  # tierstore computes the experts itself; no vLLM modular kernel is involved
@@ -142,29 +147,27 @@ class TierstoreMoEMethod(FusedMoEMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
         """x [T, H], topk_ids [T, k] (global ids = local ids: no EP), topk_weights [T, k] -> [T, H]."""
+        if self.tiered is not None:
+            return self.tiered.moe(self.decoder_layer, x, topk_ids, topk_weights)
         if self.slots is None:
             raise RuntimeError(f"{self.prefix}: apply before process_weights_after_loading")
-        cache = self._cache()
-        if cache is not None and self.settings.execution == "eager":
-            cache.ensure_resident(self.prefix, topk_ids.unique().tolist())
-        swiglu_limit = getattr(layer, "swiglu_limit", None)
-        if self.backend.name == "reference":
-            out, missing, pairs = self.backend.run(x, topk_ids, topk_weights, self.slots.table, self.slots.slots,
-                                                   swiglu_limit)
-            self._account_misses(cache, missing, pairs)
-            return out
-        return self.backend.run(x, topk_ids, topk_weights, self.slots.table, self.slots.slots, swiglu_limit,
-                                self._miss_log)
+        return self.backend.run(x, topk_ids, topk_weights, self.slots.table, self.slots.slots,
+                                getattr(layer, "swiglu_limit", None))
 
-    def _cache(self):
-        from tierstore.vllm_adapter.residency import current_cache
 
-        return current_cache() if self.settings.uses_expert_cache else None
+def _moe_runs_outside_graphs() -> bool:
+    """True when MoE runs outside captured CUDA graphs (enforce_eager, or moe_forward split out)."""
+    from vllm.config import get_current_vllm_config
 
-    def _account_misses(self, cache, missing: list[int], pairs: int) -> None:
-        if not missing:
-            return
-        if cache is None or self.settings.execution == "eager":
-            raise CapacityError(f"{self.prefix}: experts {missing} were not resident after the fetch "
-                                "(a bug: eager execution fetches every routed expert first)")
-        cache.record_misses(self.prefix, missing, pairs)
+    config = get_current_vllm_config()
+    if config.model_config is not None and config.model_config.enforce_eager:
+        return True
+    splitting = getattr(config.compilation_config, "splitting_ops", None) or []
+    return any("moe_forward" in op for op in splitting)
+
+
+def _current_model_path() -> str | None:
+    from vllm.config import get_current_vllm_config
+
+    model_config = get_current_vllm_config().model_config
+    return None if model_config is None else model_config.model

@@ -24,9 +24,13 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def fresh_cache():
-    from tierstore.vllm_adapter.residency import reset_process_cache
+def fresh_tiers():
+    """Each test builds its own models: drop the process's runtime and pack handles around it."""
+    from tierstore.vllm_adapter.pack_boot import forget_pack_boots
+    from tierstore.vllm_adapter.tiered import forget_tiered_model
 
-    reset_process_cache()
+    forget_tiered_model()
+    forget_pack_boots()
     yield
-    reset_process_cache()
+    forget_tiered_model()
+    forget_pack_boots()

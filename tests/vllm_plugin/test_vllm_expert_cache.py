@@ -1,10 +1,11 @@
-"""GPU-as-expert-cache inside vLLM's layer on CPU: eager fetch before compute, graph-mode miss
-record + batched fetch + replay to a fixed point, and the start-up refusals."""
+"""GPU-as-expert-cache and pack boot inside vLLM's layer on CPU: the process's tiered runtime
+(eager fetch before compute; graph execution driven by runtime.step), start-up refusals, and
+STORE_DIR boots that read the pack instead of requantizing."""
 
 import pytest
 import torch
 
-from tierstore.errors import CapacityError
+from tierstore.errors import CapacityError, ConfigError
 from tierstore.vllm_adapter.expert_compute import w2_slot_bytes
 
 from moe_helpers import E, H, I, apply, built_layer, routing
@@ -18,102 +19,85 @@ def two_layers(harness, path):
     return [built_layer(harness, path, layer=layer)[1] for layer in (0, 1)]
 
 
-def resident_outputs(harness, path, inputs):
+def chained_step(layers, x, weights, ids):
+    """A "model step": layer 1 consumes layer 0's output."""
+    first = apply(layers[0], x, weights, ids)
+    return first, apply(layers[1], x + first, weights, ids)
+
+
+def resident_step(harness, path, inputs):
     with harness.cpu_vllm():
-        layers = two_layers(harness, path)
-        return [apply(layer, *inputs) for layer in layers]
+        return chained_step(two_layers(harness, path), *inputs)
 
 
-def test_eager_cache_smaller_than_the_model_gives_the_resident_result(harness, checkpoints, monkeypatch):
-    from tierstore.vllm_adapter.residency import current_cache
+def use_cache(monkeypatch, slots, execution="eager", **knobs):
+    monkeypatch.setenv("VLLM_MOE_W2_BASE_CACHE_GB", f"{slots * SLOT}B")
+    monkeypatch.setenv("TIERSTORE_EXECUTION", execution)
+    for name, value in knobs.items():
+        monkeypatch.setenv(f"VLLM_MOE_W2_{name}", str(value))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_eager_cache_smaller_than_the_model_gives_the_resident_result(harness, checkpoints, monkeypatch, fmt):
+    from tierstore.vllm_adapter.tiered import current_runtime
 
     x, _, weights, ids = routing(harness, tokens=8, seed=4)
-    expected = resident_outputs(harness, checkpoints["nvfp4"], (x, weights, ids))
-    monkeypatch.setenv("VLLM_MOE_W2_BASE_CACHE_GB", f"{E * SLOT}B")  # one layer's worth for two layers
+    expected = resident_step(harness, checkpoints[fmt], (x, weights, ids))
+    use_cache(monkeypatch, E)  # one layer's worth of slots for two layers
     with harness.cpu_vllm():
-        layers = two_layers(harness, checkpoints["nvfp4"])
-        cache = current_cache()
-        assert cache.num_slots == E
-        for _ in range(2):  # the second round evicts and refetches what the other layer pushed out
-            for layer, want in zip(layers, expected):
-                assert torch.equal(apply(layer, x, weights, ids), want)
-    assert cache.fetched > len(ids.unique())
+        layers = two_layers(harness, checkpoints[fmt])
+        for _ in range(2):  # the second round refetches what the other layer pushed out
+            got = chained_step(layers, x, weights, ids)
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        runtime = current_runtime()
+    assert runtime.pool.num_slots == E
+    assert runtime.stats().fetched_rows > len(ids.unique())
 
 
-def test_cache_below_one_layers_experts_is_refused_at_load(harness, checkpoints, monkeypatch):
-    monkeypatch.setenv("TIERSTORE_BASE_CACHE_GB", f"{(E - 1) * SLOT}B")
-    with harness.cpu_vllm(), pytest.raises(CapacityError, match="set BASE_CACHE_GB to at least"):
-        built_layer(harness, checkpoints["bf16"])
+def test_cache_below_the_working_set_is_refused_at_the_first_forward(harness, checkpoints, monkeypatch):
+    x, _, weights, ids = routing(harness)
+    use_cache(monkeypatch, 2)
+    with harness.cpu_vllm():
+        layers = two_layers(harness, checkpoints["bf16"])
+        with pytest.raises(CapacityError, match="would work"):
+            apply(layers[0], x, weights, ids)
 
 
-def graph_mode(monkeypatch, slots, **knobs):
-    monkeypatch.setenv("TIERSTORE_BASE_CACHE_GB", f"{slots * SLOT}B")
-    monkeypatch.setenv("TIERSTORE_EXECUTION", "graph")
-    for name, value in knobs.items():
-        monkeypatch.setenv(f"TIERSTORE_{name}", str(value))
+def test_eager_cache_under_cuda_graphs_is_refused(harness, checkpoints, monkeypatch):
+    from tierstore.vllm_adapter import moe_method
+
+    use_cache(monkeypatch, E)
+    monkeypatch.setattr(moe_method.torch.cuda, "is_available", lambda: True)
+    with harness.cpu_vllm(), pytest.raises(ConfigError, match="--enforce-eager"):
+        built_layer(harness, checkpoints["bf16"], process=False)
 
 
-def test_graph_mode_records_misses_and_the_replay_equals_the_resident_run(harness, checkpoints, monkeypatch):
-    from tierstore.vllm_adapter.residency import current_cache
-    from tierstore.vllm_adapter.settings import AdapterSettings
-    from tierstore.vllm_adapter.step_replay import run_step
+def test_graph_execution_replays_to_the_resident_result(harness, checkpoints, monkeypatch):
+    from tierstore.vllm_adapter.tiered import current_runtime
 
     x, _, weights, ids = routing(harness, tokens=8, seed=5)
-
-    def step(layers):  # layer 1 consumes layer 0's output, as in a model
-        first = apply(layers[0], x, weights, ids)
-        return first, apply(layers[1], x + first, weights, ids)
-
-    with harness.cpu_vllm():
-        expected = step(two_layers(harness, checkpoints["bf16"]))
-    graph_mode(monkeypatch, 2 * E)
+    expected = resident_step(harness, checkpoints["bf16"], (x, weights, ids))
+    use_cache(monkeypatch, 2 * E, execution="graph")
     with harness.cpu_vllm():
         layers = two_layers(harness, checkpoints["bf16"])
-        cache = current_cache()
-        result, report = run_step(lambda: step(layers), cache, AdapterSettings.from_environ())
-        assert report.replays == 1 and report.fetched == 2 * len(ids.unique()) and report.residual_pairs == 0
+        first_pass = chained_step(layers, x, weights, ids)  # builds the runtime; everything misses
+        assert torch.equal(first_pass[0], torch.zeros_like(first_pass[0]))
+        runtime = current_runtime()
+        result, outcome = runtime.step(lambda: chained_step(layers, x, weights, ids), rewind=lambda: None)
+        assert outcome.replays == 1 and outcome.residue_pairs == 0
         assert torch.equal(result[0], expected[0]) and torch.equal(result[1], expected[1])
-        _, again = run_step(lambda: step(layers), cache, AdapterSettings.from_environ())
-        assert again.replays == 0 and again.fetched == 0
+        _, again = runtime.step(lambda: chained_step(layers, x, weights, ids), rewind=lambda: None)
+        assert again.replays == 0 and again.first_pass_missing_pairs == 0
 
 
-def test_first_graph_pass_zeroes_missing_pairs_exactly(harness, checkpoints, monkeypatch):
-    from tierstore.vllm_adapter.residency import current_cache
-
-    x, _, weights, ids = routing(harness, tokens=3, seed=6)
-    graph_mode(monkeypatch, E)
-    with harness.cpu_vllm():
-        (layer,) = [built_layer(harness, checkpoints["bf16"])[1]]
-        out = apply(layer, x, weights, ids)
-        cache = current_cache()
-    assert torch.equal(out, torch.zeros_like(out))
-    assert cache.pending_pairs == ids.numel()
-    assert cache.pending == {(layer.quant_method.prefix, e) for e in ids.unique().tolist()}
-
-
-def test_a_batch_of_misses_larger_than_the_cache_is_refused(harness, checkpoints, monkeypatch):
-    from tierstore.vllm_adapter.residency import current_cache
-    from tierstore.vllm_adapter.settings import AdapterSettings
-    from tierstore.vllm_adapter.step_replay import run_step
-
-    x, _, weights, ids = routing(harness, tokens=16, seed=7)
-    graph_mode(monkeypatch, E)
-    with harness.cpu_vllm():
-        layers = two_layers(harness, checkpoints["bf16"])
-        step = lambda: [apply(layer, x, weights, ids) for layer in layers]  # noqa: E731
-        with pytest.raises(CapacityError, match="exceed the 8 cache slots"):
-            run_step(step, current_cache(), AdapterSettings.from_environ())
-
-
-def test_strict_mode_raises_when_fp_max_replays_do_not_converge(harness, checkpoints, monkeypatch):
+def test_graph_execution_strict_mode_refuses_after_fp_max(harness, checkpoints, monkeypatch):
     """Each replay routes to experts the last fetch did not bring (as re-routing after upgraded
-    early layers can): strict refuses after FP_MAX replays, approximate reports the residue."""
-    from tierstore.vllm_adapter.residency import current_cache
-    from tierstore.vllm_adapter.settings import AdapterSettings
-    from tierstore.vllm_adapter.step_replay import run_step
+    early layers can): strict refuses after FP_MAX replays."""
+    from tierstore.runtime import ReplayLimitError
+    from tierstore.vllm_adapter.tiered import current_runtime
 
     x, _, weights, _ = routing(harness, tokens=2, seed=7)
-    graph_mode(monkeypatch, E)
+    use_cache(monkeypatch, E, execution="graph", FP_MAX=3)
     calls = [0]
 
     def step():
@@ -123,26 +107,40 @@ def test_strict_mode_raises_when_fp_max_replays_do_not_converge(harness, checkpo
 
     with harness.cpu_vllm():
         layers = two_layers(harness, checkpoints["bf16"])
-        cache = current_cache()
-        with pytest.raises(CapacityError, match="still missing after 3 replays"):
-            run_step(step, cache, AdapterSettings.from_environ({"TIERSTORE_FP_MAX": "3"}))
-        _, report = run_step(step, cache, AdapterSettings.from_environ(
-            {"TIERSTORE_FP_MAX": "2", "TIERSTORE_REPLAY_MODE": "approximate"}))
-        assert report.replays == 2 and report.residual_pairs > 0
+        step()
+        with pytest.raises(ReplayLimitError, match="after 3 replays"):
+            current_runtime().step(step, rewind=lambda: None)
 
 
-def test_miss_tolerance_keeps_the_result_but_still_fetches(harness, checkpoints, monkeypatch):
-    from tierstore.vllm_adapter.residency import current_cache
-    from tierstore.vllm_adapter.settings import AdapterSettings
-    from tierstore.vllm_adapter.step_replay import run_step
+def test_store_dir_boots_resident_layers_from_the_pack(harness, checkpoints, monkeypatch, tmp_path):
+    from tierstore.vllm_adapter.pack_boot import forget_pack_boots, pack_boot
 
-    x, _, weights, ids = routing(harness, tokens=1, seed=8)
-    graph_mode(monkeypatch, E)
+    x, _, weights, ids = routing(harness, seed=9)
     with harness.cpu_vllm():
-        (layer,) = [built_layer(harness, checkpoints["bf16"])[1]]
-        cache = current_cache()
-        out, report = run_step(lambda: apply(layer, x, weights, ids), cache,
-                               AdapterSettings.from_environ({"TIERSTORE_BASE_MISS_TOL": "2"}))
-    assert report.replays == 0 and report.fetched == 2
-    assert torch.equal(out, torch.zeros_like(out))
-    assert (layer.quant_method.slots.table[0, ids[0].long()] >= 0).all()
+        expected = apply(built_layer(harness, checkpoints["fp8_block"])[1], x, weights, ids)
+    monkeypatch.setenv("TIERSTORE_STORE_DIR", str(tmp_path))
+    with harness.cpu_vllm(model=checkpoints["fp8_block"]):
+        out = apply(built_layer(harness, checkpoints["fp8_block"])[1], x, weights, ids)
+        first_boot = pack_boot(checkpoints["fp8_block"], tmp_path, "auto", False)
+        assert first_boot.requantized_layers == [0, 1]
+    assert torch.equal(out, expected)
+    forget_pack_boots()
+    with harness.cpu_vllm(model=checkpoints["fp8_block"]):
+        again = apply(built_layer(harness, checkpoints["fp8_block"])[1], x, weights, ids)
+        assert pack_boot(checkpoints["fp8_block"], tmp_path, "auto", False).requantized_layers == []
+    assert torch.equal(again, expected)
+
+
+def test_store_dir_with_expert_cache_serves_from_the_pack(harness, checkpoints, monkeypatch, tmp_path):
+    x, _, weights, ids = routing(harness, tokens=8, seed=10)
+    expected = resident_step(harness, checkpoints["nvfp4"], (x, weights, ids))
+    use_cache(monkeypatch, E, STORE_DIR=tmp_path, BASE_RAM_GB="auto")
+    with harness.cpu_vllm(model=checkpoints["nvfp4"]):
+        got = chained_step(two_layers(harness, checkpoints["nvfp4"]), x, weights, ids)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_store_dir_with_tensor_parallelism_is_refused(harness, checkpoints, monkeypatch, tmp_path):
+    monkeypatch.setenv("TIERSTORE_STORE_DIR", str(tmp_path))
+    with harness.cpu_vllm(), harness.tensor_parallel_rank(2, 0), pytest.raises(ConfigError, match="whole experts"):
+        built_layer(harness, checkpoints["bf16"], process=False)

@@ -27,10 +27,19 @@ def free_port() -> int:
 _initialised = False
 
 
+def model_config(path, quantization="tierstore"):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(path), skip_tokenizer_init=True, quantization=quantization).create_model_config()
+
+
 @contextmanager
-def cpu_vllm(**config):
-    """A CPU VllmConfig set as current, with a one-rank gloo group (set up once per process)."""
+def cpu_vllm(model=None, **config):
+    """A CPU VllmConfig set as current (with the model config of checkpoint folder `model`, if
+    given) and a one-rank gloo group (set up once per process)."""
     global _initialised
+    if model is not None:
+        config["model_config"] = model_config(model)
     vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"), **config)
     with set_current_vllm_config(vllm_config):
         if not _initialised:

@@ -1,0 +1,111 @@
+"""GPU as expert cache (BASE_CACHE_GB): every MoE layer of the process shares one
+`tierstore.runtime.TieredRuntime` (device pool over a host arena over the rows).
+
+Layers register while vLLM post-processes weights; the runtime is assembled at the first forward
+(vLLM's profile run, before any CUDA-graph capture), when every layer is known. Rows come from the
+pack when STORE_DIR is set (arena sized by BASE_RAM_GB), otherwise from the requantized weights
+held in host RAM.
+
+Execution `eager`: `moe()` fetches a call's missing experts before computing it, so no pair is
+served as a miss. Execution `graph`: `moe()` computes with the pool as it is (misses are logged
+on the device) and the model runner must drive `runtime.step(forward, rewind)`; see docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierstore.errors import ConfigError
+from tierstore.geometry import MoEGeometry
+from tierstore.kernels.layout import w2_slot_layout
+from tierstore.vllm_adapter.pack_boot import PackBoot
+from tierstore.vllm_adapter.settings import AdapterSettings
+
+
+class TieredModel:
+    """The MoE layers of one model in one process and, once built, their runtime."""
+
+    def __init__(self, settings: AdapterSettings, top_k: int, hidden: int, inter: int, swiglu_limit: float | None,
+                 device: torch.device, boot: PackBoot | None):
+        self.settings, self.top_k, self.hidden, self.inter = settings, top_k, hidden, inter
+        self.swiglu_limit, self.device, self.boot = swiglu_limit, device, boot
+        self.slot_bytes = w2_slot_layout(hidden, inter).slot_bytes
+        self._rows: dict[int, torch.Tensor] = {}  # decoder layer -> uint8 [E, slot_bytes] (no pack)
+        self._num_experts: int | None = None
+        self._dense: dict[int, int] = {}  # decoder layer -> the runtime's dense MoE-layer index
+        self.runtime = None
+
+    def add_layer(self, decoder_layer: int, num_experts: int, slot_rows: torch.Tensor | None) -> None:
+        """Register a layer; `slot_rows` (uint8 [E, slot_bytes]) when there is no pack."""
+        if self.runtime is not None:
+            raise ConfigError("an MoE layer was added after the tiered runtime started")
+        if self._num_experts not in (None, num_experts):
+            raise ConfigError(f"MoE layers disagree on the expert count ({self._num_experts} vs {num_experts})")
+        self._num_experts = num_experts
+        if slot_rows is not None:
+            self._rows[decoder_layer] = slot_rows.cpu()
+
+    def get_runtime(self):
+        if self.runtime is None:
+            self.runtime = self._build()
+        return self.runtime
+
+    def _build(self):
+        from tierstore.cache.arena import arena_slots
+        from tierstore.runtime import RuntimeConfig, TieredRuntime
+        from tierstore.runtime.rows import MemoryRowSource
+
+        settings = self.settings
+        if self.boot is not None:
+            geometry, source = self.boot.geometry, self.boot.rows
+            pack_bytes = source.stride * geometry.num_moe_layers * geometry.num_experts
+            ram = settings.base_ram_bytes
+            arena = 0 if ram is None else arena_slots("auto" if ram == "auto" else ram / 2**30, source.stride,
+                                                      pack_bytes)
+        else:
+            layers = sorted(self._rows)
+            geometry = MoEGeometry("vllm", tuple(layers), self._num_experts, self.top_k, self.hidden, self.inter,
+                                   swiglu_limit=self.swiglu_limit)
+            source = MemoryRowSource(torch.stack([self._rows[layer] for layer in layers]))  # [L, E, slot_bytes]
+            self._rows.clear()
+            arena = 0
+        self._dense = {layer: index for index, layer in enumerate(geometry.moe_layers)}
+        config = RuntimeConfig(replay_mode=settings.replay_mode, fp_max=settings.fp_max,
+                               miss_tolerance=settings.miss_tolerance, kpi_every=settings.kpi_every,
+                               tokens_per_step=1)
+        return TieredRuntime(geometry, source, pool_slots=settings.base_cache_bytes // self.slot_bytes,
+                             arena_slots=arena, device=self.device, config=config)
+
+    def moe(self, decoder_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Routed experts of the layer: x [T, H], topk_ids/topk_weights [T, k] -> [T, H]."""
+        runtime = self.get_runtime()
+        dense_layer = self._dense[decoder_layer]
+        if self.settings.execution == "eager":
+            keys = [(dense_layer, int(e)) for e in topk_ids.unique().tolist()]
+            runtime.fetch(keys, protect=keys)
+        return runtime.moe(dense_layer, x, topk_ids, topk_weights)
+
+
+_model: TieredModel | None = None
+
+
+def tiered_model(**kwargs) -> TieredModel:
+    """The process's TieredModel, created by the first layer that asks."""
+    global _model
+    if _model is None:
+        _model = TieredModel(**kwargs)
+    return _model
+
+
+def current_runtime():
+    """The process's TieredRuntime (None before the first forward or without BASE_CACHE_GB): what a
+    model-runner integration calls `step(forward, rewind)` on in graph execution."""
+    return None if _model is None else _model.runtime
+
+
+def forget_tiered_model() -> None:
+    """Close and drop the process's runtime (tests build several models in one process)."""
+    global _model
+    if _model is not None and _model.runtime is not None:
+        _model.runtime.close()
+    _model = None
