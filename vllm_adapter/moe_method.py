@@ -88,8 +88,9 @@ class TierstoreMoEMethod(FusedMoEMethodBase):
         if self.settings.uses_expert_cache and self.settings.execution == "eager" and torch.cuda.is_available() \
                 and not _moe_runs_outside_graphs():
             raise ConfigError("BASE_CACHE_GB with EXECUTION=eager fetches experts inside the MoE op, which a "
-                              "captured CUDA graph would not repeat: run with --enforce-eager, or add "
-                              "'vllm::moe_forward' and 'vllm::moe_forward_shared' to compilation_config.splitting_ops")
+                              "captured CUDA graph would not repeat: run with --enforce-eager, or use piecewise "
+                              "graphs only (cudagraph_mode PIECEWISE) with 'vllm::moe_forward' and "
+                              "'vllm::moe_forward_shared' in compilation_config.splitting_ops")
         attrs = {k: v for k, v in extra_weight_attrs.items() if k == "weight_loader"}
         specs = param_specs(self.source_format, num_experts, hidden_size, intermediate_size_per_partition, params_dtype)
         for spec in specs:
@@ -156,14 +157,18 @@ class TierstoreMoEMethod(FusedMoEMethodBase):
 
 
 def _moe_runs_outside_graphs() -> bool:
-    """True when MoE runs outside captured CUDA graphs (enforce_eager, or moe_forward split out)."""
+    """True when MoE runs outside captured CUDA graphs: enforce_eager, or piecewise-only graphs
+    with `vllm::moe_forward` among the splitting ops (full graphs would capture it)."""
     from vllm.config import get_current_vllm_config
 
     config = get_current_vllm_config()
     if config.model_config is not None and config.model_config.enforce_eager:
         return True
-    splitting = getattr(config.compilation_config, "splitting_ops", None) or []
-    return any("moe_forward" in op for op in splitting)
+    compilation = config.compilation_config
+    mode = getattr(compilation, "cudagraph_mode", None)
+    if mode is not None and mode.has_full_cudagraphs():
+        return False
+    return any("moe_forward" in op for op in compilation.splitting_ops or [])
 
 
 def _current_model_path() -> str | None:
