@@ -9,6 +9,7 @@ import importlib
 
 import vllm
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
@@ -29,14 +30,6 @@ VLLM_VERSION = _version_tuple(vllm.__version__)
 if VLLM_VERSION[:2] < MIN_VLLM:
     raise ConfigError(f"tierstore's vLLM adapter needs vLLM >= {'.'.join(map(str, MIN_VLLM))} "
                       f"(the RoutedExperts layer); found {vllm.__version__}")
-
-
-def _routed_experts_class() -> type:
-    module = importlib.import_module("vllm.model_executor.layers.fused_moe.routed_experts")
-    return module.RoutedExperts
-
-
-RoutedExperts = _routed_experts_class()
 
 
 def moe_factory():
