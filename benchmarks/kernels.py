@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from tierstore.geometry import get_preset
+from tierstore.kernels._triton.decode import decode_w2_slot_scaled
 from tierstore.kernels import (ABI_TAG, MissLog, MoeWorkspace, fp4_tier, moe_gate_up, moe_mm, moe_mm_ref, moe_route,
                                w2_tier)
 
@@ -37,6 +38,26 @@ def _stream_read_kernel(src_ptr, partial_ptr, n_words, BLOCK: tl.constexpr, ITER
         idx = (pid * ITERS + i) * BLOCK + offs
         acc += tl.load(src_ptr + idx, mask=idx < n_words, other=0)
     tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _dequant_w2_kernel(words_ptr, scales_ptr, slot_bytes, words_off, scales_off, words_per_row, blocks_per_row,
+                       experts_ptr, table_ptr, out_ptr, N, K, WPS: tl.constexpr, BN: tl.constexpr):
+    """Baseline: W2 slot of expert experts[program 0] -> bf16 out[expert] [N, K] (rows of program 1)."""
+    expert = tl.load(experts_ptr + tl.program_id(0))
+    base = tl.load(table_ptr + expert).to(tl.int64) * slot_bytes
+    rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    u = tl.arange(0, WPS)
+    words = words_ptr + (base + words_off) // 4 + rows[:, None] * words_per_row
+    scales = scales_ptr + base + scales_off + rows[:, None] * blocks_per_row
+    out = out_ptr + expert.to(tl.int64) * N * K + rows[:, None] * K
+    for t in range(0, words_per_row // WPS):
+        w = tl.load(words + t * WPS + u[None, :])
+        for j in tl.static_range(16):
+            k = t * 16 * WPS + j * WPS + u
+            s = tl.load(scales + (k // 32)[None, :]).to(tl.int32)
+            tl.store(out + k[None, :], decode_w2_slot_scaled(w, j, (s - 125) << 23).to(tl.bfloat16),
+                     mask=(k < K)[None, :])
 
 
 def _randomize_pool(pool) -> None:
@@ -140,14 +161,40 @@ def _bf16_case(geo, w13, w2d, routings, reps):
     return _graph_time_us(fns, reps)
 
 
+def _dequant_case(geo, w2, w13_out, w2_out, routings, reps):
+    """Dequantize the routed experts' W2 slots to bf16 (into the bf16 baseline's buffers), then the bf16 path."""
+    lay = w2.layout
+    fns = []
+    for ids, _ in routings:
+        flat = ids.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        offs = torch.cumsum(torch.bincount(flat, minlength=geo.num_experts), 0).to(torch.int32)
+        experts = torch.unique(flat).to(torch.int32)
+        x = torch.randn(flat.numel(), geo.hidden, device="cuda", dtype=torch.bfloat16)[order]
+
+        def fn(x=x, offs=offs, experts=experts):
+            for m, out, off_w, off_s in ((lay.w13, w13_out, lay.w13_words_offset, lay.w13_scales_offset),
+                                         (lay.w2, w2_out, lay.w2_words_offset, lay.w2_scales_offset)):
+                _dequant_w2_kernel[(experts.numel(), triton.cdiv(m.n, 32))](
+                    w2.slots.view(torch.int32), w2.slots, lay.slot_bytes, off_w, off_s, m.words_per_row,
+                    m.blocks_per_row, experts, w2.table, out, m.n, m.k, WPS=m.wps, BN=32, num_warps=4)
+            gate_up = torch._grouped_mm(x, w13_out.transpose(-2, -1), offs=offs)
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = torch.nn.functional.silu(gate) * up
+            return torch._grouped_mm(act, w2_out.transpose(-2, -1), offs=offs)
+        fns.append(fn)
+    return _graph_time_us(fns, reps)
+
+
 def _fused_case(geo, w2, f4, routings, reps, gate_up_only: bool, block_tokens: int | None = None,
-                config: tuple[int, int] = (64, 4), ptx_w2: bool = True):
+                config: tuple[int, int] = (64, 4), ptx_w2: bool = True, block_n_down: int = 0):
     fns = []
     for ids, weights in routings:
         tokens = ids.shape[0]
         x = torch.randn(tokens, geo.hidden, device="cuda", dtype=torch.bfloat16)
         ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype, "cuda",
-                                   block_tokens=block_tokens, block_n=config[0], num_warps=config[1], ptx_w2=ptx_w2)
+                                   block_tokens=block_tokens, block_n=config[0], num_warps=config[1], ptx_w2=ptx_w2,
+                                   block_n_down=block_n_down)
         misses = MissLog.allocate(16, "cuda")
         out = torch.empty_like(x)
         if gate_up_only:
@@ -178,7 +225,7 @@ def _sweep(geo, w2, f4, gen, reps) -> tuple[list[dict], tuple[int, int]]:
     return rows, (best["block_n"], best["num_warps"])
 
 
-def run(preset: str, token_counts: list[int], reps: int, sweep: bool) -> dict:
+def run(preset: str, token_counts: list[int], reps: int, sweep: bool, config: tuple[int, int] = (64, 8)) -> dict:
     geo = get_preset(preset)
     gen = torch.Generator(device="cuda").manual_seed(0)
     w2 = w2_tier(geo.hidden, geo.expert_inter, geo.num_experts, 1, geo.num_experts, "cuda")
@@ -187,7 +234,7 @@ def run(preset: str, token_counts: list[int], reps: int, sweep: bool) -> dict:
     _randomize_pool(f4)
     w2.table[0] = torch.arange(geo.num_experts, dtype=torch.int32)
     checks = _check_correctness(geo, w2, f4, gen)
-    sweep_rows, config = _sweep(geo, w2, f4, gen, reps) if sweep else ([], (64, 4))
+    sweep_rows, config = _sweep(geo, w2, f4, gen, reps) if sweep else ([], config)
     w13_bf16 = torch.randn(geo.num_experts, 2 * geo.expert_inter, geo.hidden, device="cuda", dtype=torch.bfloat16)
     w2_bf16 = torch.randn(geo.num_experts, geo.hidden, geo.expert_inter, device="cuda", dtype=torch.bfloat16)
     lay2, lay4 = w2.layout, f4.layout
@@ -208,26 +255,31 @@ def run(preset: str, token_counts: list[int], reps: int, sweep: bool) -> dict:
         if tokens * geo.top_k <= geo.num_experts:  # BT = 1: the plain-Triton decode beside the inline-PTX one
             times["w2_fused_plain"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, config=config,
                                                   ptx_w2=False)
+            times["w2_fused_down2x"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, config=config,
+                                                   block_n_down=2 * config[0])
             times["w2_gate_up_plain"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=True, config=config,
                                                     ptx_w2=False)
         if tokens * geo.top_k <= 2 * geo.num_experts:  # default there is BT = 1 (FMA); compare the MMA path
             times["w2_fused_mma16"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, block_tokens=16,
                                                   config=config)
+        times["dequant_grouped_mm"] = _dequant_case(geo, w2, w13_bf16, w2_bf16, routings, reps)
         f4.table[0] = torch.arange(geo.num_experts, dtype=torch.int32)
         times["fp4_fused"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, config=config)
         f4.table[0] = -1
         nbytes = {"bf16_grouped_mm": unique * bf16_expert, "w2_fused": unique * w2_expert,
                   "w2_fused_mma16": unique * w2_expert, "w2_fused_plain": unique * w2_expert,
+                  "w2_fused_down2x": unique * w2_expert, "dequant_grouped_mm": unique * w2_expert,
                   "w2_gate_up_plain": unique * w2_gate_up,
                   "w2_gate_up": unique * w2_gate_up, "fp4_fused": unique * f4_expert}
         stream = {name: _stream_us(int(b), 4 if b > 256e6 else max(4, int(4 * 64e6 / b) + 1), reps)
                   for name, b in nbytes.items()
-                  if name in times and name not in ("bf16_grouped_mm", "w2_fused_mma16", "w2_fused_plain", "w2_gate_up_plain")}
+                  if name in times and name not in ("bf16_grouped_mm", "w2_fused_mma16", "w2_fused_plain", "w2_gate_up_plain",
+                                                        "w2_fused_down2x", "dequant_grouped_mm")}
         for name, us in times.items():
             row = dict(preset=preset, tokens=tokens, variant=name, us=us, unique_experts=unique, bytes=nbytes[name],
                        gb_per_s=nbytes[name] / us / 1e3, pct_hbm=100 * nbytes[name] / (us * 1e-6) / HBM_BYTES_PER_S,
                        speedup_vs_bf16=times["bf16_grouped_mm"] / us, rotations=count)
-            same_bytes = name.replace("_plain", "").replace("_mma16", "")
+            same_bytes = "w2_gate_up" if "gate_up" in name else "w2_fused"
             ceiling = None if name == "bf16_grouped_mm" else stream.get(name, stream[same_bytes])
             if ceiling is not None:
                 row["stream_us"] = ceiling
@@ -256,9 +308,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", required=True)
     parser.add_argument("--sweep", action="store_true", help="pick block_n/num_warps by W2 gate_up time at T=1 first")
+    parser.add_argument("--config", default="64,8", help="block_n,num_warps when not sweeping")
     parser.add_argument("--commit", help="commit of the tree being measured, where it has no .git")
     args = parser.parse_args()
-    result = dict(provenance=_provenance(args.commit), **run(args.preset, [int(t) for t in args.tokens.split(",")], args.reps, args.sweep))
+    result = dict(provenance=_provenance(args.commit), **run(args.preset, [int(t) for t in args.tokens.split(",")], args.reps, args.sweep,
+                                                          tuple(int(v) for v in args.config.split(","))))
     with open(args.json, "w") as fh:
         json.dump(result, fh, indent=1)
     print(f"\n{'T':>4} {'variant':<16} {'us':>9} {'GB/s':>7} {'%HBM':>6} {'%stream':>8} {'x bf16':>7}")

@@ -100,3 +100,31 @@ def w2_word_dot_bf16x2(w, x0, x1, x2, x3, x4, x5, x6, x7, s0, s1, s2, s3, s4, s5
         _W2_WORD_DOT_ASM, "=r" + ",r" * 17, [w, x0, x1, x2, x3, x4, x5, x6, x7, s0, s1, s2, s3, s4, s5, s6, s7],
         dtype=tl.float32, is_pure=True, pack=1,
     )
+
+
+def _w2_scale_pairs_asm(wps: int) -> str:
+    """PTX for `w2_scale_pairs`: bytes of the tile's scale words -> the eight s_i of `w2_word_dot_bf16x2`."""
+    lines = ["{", ".reg .b32 z, d;", "mov.b32 z, 0;"]
+    for i in range(8):
+        lo, hi = (2 * i * wps) // 32, ((2 * i + 1) * wps) // 32  # scale blocks of slots 2i and 2i+1
+        sel = (4 << 12) | ((hi % 4) << 8) | (4 << 4) | (lo % 4)  # [lo byte, 0, hi byte, 0]
+        lines.append(f"prmt.b32 d, ${8 + lo // 4}, z, {sel:#x};")
+        lines.append(f"shl.b32 ${i}, d, 7;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_W2_SCALE_PAIRS_ASM_32 = tl.constexpr(_w2_scale_pairs_asm(32))
+_W2_SCALE_PAIRS_ASM_16 = tl.constexpr(_w2_scale_pairs_asm(16))
+
+
+@triton.jit
+def w2_scale_pairs(q0, q1, q2, q3, WPS: tl.constexpr):
+    """Inline PTX (GPU only): the K tile's scale bytes, as int32 words q0..q3 (16 blocks; 8 when WPS = 16,
+    q2/q3 unused), -> the eight per-slot-pair exponent addends of `w2_word_dot_bf16x2` (one prmt + one shl each)."""
+    if WPS == 32:
+        return tl.inline_asm_elementwise(_W2_SCALE_PAIRS_ASM_32, "=r," * 8 + "r,r,r,r", [q0, q1, q2, q3],
+                                         dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(_W2_SCALE_PAIRS_ASM_16, "=r," * 8 + "r,r,r,r", [q0, q1, q2, q3],
+                                         dtype=(tl.int32,) * 8, is_pure=True, pack=1)

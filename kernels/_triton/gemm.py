@@ -16,7 +16,7 @@ accumulator is written as fp32. Rows are written only for the block's pairs: no 
 import triton
 import triton.language as tl
 
-from .decode import decode_fp4_slot, decode_w2_slot, decode_w2_slot_scaled, scale_from_bytes, w2_word_dot_bf16x2
+from .decode import decode_fp4_slot, decode_w2_slot, decode_w2_slot_scaled, scale_from_bytes, w2_scale_pairs, w2_word_dot_bf16x2
 
 
 @triton.jit
@@ -122,10 +122,18 @@ def _x_bits(a_row_ptr, k, K):
 
 
 @triton.jit
-def _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, blk_lo, blk_hi):
-    s_lo = tl.load(scales_ptr + rows * blocks_per_row + blk_lo, mask=n_mask, other=0).to(tl.int32)
-    s_hi = tl.load(scales_ptr + rows * blocks_per_row + blk_hi, mask=n_mask, other=0).to(tl.int32)
-    return ((s_lo << 7) | (s_hi << 23))[:, None]
+def _scale_pairs(scales_ptr, rows, n_mask, blocks_per_row, t, WPS: tl.constexpr):
+    """Exponent addends of the 8 slot pairs of K tile t for `rows`, each [BN, 1] (one word load per 4 blocks)."""
+    words = scales_ptr.to(tl.pointer_type(tl.int32)) + (rows * blocks_per_row) // 4 + t * (WPS // 8)
+    q0 = tl.load(words, mask=n_mask, other=0)
+    q1 = tl.load(words + 1, mask=n_mask, other=0)
+    q2 = q0
+    q3 = q1
+    if WPS == 32:
+        q2 = tl.load(words + 2, mask=n_mask, other=0)
+        q3 = tl.load(words + 3, mask=n_mask, other=0)
+    s0, s1, s2, s3, s4, s5, s6, s7 = w2_scale_pairs(q0, q1, q2, q3, WPS)
+    return s0[:, None], s1[:, None], s2[:, None], s3[:, None], s4[:, None], s5[:, None], s6[:, None], s7[:, None]
 
 
 @triton.jit
@@ -140,7 +148,6 @@ def _w2_tile_bf16x2(
     loaded before the current one is decoded (two tiles in flight per thread).
     """
     TILE_K: tl.constexpr = 16 * WPS
-    BLOCKS: tl.constexpr = TILE_K // 32
     u = tl.arange(0, WPS)
     gate_rows = rows[:, None] * words_per_row + u[None, :]  # [BN, WPS]
     up_rows = (rows[:, None] + up_row_offset) * words_per_row + u[None, :]
@@ -166,31 +173,12 @@ def _w2_tile_bf16x2(
         x5 = (_x_bits(a_row_ptr, k0 + 10 * WPS, K) | (_x_bits(a_row_ptr, k0 + 11 * WPS, K) << 16))[None, :]
         x6 = (_x_bits(a_row_ptr, k0 + 12 * WPS, K) | (_x_bits(a_row_ptr, k0 + 13 * WPS, K) << 16))[None, :]
         x7 = (_x_bits(a_row_ptr, k0 + 14 * WPS, K) | (_x_bits(a_row_ptr, k0 + 15 * WPS, K) << 16))[None, :]
-        b = t * BLOCKS
-        acc_g += w2_word_dot_bf16x2(
-            w_g, x0, x1, x2, x3, x4, x5, x6, x7,
-            _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, b + 0 * WPS // 32, b + 1 * WPS // 32),
-            _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, b + 2 * WPS // 32, b + 3 * WPS // 32),
-            _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, b + 4 * WPS // 32, b + 5 * WPS // 32),
-            _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, b + 6 * WPS // 32, b + 7 * WPS // 32),
-            _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, b + 8 * WPS // 32, b + 9 * WPS // 32),
-            _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, b + 10 * WPS // 32, b + 11 * WPS // 32),
-            _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, b + 12 * WPS // 32, b + 13 * WPS // 32),
-            _scale_pair(scales_ptr, rows, n_mask, blocks_per_row, b + 14 * WPS // 32, b + 15 * WPS // 32),
-        )
+        g0, g1, g2, g3, g4, g5, g6, g7 = _scale_pairs(scales_ptr, rows, n_mask, blocks_per_row, t, WPS)
+        acc_g += w2_word_dot_bf16x2(w_g, x0, x1, x2, x3, x4, x5, x6, x7, g0, g1, g2, g3, g4, g5, g6, g7)
         if GATED:
-            up = rows + up_row_offset
-            acc_u += w2_word_dot_bf16x2(
-                w_u, x0, x1, x2, x3, x4, x5, x6, x7,
-                _scale_pair(scales_ptr, up, n_mask, blocks_per_row, b + 0 * WPS // 32, b + 1 * WPS // 32),
-                _scale_pair(scales_ptr, up, n_mask, blocks_per_row, b + 2 * WPS // 32, b + 3 * WPS // 32),
-                _scale_pair(scales_ptr, up, n_mask, blocks_per_row, b + 4 * WPS // 32, b + 5 * WPS // 32),
-                _scale_pair(scales_ptr, up, n_mask, blocks_per_row, b + 6 * WPS // 32, b + 7 * WPS // 32),
-                _scale_pair(scales_ptr, up, n_mask, blocks_per_row, b + 8 * WPS // 32, b + 9 * WPS // 32),
-                _scale_pair(scales_ptr, up, n_mask, blocks_per_row, b + 10 * WPS // 32, b + 11 * WPS // 32),
-                _scale_pair(scales_ptr, up, n_mask, blocks_per_row, b + 12 * WPS // 32, b + 13 * WPS // 32),
-                _scale_pair(scales_ptr, up, n_mask, blocks_per_row, b + 14 * WPS // 32, b + 15 * WPS // 32),
-            )
+            v0, v1, v2, v3, v4, v5, v6, v7 = _scale_pairs(scales_ptr, rows + up_row_offset, n_mask, blocks_per_row,
+                                                          t, WPS)
+            acc_u += w2_word_dot_bf16x2(w_u, x0, x1, x2, x3, x4, x5, x6, x7, v0, v1, v2, v3, v4, v5, v6, v7)
         w_g = w_g_next
         w_u = w_u_next
     return tl.sum(acc_g, axis=1)[:, None], tl.sum(acc_u, axis=1)[:, None]
