@@ -1,7 +1,8 @@
 """Routed-expert compute over the device pool, one MoE layer per call.
 
-Two backends with the same contract: weights come from the pool's slot bytes through its slot
-table; a pair whose expert has no slot contributes exactly zero and is logged in the PassLog;
+Two backends with the same contract: weights come from the FP4 pool's slot when the expert has one,
+else from the base pool's, through their slot tables; a pair whose expert has neither contributes
+exactly zero and is logged in the PassLog;
 the top-k combine runs in a fixed order, so a token's result does not depend on other tokens.
 
 - `TorchExperts`: plain torch (float32) decoding the same slot bytes with the kernels' reference
@@ -20,31 +21,46 @@ from tierstore.runtime.pools import DevicePool
 
 
 class TorchExperts:
-    def __init__(self, pool: DevicePool, layout: SlotLayout, log: PassLog, swiglu_limit: float | None):
+    def __init__(self, pool: DevicePool, layout: SlotLayout, log: PassLog, swiglu_limit: float | None,
+                 fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None):
         self.pool, self.layout, self.log, self.swiglu_limit = pool, layout, log, swiglu_limit
-        self._decoded: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # slot -> (generation, w13, w2)
+        self.tiers = [(pool, layout)] + ([(fp4_pool, fp4_layout)] if fp4_pool is not None else [])
+        self._decoded: dict[tuple[int, int], tuple[int, torch.Tensor, torch.Tensor]] = {}  # (tier, slot) -> (gen, w13, w2)
 
-    def _weights(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        generation = int(self.pool.generation[slot])
-        cached = self._decoded.get(slot)
+    def _weights(self, tier: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pool, layout = self.tiers[tier]
+        generation = int(pool.generation[slot])
+        cached = self._decoded.get((tier, slot))
         if cached is None or cached[0] != generation:
-            raw = self.pool.slots[slot]
-            cached = (generation, unpack_matrix_ref(raw, self.layout, "w13"), unpack_matrix_ref(raw, self.layout, "w2"))
-            self._decoded[slot] = cached
+            raw = pool.slots[slot]
+            cached = (generation, unpack_matrix_ref(raw, layout, "w13"), unpack_matrix_ref(raw, layout, "w2"))
+            self._decoded[(tier, slot)] = cached
         return cached[1], cached[2]  # [2I, H], [H, I] float32
+
+    def _slots(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tier int64 [T, k], slot int64 [T, k]); tier 1 = FP4 where resident, slot -1 = miss."""
+        slots = self.pool.table[layer].to(torch.int64)[ids]  # [T, k]
+        tiers = torch.zeros_like(slots)
+        if len(self.tiers) > 1:
+            fp4 = self.tiers[1][0].table[layer].to(torch.int64)[ids]  # [T, k]
+            tiers = (fp4 >= 0).to(torch.int64)
+            slots = torch.where(fp4 >= 0, fp4, slots)
+        return tiers, slots
 
     def __call__(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         x = hidden.to(torch.float32)  # [T, H]
         ids = topk_ids.to(torch.int64)  # [T, k]
         tokens, top_k = ids.shape
         self.log.record(layer, ids)
-        slots = self.pool.table[layer].to(torch.int64)[ids]  # [T, k], -1 = miss
+        tiers, slots = self._slots(layer, ids)  # [T, k], slot -1 = miss
         missing = slots < 0
         self._log_misses(layer, ids[missing])
         pair_out = torch.zeros(tokens, top_k, x.shape[1], dtype=torch.float32, device=x.device)  # [T, k, H]
-        for slot in slots[~missing].unique().tolist():
-            rows, cols = (slots == slot).nonzero(as_tuple=True)
-            w13, w2 = self._weights(slot)
+        stride = max(pool.num_slots for pool, _ in self.tiers)
+        tier_slot = tiers * stride + slots  # [T, k], one id per (tier, slot)
+        for both in tier_slot[~missing].unique().tolist():
+            rows, cols = (tier_slot == both).nonzero(as_tuple=True)
+            w13, w2 = self._weights(*divmod(both, stride))
             pair_out[rows, cols] = swiglu(x[rows] @ w13.T, self.swiglu_limit) @ w2.T  # [n, H]
         weights = topk_weights.to(torch.float32).masked_fill(missing, 0.0)  # [T, k]
         out = torch.zeros_like(x)  # [T, H]
@@ -65,12 +81,16 @@ class TorchExperts:
 
 
 class TritonExperts:
-    def __init__(self, pool: DevicePool, layout: SlotLayout, log: PassLog, swiglu_limit: float | None):
+    def __init__(self, pool: DevicePool, layout: SlotLayout, log: PassLog, swiglu_limit: float | None,
+                 fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None):
         from tierstore.kernels.moe_mm import MissLog, TierPool, fp4_tier
 
         self.log, self.swiglu_limit = log, swiglu_limit
         self.w2_pool = TierPool(pool.slots, pool.table, layout)
-        self.fp4_pool = fp4_tier(layout.hidden, layout.inter, 1, pool.num_layers, pool.num_experts, pool.device)
+        if fp4_pool is None:  # the kernels always take an FP4 tier: an empty one
+            self.fp4_pool = fp4_tier(layout.hidden, layout.inter, 1, pool.num_layers, pool.num_experts, pool.device)
+        else:
+            self.fp4_pool = TierPool(fp4_pool.slots, fp4_pool.table, fp4_layout)
         self.misses = MissLog(log.counts, log.entries)
         self.num_experts = pool.num_experts
         self._workspaces: dict = {}

@@ -10,7 +10,10 @@ from dataclasses import dataclass, fields
 from tierstore.errors import ConfigError
 
 REPLAY_MODES = ("strict", "approximate")
+GATE_SIGNALS = ("max_prob", "margin")
+DEFAULT_GATE_TAU = {"max_prob": 0.60, "margin": 1.5}
 ENV_PREFIX = "TIERSTORE_"
+_OPTIONAL_KINDS = {"gate_tau": float}  # fields whose default is None: their type when given
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,28 @@ class RuntimeConfig:
     - `force_pool`: start even when the pool is below the per-step working set
       (`working_set_margin` x layers x top-k x `tokens_per_step`).
     - `kpi_every`: log a KPI line every that many steps (0 = never).
+
+    FP4 precision tier (docs/precision-tier.md):
+
+    - `fp4_pool_gb`: size of the FP4 pool in GiB, `0` (no pool, the default) or `auto` (free
+      device memory after everything else minus `fp4_reserve_gb`, capped by `fp4_max_gb` when
+      > 0; CUDA only). A constructor's explicit slot count wins over it.
+    - `fp4_policy`: eviction policy of the FP4 pool (`freq`, `need`, `lru` or any registered
+      name); `need` never promotes lazily, the pool is then filled by gate fires only.
+    - `fp4_half_life_s`: wall-clock half-life in seconds of the routing frequencies (and of the
+      `freq` / `need` policies' counters).
+    - `fp4_promote`: lazy promotions per manager pass (one batch).
+    - `fp4_cold_steps`: a lazy eviction takes only experts not routed for this many steps.
+    - `fp4_hysteresis`: h > 0: into a full pool a lazy candidate displaces only if its frequency
+      > h x the weakest evictable expert's + 4 (off at 0); forced promotions are never gated.
+    - `gate`: arm the confidence gate (needs an FP4 pool). `gate_signal`: `max_prob` (top-1
+      probability) or `margin` (top1 - top2 logit); `gate_tau`: fire when the signal is <= tau
+      (None = 0.60 for max_prob, 1.5 for margin); `gate_tau_file`: a file holding tau, re-read
+      when its mtime changes; `gate_agg`: `min` over the logits rows or `q:<f>` (that quantile).
+    - `gate_fp_max`: promote-and-replay iterations per fired step; `gate_budget`: forced
+      promotions per step, shared by its iterations (0 = unlimited, refused on a sub-floor pool).
+    - `force_fp4_pool`: start with an FP4 pool below the gate's fire floor.
+    - `gate_dump`: append one JSON line per fire to this file ("" = off).
     """
 
     replay_mode: str = "strict"
@@ -38,6 +63,23 @@ class RuntimeConfig:
     working_set_margin: float = 1.15
     tokens_per_step: int = 1
     kpi_every: int = 500
+    fp4_pool_gb: str = "0"
+    fp4_reserve_gb: float = 3.0
+    fp4_max_gb: float = 0.0
+    fp4_policy: str = "freq"
+    fp4_half_life_s: float = 5.0
+    fp4_promote: int = 8
+    fp4_cold_steps: int = 2
+    fp4_hysteresis: float = 0.0
+    gate: bool = False
+    gate_signal: str = "max_prob"
+    gate_tau: float | None = None
+    gate_tau_file: str = ""
+    gate_agg: str = "min"
+    gate_fp_max: int = 3
+    gate_budget: int = 64
+    force_fp4_pool: bool = False
+    gate_dump: str = ""
 
     def __post_init__(self) -> None:
         if self.replay_mode not in REPLAY_MODES:
@@ -50,6 +92,36 @@ class RuntimeConfig:
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if not self.working_set_margin >= 1.0:
             raise ConfigError(f"working_set_margin must be >= 1.0, got {self.working_set_margin!r}")
+        self._check_precision_tier()
+
+    def _check_precision_tier(self) -> None:
+        if self.fp4_pool_gb != "auto":
+            try:
+                gib = float(self.fp4_pool_gb)
+            except (TypeError, ValueError):
+                gib = -1.0
+            if not gib >= 0:
+                raise ConfigError(f"fp4_pool_gb must be a number of GiB >= 0 or 'auto', got {self.fp4_pool_gb!r}")
+        for name in ("fp4_reserve_gb", "fp4_max_gb", "fp4_hysteresis"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.fp4_half_life_s > 0:
+            raise ConfigError(f"fp4_half_life_s must be > 0 seconds, got {self.fp4_half_life_s!r}")
+        for name in ("fp4_promote", "fp4_cold_steps", "gate_budget"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if type(self.gate_fp_max) is not int or self.gate_fp_max < 1:
+            raise ConfigError(f"gate_fp_max must be an integer >= 1, got {self.gate_fp_max!r}")
+        if self.gate_signal not in GATE_SIGNALS:
+            raise ConfigError(f"gate_signal must be one of {', '.join(GATE_SIGNALS)}, got {self.gate_signal!r}")
+        if self.gate_tau is not None and not isinstance(self.gate_tau, (int, float)):
+            raise ConfigError(f"gate_tau must be a number, got {self.gate_tau!r}")
+        parse_gate_agg(self.gate_agg)
+
+    @property
+    def effective_gate_tau(self) -> float:
+        """`gate_tau`, or the signal's default when it is None."""
+        return DEFAULT_GATE_TAU[self.gate_signal] if self.gate_tau is None else float(self.gate_tau)
 
     @property
     def degraded(self) -> bool:
@@ -64,7 +136,8 @@ class RuntimeConfig:
         for field in fields(cls):
             raw = environ.get(ENV_PREFIX + field.name.upper())
             if raw is not None:
-                values[field.name] = _parse(field.name, raw, type(getattr(cls(), field.name)))
+                kind = _OPTIONAL_KINDS.get(field.name) or type(getattr(cls(), field.name))
+                values[field.name] = _parse(field.name, raw, kind)
         values.update(overrides)
         return cls(**values)
 
@@ -78,3 +151,17 @@ def _parse(name: str, raw: str, kind: type):
         return kind(raw)
     except ValueError:
         raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def parse_gate_agg(text: str) -> float | None:
+    """`min` -> None; `q:<f>` with 0 <= f <= 1 -> f (the quantile of the rows' signals)."""
+    if text == "min":
+        return None
+    if text.startswith("q:"):
+        try:
+            quantile = float(text[2:])
+        except ValueError:
+            quantile = -1.0
+        if 0 <= quantile <= 1:
+            return quantile
+    raise ConfigError(f"gate_agg must be 'min' or 'q:<f>' with 0 <= f <= 1, got {text!r}")

@@ -5,6 +5,10 @@ that reads the pool, and the step protocol that keeps results exact.
     out = runtime.moe(layer, hidden, topk_ids, topk_weights)      # called by every MoE layer
     logits, outcome = runtime.step(forward, rewind)                 # one decode step, exact
     runtime.stats(); runtime.kpi_line(); runtime.close()
+
+With an FP4 row source (`fp4_source=`, the `fp4` pack) the runtime adds the precision tier: an
+FP4 pool the kernels prefer over the base pool, its background manager, and (config `gate`) the
+confidence gate on decode steps (docs/precision-tier.md).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 
 import torch
 
@@ -20,12 +25,19 @@ from tierstore.cache.arena import Arena, RowSource
 from tierstore.cache.policy import get_policy
 from tierstore.errors import CapacityError, ConfigError, PackFormatError
 from tierstore.geometry import MoEGeometry
-from tierstore.kernels.layout import w2_slot_layout
+from tierstore.kernels.layout import fp4_slot_layout, w2_slot_layout
 from tierstore.runtime.compute import TorchExperts, TritonExperts
 from tierstore.runtime.config import RuntimeConfig
+from tierstore.runtime.fp4_manager import Fp4Manager
+from tierstore.runtime.fp4_sizing import check_fire_floor, fp4_pool_slots
+from tierstore.runtime.fp4_tier import Fp4Stats, Fp4Tier
+from tierstore.runtime.gate import ConfidenceGate
+from tierstore.runtime.gate_stats import GateRecorder, GateStats
+from tierstore.runtime.gated_step import run_gated
 from tierstore.runtime.passlog import PassLog, PassReport
 from tierstore.runtime.pools import DevicePool
-from tierstore.runtime.stats import RuntimeStats, StatsRecorder
+from tierstore.runtime.seen_snapshot import ChainedSnapshot
+from tierstore.runtime.stats import RuntimeStats, StatsRecorder, precision_kpi
 from tierstore.runtime.step import StepOutcome, run_step
 
 log = logging.getLogger("tierstore.runtime")
@@ -69,7 +81,8 @@ def check_working_set(geometry: MoEGeometry, pool_slots: int, slot_bytes: int, c
 class TieredRuntime:
     def __init__(self, geometry: MoEGeometry, source: RowSource, *, pool_slots: int, arena_slots: int = 0,
                  device: torch.device | str = "cpu", config: RuntimeConfig | None = None, backend: str = "auto",
-                 heat_path=None, record_tokens: int = 0, on_close: Sequence[Callable[[], None]] = ()):
+                 heat_path=None, record_tokens: int = 0, on_close: Sequence[Callable[[], None]] = (),
+                 fp4_source: RowSource | None = None, fp4_slots: int | None = None, fp4_arena_slots: int = 0):
         self.geometry = geometry
         self.config = config or RuntimeConfig()
         self.device = torch.device(device)
@@ -88,8 +101,13 @@ class TieredRuntime:
         self.log = PassLog(*shape, geometry.top_k, capacity=shape[0] * shape[1], device=self.device,
                            record_tokens=record_tokens)
         self.backend = _resolve_backend(backend, self.device)
+        self.fp4, self.gate, self._fp4_manager, self._gate_budget = None, None, None, None
+        self._setup_precision_tier(fp4_source, fp4_slots, fp4_arena_slots)
         experts_class = TritonExperts if self.backend == "triton" else TorchExperts
-        self.experts = experts_class(self.pool, self.layout, self.log, geometry.swiglu_limit)
+        fp4_pool = self.fp4.pool if self.fp4 is not None else None
+        fp4_layout = self.fp4.layout if self.fp4 is not None else None
+        self.experts = experts_class(self.pool, self.layout, self.log, geometry.swiglu_limit, fp4_pool, fp4_layout)
+        self._gate_stats = GateRecorder(self.config.gate_dump or None)
         self._stats = StatsRecorder(self.pool.num_slots, geometry.total_routed_experts)
         self._scan = False
         self._on_close = list(on_close)
@@ -99,6 +117,25 @@ class TieredRuntime:
                  self.pool.num_slots, self.layout.slot_bytes / 2**20, self.pool.num_slots * self.layout.slot_bytes / 2**30,
                  100 * self.pool.num_slots / geometry.total_routed_experts, geometry.total_routed_experts,
                  self.device, self.backend, arena_slots)
+
+    def _setup_precision_tier(self, source: RowSource | None, slots: int | None, arena_slots: int) -> None:
+        """The FP4 tier (pool, manager) and the gate, before any compute object binds the pools."""
+        g, config = self.geometry, self.config
+        slot_bytes = fp4_slot_layout(g.hidden, g.expert_inter).slot_bytes
+        if source is not None:
+            if slots is None:
+                slots = fp4_pool_slots(config, slot_bytes, g.total_routed_experts, self.device)
+            if slots > 0:
+                self._gate_budget = check_fire_floor(g, slots, slot_bytes, config) if config.gate else None
+                self.fp4 = Fp4Tier(g, source, slots, self.device, config, arena_slots)
+                self._fp4_snapshot = ChainedSnapshot(g.num_moe_layers, g.num_experts, self.device)
+                self._fp4_manager = Fp4Manager(self.fp4, self._fp4_snapshot)
+                log.info("FP4 pool: %d slots x %.2f MiB = %.3f GiB, policy %s", self.fp4.pool.num_slots,
+                         slot_bytes / 2**20, self.fp4.pool.num_slots * slot_bytes / 2**30, config.fp4_policy)
+        if config.gate:
+            if self.fp4 is None:
+                raise ConfigError("the confidence gate needs an FP4 pool: give an fp4 row source and a pool size > 0")
+            self.gate = ConfidenceGate.from_config(config)
 
     # -- the MoE layer ------------------------------------------------------------------------
     def moe(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -141,13 +178,23 @@ class TieredRuntime:
         self.fetch(keys, keys, scan=True)
 
     # -- the step -----------------------------------------------------------------------------
-    def step(self, forward: Callable[[], torch.Tensor], rewind: Callable[[], None], prefill: bool = False):
+    def step(self, forward: Callable[[], torch.Tensor], rewind: Callable[[], None], prefill: bool = False,
+             logits_of: Callable[[object], torch.Tensor] | None = None):
         """One step to its fixed point: (result of the last forward, StepOutcome). `prefill`: each MoE
-        layer fetches its routed set before it runs (arena scan discipline)."""
+        layer fetches its routed set before it runs (arena scan discipline). With the gate armed, a
+        decode step (not `prefill`) whose logits (`logits_of(result)`, default the result itself)
+        fire is re-run with its routed experts forced to FP4 (`outcome.gate` tells how)."""
         started = time.perf_counter()
         self._scan = prefill
+        step_routed: set = set()
         try:
-            result, outcome, routed = run_step(forward, rewind, self._read_pass, self._fetch_for_step, self.config)
+            # the safe point: the FP4 manager mutates only while nobody holds the tier's lock
+            with self.fp4.lock if self.fp4 is not None else nullcontext():
+                first = run_step(forward, rewind, self._read_pass, self._fetch_for_step, self.config)
+                step_routed |= first[2]
+                result, outcome, routed = first
+                if self.gate is not None and not prefill:
+                    result, outcome, routed = self._gated(first, forward, rewind, logits_of, step_routed)
         except BaseException:
             self._stats.failed += 1
             raise
@@ -156,12 +203,33 @@ class TieredRuntime:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.pool.touch(routed, time.monotonic())
+        if self.fp4 is not None:
+            self.fp4.close_step(step_routed)
+            self._fp4_snapshot.push(self.log.seen)
+            self._fp4_manager.wake()
         self._stats.add_step(outcome.replays, outcome.first_pass_missing_pairs, time.perf_counter() - started,
                              outcome.tolerated, outcome.residue_pairs)
         every = self.config.kpi_every
         if every and self._stats.steps % every == 0:
             log.info(self.kpi_line(every))
         return result, outcome
+
+    def _gated(self, first, forward, rewind, logits_of, step_routed: set):
+        def rerun():
+            rewind()
+            again = run_step(forward, rewind, self._read_pass, self._fetch_for_step, self.config)
+            step_routed.update(again[2])
+            return again
+
+        (result, last, routed), reruns, _, fire = run_gated(
+            first, gate=self.gate, logits_of=logits_of or (lambda r: r), rerun=rerun,
+            force_promote=self.fp4.force_promote, record_need=self.fp4.record_need,
+            is_fp4=self.fp4.pool.is_resident, budget=self._gate_budget, fp_max=self.config.gate_fp_max)
+        self._gate_stats.add(self._stats.steps, fire)
+        outcomes = [first[1], *reruns]
+        outcome = StepOutcome(sum(o.replays for o in outcomes), first[1].first_pass_missing_pairs, last.residue_pairs,
+                              any(o.tolerated for o in outcomes), last.last_pass, fire)
+        return result, outcome, routed
 
     def _read_pass(self) -> PassReport:
         self.last_pass = self.log.read()
@@ -177,7 +245,27 @@ class TieredRuntime:
 
     def kpi_line(self, last: int = 0) -> str:
         arena = self.arena.stats()
-        return self._stats.kpi_line(last, arena.hit_rows, arena.miss_rows)
+        line = self._stats.kpi_line(last, arena.hit_rows, arena.miss_rows)
+        if self.fp4 is not None:
+            line += precision_kpi(self.fp4_stats(), self.gate_stats() if self.gate is not None else None)
+        return line
+
+    def fp4_stats(self) -> Fp4Stats | None:
+        """Counters of the FP4 tier (None without one)."""
+        return self.fp4.stats() if self.fp4 is not None else None
+
+    def gate_stats(self) -> GateStats:
+        return self._gate_stats.snapshot()
+
+    def wait_fp4_manager(self, timeout: float | None = None) -> bool:
+        """Block until the FP4 manager consumed every step so far (deterministic tests, benchmarks)."""
+        return self._fp4_manager.wait_idle(timeout) if self._fp4_manager is not None else True
+
+    def preload_fp4(self, keys: Iterable[Key] | None = None) -> None:
+        """Promote `keys` (default: every expert) to FP4 now."""
+        if self.fp4 is None:
+            raise ConfigError("this runtime has no FP4 pool")
+        self.fp4.preload(keys)
 
     # -- lifetime -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -185,13 +273,16 @@ class TieredRuntime:
         if self.closed:
             return
         self.closed = True
+        if self._fp4_manager is not None:
+            self._fp4_manager.close()
+            self.fp4.close()
         self.arena.close()
         close_source = getattr(self.source, "close", None)
         if close_source is not None:
             close_source()
         for callback in self._on_close:
             callback()
-        del self.experts, self.pool, self.arena, self.log
+        del self.experts, self.pool, self.arena, self.log, self.fp4
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

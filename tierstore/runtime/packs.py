@@ -17,22 +17,24 @@ log = logging.getLogger("tierstore.runtime")
 
 
 def ensure_base_pack(checkpoint: Path | str, pack_dir: Path | str, *, device: str | None = None,
-                     zero_mode: str = "auto", progress: bool = False) -> BuildReport:
-    """Build the W2 (`base`) pack of `checkpoint` in kernel slot layout; layers already built are reused."""
-    report = build_packs(checkpoint, pack_dir, tags=("base",), device=device, zero_mode=zero_mode,
+                     zero_mode: str = "auto", progress: bool = False, tags: tuple[str, ...] = ("base",)) -> BuildReport:
+    """Build the W2 (`base`) pack of `checkpoint` in kernel slot layout (and the FP4 pack when
+    `tags` holds "fp4"); layers already built are reused."""
+    report = build_packs(checkpoint, pack_dir, tags=tags, device=device, zero_mode=zero_mode,
                          progress=progress, codec=KERNEL_SLOT_CODEC)
-    log.info("base pack %s: built %d layers, reused %d", report.packs["base"], len(report.written["base"]),
-             len(report.skipped["base"]))
+    for tag in tags:
+        log.info("%s pack %s: built %d layers, reused %d", tag, report.packs[tag], len(report.written[tag]),
+                 len(report.skipped[tag]))
     return report
 
 
 def open_base_rows(checkpoint: Path | str, pack_dir: Path | str, *, zero_mode: str = "auto",
-                   direct: bool | None = None, reader: Reader | None = None) -> PackRows:
-    """The checksummed rows of the checkpoint's base pack. `reader` (e.g. a FaultyReader) must be
-    open on that pack file; by default one is made on the process's reader backend (O_DIRECT where
-    the filesystem allows it)."""
+                   direct: bool | None = None, reader: Reader | None = None, tag: str = "base") -> PackRows:
+    """The checksummed rows of the checkpoint's base pack (or, with tag="fp4", its FP4 pack).
+    `reader` (e.g. a FaultyReader) must be open on that pack file; by default one is made on the
+    process's reader backend (O_DIRECT where the filesystem allows it)."""
     with open_checkpoint(checkpoint) as ckpt:
-        spec = pack_specs(ckpt, ("base",), zero_mode, codec=KERNEL_SLOT_CODEC)["base"]
+        spec = pack_specs(ckpt, (tag,), zero_mode, codec=KERNEL_SLOT_CODEC)[tag]
     pack = Pack(pack_dir, spec)
     if reader is None:
         use_direct = direct_io_supported(pack.path) if direct is None else direct

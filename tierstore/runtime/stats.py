@@ -107,3 +107,18 @@ class StatsRecorder:
         if stats.residue_steps:
             line += f" | DEGRADED: {stats.residue_steps} steps with residue ({stats.residue_pairs} pairs)"
         return line
+
+
+def precision_kpi(fp4, gate) -> str:
+    """KPI suffix of the precision tier: " | fp4 M/S slots, X% of routed pairs, promoted ... | gate ..."
+    (`fp4`: Fp4Stats, `gate`: GateStats or None)."""
+    line = (f" | fp4 {fp4.mapped}/{fp4.slots} slots, {100 * fp4.fp4_pair_share:.1f}% of routed pairs, promoted "
+            f"{fp4.promoted_lazy} lazy + {fp4.promoted_forced} forced, evicted {fp4.evicted}")
+    if fp4.unrestored:
+        line += f", UNRESTORED {fp4.unrestored}"
+    if gate is not None:
+        line += (f" | gate fired {gate.fired}/{gate.steps} steps ({100 * gate.fire_rate:.1f}%), "
+                 f"{gate.replays} replays, {gate.promoted} promoted")
+        if gate.unconverged:
+            line += f", {gate.unconverged} not all-FP4"
+    return line

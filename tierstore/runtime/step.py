@@ -18,11 +18,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from tierstore.errors import CapacityError
 from tierstore.runtime.config import RuntimeConfig
 from tierstore.runtime.passlog import PassReport
+
+if TYPE_CHECKING:
+    from tierstore.runtime.gated_step import FireRecord
 
 T = TypeVar("T")
 
@@ -38,6 +41,7 @@ class StepOutcome:
     residue_pairs: int  # > 0 only in degraded modes
     tolerated: bool
     last_pass: PassReport
+    gate: FireRecord | None = None  # set when the confidence gate fired on this step
 
 
 def run_step(forward: Callable[[], T], rewind: Callable[[], None], read_pass: Callable[[], PassReport],

@@ -1,0 +1,100 @@
+"""The FP4 manager: one named daemon thread that promotes and evicts in the background.
+
+It sleeps on a coalescing wake event set by the runner at step end (no polling, no idle timer: a
+spontaneous mutation could race the next forward). A pass takes every available window from the
+chained snapshot, feeds the tier's frequencies and policy, and promotes lazily in one batch. A
+window whose device-to-host copy has not landed yet is retried after `RETRY_S` by waking itself
+(never blocking the runner, never dropping the window). Mutations take the tier's lock, which the
+runner holds across each step, so they happen only between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from tierstore.runtime.fp4_tier import Fp4Tier
+from tierstore.runtime.seen_snapshot import NOT_READY, ChainedSnapshot
+
+log = logging.getLogger("tierstore.runtime")
+
+RETRY_S = 0.0005
+THREAD_NAME = "tierstore-fp4-manager"
+
+
+class Fp4Manager:
+    def __init__(self, tier: Fp4Tier, snapshot: ChainedSnapshot):
+        self.tier, self.snapshot = tier, snapshot
+        self._wake = threading.Event()
+        self._idle = threading.Condition()
+        self._busy = False
+        self._stop = False
+        self.passes = self.windows = self.retries = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every pushed window was consumed and no pass runs (tests, shutdown)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._busy or self._wake.is_set() or (self.snapshot.pending and self.error is None):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left if left is not None else 0.05)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            with self._idle:
+                self._busy = True
+                self._wake.clear()
+            if self._stop:
+                break
+            try:
+                retry = self._pass()
+            except BaseException as exc:  # keep serving on W2; report through stats and the log
+                self.error = exc
+                log.exception("FP4 manager pass failed")
+                retry = False
+            if retry:
+                time.sleep(RETRY_S)
+                self._wake.set()
+            with self._idle:
+                self._busy = False
+                self._idle.notify_all()
+        with self._idle:
+            self._busy = False
+            self._idle.notify_all()
+
+    def _pass(self) -> bool:
+        """One pass; True when a window was not ready yet (retry)."""
+        self.passes += 1
+        while True:
+            counts = self.snapshot.take()
+            if counts is None:
+                return False
+            if counts is NOT_READY:
+                self.retries += 1
+                return True
+            self.windows += 1
+            window = self.tier.observe_window(counts)
+            self.tier.promote_lazy(window)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread (after its current pass) and join it."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("FP4 manager did not stop within %.1f s", timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()

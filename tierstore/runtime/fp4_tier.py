@@ -1,0 +1,218 @@
+"""The FP4 precision tier: a device pool of FP4 expert slots over a host arena of `fp4` pack rows,
+with the state both promotion paths share.
+
+- Lazy promotion (`promote_lazy`, the manager thread): hottest routed experts first, in one batch,
+  evicting only victims that are cold (not routed for `fp4_cold_steps` steps) and not in the
+  window being promoted from; optional hysteresis.
+- Forced promotion (`force_promote`, the runner thread, gate fires): the step's routed experts
+  that are not FP4, within a budget, never gated; victims never routed in the current step,
+  preferring cold ones.
+
+Every mutation goes through `DevicePool.install` (victims unmapped before their bytes are reused,
+copies on the pool's own stream, synchronised before the host state changes) and happens under
+`lock`, which the runner holds for the whole of a step: no mutation overlaps a forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tierstore.cache.arena import Arena, RowSource
+from tierstore.cache.policy import EvictionPolicy, get_policy
+from tierstore.errors import CapacityError, PackFormatError
+from tierstore.geometry import MoEGeometry
+from tierstore.kernels.layout import fp4_slot_layout
+from tierstore.runtime.config import RuntimeConfig
+from tierstore.runtime.heat import WallClockHeat
+from tierstore.runtime.pools import DevicePool
+
+log = logging.getLogger("tierstore.runtime")
+
+Key = tuple[int, int]
+HALF_LIFE_POLICIES = ("freq", "need")  # registered policies whose counters take a half-life
+HYSTERESIS_FLOOR = 4.0
+
+
+def fp4_policy(name: str, half_life_s: float) -> EvictionPolicy:
+    """The FP4 pool's policy; `freq` / `need` decay with a half-life in seconds (the runtime calls
+    `begin_step` with time.monotonic())."""
+    return get_policy(name, half_life=half_life_s) if name in HALF_LIFE_POLICIES else get_policy(name)
+
+
+@dataclass(frozen=True)
+class Fp4Stats:
+    slots: int
+    mapped: int
+    promoted_lazy: int
+    promoted_forced: int
+    evicted: int
+    unrestored: int  # forced promotions wanted but not possible (pool full of this step's experts, or budget)
+    failed_reads: int  # lazy batches dropped because their rows could not be read
+    routed_pairs: int  # routed pairs seen by the manager
+    fp4_pairs: int  # of those, pairs whose expert was FP4-resident when the window was taken
+
+    @property
+    def fp4_pair_share(self) -> float:
+        return self.fp4_pairs / self.routed_pairs if self.routed_pairs else 0.0
+
+
+class Fp4Tier:
+    def __init__(self, geometry: MoEGeometry, source: RowSource, num_slots: int, device: torch.device | str,
+                 config: RuntimeConfig, arena_slots: int = 0):
+        self.geometry, self.config = geometry, config
+        self.layout = fp4_slot_layout(geometry.hidden, geometry.expert_inter)
+        shape = (geometry.num_moe_layers, geometry.num_experts)
+        if (source.num_layers, source.num_experts) != shape or source.row_bytes > self.layout.slot_bytes:
+            raise PackFormatError(
+                f"FP4 row source holds {source.num_layers} x {source.num_experts} rows of {source.row_bytes} bytes; "
+                f"the model needs {shape[0]} x {shape[1]} FP4 kernel slots of <= {self.layout.slot_bytes} bytes "
+                "(was the fp4 pack built with the kernel slot codec?)")
+        device = torch.device(device)
+        self.policy = fp4_policy(config.fp4_policy, config.fp4_half_life_s)
+        self.lazy = getattr(self.policy, "promotes_lazily", True)
+        self.pool = DevicePool(min(num_slots, geometry.total_routed_experts), self.layout.slot_bytes, *shape, device,
+                               self.policy)
+        self.arena = Arena(source, arena_slots, pin=device.type == "cuda")
+        self.source = source
+        self.heat = WallClockHeat(*shape, config.fp4_half_life_s, time.monotonic())
+        self.last_seen = np.full(shape, -(1 << 40), dtype=np.int64)  # [L, E] step index of the last routing
+        self.tick = 0  # steps closed
+        self.lock = threading.RLock()
+        self.promoted_lazy = self.promoted_forced = self.evicted = 0
+        self.unrestored = self.failed_reads = self.routed_pairs = self.fp4_pairs = 0
+
+    # -- the runner's side --------------------------------------------------------------------
+    def close_step(self, routed: Iterable[Key]) -> None:
+        """End of a step (runner): its routed experts become warm; coldness counts from here."""
+        with self.lock:
+            for key in routed:
+                self.last_seen[key] = self.tick
+            self.tick += 1
+
+    def record_need(self, routed: Iterable[Key]) -> None:
+        """A gate fire: every routed expert of the step gains need (policies that track it)."""
+        record = getattr(self.policy, "record_need", None)
+        if record is not None:
+            with self.lock:
+                self.policy.begin_step(time.monotonic())
+                record([self.pool.key_id(k) for k in routed])
+
+    def force_promote(self, routed: Iterable[Key], protect: Iterable[Key], budget: int | None) -> int:
+        """Promote the routed experts that are not FP4 (at most `budget`, None = all), never
+        evicting `protect` (every expert routed in this step). Returns how many were promoted."""
+        with self.lock:
+            wanted = [k for k in dict.fromkeys(routed) if not self.pool.is_resident(k)]
+            if not wanted:
+                return 0
+            now = time.monotonic()
+            heat = self.heat.values(now)
+            wanted.sort(key=lambda k: -heat[k])
+            take = wanted if budget is None else wanted[:max(budget, 0)]
+            protect = set(protect)
+            exclude = protect | self._warm_keys()
+            if self.pool.capacity_for(exclude) < len(take):
+                exclude = protect  # emergency: coldness is only needed against the manager's races
+            room = self.pool.capacity_for(exclude)
+            self.unrestored += len(wanted) - min(len(take), room)
+            take = take[:room]
+            if take:
+                self._install(take, exclude)
+                self.promoted_forced += len(take)
+            return len(take)
+
+    # -- the manager's side -------------------------------------------------------------------
+    def observe_window(self, counts: np.ndarray) -> list[Key]:
+        """Take one window of routed counts (int [L, E]); returns its routed keys."""
+        now = time.monotonic()
+        with self.lock:
+            self.heat.add(counts, now)
+            routed = np.argwhere(counts > 0)
+            resident = self.pool.mirror >= 0
+            self.routed_pairs += int(counts.sum())
+            self.fp4_pairs += int(counts[resident].sum())
+            ids = (routed[:, 0] * self.geometry.num_experts + routed[:, 1]).tolist()
+            self.policy.begin_step(now)
+            self.policy.observe(np.repeat(ids, counts[counts > 0]).tolist())  # window-weighted
+            for key_id, (layer, expert) in zip(ids, routed.tolist()):
+                if resident[layer, expert]:
+                    self.policy.on_access(key_id)
+            return [(int(l), int(e)) for l, e in routed]
+
+    def promote_lazy(self, window: list[Key]) -> int:
+        """Promote the window's hottest non-FP4 experts (at most `fp4_promote`), evicting only cold
+        experts outside the window. Returns how many were promoted."""
+        if not self.lazy or not self.config.fp4_promote:
+            return 0
+        with self.lock:
+            heat = self.heat.values(time.monotonic())
+            candidates = sorted((k for k in window if not self.pool.is_resident(k)), key=lambda k: -heat[k])
+            exclude = set(window) | self._warm_keys()
+            room = self.pool.capacity_for(exclude)
+            take = candidates[:min(self.config.fp4_promote, room)]
+            take = self._past_hysteresis(take, exclude, heat)
+            if not take:
+                return 0
+            try:
+                self._install(take, exclude)
+            except (OSError, CapacityError, PackFormatError) as exc:
+                self.failed_reads += 1
+                log.warning("FP4 manager: lazy promotion of %d experts dropped: %s", len(take), exc)
+                return 0
+            self.promoted_lazy += len(take)
+            return len(take)
+
+    def _past_hysteresis(self, take: list[Key], exclude: set[Key], heat: np.ndarray) -> list[Key]:
+        h = self.config.fp4_hysteresis
+        displacing = len(take) - self.pool.num_free
+        if not h or displacing <= 0:
+            return take
+        exclude_ids = {self.pool.key_id(k) for k in exclude}
+        weakest = min((heat[divmod(v, self.geometry.num_experts)] for v in self.policy.eviction_order(exclude_ids)),
+                      default=0.0)
+        free = take[:self.pool.num_free]
+        return free + [k for k in take[self.pool.num_free:] if heat[k] > h * weakest + HYSTERESIS_FLOOR]
+
+    # -- shared -------------------------------------------------------------------------------
+    def _warm_keys(self) -> set[Key]:
+        """Resident experts routed within the last `fp4_cold_steps` steps (not yet evictable lazily)."""
+        warm = self.last_seen > self.tick - 1 - self.config.fp4_cold_steps
+        warm &= self.pool.mirror >= 0
+        return {(int(l), int(e)) for l, e in np.argwhere(warm)}
+
+    def _install(self, keys: list[Key], exclude: set[Key]) -> None:
+        mapped_before = self.pool.num_mapped
+        rows = self.arena.fetch(keys)
+        self.pool.install(keys, rows, exclude)
+        self.evicted += mapped_before + len(keys) - self.pool.num_mapped
+
+    def preload(self, keys: Iterable[Key] | None = None) -> None:
+        """Install `keys` (default: every expert, which needs a pool that holds them all)."""
+        g = self.geometry
+        keys = list(keys) if keys is not None else [(l, e) for l in range(g.num_moe_layers) for e in range(g.num_experts)]
+        with self.lock:
+            keys = [k for k in keys if not self.pool.is_resident(k)]
+            if len(keys) > self.pool.capacity_for(set(keys)):
+                raise CapacityError(f"FP4 pool of {self.pool.num_slots} slots cannot hold {len(keys)} experts")
+            if keys:
+                self._install(keys, set(keys))
+
+    def precision_of(self, layer: int, expert: int) -> str:
+        return "fp4" if self.pool.is_resident((layer, expert)) else "2bit"
+
+    def stats(self) -> Fp4Stats:
+        with self.lock:
+            return Fp4Stats(self.pool.num_slots, self.pool.num_mapped, self.promoted_lazy, self.promoted_forced,
+                            self.evicted, self.unrestored, self.failed_reads, self.routed_pairs, self.fp4_pairs)
+
+    def close(self) -> None:
+        self.arena.close()
+        close_source = getattr(self.source, "close", None)
+        if close_source is not None:
+            close_source()

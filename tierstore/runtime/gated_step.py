@@ -1,0 +1,79 @@
+"""A decode step under the confidence gate, on top of the base fixed point (`run_step`).
+
+    run_step (base misses to their fixed point) -> gate decides on the final logits
+    fires: need += 1 for the routed set; then up to gate_fp_max times:
+        force-promote the last pass's routed experts that are not FP4 (per-step budget, shared)
+        nothing promoted -> stop (a replay could not change the result)
+        rewind, run_step again (repairs the base misses the FP4 replay re-routed onto), re-decide
+        no longer fires -> stop
+
+A fired step whose final pass routed only FP4 experts computes exactly what an all-FP4 run
+computes (`FireRecord.converged`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TypeVar
+
+import torch
+
+from tierstore.runtime.gate import ConfidenceGate, GateDecision
+
+T = TypeVar("T")
+Key = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class FireRecord:
+    signal: float  # before the first FP4 replay
+    tau: float
+    final_signal: float
+    promoted: int
+    replays: int
+    argmax_before: int
+    argmax_after: int
+    converged: bool  # the final pass routed only FP4-resident experts
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    return int(logits.reshape(-1, logits.shape[-1])[0].argmax())
+
+
+def run_gated(first: tuple[T, object, set], *, gate: ConfidenceGate, logits_of: Callable[[T], torch.Tensor],
+              rerun: Callable[[], tuple[T, object, set]], force_promote: Callable[[set, set, int | None], int],
+              record_need: Callable[[set], None], is_fp4: Callable[[Key], bool], budget: int | None,
+              fp_max: int) -> tuple[tuple[T, object, set], list, GateDecision, FireRecord | None]:
+    """`first` = (result, outcome, routed) of the step's base fixed point. `rerun()` rewinds and
+    runs the base fixed point again; `force_promote(routed, protect, budget)` returns how many it
+    promoted. Returns (final (result, outcome, routed), the reruns' outcomes, the first decision,
+    the fire record or None)."""
+    result, _, routed = first
+    decision = gate.decide(logits_of(result))
+    if not decision.fires:
+        return first, [], decision, None
+    record_need(routed)
+    before = _argmax(logits_of(result))
+    step_routed = set(routed)
+    current, reruns = first, []
+    promoted_total, final = 0, decision
+    for _ in range(fp_max):
+        left = None if budget is None else budget - promoted_total
+        promoted = force_promote(current[2], step_routed, left)
+        if promoted == 0:
+            break
+        promoted_total += promoted
+        current = rerun()
+        reruns.append(current[1])
+        step_routed |= current[2]
+        final = gate.decide(logits_of(current[0]))
+        if not final.fires:
+            break
+    converged = all(is_fp4(k) for k in current[2])
+    record = FireRecord(decision.signal, decision.tau, final.signal, promoted_total, len(reruns), before,
+                        _argmax(logits_of(current[0])), converged)
+    return current, reruns, decision, record
