@@ -8,7 +8,7 @@ from tierstore.checkpoint import open_checkpoint
 from tierstore.errors import ConfigError
 from tierstore.reference_moe import reference_moe
 
-from moe_helpers import FORMATS, H, I, apply, built_layer, reference_tier, routing
+from moe_helpers import E, FORMATS, H, I, apply, built_layer, reference_tier, routing
 
 pytestmark = pytest.mark.vllm
 
@@ -116,3 +116,29 @@ def test_knobs_needing_the_runtime_are_refused_at_layer_creation(harness, checkp
 def test_shard_cutting_a_w2_block_is_refused(harness, checkpoints):
     with harness.cpu_vllm(), harness.tensor_parallel_rank(8, 0), pytest.raises(ConfigError, match="multiples of 32"):
         built_layer(harness, checkpoints["bf16"], process=False)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_kernel_backend_matches_the_reference_in_the_triton_interpreter(harness, checkpoints, fmt):
+    """The CUDA path's glue (slot packing, tier pools, workspaces, moe_mm call) on CPU tensors
+    through Triton's interpreter (tests/conftest.py turns it on where there is no GPU)."""
+    import os
+
+    from tierstore.vllm_adapter.expert_compute import KernelBackend, ReferenceBackend
+    from tierstore.vllm_adapter.residency import resident_layer
+    from tierstore.vllm_adapter.source_formats import requantize_expert
+
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the kernels in Triton's CPU interpreter")
+    with harness.cpu_vllm():
+        _, routed = built_layer(harness, checkpoints[fmt], process=False)
+        method = routed.quant_method
+        params = {name: getattr(routed, name).data for name in method._param_names}
+        experts = [requantize_expert(method.source_format, params, e, "auto") for e in range(E)]
+    x, _, weights, ids = routing(harness, seed=11)
+    outputs = []
+    for backend in (KernelBackend(H, I, E), ReferenceBackend(H, I, E)):
+        rows = [torch.stack(parts) for parts in zip(*(backend.expert_rows(*w2) for w2 in experts))]
+        slots = resident_layer(rows, torch.device("cpu"))
+        outputs.append(backend.run(x, ids, weights, slots.table, slots.slots, None))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-5)
