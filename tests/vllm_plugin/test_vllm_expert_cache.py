@@ -70,6 +70,8 @@ def test_eager_cache_under_cuda_graphs_is_refused(harness, checkpoints, monkeypa
     monkeypatch.setattr(moe_method.torch.cuda, "is_available", lambda: True)
     with harness.cpu_vllm(), pytest.raises(ConfigError, match="--enforce-eager"):
         built_layer(harness, checkpoints["bf16"], process=False)
+    with harness.cpu_vllm(model=checkpoints["bf16"], enforce_eager=True):
+        built_layer(harness, checkpoints["bf16"], process=False)  # accepted with --enforce-eager
 
 
 def test_graph_execution_replays_to_the_resident_result(harness, checkpoints, monkeypatch):

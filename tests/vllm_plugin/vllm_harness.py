@@ -27,19 +27,20 @@ def free_port() -> int:
 _initialised = False
 
 
-def model_config(path, quantization="tierstore"):
+def model_config(path, quantization="tierstore", enforce_eager=False):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=str(path), skip_tokenizer_init=True, quantization=quantization).create_model_config()
+    return EngineArgs(model=str(path), skip_tokenizer_init=True, quantization=quantization,
+                      enforce_eager=enforce_eager).create_model_config()
 
 
 @contextmanager
-def cpu_vllm(model=None, **config):
+def cpu_vllm(model=None, enforce_eager=False, **config):
     """A CPU VllmConfig set as current (with the model config of checkpoint folder `model`, if
     given) and a one-rank gloo group (set up once per process)."""
     global _initialised
     if model is not None:
-        config["model_config"] = model_config(model)
+        config["model_config"] = model_config(model, enforce_eager=enforce_eager)
     vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"), **config)
     with set_current_vllm_config(vllm_config):
         if not _initialised:
