@@ -44,6 +44,8 @@ class RuntimeConfig:
     - `fp4_cold_steps`: a lazy eviction takes only experts not routed for this many steps.
     - `fp4_hysteresis`: h > 0: into a full pool a lazy candidate displaces only if its frequency
       > h x the weakest evictable expert's + 4 (off at 0); forced promotions are never gated.
+    - `fp4_prefill`: before each prefill MoE layer, promote its routed set to FP4 where the pool
+      allows (prefill on bare W2 writes a degraded KV cache); counted apart from gate promotions.
     - `gate`: arm the confidence gate (needs an FP4 pool). `gate_signal`: `max_prob` (top-1
       probability) or `margin` (top1 - top2 logit); `gate_tau`: fire when the signal is <= tau
       (None = 0.60 for max_prob, 1.5 for margin); `gate_tau_file`: a file holding tau, re-read
@@ -71,6 +73,7 @@ class RuntimeConfig:
     fp4_promote: int = 8
     fp4_cold_steps: int = 2
     fp4_hysteresis: float = 0.0
+    fp4_prefill: bool = True
     gate: bool = False
     gate_signal: str = "max_prob"
     gate_tau: float | None = None

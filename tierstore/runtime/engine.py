@@ -144,6 +144,8 @@ class TieredRuntime:
             self.log.reset()
         if self._scan:
             keys = [(layer, int(e)) for e in topk_ids.reshape(-1).unique().tolist()]
+            if self.fp4 is not None and self.config.fp4_prefill:
+                self.fp4.force_promote(keys, keys, None, prefill=True)  # KV written at FP4 where the pool allows
             self.fetch(keys, keys, scan=True)
         return self.experts(layer, hidden, topk_ids, topk_weights)
 

@@ -55,6 +55,7 @@ class Fp4Stats:
     evicted: int
     unrestored: int  # forced promotions wanted but not possible (pool full of this step's experts, or budget)
     failed_reads: int  # lazy batches dropped because their rows could not be read
+    promoted_prefill: int  # promoted before a prefill layer ran (its routed set, where the pool allows)
     routed_pairs: int  # routed pairs seen by the manager
     fp4_pairs: int  # of those, pairs whose expert was FP4-resident when the window was taken
 
@@ -86,7 +87,7 @@ class Fp4Tier:
         self.tick = 0  # steps closed
         self.lock = threading.RLock()
         self.promoted_lazy = self.promoted_forced = self.evicted = 0
-        self.unrestored = self.failed_reads = self.routed_pairs = self.fp4_pairs = 0
+        self.unrestored = self.failed_reads = self.promoted_prefill = self.routed_pairs = self.fp4_pairs = 0
 
     # -- the runner's side --------------------------------------------------------------------
     def close_step(self, routed: Iterable[Key]) -> None:
@@ -104,9 +105,11 @@ class Fp4Tier:
                 self.policy.begin_step(time.monotonic())
                 record([self.pool.key_id(k) for k in routed])
 
-    def force_promote(self, routed: Iterable[Key], protect: Iterable[Key], budget: int | None) -> int:
+    def force_promote(self, routed: Iterable[Key], protect: Iterable[Key], budget: int | None,
+                      prefill: bool = False) -> int:
         """Promote the routed experts that are not FP4 (at most `budget`, None = all), never
-        evicting `protect` (every expert routed in this step). Returns how many were promoted."""
+        evicting `protect` (every expert routed in this step). Returns how many were promoted.
+        `prefill`: a prefill layer's routed set, promoted where the pool allows (no shortfall kept)."""
         with self.lock:
             wanted = [k for k in dict.fromkeys(routed) if not self.pool.is_resident(k)]
             if not wanted:
@@ -120,11 +123,15 @@ class Fp4Tier:
             if self.pool.capacity_for(exclude) < len(take):
                 exclude = protect  # emergency: coldness is only needed against the manager's races
             room = self.pool.capacity_for(exclude)
-            self.unrestored += len(wanted) - min(len(take), room)
+            if not prefill:
+                self.unrestored += len(wanted) - min(len(take), room)
             take = take[:room]
             if take:
                 self._install(take, exclude)
-                self.promoted_forced += len(take)
+                if prefill:
+                    self.promoted_prefill += len(take)
+                else:
+                    self.promoted_forced += len(take)
             return len(take)
 
     # -- the manager's side -------------------------------------------------------------------
@@ -209,7 +216,8 @@ class Fp4Tier:
     def stats(self) -> Fp4Stats:
         with self.lock:
             return Fp4Stats(self.pool.num_slots, self.pool.num_mapped, self.promoted_lazy, self.promoted_forced,
-                            self.evicted, self.unrestored, self.failed_reads, self.routed_pairs, self.fp4_pairs)
+                            self.evicted, self.unrestored, self.failed_reads, self.promoted_prefill,
+                            self.routed_pairs, self.fp4_pairs)
 
     def close(self) -> None:
         self.arena.close()

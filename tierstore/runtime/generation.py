@@ -25,6 +25,7 @@ class GenerationResult:
     new_ids: list[int]
     step_logits: list[torch.Tensor] = field(default_factory=list)  # float32 [V] per step (prefill first), if kept
     routing: list = field(default_factory=list)  # int32 [L, k] per decode step, if recorded
+    fired: list[bool] = field(default_factory=list)  # per step (prefill first): the confidence gate fired
     seconds: float = 0.0
     decode_seconds: float = 0.0
     cuda_graph: bool = False
@@ -87,7 +88,10 @@ class TieredGenerator:
     # -- generation -----------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, *, keep_logits: bool = False,
-                 record_routing: bool = False, eos_token_id: int | None = None) -> GenerationResult:
+                 record_routing: bool = False, eos_token_id: int | None = None,
+                 forced_ids: list[int] | None = None) -> GenerationResult:
+        """Greedy decoding; `forced_ids` feeds these tokens instead of the argmax (teacher forcing,
+        to compare another run's logits step by step on the same sequence)."""
         if not prompt_ids:
             raise ConfigError("the prompt is empty")
         if len(prompt_ids) + max_new_tokens > self.max_length:
@@ -101,9 +105,11 @@ class TieredGenerator:
         positions = torch.arange(len(prompt_ids), device=self.device)[None]  # [1, P]
         self._rewind(0)
         logits, _ = self.runtime.step(lambda: self._forward(prompt, positions), lambda: self._rewind(0), prefill=True)
+        result.fired.append(False)
         decode_started = time.perf_counter()
         for position in range(len(prompt_ids), len(prompt_ids) + max_new_tokens):
-            token = int(logits.argmax())
+            step = position - len(prompt_ids)
+            token = int(logits.argmax()) if forced_ids is None or step >= len(forced_ids) else forced_ids[step]
             if keep_logits:
                 result.step_logits.append(logits.float().cpu().clone())
             result.new_ids.append(token)
@@ -114,7 +120,8 @@ class TieredGenerator:
             if self.use_cuda_graph and self._graph is None:
                 self._capture(position)
             self._rewind(position)
-            logits, _ = self.runtime.step(self._decode_pass, lambda p=position: self._rewind(p))
+            logits, outcome = self.runtime.step(self._decode_pass, lambda p=position: self._rewind(p))
+            result.fired.append(outcome.gate is not None)
             if record_routing:
                 result.routing.append(self.runtime.last_pass.routing[:, 0, :].copy())
         result.cuda_graph = self._graph is not None

@@ -113,7 +113,8 @@ def precision_kpi(fp4, gate) -> str:
     """KPI suffix of the precision tier: " | fp4 M/S slots, X% of routed pairs, promoted ... | gate ..."
     (`fp4`: Fp4Stats, `gate`: GateStats or None)."""
     line = (f" | fp4 {fp4.mapped}/{fp4.slots} slots, {100 * fp4.fp4_pair_share:.1f}% of routed pairs, promoted "
-            f"{fp4.promoted_lazy} lazy + {fp4.promoted_forced} forced, evicted {fp4.evicted}")
+            f"{fp4.promoted_lazy} lazy + {fp4.promoted_forced} forced + {fp4.promoted_prefill} prefill, "
+            f"evicted {fp4.evicted}")
     if fp4.unrestored:
         line += f", UNRESTORED {fp4.unrestored}"
     if gate is not None:
