@@ -1,12 +1,13 @@
 """Side-by-side MoE kernel benchmark on one GPU (CUDA-graph replay, L2 defeated by rotating routings).
 
-Per (preset, T): fused W2 (all experts in the W2 pool), fused FP4 (all in the FP4 pool), the
-W2 gate_up stage alone, torch._grouped_mm in bf16 on the same routing (GEMM + SwiGLU only, the
-routing sort precomputed), and a streaming-read kernel over the same number of bytes (the
-ceiling). Bytes = the unique routed experts' packed codes + scales (bf16: their bf16 weights).
+Per (preset, T): fused W2 (all experts in the W2 pool; for BT = 1 also the plain-Triton decode
+beside the default inline-PTX one, and the tensor-core BT = 16 path), fused FP4 (all in the FP4
+pool), the W2 gate_up stage alone, torch._grouped_mm in bf16 on the same routing (GEMM + SwiGLU
+only, the routing sort precomputed), dequantize-then-_grouped_mm on the same W2 codes, and a
+streaming-read kernel over the same number of bytes (the ceiling). Bytes = the unique routed experts' packed codes + scales (bf16: their bf16 weights).
 Correctness against moe_mm_ref is checked first at T = 1 and 8.
 
-    python benchmarks/kernels.py --preset deepseek-v3 --tokens 1,8,32,64,512 --json out.json
+    python benchmarks/kernels.py --preset deepseek-v3 --tokens 1,8,32 --config 64,8 --json out.json
 """
 
 from __future__ import annotations
@@ -187,14 +188,13 @@ def _dequant_case(geo, w2, w13_out, w2_out, routings, reps):
 
 
 def _fused_case(geo, w2, f4, routings, reps, gate_up_only: bool, block_tokens: int | None = None,
-                config: tuple[int, int] = (64, 4), ptx_w2: bool = True, block_n_down: int = 0):
+                config: tuple[int, int] = (64, 4), ptx_w2: bool = True):
     fns = []
     for ids, weights in routings:
         tokens = ids.shape[0]
         x = torch.randn(tokens, geo.hidden, device="cuda", dtype=torch.bfloat16)
         ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype, "cuda",
-                                   block_tokens=block_tokens, block_n=config[0], num_warps=config[1], ptx_w2=ptx_w2,
-                                   block_n_down=block_n_down)
+                                   block_tokens=block_tokens, block_n=config[0], num_warps=config[1], ptx_w2=ptx_w2)
         misses = MissLog.allocate(16, "cuda")
         out = torch.empty_like(x)
         if gate_up_only:
@@ -255,8 +255,6 @@ def run(preset: str, token_counts: list[int], reps: int, sweep: bool, config: tu
         if tokens * geo.top_k <= geo.num_experts:  # BT = 1: the plain-Triton decode beside the inline-PTX one
             times["w2_fused_plain"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, config=config,
                                                   ptx_w2=False)
-            times["w2_fused_down2x"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, config=config,
-                                                   block_n_down=2 * config[0])
             times["w2_gate_up_plain"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=True, config=config,
                                                     ptx_w2=False)
         if tokens * geo.top_k <= 2 * geo.num_experts:  # default there is BT = 1 (FMA); compare the MMA path
@@ -267,14 +265,13 @@ def run(preset: str, token_counts: list[int], reps: int, sweep: bool, config: tu
         times["fp4_fused"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, config=config)
         f4.table[0] = -1
         nbytes = {"bf16_grouped_mm": unique * bf16_expert, "w2_fused": unique * w2_expert,
-                  "w2_fused_mma16": unique * w2_expert, "w2_fused_plain": unique * w2_expert,
-                  "w2_fused_down2x": unique * w2_expert, "dequant_grouped_mm": unique * w2_expert,
+                  "w2_fused_mma16": unique * w2_expert, "w2_fused_plain": unique * w2_expert, "dequant_grouped_mm": unique * w2_expert,
                   "w2_gate_up_plain": unique * w2_gate_up,
                   "w2_gate_up": unique * w2_gate_up, "fp4_fused": unique * f4_expert}
         stream = {name: _stream_us(int(b), 4 if b > 256e6 else max(4, int(4 * 64e6 / b) + 1), reps)
                   for name, b in nbytes.items()
                   if name in times and name not in ("bf16_grouped_mm", "w2_fused_mma16", "w2_fused_plain", "w2_gate_up_plain",
-                                                        "w2_fused_down2x", "dequant_grouped_mm")}
+                                                        "dequant_grouped_mm")}
         for name, us in times.items():
             row = dict(preset=preset, tokens=tokens, variant=name, us=us, unique_experts=unique, bytes=nbytes[name],
                        gb_per_s=nbytes[name] / us / 1e3, pct_hbm=100 * nbytes[name] / (us * 1e-6) / HBM_BYTES_PER_S,

@@ -74,12 +74,11 @@ class MoeWorkspace:
     act: torch.Tensor  # [P, I] activation dtype
     y: torch.Tensor  # [P, H] float32
     ptx_w2: bool = True  # BT = 1 W2 with bf16 on CUDA: inline-PTX bf16x2 decode + FMA (else the plain-Triton path)
-    block_n_down: int = 0  # weight rows per program of the down GEMM; 0 = block_n
 
     @classmethod
     def allocate(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype, device,
                  block_tokens: int | None = None, block_n: int = 64, num_warps: int | None = None,
-                 ptx_w2: bool = True, block_n_down: int = 0) -> MoeWorkspace:
+                 ptx_w2: bool = True) -> MoeWorkspace:
         """block_tokens: 1 = one pair per program on CUDA-core FMAs (decode); 16 or 64 = tensor-core blocks.
 
         Default: 1 while pairs <= experts (measured crossover on the H200, benchmarks/kernel-notes.md),
@@ -105,7 +104,6 @@ class MoeWorkspace:
             act=torch.empty(pairs, inter, dtype=dtype, device=device),
             y=torch.empty(pairs, hidden, dtype=torch.float32, device=device),
             ptx_w2=ptx_w2,
-            block_n_down=block_n_down,
         )
 
 
@@ -119,8 +117,7 @@ def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: M
         return layout.w2_words_offset, layout.w2_scales_offset
     w2_words_off, w2_scales_off = offsets(w2.layout)
     f4_words_off, f4_scales_off = offsets(fp4.layout)
-    block_n = ws.block_n_down if which == "w2" and ws.block_n_down else ws.block_n
-    grid = (ws.block_expert.numel(), triton.cdiv(n_out, block_n))
+    grid = (ws.block_expert.numel(), triton.cdiv(n_out, ws.block_n))
     moe_gemm_kernel[grid](
         a, a.stride(0), out, out.stride(0),
         w2.slots.view(torch.int32), w2.slots, w2.layout.slot_bytes, w2_words_off, w2_scales_off,
@@ -131,7 +128,7 @@ def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: M
         ws.block_expert, ws.block_fill, ws.block_pairs, ws.num_blocks,
         n_out, k, top_k, 0.0 if limit is None else float(limit),
         GATED=gated, HAS_LIMIT=limit is not None, ROWS_ARE_TOKENS=rows_are_tokens,
-        W2_WPS=m2.wps, F4_WPS=m4.wps, BN=block_n, BT=ws.block_tokens,
+        W2_WPS=m2.wps, F4_WPS=m4.wps, BN=ws.block_n, BT=ws.block_tokens,
         PRECISION="ieee" if a.dtype == torch.float32 else None,
         PTX_W2=ws.ptx_w2 and a.is_cuda and a.dtype == torch.bfloat16,
         num_warps=ws.num_warps,
