@@ -1,6 +1,7 @@
 """`tierstore generate CHECKPOINT --prompt TEXT`: greedy generation with the tiered runtime (packs
 built or reused, a small device pool, KPIs printed); `--verify-resident` checks every step's
-logits bit for bit against an all-resident run."""
+logits bit for bit against an all-resident run; `--fp4-pool-*`, `--gate*` add the precision tier,
+`--verify-fp4` checks fired steps against an all-FP4 run."""
 
 from __future__ import annotations
 
@@ -30,6 +31,16 @@ def register(subparsers) -> None:
     parser.add_argument("--verify-resident", action="store_true",
                         help="rerun all-resident and compare every step's logits bit for bit")
     parser.add_argument("--record-trace", help="save the decode steps' routing as a tierstore trace (.npz)")
+    fp4 = parser.add_mutually_exclusive_group()
+    fp4.add_argument("--fp4-pool-gb", type=float, help="FP4 precision pool size in GiB (builds the fp4 pack)")
+    fp4.add_argument("--fp4-pool-frac", type=float, help="FP4 pool as a fraction of the routed experts")
+    parser.add_argument("--fp4-policy", default="freq", help="FP4 pool policy: freq (default), need, lru, ...")
+    parser.add_argument("--gate", action="store_true", help="arm the confidence gate (needs an FP4 pool)")
+    parser.add_argument("--gate-tau", type=float, help="fire when the signal is <= tau (default 0.60 max_prob, 1.5 margin)")
+    parser.add_argument("--gate-signal", choices=("max_prob", "margin"), default="max_prob")
+    parser.add_argument("--gate-dump", help="append one JSON line per gate fire to this file")
+    parser.add_argument("--verify-fp4", action="store_true",
+                        help="rerun the same tokens all-FP4; every fired step's logits must be bit-identical")
     parser.set_defaults(func=run)
 
 

@@ -12,6 +12,7 @@ from tierstore.atomic_files import cache_dir
 from tierstore.cache.arena import arena_slots
 from tierstore.checkpoint import open_checkpoint
 from tierstore.kernels.layout import w2_slot_layout
+from tierstore.runtime.cli_fp4 import fp4_config, fp4_slots, report_fp4_verification, wants_fp4
 from tierstore.runtime.config import RuntimeConfig
 from tierstore.runtime.demo import demo_checkpoint
 from tierstore.runtime.engine import TieredRuntime, slots_for
@@ -28,11 +29,14 @@ def first_differing_step(got: list[torch.Tensor], want: list[torch.Tensor]) -> i
     return None if len(got) == len(want) else min(len(got), len(want))
 
 
-def _runtime(checkpoint, pack_dir, geometry, pool_slots, arena, device, config, record) -> TieredRuntime:
+def _runtime(checkpoint, pack_dir, geometry, pool_slots, arena, device, config, record, fp4=0) -> TieredRuntime:
     rows = open_base_rows(checkpoint, pack_dir)
     slots = arena_slots(arena, rows.stride, rows.stride * geometry.total_routed_experts)
+    fp4_rows = open_base_rows(checkpoint, pack_dir, tag="fp4") if fp4 else None
+    fp4_arena = arena_slots(arena, fp4_rows.stride, fp4_rows.stride * geometry.total_routed_experts) if fp4 else 0
     return TieredRuntime(geometry, rows, pool_slots=pool_slots, arena_slots=slots, device=device, config=config,
-                         heat_path=rows.pack.paths.heat, record_tokens=1 if record else 0)
+                         heat_path=rows.pack.paths.heat, record_tokens=1 if record else 0,
+                         fp4_source=fp4_rows, fp4_slots=fp4 or None, fp4_arena_slots=fp4_arena)
 
 
 def generate_command(args, out) -> int:
@@ -41,13 +45,16 @@ def generate_command(args, out) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     started = time.perf_counter()
-    report = ensure_base_pack(checkpoint, pack_dir, device=device.type)
-    print(f"pack: {report.packs['base']} (built {len(report.written['base'])} layers, reused "
-          f"{len(report.skipped['base'])}) in {time.perf_counter() - started:.1f} s", file=out)
     with open_checkpoint(checkpoint) as ckpt:
         geometry = ckpt.geometry
+    fp4 = fp4_slots(args, geometry)
+    tags = ("base", "fp4") if wants_fp4(args) else ("base",)
+    report = ensure_base_pack(checkpoint, pack_dir, device=device.type, tags=tags)
+    for tag in tags:
+        print(f"pack: {report.packs[tag]} (built {len(report.written[tag])} layers, reused "
+              f"{len(report.skipped[tag])}) in {time.perf_counter() - started:.1f} s", file=out)
     config = RuntimeConfig(replay_mode=args.replay_mode, miss_tolerance=args.miss_tol, fp_max=args.fp_max,
-                           policy=args.policy, force_pool=args.force_pool, kpi_every=0)
+                           policy=args.policy, force_pool=args.force_pool, kpi_every=0, **fp4_config(args))
     slot_bytes = w2_slot_layout(geometry.hidden, geometry.expert_inter).slot_bytes
     fraction = args.gpu_pool_frac if args.gpu_pool_frac is not None else (None if args.gpu_pool_gb else 0.25)
     pool_slots = slots_for(geometry, slot_bytes, gib=args.gpu_pool_gb, fraction=fraction)
@@ -57,11 +64,12 @@ def generate_command(args, out) -> int:
     max_length = len(prompt) + args.max_new_tokens + 1
     use_graph = device.type == "cuda" and not args.no_cuda_graph
 
-    runtime = _runtime(checkpoint, pack_dir, geometry, pool_slots, args.arena_gb, device, config, args.record_trace)
+    runtime = _runtime(checkpoint, pack_dir, geometry, pool_slots, args.arena_gb, device, config, args.record_trace, fp4)
     with runtime:
         install_tiered_experts(model, runtime)
         result = TieredGenerator(model, runtime, max_length, use_graph).generate(
-            prompt, args.max_new_tokens, keep_logits=args.verify_resident, record_routing=bool(args.record_trace))
+            prompt, args.max_new_tokens, keep_logits=args.verify_resident or args.verify_fp4,
+            record_routing=bool(args.record_trace))
         stats = runtime.stats()
         kpi = runtime.kpi_line()
     decode_steps = max(len(result.new_ids) - 1, 0)
@@ -74,8 +82,21 @@ def generate_command(args, out) -> int:
     print(kpi, file=out)
     if args.record_trace:
         _save_trace(args.record_trace, geometry, result, out)
+    status = 0
+    if args.verify_fp4:
+        everything = geometry.total_routed_experts
+        reference_config = RuntimeConfig(replay_mode=args.replay_mode, fp_max=args.fp_max, policy=args.policy,
+                                         force_pool=args.force_pool, kpi_every=0, fp4_policy="need")
+        all_fp4 = _runtime(checkpoint, pack_dir, geometry, pool_slots, args.arena_gb, device, reference_config, False,
+                           everything)
+        with all_fp4:
+            all_fp4.preload_fp4()
+            install_tiered_experts(model, all_fp4)
+            reference = TieredGenerator(model, all_fp4, max_length, use_graph).generate(
+                prompt, args.max_new_tokens, keep_logits=True, forced_ids=result.new_ids)
+        status = report_fp4_verification(result, reference, out)
     if not args.verify_resident:
-        return 0
+        return status
 
     everything = geometry.total_routed_experts
     resident = _runtime(checkpoint, pack_dir, geometry, everything, args.arena_gb, device, config, False)
@@ -87,7 +108,7 @@ def generate_command(args, out) -> int:
     differs = first_differing_step(result.step_logits, reference.step_logits)
     if differs is None:
         print(f"bit-identical: yes ({len(result.step_logits)} steps)", file=out)
-        return 0
+        return status
     print(f"bit-identical: NO: step {differs} differs from the all-resident run "
           f"({len(result.step_logits)} vs {len(reference.step_logits)} steps)", file=out)
     return 1
