@@ -25,8 +25,8 @@ from benchmarks.quality.corpus import Corpus
 from benchmarks.quality.data import WindowSampler, prompt_set, validation_windows
 from benchmarks.quality.presets import PRESETS, TrainPreset
 from benchmarks.quality.provenance import provenance
-from benchmarks.quality.tokenizer import (END_OF_TEXT, PAD, encode_documents, save_hf_tokenizer, tokenizer_hash,
-                                          train_tokenizer)
+from benchmarks.quality.tokenizer import (END_OF_TEXT, PAD, encode_documents, load_tokenizer_file, save_hf_tokenizer,
+                                          tokenizer_hash, train_tokenizer)
 from benchmarks.quality.train_experts import use_padded_experts
 
 SAVE_RESERVE_S = 30.0  # kept free at the end of the budget for the last evaluation, samples and saving
@@ -88,6 +88,7 @@ def prepare(corpus: Corpus, preset: TrainPreset, out: Path):
     train_texts, val_texts = corpus.texts("train"), corpus.texts("validation")
     tokenizer = train_tokenizer(train_texts, preset.vocab_size)
     save_hf_tokenizer(tokenizer, out / "model", preset.seq_len)
+    tokenizer = load_tokenizer_file(out / "model" / "tokenizer.json")  # as saved: the hash names this file
     return tokenizer, encode_documents(tokenizer, train_texts), encode_documents(tokenizer, val_texts), val_texts
 
 
