@@ -49,3 +49,18 @@ def prompt_set(tokenizer, texts: list[str], count: int, length: int) -> torch.Te
     if not prompts:
         raise ValueError(f"no validation document has {length} tokens")
     return torch.tensor(prompts, dtype=torch.int64)
+
+
+def leading_windows(tokenizer, texts: list[str], seq_len: int, count: int) -> torch.Tensor:
+    """int64 [n <= count, seq_len]: consecutive windows over the first documents of `texts`."""
+    from benchmarks.quality.tokenizer import encode_documents
+
+    ids = encode_documents(tokenizer, [])
+    for used in range(1, len(texts) + 1):
+        ids = encode_documents(tokenizer, texts[:used])
+        if len(ids) >= count * seq_len:
+            break
+    n = min(count, len(ids) // seq_len)
+    if n == 0:
+        raise ValueError(f"the documents hold {len(ids)} tokens, fewer than one window of {seq_len}")
+    return torch.from_numpy(ids[: n * seq_len].astype(np.int64)).view(n, seq_len)

@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks.quality.corpus import Corpus, require_same_corpus
-from benchmarks.quality.tokenizer import encode_documents, load_tokenizer_file, tokenizer_hash
+from benchmarks.quality.data import leading_windows
+from benchmarks.quality.tokenizer import load_tokenizer_file, tokenizer_hash
 from tierstore.checkpoint import open_checkpoint
 from tierstore.formats import dequantize_nvfp4, encode_nvfp4
 
@@ -100,13 +101,7 @@ def calibration_windows(run: Path, seq_len: int, corpus_root: Path | None) -> to
     tokenizer = load_tokenizer_file(run / "model" / "tokenizer.json")
     if tokenizer_hash(tokenizer) != record["tokenizer_hash"]:
         raise RuntimeError(f"{run}/model/tokenizer.json does not match the training record")
-    texts, ids = corpus.texts("train"), None
-    for count in range(1, len(texts) + 1):
-        ids = encode_documents(tokenizer, texts[:count])
-        if len(ids) >= CALIBRATION_WINDOWS * seq_len:
-            break
-    windows = len(ids) // seq_len
-    return torch.from_numpy(ids[: windows * seq_len].astype("int64")).view(windows, seq_len)[:CALIBRATION_WINDOWS]
+    return leading_windows(tokenizer, corpus.texts("train"), seq_len, CALIBRATION_WINDOWS)
 
 
 def export(run: Path, out: Path, num_shards: int = 2, corpus_root: Path | None = None) -> dict:
