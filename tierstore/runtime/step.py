@@ -15,7 +15,6 @@ Second-order misses (a corrected early layer re-routes a later one) are what the
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
