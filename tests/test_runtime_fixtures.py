@@ -49,7 +49,7 @@ class ToyMoE:
         self.routers = torch.randn(geometry.num_moe_layers, geometry.num_experts, geometry.hidden, generator=gen)
 
     def route(self, layer: int, x: torch.Tensor):
-        probs = torch.softmax(x @ self.routers[layer].T, dim=-1)  # [T, E]
+        probs = torch.softmax(x @ self.routers[layer].to(x.device).T, dim=-1)  # [T, E]
         weights, ids = probs.topk(self.geometry.top_k, dim=-1)  # [T, k]
         return ids, weights / weights.sum(-1, keepdim=True)
 
