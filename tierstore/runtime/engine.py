@@ -158,7 +158,7 @@ class TieredRuntime:
         if not keys:
             return 0
         protect = set(protect)
-        room = self.pool.capacity_for(protect)
+        room = self.pool.capacity_for(protect, enough=len(keys))
         if len(keys) > room:
             if not partial:
                 raise CapacityError(

@@ -6,11 +6,17 @@ Invariants (checked by `check_coherent`): `table` (device) == `mirror` (host); s
 mapped keys. Bytes change only in `install`, between launches: victims are unmapped on the copy
 stream before their slots are rewritten, and the new mappings are written after the copies, all
 on one stream that is synchronised before the host state changes.
+
+One install costs few copies: the table goes to the device whole from a host staging table (at
+most two copies: victims unmapped, then the final mapping; no per-index kernels), and rows whose
+host bytes and destination slots are both contiguous (an arena or staging buffer filled in
+order into free slots in order) are merged into one copy per run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import islice
 
 import numpy as np
 import torch
@@ -41,6 +47,10 @@ class DevicePool:
         self.generation = np.zeros(num_slots, dtype=np.int64)  # bumped whenever a slot's bytes change
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        pin = self.device.type == "cuda"
+        # host staging of the table: [0] victims unmapped, [1] final; reused once the stream is synchronised
+        self._staged = [torch.empty(num_layers, num_experts, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.copies = 0  # row copies issued (a merged run counts once)
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -63,10 +73,17 @@ class DevicePool:
     def resident_keys(self) -> list[Key]:
         return [(int(l), int(e)) for l, e in self.owner if l >= 0]
 
-    def capacity_for(self, exclude: Iterable[Key]) -> int:
-        """How many new keys can be installed without evicting any of `exclude`."""
+    def capacity_for(self, exclude: Iterable[Key], enough: int | None = None) -> int:
+        """How many new keys can be installed without evicting any of `exclude`; with `enough`,
+        counting stops there (the answer is then min(capacity, enough)) instead of walking the
+        whole eviction order."""
+        if enough is not None and self.num_free >= enough:
+            return enough
         ids = {self.key_id(k) for k in exclude}
-        return self.num_free + sum(1 for _ in self.policy.eviction_order(ids))
+        order = self.policy.eviction_order(ids)
+        if enough is not None:
+            order = islice(order, enough - self.num_free)
+        return self.num_free + sum(1 for _ in order)
 
     # -- policy hooks ---------------------------------------------------------------------------
     def touch(self, keys: Iterable[Key], now: float) -> None:
@@ -115,25 +132,51 @@ class DevicePool:
             self.policy.on_insert(self.key_id(key))
 
     def _write_device(self, keys, rows, slots, victims) -> None:
-        flat = self.table.view(-1)  # [L * E]
-        victim_ids = torch.tensor(victims, dtype=torch.int64).to(self.device, non_blocking=True)
-        key_ids = torch.tensor([self.key_id(k) for k in keys], dtype=torch.int64).to(self.device, non_blocking=True)
-        slot_ids = torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)
+        for row in rows:
+            if row.numel() > self.slot_bytes:
+                raise CapacityError(f"row of {row.numel()} bytes does not fit a {self.slot_bytes}-byte slot")
+        unmapped, final = self._staged
+        final.numpy()[:] = self.mirror
+        if victims:
+            final.view(-1)[torch.as_tensor(victims, dtype=torch.int64)] = -1
+            unmapped.copy_(final)
+        final.view(-1)[torch.as_tensor([self.key_id(k) for k in keys], dtype=torch.int64)] = \
+            torch.as_tensor(slots, dtype=torch.int32)
         if self._stream is None:
-            self._copy(flat, rows, slots, victim_ids, key_ids, slot_ids)
+            self._copy(rows, slots, unmapped if victims else None, final)
             return
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            self._copy(flat, rows, slots, victim_ids, key_ids, slot_ids)
+            self._copy(rows, slots, unmapped if victims else None, final)
         self._stream.synchronize()
 
-    def _copy(self, flat, rows, slots, victim_ids, key_ids, slot_ids) -> None:
-        flat[victim_ids] = -1  # unmap before the bytes are reused
-        for row, slot in zip(rows, slots):
-            if row.numel() > self.slot_bytes:
-                raise CapacityError(f"row of {row.numel()} bytes does not fit a {self.slot_bytes}-byte slot")
-            self.slots[slot, :row.numel()].copy_(row, non_blocking=True)
-        flat[key_ids] = slot_ids
+    def _copy(self, rows, slots, unmapped: torch.Tensor | None, final: torch.Tensor) -> None:
+        if unmapped is not None:
+            self.table.copy_(unmapped, non_blocking=True)  # unmap before the bytes are reused
+        for first, count, nbytes in self._runs(rows, slots):
+            if count == 1:
+                self.slots[slots[first], :nbytes].copy_(rows[first], non_blocking=True)
+            else:  # `count` full rows, adjacent in one host buffer: one copy into consecutive slots
+                source = rows[first].as_strided((count * nbytes,), (1,))
+                self.slots[slots[first]:slots[first] + count].view(-1).copy_(source, non_blocking=True)
+            self.copies += 1
+        self.table.copy_(final, non_blocking=True)
+
+    def _runs(self, rows, slots) -> list[tuple[int, int, int]]:
+        """(first index, rows, row bytes) per copy: consecutive rows merge when each is a full slot,
+        their host bytes are adjacent in one allocation and their slots are consecutive."""
+        runs: list[list[int]] = []
+        for i, row in enumerate(rows):
+            if runs and self._follows(rows[i - 1], row) and slots[i] == slots[i - 1] + 1:
+                runs[-1][1] += 1
+            else:
+                runs.append([i, 1, row.numel()])
+        return [tuple(run) for run in runs]
+
+    def _follows(self, previous: torch.Tensor, row: torch.Tensor) -> bool:
+        return (previous.numel() == row.numel() == self.slot_bytes and previous.is_contiguous() and row.is_contiguous()
+                and row.data_ptr() == previous.data_ptr() + self.slot_bytes
+                and row.untyped_storage().data_ptr() == previous.untyped_storage().data_ptr())
 
     def clear(self) -> None:
         """Unmap everything (the slots' bytes are left as they are)."""

@@ -1,0 +1,107 @@
+"""DevicePool.install on the CPU device: copies merged per contiguous run, the table written whole
+from host staging (victims unmapped first), bytes exact, nothing changed on a refused install."""
+
+import numpy as np
+import pytest
+import torch
+
+from tierstore.cache.policy import get_policy
+from tierstore.errors import CapacityError
+from tierstore.runtime.pools import DevicePool
+
+SLOT = 4096
+LAYERS, EXPERTS = 2, 8
+
+
+def pool(slots: int = 6) -> DevicePool:
+    return DevicePool(slots, SLOT, LAYERS, EXPERTS, "cpu", get_policy("lru"))
+
+
+def host_rows(count: int, seed: int = 0) -> torch.Tensor:
+    """count rows in one host buffer, uint8 [count, SLOT]."""
+    return torch.randint(0, 256, (count, SLOT), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+
+
+def assert_bytes(p: DevicePool, keys, rows) -> None:
+    for key, row in zip(keys, rows):
+        assert torch.equal(p.slots[p.slot_of(key), :row.numel()], row)
+
+
+def test_rows_adjacent_in_one_buffer_into_free_slots_take_one_copy():
+    p, buffer = pool(), host_rows(4)
+    keys = [(0, 1), (0, 5), (1, 0), (1, 7)]
+    p.install(keys, list(buffer), exclude=keys)  # rows are adjacent views of `buffer`; slots 0..3
+    assert p.copies == 1
+    assert [p.slot_of(k) for k in keys] == [0, 1, 2, 3]
+    assert_bytes(p, keys, buffer)
+    p.check_coherent()
+
+
+def test_scattered_short_or_separate_rows_copy_one_by_one():
+    p, buffer = pool(), host_rows(4, seed=1)
+    scattered = [buffer[2], buffer[0]]  # not ascending in memory
+    p.install([(0, 0), (0, 1)], scattered, exclude=[])
+    assert p.copies == 2
+    short = [buffer[1, :SLOT - 16], buffer[2]]  # a short row never merges
+    p.install([(1, 0), (1, 1)], short, exclude=[])
+    assert p.copies == 4
+    separate = [host_rows(1, seed=2)[0], host_rows(1, seed=3)[0]]  # two allocations
+    p.install([(1, 2), (1, 3)], separate, exclude=[])
+    assert p.copies == 6
+    assert_bytes(p, [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (1, 3)], scattered + short + separate)
+    p.check_coherent()
+
+
+def test_evictions_unmap_victims_and_table_equals_mirror():
+    p = pool(slots=3)
+    first = [(0, 0), (0, 1), (0, 2)]
+    p.install(first, list(host_rows(3)), exclude=first)
+    p.touch([(0, 0)], now=1.0)  # (0, 1) and (0, 2) are now the least recently used
+    second = [(1, 4), (1, 5)]
+    fresh = host_rows(2, seed=5)
+    p.install(second, list(fresh), exclude=second + [(0, 0)])
+    assert not p.is_resident((0, 1)) and not p.is_resident((0, 2)) and p.is_resident((0, 0))
+    assert torch.equal(p.table, torch.from_numpy(p.mirror))
+    assert int(p.table[0, 1]) == -1 and int(p.table[0, 2]) == -1
+    assert_bytes(p, second, fresh)
+    p.check_coherent()
+
+
+def test_refused_install_changes_nothing():
+    p = pool(slots=2)
+    p.install([(0, 0)], [host_rows(1)[0]], exclude=[])
+    table, slots = p.table.clone(), p.slots.clone()
+    with pytest.raises(CapacityError, match="does not fit"):
+        p.install([(0, 1)], [torch.zeros(SLOT + 1, dtype=torch.uint8)], exclude=[])
+    with pytest.raises(CapacityError, match="cannot take 2 more"):
+        p.install([(1, 0), (1, 1)], list(host_rows(2)), exclude=[(0, 0)])
+    assert torch.equal(p.table, table) and torch.equal(p.slots, slots)
+    assert np.array_equal(p.mirror, table.numpy())
+    p.check_coherent()
+
+
+def test_capacity_for_stops_counting_at_enough():
+    p = pool(slots=4)
+    keys = [(0, e) for e in range(4)]
+    p.install(keys, list(host_rows(4)), exclude=keys)
+    assert p.capacity_for([(0, 0)]) == 3
+    assert p.capacity_for([(0, 0)], enough=2) == 2
+    assert p.capacity_for([(0, 0)], enough=9) == 3
+    assert pool().capacity_for([], enough=5) == 5
+
+
+@pytest.mark.parametrize("arena_slots", [0, 64])
+def test_a_fill_through_the_arena_or_staging_is_one_copy(arena_slots):
+    from test_runtime_fixtures import memory_source, toy_geometry
+
+    from tierstore.runtime import RuntimeConfig, TieredRuntime
+
+    g = toy_geometry(hidden=256, inter=128)  # slot bytes 36864, a 4 KiB multiple: arena stride == slot bytes
+    source = memory_source(g)
+    with TieredRuntime(g, source, pool_slots=48, arena_slots=arena_slots, config=RuntimeConfig(kpi_every=0)) as rt:
+        keys = [(0, e) for e in range(6)] + [(1, 3), (2, 9)]
+        rt.fetch(keys, keys)
+        assert rt.pool.copies == 1
+        for key in keys:
+            assert torch.equal(rt.pool.slots[rt.pool.slot_of(key), :source.row_bytes], source.rows[key])
+        rt.pool.check_coherent()
