@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from tierstore.formats import W2Tensor
-from tierstore.kernels.layout import pack_slot, unpack_matrix_ref, w2_slot_layout
+from tierstore.kernels.layout import fp4_slot_layout, pack_slot, unpack_matrix_ref, w2_slot_layout
 from tierstore.reference_moe import ExpertPool, ExpertTier, reference_moe
 
 
@@ -29,6 +29,13 @@ def w2_slot_row(w13: W2Tensor, w2: W2Tensor) -> torch.Tensor:
     """One expert (w13 [2I, H], w2 [H, I]) as the kernels' W2 slot bytes uint8 [slot_bytes]."""
     layout = w2_slot_layout(w13.shape[1], w2.shape[1])
     return pack_slot(layout, w13.unpacked_codes(), w13.scale_bytes(), w2.unpacked_codes(), w2.scale_bytes())
+
+
+def fp4_slot_row(w13: W2Tensor, w2: W2Tensor) -> torch.Tensor:
+    """The same expert at the FP4 tier (its e2m1 nibbles, same scales) as the kernels' FP4 slot
+    bytes uint8 [fp4 slot_bytes]: what the FP4 pool holds."""
+    layout = fp4_slot_layout(w13.shape[1], w2.shape[1])
+    return pack_slot(layout, w13.nibbles(), w13.scale_bytes(), w2.nibbles(), w2.scale_bytes())
 
 
 class ReferenceBackend:

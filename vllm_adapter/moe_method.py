@@ -8,7 +8,7 @@ Life of a layer:
    first build) -- and frees the checkpoint-format parameters.
 3. `apply` (router already run: topk_ids/topk_weights [T, k]) computes the routed experts:
    all resident on the CPU reference or the CUDA kernels, or through the process's tiered
-   runtime when an expert cache (BASE_CACHE_GB) smaller than the model is configured.
+   runtime when an expert cache (BASE_CACHE_GB) or an FP4 pool (DELTA_GB) is configured.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from tierstore.errors import ConfigError
 from tierstore.vllm_adapter.compat import FusedMoEMethodBase, set_weight_attrs
-from tierstore.vllm_adapter.expert_compute import KernelBackend, ReferenceBackend, w2_slot_row
+from tierstore.vllm_adapter.expert_compute import KernelBackend, ReferenceBackend, fp4_slot_row, w2_slot_row
 from tierstore.vllm_adapter.pack_boot import decoder_layer, pack_boot
 from tierstore.vllm_adapter.residency import LayerSlots, resident_layer
 from tierstore.vllm_adapter.settings import AdapterSettings
@@ -30,18 +30,9 @@ from tierstore.vllm_adapter.source_formats import (
     requantize_expert,
 )
 from tierstore.vllm_adapter.tiered import TieredModel, tiered_model
+from tierstore.vllm_adapter.worker_check import WORKER_QUALNAME, runner_hook_reason, tierstore_worker_configured
 
 logger = logging.getLogger(__name__)
-
-
-def _not_built_yet(settings: AdapterSettings) -> list[str]:
-    """Knobs whose machinery (the FP4 pool manager and the confidence gate) this adapter does not drive yet."""
-    missing = []
-    if settings.fp4_pool_bytes != 0:
-        missing.append("DELTA_GB (FP4 pool)")
-    if settings.gate:
-        missing.append("GATE")
-    return missing
 
 
 def check_layer_supported(layer: torch.nn.Module, settings: AdapterSettings) -> None:
@@ -59,10 +50,9 @@ def check_layer_supported(layer: torch.nn.Module, settings: AdapterSettings) -> 
         raise ConfigError(f"layer {layer.layer_name!r} uses a SwiGLU alpha/beta variant; only the clamp is supported")
     if getattr(layer, "apply_router_weight_on_input", False):
         raise ConfigError(f"layer {layer.layer_name!r} applies router weights on the input; not supported")
-    unbuilt = _not_built_yet(settings)
-    if unbuilt:
-        raise ConfigError(f"{', '.join(unbuilt)}: the FP4 pool and the gate are not driven by the vLLM adapter "
-                          "yet; unset them (every other knob works)")
+    if settings.needs_runner_hook and not tierstore_worker_configured():
+        raise ConfigError(f"{runner_hook_reason(settings)} needs tierstore's model-runner hook: start vLLM with "
+                          f"--worker-cls {WORKER_QUALNAME} (and VLLM_USE_V2_MODEL_RUNNER=0)")
     if settings.store_dir is not None and moe.moe_parallel_config.tp_size > 1:
         raise ConfigError("STORE_DIR packs hold whole experts; with tensor parallelism > 1 leave STORE_DIR unset "
                           "(experts are then requantized from each rank's shard)")
@@ -109,15 +99,17 @@ class TierstoreMoEMethod(FusedMoEMethodBase):
         boot = None
         if self.settings.store_dir is not None:
             boot = pack_boot(self.model_path, self.settings.store_dir, self.settings.zero_mode,
-                             self.settings.tier_direct)
+                             self.settings.tier_direct, fp4=self.settings.uses_fp4_tier)
             if (boot.geometry.num_experts, boot.geometry.expert_inter) != (self.num_experts, self.inter):
                 raise ConfigError(f"{self.prefix}: the pack holds {boot.geometry.num_experts} experts of intermediate "
                                   f"size {boot.geometry.expert_inter}, the layer has {self.num_experts} of {self.inter}")
-        if self.settings.uses_expert_cache:
+        if self.settings.uses_runtime:
             self.tiered = tiered_model(settings=self.settings, top_k=layer.top_k, hidden=self.hidden, inter=self.inter,
                                        swiglu_limit=getattr(layer, "swiglu_limit", None), device=device, boot=boot)
-            self.tiered.add_layer(self.decoder_layer, self.num_experts,
-                                  None if boot is not None else self._requantized_slot_rows(layer))
+            if boot is not None:
+                self.tiered.add_layer(self.decoder_layer, self.num_experts, None)
+            else:
+                self.tiered.add_layer(self.decoder_layer, self.num_experts, *self._requantized_slot_rows(layer))
             source = "pack" if boot is not None else "requantized"
         elif boot is not None:
             slots = boot.slot_rows(boot.dense_layer(self.prefix))  # [E, slot_bytes]
@@ -137,8 +129,14 @@ class TierstoreMoEMethod(FusedMoEMethodBase):
         return [requantize_expert(self.source_format, params, e, self.settings.zero_mode)
                 for e in range(self.num_experts)]
 
-    def _requantized_slot_rows(self, layer: torch.nn.Module) -> torch.Tensor:
-        return torch.stack([w2_slot_row(w13.to("cpu"), w2.to("cpu")) for w13, w2 in self._requantized(layer)])
+    def _requantized_slot_rows(self, layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(W2 slot rows uint8 [E, slot_bytes], FP4 slot rows uint8 [E, fp4 slot bytes] with DELTA_GB
+        else None) from one requantization."""
+        experts = [(w13.to("cpu"), w2.to("cpu")) for w13, w2 in self._requantized(layer)]
+        base = torch.stack([w2_slot_row(w13, w2) for w13, w2 in experts])
+        if not self.settings.uses_fp4_tier:
+            return base, None
+        return base, torch.stack([fp4_slot_row(w13, w2) for w13, w2 in experts])
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None  # tierstore computes the experts itself; no vLLM modular kernel is involved

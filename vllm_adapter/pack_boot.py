@@ -1,7 +1,8 @@
 """Booting a model's W2 experts from its pack (STORE_DIR) instead of requantizing them.
 
 The first boot builds the pack (requantizing once, resumable, crash-safe); every later boot reads
-its checksummed rows, which are already in the kernels' slot layout. A pack holds whole experts,
+its checksummed rows, which are already in the kernels' slot layout. With DELTA_GB the `fp4` pack
+(the same experts' e2m1 nibbles and scales, in the kernels' FP4 slot layout) is built next to it. A pack holds whole experts,
 so this path needs tensor parallelism 1.
 """
 
@@ -30,7 +31,7 @@ def decoder_layer(prefix: str) -> int:
 class PackBoot:
     """The base pack of the checkpoint at `model_path`, built under `store_dir` if missing."""
 
-    def __init__(self, model_path: str | Path, store_dir: Path, zero_mode: str, direct: bool):
+    def __init__(self, model_path: str | Path, store_dir: Path, zero_mode: str, direct: bool, fp4: bool = False):
         from tierstore.runtime.packs import ensure_base_pack, open_base_rows
 
         model_path = Path(model_path)
@@ -39,14 +40,17 @@ class PackBoot:
                               "has no config.json (download it first and pass its path)")
         with open_checkpoint(model_path) as checkpoint:
             self.geometry = checkpoint.geometry
-        self.report = ensure_base_pack(model_path, store_dir, zero_mode=zero_mode)
+        tags = ("base", "fp4") if fp4 else ("base",)
+        self.report = ensure_base_pack(model_path, store_dir, zero_mode=zero_mode, tags=tags)
         self.rows = open_base_rows(model_path, store_dir, zero_mode=zero_mode, direct=direct)
+        self.fp4_rows = open_base_rows(model_path, store_dir, zero_mode=zero_mode, direct=direct, tag="fp4") \
+            if fp4 else None  # the FP4 pool's rows (DELTA_GB)
         self.layout = w2_slot_layout(self.geometry.hidden, self.geometry.expert_inter)
 
     @property
     def requantized_layers(self) -> list[int]:
-        """Layers this boot had to requantize (empty when the pack already existed)."""
-        return self.report.written["base"]
+        """Layers this boot had to requantize for any of its packs (empty when they all existed)."""
+        return sorted(set().union(*self.report.written.values()))
 
     def dense_layer(self, prefix: str) -> int:
         layer = decoder_layer(prefix)
@@ -67,18 +71,21 @@ class PackBoot:
 
     def close(self) -> None:
         self.rows.close()
+        if self.fp4_rows is not None:
+            self.fp4_rows.close()
 
 
-_boots: dict[tuple[str, str, str], PackBoot] = {}
+_boots: dict[tuple[str, str, str, bool], PackBoot] = {}
 
 
-def pack_boot(model_path: str | Path, store_dir: Path, zero_mode: str, direct: bool) -> PackBoot:
-    """One PackBoot per (checkpoint, store, zero mode) in the process, shared by its layers."""
+def pack_boot(model_path: str | Path, store_dir: Path, zero_mode: str, direct: bool, fp4: bool = False) -> PackBoot:
+    """One PackBoot per (checkpoint, store, zero mode, with the FP4 pack) in the process, shared by
+    its layers."""
     if model_path is None:
         raise ConfigError("STORE_DIR needs vLLM's model path (no model config is set)")
-    key = (str(Path(model_path).resolve()), str(store_dir.resolve()), zero_mode)
+    key = (str(Path(model_path).resolve()), str(store_dir.resolve()), zero_mode, fp4)
     if key not in _boots:
-        _boots[key] = PackBoot(model_path, store_dir, zero_mode, direct)
+        _boots[key] = PackBoot(model_path, store_dir, zero_mode, direct, fp4)
     return _boots[key]
 
 

@@ -143,6 +143,21 @@ class AdapterSettings:
     def uses_expert_cache(self) -> bool:
         return self.base_cache_bytes > 0
 
+    @property
+    def uses_fp4_tier(self) -> bool:
+        return self.fp4_pool_bytes != 0
+
+    @property
+    def uses_runtime(self) -> bool:
+        """Whether the MoE layers go through the process's `tierstore.runtime.TieredRuntime`."""
+        return self.uses_expert_cache or self.uses_fp4_tier
+
+    @property
+    def needs_runner_hook(self) -> bool:
+        """Whether something must drive `runtime.step` around each forward (the tierstore worker):
+        the FP4 manager and the gate always, the expert cache in graph execution."""
+        return self.uses_fp4_tier or (self.uses_expert_cache and self.execution == "graph")
+
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> AdapterSettings:
         values = read_knobs(os.environ if environ is None else environ)

@@ -33,15 +33,18 @@ def built_layer(harness, path, layer=0, keyword_style=False, process=True, swigl
     return runner, routed
 
 
-def reference_tier(path, layer=0, row_slice=slice(None), col_slice=slice(None), zero_mode="auto") -> ExpertTier:
-    """W2 of the checkpoint's experts computed independently of vLLM: tierstore's checkpoint
-    reader, then the requantizer on the (TP-sliced) float64 values."""
+def reference_tier(path, layer=0, row_slice=slice(None), col_slice=slice(None), zero_mode="auto",
+                   precision="w2") -> ExpertTier:
+    """W2 (or, with precision "fp4", the FP4 tier) of the checkpoint's experts computed
+    independently of vLLM: tierstore's checkpoint reader, then the requantizer on the (TP-sliced)
+    float64 values."""
+    values = (lambda t: t.dequantize()) if precision == "w2" else (lambda t: t.dequantize_fp4())
     experts = []
     with open_checkpoint(path) as checkpoint:
         for expert in checkpoint.layer(layer).experts:
             if checkpoint.source_format == "mxfp4":
                 w13, w2 = (w2_from_mxfp4(*m.mxfp4_parts()) for m in (expert.w13, expert.w2))
-                w13_values, w2_values = w13.dequantize(), w2.dequantize()
+                w13_values, w2_values = values(w13), values(w2)
                 inter = w13_values.shape[0] // 2
                 gate, up = w13_values[:inter][row_slice], w13_values[inter:][row_slice]
                 experts.append((torch.cat([gate, up]), w2_values[:, col_slice]))
@@ -49,10 +52,10 @@ def reference_tier(path, layer=0, row_slice=slice(None), col_slice=slice(None), 
             w13_full, w2_full = expert.w13.dequantize(), expert.w2.dequantize()
             inter = w13_full.shape[0] // 2
             w13_shard = torch.cat([w13_full[:inter][row_slice], w13_full[inter:][row_slice]])
-            experts.append((quantize_w2(w13_shard, zero_mode=zero_mode).dequantize(),
-                            quantize_w2(w2_full[:, col_slice], zero_mode=zero_mode).dequantize()))
+            experts.append((values(quantize_w2(w13_shard, zero_mode=zero_mode)),
+                            values(quantize_w2(w2_full[:, col_slice], zero_mode=zero_mode))))
     table = torch.arange(len(experts), dtype=torch.int32).view(1, -1)
-    return ExpertTier("w2", table, ExpertPool.from_experts(experts))
+    return ExpertTier(precision, table, ExpertPool.from_experts(experts))
 
 
 def routing(harness, tokens=6, seed=0):

@@ -80,7 +80,7 @@ def test_graph_execution_replays_to_the_resident_result(harness, checkpoints, mo
     x, _, weights, ids = routing(harness, tokens=8, seed=5)
     expected = resident_step(harness, checkpoints["bf16"], (x, weights, ids))
     use_cache(monkeypatch, 2 * E, execution="graph")
-    with harness.cpu_vllm():
+    with harness.cpu_vllm(tiered_worker=True):
         layers = two_layers(harness, checkpoints["bf16"])
         first_pass = chained_step(layers, x, weights, ids)  # builds the runtime; everything misses
         assert torch.equal(first_pass[0], torch.zeros_like(first_pass[0]))
@@ -107,7 +107,7 @@ def test_graph_execution_strict_mode_refuses_after_fp_max(harness, checkpoints, 
         ids = torch.tensor([[calls[0] % E, (calls[0] + 1) % E]] * 2, dtype=torch.int32)
         return [apply(layer, x, weights, ids) for layer in layers]
 
-    with harness.cpu_vllm():
+    with harness.cpu_vllm(tiered_worker=True):
         layers = two_layers(harness, checkpoints["bf16"])
         step()
         with pytest.raises(ReplayLimitError, match="after 3 replays"):

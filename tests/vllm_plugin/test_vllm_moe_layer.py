@@ -107,10 +107,16 @@ def test_expert_parallel_is_refused(harness, checkpoints):
         fused_moe_layer.make_parallel_config = original
 
 
-def test_knobs_needing_the_runtime_are_refused_at_layer_creation(harness, checkpoints, monkeypatch):
-    monkeypatch.setenv("VLLM_MOE_W2_DELTA_GB", "2")
-    with harness.cpu_vllm(), pytest.raises(ConfigError, match="DELTA_GB"):
+@pytest.mark.parametrize("knobs", [{"DELTA_GB": "2"}, {"DELTA_GB": "2", "GATE": "1"},
+                                   {"BASE_CACHE_GB": "1", "EXECUTION": "graph"}])
+def test_knobs_needing_the_runner_hook_are_refused_without_tierstores_worker(harness, checkpoints, monkeypatch,
+                                                                              knobs):
+    for name, value in knobs.items():
+        monkeypatch.setenv(f"VLLM_MOE_W2_{name}", value)
+    with harness.cpu_vllm(), pytest.raises(ConfigError, match="--worker-cls tierstore.vllm_adapter.worker.TieredWorker"):
         built_layer(harness, checkpoints["bf16"], process=False)
+    with harness.cpu_vllm(tiered_worker=True):
+        built_layer(harness, checkpoints["bf16"], process=False)  # accepted with the worker
 
 
 def test_shard_cutting_a_w2_block_is_refused(harness, checkpoints):

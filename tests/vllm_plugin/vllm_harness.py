@@ -35,12 +35,19 @@ def model_config(path, quantization="tierstore", enforce_eager=False):
 
 
 @contextmanager
-def cpu_vllm(model=None, enforce_eager=False, **config):
+def cpu_vllm(model=None, enforce_eager=False, tiered_worker=False, **config):
     """A CPU VllmConfig set as current (with the model config of checkpoint folder `model`, if
-    given) and a one-rank gloo group (set up once per process)."""
+    given; with `--worker-cls` tierstore's worker if `tiered_worker`) and a one-rank gloo group
+    (set up once per process)."""
     global _initialised
     if model is not None:
         config["model_config"] = model_config(model, enforce_eager=enforce_eager)
+    if tiered_worker:
+        from vllm.config import ParallelConfig
+
+        from tierstore.vllm_adapter.worker_check import WORKER_QUALNAME
+
+        config["parallel_config"] = ParallelConfig(worker_cls=WORKER_QUALNAME)
     vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"), **config)
     with set_current_vllm_config(vllm_config):
         if not _initialised:
