@@ -1,10 +1,11 @@
 """Tiered decode benchmark (issue 5, section 4): `tierstore replay` at ds-v2-lite and qwen3-30b-a3b
 shapes, GPU pool at 10/25/50/100% coverage, with and without an arena, on a synthetic skewed trace
-(and any extra traces given, e.g. one recorded by `tierstore generate --record-trace`). Writes
-benchmarks/results/replay.json with provenance. Meant for the H200; not yet run.
+(and any extra traces given, e.g. one recorded by `tierstore generate --record-trace`). The first
+`--warmup` steps of every run are its cold window, timed apart; targets are judged on the steady
+window. Writes benchmarks/results/replay.json with provenance.
 
-    python benchmarks/replay.py --pack-dir /path/on/the/disk [--layers 8] [--steps 200] [--trace extra.npz ...]
-"""
+    python benchmarks/replay.py --pack-dir /path/on/the/disk [--layers 8] [--steps 200] [--warmup 40]
+        [--presets ds-v2-lite] [--coverages 0.25,1] [--arena-gb 0,4] [--trace extra.npz ...] [--commit HASH]
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ from tierstore.geometry import get_preset
 from tierstore.runtime.replay import ensure_synthetic_pack, open_synthetic_rows, run_replay, trace_steps
 from tierstore.sim import load_trace
 
-PRESETS = ("ds-v2-lite", "qwen3-30b-a3b")
-COVERAGES = (0.10, 0.25, 0.50, 1.00)
-ARENA_GB = (0.0, 4.0)
+PRESETS = "ds-v2-lite,qwen3-30b-a3b"
+COVERAGES = "0.10,0.25,0.50,1.00"
+ARENA_GB = "0,4"
 
 
 def skewed_steps(geometry, steps: int, seed: int = 0, alpha: float = 1.1) -> list[np.ndarray]:
@@ -41,8 +42,10 @@ def skewed_steps(geometry, steps: int, seed: int = 0, alpha: float = 1.1) -> lis
     return out
 
 
-def provenance() -> dict:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+def provenance(commit: str | None = None) -> dict:
+    """Where and with what this ran; `commit` names the tree when it ran outside a git checkout."""
+    if commit is None:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     info = {"commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "torch": torch.__version__, "host": platform.node()}
     if torch.cuda.is_available():
@@ -52,17 +55,27 @@ def provenance() -> dict:
     return info
 
 
+def floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pack-dir", required=True)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=200, help="steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=40, help="cold window: the first N steps of every run")
+    parser.add_argument("--presets", default=PRESETS)
+    parser.add_argument("--coverages", default=COVERAGES)
+    parser.add_argument("--arena-gb", default=ARENA_GB)
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs of the forward")
     parser.add_argument("--trace", action="append", default=[])
+    parser.add_argument("--commit", help="commit of the tree (when it runs without .git)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "replay.json"))
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results = []
-    for preset in PRESETS:
+    for preset in args.presets.split(","):
         geometry = get_preset(preset).with_layers(args.layers)
         spec = ensure_synthetic_pack(geometry, args.pack_dir)
         workloads = {"synthetic-skewed": skewed_steps(geometry, args.steps)}
@@ -71,19 +84,27 @@ def main() -> None:
             if trace.num_experts == geometry.num_experts and trace.num_layers >= geometry.num_moe_layers:
                 workloads[Path(path).name] = trace_steps(trace.experts, trace.step, geometry.num_moe_layers, args.steps)
         for name, steps in workloads.items():
-            for coverage in COVERAGES:
-                for arena_gb in ARENA_GB:
+            for coverage in floats(args.coverages):
+                for arena_gb in floats(args.arena_gb):
                     pool = max(1, round(coverage * geometry.total_routed_experts))
                     result = run_replay(geometry, lambda: open_synthetic_rows(spec, args.pack_dir), steps,
-                                        pool_slots=pool, arena_slots=int(arena_gb * 2**30) // spec.stride, device=device)
+                                        pool_slots=pool, arena_slots=int(arena_gb * 2**30) // spec.stride,
+                                        device=device, warmup=args.warmup, graph=not args.eager)
                     result.update(preset=preset, workload=name, arena_gb=arena_gb)
                     results.append(result)
                     runs = result["runs"]
-                    print(f"{preset} {name} cov {coverage:.0%} arena {arena_gb} GiB: tiered {runs['tiered']['step_ms']:.3f} "
-                          f"ms, floor {result['floor_step_ms']:.3f} ms, resident {runs['resident']['step_ms']:.3f} ms, "
-                          f"naive {runs['naive']['step_ms']:.3f} ms", flush=True)
+                    t, r = runs["tiered"], runs["resident"]["steady"]
+                    print(f"{preset} {name} cov {coverage:.0%} arena {arena_gb} GiB (graph {t['graph']}): steady tiered "
+                          f"{t['steady']['step_ms']:.3f} ms (p50 {t['steady']['p50_ms']:.3f} p99 {t['steady']['p99_ms']:.3f}; "
+                          f"cold {t['cold']['step_ms']:.3f}), floor {result['floor_step_ms']:.3f} ms "
+                          f"({result['tiered_over_floor']:.2f}x), resident {r['step_ms']:.3f} ms, naive "
+                          f"{runs['naive']['steady']['step_ms']:.3f} ms ({result['naive_over_tiered']:.2f}x), misses/step "
+                          f"{t['steady']['missing_pairs_per_step']:.1f}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"provenance": provenance(), "results": results}, indent=2))
+    Path(args.out).write_text(json.dumps({"provenance": provenance(args.commit), "method": {
+        "steps": args.steps, "warmup": args.warmup, "layers": args.layers, "graph": not args.eager,
+        "floor": "plain all-resident steady step + steady arena-hit bytes / pinned H2D + arena-miss bytes / source read"},
+        "results": results}, indent=2))
     print(f"wrote {args.out}")
 
 

@@ -27,17 +27,44 @@ def test_trace_steps_groups_tokens_by_step():
         trace_steps(experts, None, layers=3, limit=None)
 
 
-def test_replay_reports_tiered_resident_naive_and_floor(tmp_path):
+def test_replay_reports_cold_and_steady_windows_and_the_floor(tmp_path):
     g = toy_geometry()
     spec = ensure_synthetic_pack(g, tmp_path)
     assert ensure_synthetic_pack(g, tmp_path) == spec  # reused
     steps = trace_steps(skewed_routing(g, 30), None, g.num_moe_layers, None)
     result = run_replay(g, lambda: open_synthetic_rows(spec, tmp_path), steps, pool_slots=12, arena_slots=16,
-                        device="cpu")
+                        device="cpu", warmup=10)
     runs = result["runs"]
-    assert runs["resident"]["replay_rate"] == 0.0
-    assert 0 < runs["tiered"]["replay_rate"] <= 1 and runs["tiered"]["fetched_bytes"] > 0
-    assert runs["naive"]["replay_rate"] == 0.0 and runs["naive"]["fetched_bytes"] > 0
-    assert result["floor_step_ms"] > 0 and result["coverage"] == 12 / 48
-    again = run_replay(g, lambda: memory_source(g), steps[:5], pool_slots=48, arena_slots=0, device="cpu")
-    assert again["runs"]["tiered"]["replay_rate"] > 0  # cold pool: the first steps miss
+    for run in runs.values():
+        assert (run["cold"]["steps"], run["steady"]["steps"]) == (10, 20)
+        assert run["steady"]["p50_ms"] <= run["steady"]["p99_ms"]
+    assert runs["resident"]["preloaded"] and runs["resident"]["steady"]["fetched_bytes"] == 0
+    assert runs["resident"]["steady"]["replay_rate"] == 0.0 and not runs["tiered"]["preloaded"]
+    tiered = runs["tiered"]
+    assert 0 < tiered["cold"]["replay_rate"] <= 1 and tiered["cold"]["fetched_bytes"] > 0
+    assert tiered["cold"]["arena_miss_bytes"] > 0  # the cold arena reads the pack
+    steady = tiered["steady"]
+    assert steady["arena_hit_bytes"] + steady["arena_miss_bytes"] == steady["fetched_bytes"]
+    assert runs["naive"]["steady"]["replay_rate"] == 0.0 and runs["naive"]["cold"]["fetched_bytes"] > 0
+    assert result["floor_step_ms"] >= runs["resident"]["steady"]["step_ms"] > 0
+    assert result["source_read_gbps"] > 0 and result["coverage"] == 12 / 48
+    assert result["tiered_over_floor"] == pytest.approx(steady["step_ms"] / result["floor_step_ms"])
+
+
+def test_a_pool_that_holds_everything_is_preloaded_and_never_misses():
+    g = toy_geometry()
+    steps = trace_steps(skewed_routing(g, 6), None, g.num_moe_layers, None)
+    result = run_replay(g, lambda: memory_source(g), steps, pool_slots=48, arena_slots=0, device="cpu", warmup=2)
+    tiered = result["runs"]["tiered"]
+    assert tiered["preloaded"]
+    assert tiered["cold"]["replay_rate"] == tiered["steady"]["replay_rate"] == 0.0
+    assert tiered["steady"]["fetched_bytes"] == 0 and tiered["steady"]["steps"] == 4
+
+
+def test_a_warmup_past_the_end_leaves_an_empty_steady_window():
+    g = toy_geometry()
+    steps = trace_steps(skewed_routing(g, 4), None, g.num_moe_layers, None)
+    result = run_replay(g, lambda: memory_source(g), steps, pool_slots=12, arena_slots=0, device="cpu", warmup=9)
+    tiered = result["runs"]["tiered"]
+    assert tiered["cold"]["steps"] == 4 and tiered["cold"]["fetched_bytes"] > 0
+    assert tiered["steady"]["steps"] == 0 and tiered["steady"]["fetched_bytes"] == 0

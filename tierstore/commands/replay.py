@@ -19,6 +19,9 @@ def register(subparsers) -> None:
     parser.add_argument("--arena-gb", type=float, default=0.0, help="host arena in GiB (0 = none)")
     parser.add_argument("--pack-dir", required=True, help="where the synthetic pack is built (reused across runs)")
     parser.add_argument("--steps", type=int, help="replay at most this many steps")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="the first N steps are the cold window, timed apart from the steady rest (default 0)")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graph of the forward (graphs are used on CUDA)")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     parser.add_argument("--json", help="also write the result as JSON to this path")
     parser.set_defaults(func=run)
@@ -43,12 +46,20 @@ def run(args: argparse.Namespace) -> int:
     spec = ensure_synthetic_pack(geometry, args.pack_dir)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     result = run_replay(geometry, lambda: open_synthetic_rows(spec, args.pack_dir), steps, pool_slots=pool_slots,
-                        arena_slots=int(args.arena_gb * 2**30) // spec.stride, device=device)
+                        arena_slots=int(args.arena_gb * 2**30) // spec.stride, device=device, warmup=args.warmup,
+                        graph=not args.eager)
     for name, r in result["runs"].items():
-        print(f"{name:>12}: {r['steps_per_s']:8.1f} steps/s  {r['step_ms']:8.3f} ms/step  replay {100 * r['replay_rate']:5.1f}%"
-              f"  misses/step {r['missing_pairs_per_step']:6.2f}  fetch {r['fetch_gbps']:6.2f} GB/s")
-    print(f"floor: {result['floor_step_ms']:.3f} ms/step (all-resident + fetched bytes at {result['h2d_gbps']:.1f} GB/s "
-          f"host->device); pool {pool_slots} slots = {100 * result['coverage']:.1f}% of experts")
+        for window in ("cold", "steady"):
+            w = r[window]
+            if w["steps"]:
+                print(f"{name:>9} {window:>6}: {w['steps_per_s']:8.1f} steps/s  {w['step_ms']:8.3f} ms/step (p50 "
+                      f"{w['p50_ms']:.3f} p99 {w['p99_ms']:.3f})  replay {100 * w['replay_rate']:5.1f}%  misses/step "
+                      f"{w['missing_pairs_per_step']:6.2f}  fetch {w['fetch_gbps']:6.2f} GB/s")
+    print(f"floor (steady): {result['floor_step_ms']:.3f} ms/step (plain all-resident + arena hits at "
+          f"{result['h2d_gbps']:.1f} GB/s host->device + arena misses at {result['source_read_gbps']:.2f} GB/s source "
+          f"read); tiered / floor {result['tiered_over_floor']:.2f}x, naive / tiered {result['naive_over_tiered']:.2f}x, "
+          f"tiered / resident {result['tiered_over_resident']:.2f}x; pool {pool_slots} slots = "
+          f"{100 * result['coverage']:.1f}% of experts")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)

@@ -3,18 +3,19 @@ real shapes in a pack, routing forced from a trace, timed against an all-residen
 on-demand baseline and the physical floor.
 
 Each step's hidden state is fixed and its routing comes from the trace, so replays see no
-second-order misses: what is measured is the fetch + replay path itself.
+second-order misses: what is measured is the fetch + replay path itself. Cold (warm-up) and
+steady windows are timed apart (`replay_drive.drive`); the floor is computed on the steady one.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tierstore.cache.arena import aligned_host_buffer
 from tierstore.errors import TraceFormatError
 from tierstore.geometry import MoEGeometry
 from tierstore.io.layout import PackSpec
@@ -27,6 +28,7 @@ from tierstore.io.row_codec import row_bytes
 from tierstore.kernels.layout import pack_slot, w2_slot_layout
 from tierstore.runtime.config import RuntimeConfig
 from tierstore.runtime.engine import TieredRuntime
+from tierstore.runtime.replay_drive import drive
 from tierstore.slot_codec import KERNEL_SLOT_CODEC
 
 
@@ -74,48 +76,6 @@ def trace_steps(experts: np.ndarray, steps: np.ndarray | None, layers: int, limi
     return out[:limit] if limit else out
 
 
-@dataclass(frozen=True)
-class ReplayRun:
-    label: str
-    steps: int
-    seconds: float
-    replay_rate: float
-    missing_pairs_per_step: float
-    fetched_bytes: int
-    fetch_gbps: float
-
-    @property
-    def steps_per_s(self) -> float:
-        return self.steps / self.seconds if self.seconds else 0.0
-
-
-def _forward(runtime: TieredRuntime, x: torch.Tensor, routing: torch.Tensor, weights: torch.Tensor, naive: bool):
-    for layer in range(routing.shape[1]):
-        ids = routing[:, layer]  # [T, k]
-        if naive:  # eager, one synchronous fetch per missing expert
-            for expert in ids.unique().tolist():
-                runtime.fetch([(layer, expert)], [(layer, int(e)) for e in ids.unique().tolist()])
-        x = x + runtime.moe(layer, x, ids, weights)
-    return x
-
-
-def replay(runtime: TieredRuntime, steps: list[np.ndarray], label: str, naive: bool = False, dtype=torch.float32) -> ReplayRun:
-    """Drive `runtime` through `steps`; hidden states are fixed random vectors (routing is forced)."""
-    device, g = runtime.device, runtime.geometry
-    x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(0)).to(device, dtype) * 0.01
-    weights = torch.full((1, g.top_k), 1.0 / g.top_k, device=device)
-    started = time.perf_counter()
-    for routing in steps:
-        ids = torch.as_tensor(routing, device=device)  # [T, L, k]
-        tokens = ids.shape[0]
-        runtime.step(lambda: _forward(runtime, x.expand(tokens, -1).contiguous(), ids, weights.expand(tokens, -1),
-                                      naive), lambda: None)
-    seconds = time.perf_counter() - started
-    stats = runtime.stats()
-    return ReplayRun(label, len(steps), seconds, stats.replay_rate, stats.missing_pairs_per_step,
-                     stats.fetched_bytes, stats.fetch_gbps)
-
-
 def host_to_device_gbps(device: torch.device, nbytes: int = 256 << 20) -> float:
     """Measured copy bandwidth from pinned host memory to `device` (plain memcpy on CPU)."""
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
@@ -131,28 +91,72 @@ def host_to_device_gbps(device: torch.device, nbytes: int = 256 << 20) -> float:
     return 3 * nbytes / (time.perf_counter() - started) / 1e9
 
 
+def source_read_gbps(source, rows: int = 64) -> float:
+    """Measured read bandwidth of a row source (the pack through the runtime's reader) over one batch
+    of `rows` rows spread over the file, into page-aligned host memory."""
+    total = source.num_layers * source.num_experts
+    ids = np.linspace(0, total - 1, min(rows, total)).astype(np.int64)
+    keys = [divmod(int(i), source.num_experts) for i in ids]
+    buffer = aligned_host_buffer(len(keys) * source.stride, pin=False)
+    dests = [memoryview(buffer[i * source.stride:(i + 1) * source.stride].numpy()) for i in range(len(keys))]
+    started = time.perf_counter()
+    source.read_rows(keys, dests)
+    return len(keys) * source.row_bytes / (time.perf_counter() - started) / 1e9
+
+
+def _run(geometry, source_factory, steps, *, pool_slots: int, arena_slots: int, device, config, preload: bool,
+         **drive_args) -> dict:
+    with TieredRuntime(geometry, source_factory(), pool_slots=pool_slots, arena_slots=arena_slots, device=device,
+                       config=config) as runtime:
+        if preload:
+            runtime.preload()
+        out = drive(runtime, steps, **drive_args)
+    return {"graph": out["graph"], "preloaded": preload, "cold": out["cold"].as_dict(),
+            "steady": out["steady"].as_dict()}
+
+
 def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *, pool_slots: int, arena_slots: int,
-               device: torch.device | str, config: RuntimeConfig | None = None) -> dict:
-    """Tiered, all-resident and naive runs of the same steps plus the floor, as one JSON-able dict.
-    `source_factory()` returns a fresh row source per run (e.g. PackRows over the pack)."""
+               device: torch.device | str, config: RuntimeConfig | None = None, warmup: int = 0,
+               graph: bool = True) -> dict:
+    """A plain all-resident run (preloaded, forward + sync, no step protocol), the tiered run and
+    the naive on-demand baseline (eager) of the same steps, each with a cold window (the first
+    `warmup` steps) and a steady one, plus the floor of the steady tiered steps:
+
+        floor = plain step + (arena-hit bytes / pinned H2D + arena-miss bytes / source read) per step
+
+    with both bandwidths measured in this run. A tiered pool that holds every expert is preloaded.
+    `source_factory()` returns a fresh row source per run (e.g. PackRows over the pack); `graph`:
+    CUDA-graph forwards on CUDA (the naive baseline is eager by definition)."""
     device = torch.device(device)
     config = config or RuntimeConfig(kpi_every=0, force_pool=True)
-    runs = {}
-    with TieredRuntime(geometry, source_factory(), pool_slots=geometry.total_routed_experts, device=device,
-                       config=config) as resident:
-        resident.preload()
-        runs["resident"] = replay(resident, steps, "all-resident")
-    for label, naive in (("tiered", False), ("naive", True)):
-        with TieredRuntime(geometry, source_factory(), pool_slots=pool_slots, arena_slots=arena_slots, device=device,
-                           config=config) as runtime:
-            runs[label] = replay(runtime, steps, label, naive=naive)
-    bandwidth = host_to_device_gbps(device)
-    tiered = runs["tiered"]
-    floor_s = runs["resident"].seconds + tiered.fetched_bytes / (bandwidth * 1e9)
+    everything = geometry.total_routed_experts
+    common = dict(device=device, config=config, warmup=warmup)
+    runs = {
+        "resident": _run(geometry, source_factory, steps, pool_slots=everything, arena_slots=0, preload=True,
+                         plain=True, graph=graph, **common),
+        "tiered": _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
+                       preload=pool_slots >= everything, graph=graph, **common),
+        "naive": _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
+                      preload=pool_slots >= everything, naive=True, **common),
+    }
+    h2d = host_to_device_gbps(device)
+    probe = source_factory()
+    try:
+        disk = source_read_gbps(probe)
+    finally:
+        getattr(probe, "close", lambda: None)()
+    steady = runs["tiered"]["steady"]
+    per_step = max(steady["steps"], 1)
+    floor_ms = runs["resident"]["steady"]["step_ms"] + 1e3 * (
+        steady["arena_hit_bytes"] / (h2d * 1e9) + steady["arena_miss_bytes"] / (disk * 1e9)) / per_step
+    tiered_ms, naive_ms = steady["step_ms"], runs["naive"]["steady"]["step_ms"]
     return {
-        "geometry": geometry.name, "layers": geometry.num_moe_layers, "steps": len(steps), "device": str(device),
-        "pool_slots": pool_slots, "coverage": pool_slots / geometry.total_routed_experts, "arena_slots": arena_slots,
-        "h2d_gbps": bandwidth, "floor_step_ms": 1e3 * floor_s / len(steps),
-        "runs": {k: {**v.__dict__, "steps_per_s": v.steps_per_s, "step_ms": 1e3 * v.seconds / v.steps}
-                 for k, v in runs.items()},
+        "geometry": geometry.name, "layers": geometry.num_moe_layers, "steps": len(steps), "warmup": warmup,
+        "device": str(device), "pool_slots": pool_slots, "coverage": pool_slots / everything,
+        "arena_slots": arena_slots, "h2d_gbps": h2d, "source_read_gbps": disk, "floor_step_ms": floor_ms,
+        "tiered_over_floor": tiered_ms / floor_ms if floor_ms else 0.0,
+        "naive_over_tiered": naive_ms / tiered_ms if tiered_ms else 0.0,
+        "tiered_over_resident": tiered_ms / runs["resident"]["steady"]["step_ms"]
+        if runs["resident"]["steady"]["step_ms"] else 0.0,
+        "runs": runs,
     }
