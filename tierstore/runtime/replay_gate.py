@@ -1,0 +1,105 @@
+"""What the precision tier costs per step (issue 6, section 5): W2 only, an FP4 pool at several
+sizes, the confidence gate armed but silent, and the gate firing, on the same forced routing.
+
+The base pool holds every expert (preloaded), so base misses never mix into the numbers; the FP4
+pool starts empty and is filled by its manager (and by the gate's forced promotions). Rows are
+synthetic (a few random experts, tiled over the model: contents do not change timings) and live
+in host RAM (`MemoryRowSource`), read through each tier's arena. The gate sees synthetic
+logits whose top-1 probability is the step's confidence (`confidence_logits`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from tierstore.geometry import MoEGeometry
+from tierstore.kernels.layout import fp4_slot_layout, pack_slot, w2_slot_layout
+from tierstore.runtime.config import RuntimeConfig
+from tierstore.runtime.engine import TieredRuntime
+from tierstore.runtime.replay_drive import drive
+from tierstore.runtime.rows import MemoryRowSource
+
+
+def tiled_rows(geometry: MoEGeometry, fp4: bool, distinct: int = 4, seed: int = 0) -> torch.Tensor:
+    """uint8 [L, E, slot bytes]: `distinct` random experts (codes or nibbles uniform, scale bytes
+    119..122) repeated over every (layer, expert)."""
+    h, i = geometry.hidden, geometry.expert_inter
+    layout = fp4_slot_layout(h, i) if fp4 else w2_slot_layout(h, i)
+    gen = torch.Generator().manual_seed(seed)
+    experts = []
+    for _ in range(distinct):
+        parts = []
+        for n, k in ((2 * i, h), (h, i)):
+            parts.append(torch.randint(0, 16 if fp4 else 4, (n, k), generator=gen, dtype=torch.uint8))
+            parts.append(torch.randint(119, 123, (n, k // 32), generator=gen, dtype=torch.uint8))
+        experts.append(pack_slot(layout, *parts))
+    shape = (geometry.num_moe_layers, geometry.num_experts)
+    index = torch.arange(shape[0] * shape[1]) % distinct
+    return torch.stack(experts)[index].view(*shape, -1)
+
+
+def confidence_logits(confidence: np.ndarray, tokens: int, vocab: int, device) -> torch.Tensor:
+    """float32 [steps, tokens, vocab] whose softmax puts exactly `confidence[s]` on token 0 in every row."""
+    p = np.clip(np.asarray(confidence, np.float64), 1e-6, 1 - 1e-6)
+    top = np.log(p * (vocab - 1) / (1 - p))  # softmax(top, 0, ..., 0)[0] == p
+    out = torch.zeros(len(p), tokens, vocab, dtype=torch.float32)
+    out[:, :, 0] = torch.as_tensor(top, dtype=torch.float32)[:, None]
+    return out.to(device)
+
+
+def fire_schedule(steps: int, every: int, low: float = 0.30, high: float = 0.99) -> np.ndarray:
+    """Confidence per step: `low` on every `every`-th step (0 = never), `high` elsewhere."""
+    out = np.full(steps, high)
+    if every:
+        out[every - 1::every] = low
+    return out
+
+
+def _timed(geometry, rows, steps, *, fp4_slots: int, gate: bool, confidence, device, warmup: int, graph: bool,
+           vocab: int, tau: float) -> dict:
+    w2, fp4 = rows
+    config = RuntimeConfig(kpi_every=0, force_pool=True, force_fp4_pool=True, gate=gate, gate_tau=tau if gate else None)
+    everything = geometry.total_routed_experts
+    extra = dict(fp4_source=MemoryRowSource(fp4), fp4_slots=fp4_slots, fp4_arena_slots=fp4_slots) if fp4_slots else {}
+    with TieredRuntime(geometry, MemoryRowSource(w2), pool_slots=everything, device=device, config=config,
+                       **extra) as runtime:
+        runtime.preload()
+        logits = (confidence_logits(confidence, steps[0].shape[0], vocab, runtime.device)
+                  if confidence is not None else None)
+        out = drive(runtime, steps, warmup=warmup, graph=graph, logits=logits)
+        fp4_share = runtime.fp4_stats().fp4_pair_share if fp4_slots else 0.0
+    return {"fp4_slots": fp4_slots, "gate": gate, "graph": out["graph"], "fp4_pair_share": fp4_share,
+            "cold": out["cold"].as_dict(), "steady": out["steady"].as_dict()}
+
+
+def gate_cost(geometry: MoEGeometry, steps: list[np.ndarray], *, fp4_fractions: tuple[float, ...],
+              gate_fraction: float, fire_every: int, device, warmup: int = 0, graph: bool = True,
+              vocab: int = 32000, tau: float = 0.60) -> dict:
+    """Runs `w2`, `fp4@f` for each f, `armed` (gate on, never fires) and `firing` (fires on every
+    `fire_every`-th step), the last two with an FP4 pool of `gate_fraction` of the experts; plus
+    the derived costs on the steady windows."""
+    device = torch.device(device)
+    rows = (tiled_rows(geometry, fp4=False), tiled_rows(geometry, fp4=True))
+    slots = {f: max(1, math.floor(f * geometry.total_routed_experts)) for f in (*fp4_fractions, gate_fraction)}
+    common = dict(device=device, warmup=warmup, graph=graph, vocab=vocab, tau=tau)
+    runs = {"w2": _timed(geometry, rows, steps, fp4_slots=0, gate=False, confidence=None, **common)}
+    for f in fp4_fractions:
+        runs[f"fp4@{f:g}"] = _timed(geometry, rows, steps, fp4_slots=slots[f], gate=False, confidence=None, **common)
+    silent, firing = fire_schedule(len(steps), 0), fire_schedule(len(steps), fire_every)
+    gate_slots = slots[gate_fraction]
+    runs["unarmed"] = _timed(geometry, rows, steps, fp4_slots=gate_slots, gate=False, confidence=silent, **common)
+    runs["armed"] = _timed(geometry, rows, steps, fp4_slots=gate_slots, gate=True, confidence=silent, **common)
+    runs["firing"] = _timed(geometry, rows, steps, fp4_slots=gate_slots, gate=True, confidence=firing, **common)
+    unarmed, armed, fired = (runs[k]["steady"] for k in ("unarmed", "armed", "firing"))
+    fires = fired["gate_fired"]
+    return {
+        "geometry": geometry.name, "layers": geometry.num_moe_layers, "steps": len(steps), "warmup": warmup,
+        "device": str(device), "vocab": vocab, "tau": tau, "gate_fraction": gate_fraction, "fire_every": fire_every,
+        "armed_cost": armed["step_ms"] / unarmed["step_ms"] - 1 if unarmed["step_ms"] else 0.0,
+        "fires": fires,
+        "ms_per_fire": (fired["seconds"] - armed["seconds"]) * 1e3 / fires if fires else 0.0,
+        "runs": runs,
+    }
