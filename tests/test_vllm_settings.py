@@ -1,6 +1,7 @@
 """The adapter's knobs and checkpoint-format detection (no vLLM needed: these modules do not import it)."""
 
 import pytest
+import torch
 
 from tierstore.errors import ConfigError
 from tierstore.vllm_adapter.settings import KNOBS, AdapterSettings, read_knobs
@@ -89,3 +90,31 @@ def test_param_shapes_per_format():
     assert shapes["w13_weight_scale"] == (4, 128, 16) and shapes["w13_weight_scale_2"] == (4, 2)
     fp8 = {s.name: s.shape for s in param_specs(SourceFormat("fp8_block", (128, 128)), 4, 256, 192, torch.bfloat16)}
     assert fp8["w13_weight_scale_inv"] == (4, 4, 2) and fp8["w2_weight_scale_inv"] == (4, 2, 2)
+
+
+def test_adapter_knobs_map_onto_the_runtime_config(tmp_path):
+    from tierstore.runtime.fp4_sizing import fp4_pool_slots
+    from tierstore.vllm_adapter.tiered import runtime_config
+
+    settings = AdapterSettings.from_environ({
+        "VLLM_MOE_W2_DELTA_GB": "512MiB", "VLLM_MOE_W2_GATE": "1", "VLLM_MOE_W2_GATE_TAU": "0.7",
+        "VLLM_MOE_W2_GATE_TAU_FILE": str(tmp_path / "tau"), "VLLM_MOE_W2_FP_MAX": "4",
+        "VLLM_MOE_W2_REPLAY_MODE": "approximate", "VLLM_MOE_W2_BASE_MISS_TOL": "2", "VLLM_MOE_W2_KPI_EVERY": "9"})
+    config = runtime_config(settings)
+    assert (config.gate, config.gate_tau, config.gate_tau_file) == (True, 0.7, str(tmp_path / "tau"))
+    assert (config.fp_max, config.replay_mode, config.miss_tolerance, config.kpi_every) == (4, "approximate", 2, 9)
+    assert fp4_pool_slots(config, 1000, 10**9, torch.device("cpu")) == 512 * 2**20 // 1000  # the bytes, exactly
+    assert runtime_config(AdapterSettings(fp4_pool_bytes="auto")).fp4_pool_gb == "auto"
+    assert runtime_config(AdapterSettings()).fp4_pool_gb == "0.0" and not runtime_config(AdapterSettings()).gate
+
+
+@pytest.mark.parametrize("settings, runtime, hook", [
+    (AdapterSettings(), False, False),
+    (AdapterSettings(base_cache_bytes=1), True, False),
+    (AdapterSettings(base_cache_bytes=1, execution="graph"), True, True),
+    (AdapterSettings(execution="graph"), False, False),
+    (AdapterSettings(fp4_pool_bytes=1), True, True),
+    (AdapterSettings(fp4_pool_bytes="auto", gate=True), True, True),
+])
+def test_which_settings_use_the_runtime_and_need_the_runner_hook(settings, runtime, hook):
+    assert settings.uses_runtime == runtime and settings.needs_runner_hook == hook

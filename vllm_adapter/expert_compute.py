@@ -8,7 +8,8 @@ is the expert) served through the slot table int32 [1, E] (slot e = expert e).
 * `KernelBackend` (CUDA): slots hold the kernels' packed W2 slot bytes; `tierstore.kernels.moe_mm`
   computes the layer (capture-safe: static workspaces per batch shape, no host sync).
 
-With an expert cache (BASE_CACHE_GB) layers go through `tierstore.vllm_adapter.tiered` instead.
+With an expert cache (BASE_CACHE_GB) or an FP4 pool (DELTA_GB) layers go through
+`tierstore.vllm_adapter.tiered` instead.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class KernelBackend:
     def run(self, x, topk_ids, topk_weights, table, slots, swiglu_limit) -> torch.Tensor:
         from tierstore.kernels import MissLog, MoeWorkspace, TierPool, fp4_tier, moe_mm
 
-        if self._fp4_tier is None:  # an empty FP4 tier (no FP4 pool in this adapter yet) and a miss log
+        if self._fp4_tier is None:  # an empty FP4 tier (DELTA_GB layers go through the runtime) and a miss log
             self._fp4_tier = fp4_tier(self.hidden, self.inter, 0, 1, self.num_experts, x.device)
             self._misses = MissLog.allocate(self.num_experts, x.device)
         key = (x.shape[0], topk_ids.shape[1], x.dtype)
