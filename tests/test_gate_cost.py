@@ -7,7 +7,8 @@ from test_runtime_fixtures import toy_geometry
 
 from tierstore.runtime.gate import ConfidenceGate
 from tierstore.runtime.replay import trace_steps
-from tierstore.runtime.replay_gate import confidence_logits, fire_schedule, gate_cost, tiled_rows
+from tierstore.runtime.replay_gate import confidence_logits, fire_schedule, gate_cost
+from tierstore.runtime.synthetic import tiled_rows
 
 
 def test_confidence_logits_put_exactly_the_confidence_on_top():

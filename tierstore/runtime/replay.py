@@ -25,38 +25,36 @@ from tierstore.io.pack_writer import PackWriter
 from tierstore.io.readers import make_reader
 from tierstore.io.readers.choice import direct_io_supported
 from tierstore.io.row_codec import row_bytes
-from tierstore.kernels.layout import pack_slot, w2_slot_layout
 from tierstore.runtime.config import RuntimeConfig
 from tierstore.runtime.engine import TieredRuntime
 from tierstore.runtime.replay_drive import drive
+from tierstore.runtime.synthetic import random_experts
 from tierstore.slot_codec import KERNEL_SLOT_CODEC
 
 
-def synthetic_pack_spec(geometry: MoEGeometry, seed: int) -> PackSpec:
+def synthetic_pack_spec(geometry: MoEGeometry, seed: int, distinct: int = 4) -> PackSpec:
     segments = KERNEL_SLOT_CODEC.segments("base", geometry)
     return PackSpec(tag="base", num_layers=geometry.num_moe_layers, num_experts=geometry.num_experts,
-                    row_bytes=row_bytes(segments), checkpoint_id=f"synthetic-{geometry.name}-seed{seed}",
+                    row_bytes=row_bytes(segments),
+                    checkpoint_id=f"synthetic-{geometry.name}-seed{seed}-tiled{distinct}",
                     abi_tag=KERNEL_SLOT_CODEC.abi_tag, zero_mode="auto", segments=segments)
 
 
-def ensure_synthetic_pack(geometry: MoEGeometry, pack_dir: Path | str, seed: int = 0) -> PackSpec:
-    """A pack of random W2 experts (codes uniform, scale bytes 119..122) in kernel slot layout."""
-    spec = synthetic_pack_spec(geometry, seed)
-    layout = w2_slot_layout(geometry.hidden, geometry.expert_inter)
-    h, i = geometry.hidden, geometry.expert_inter
+def ensure_synthetic_pack(geometry: MoEGeometry, pack_dir: Path | str, seed: int = 0, distinct: int = 4) -> PackSpec:
+    """A pack of random W2 experts in kernel slot layout: `distinct` random experts tiled over
+    every row (`synthetic.tiled_rows`); every row is still written, checksummed and read back."""
+    spec = synthetic_pack_spec(geometry, seed, distinct)
     with PackWriter(pack_dir, spec) as writer:
         done = writer.written_layers()
+        if len(done) == geometry.num_moe_layers:
+            return spec
+        experts = random_experts(geometry, fp4=False, count=distinct, seed=seed)[:, :spec.row_bytes].numpy()
         for layer in range(geometry.num_moe_layers):
             if layer in done:
                 continue
-            gen = torch.Generator().manual_seed(seed * 100_003 + layer)
             pending = writer.begin_layer(layer)
             for expert in range(geometry.num_experts):
-                parts = []
-                for n, k in ((2 * i, h), (h, i)):
-                    parts.append(torch.randint(0, 4, (n, k), generator=gen, dtype=torch.uint8))
-                    parts.append(torch.randint(119, 123, (n, k // 32), generator=gen, dtype=torch.uint8))
-                pending.write_row(expert, pack_slot(layout, *parts)[:spec.row_bytes].numpy())
+                pending.write_row(expert, experts[(layer * geometry.num_experts + expert) % distinct])
             pending.commit()
     return spec
 

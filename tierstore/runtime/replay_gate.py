@@ -16,29 +16,11 @@ import numpy as np
 import torch
 
 from tierstore.geometry import MoEGeometry
-from tierstore.kernels.layout import fp4_slot_layout, pack_slot, w2_slot_layout
 from tierstore.runtime.config import RuntimeConfig
 from tierstore.runtime.engine import TieredRuntime
 from tierstore.runtime.replay_drive import drive
 from tierstore.runtime.rows import MemoryRowSource
-
-
-def tiled_rows(geometry: MoEGeometry, fp4: bool, distinct: int = 4, seed: int = 0) -> torch.Tensor:
-    """uint8 [L, E, slot bytes]: `distinct` random experts (codes or nibbles uniform, scale bytes
-    119..122) repeated over every (layer, expert)."""
-    h, i = geometry.hidden, geometry.expert_inter
-    layout = fp4_slot_layout(h, i) if fp4 else w2_slot_layout(h, i)
-    gen = torch.Generator().manual_seed(seed)
-    experts = []
-    for _ in range(distinct):
-        parts = []
-        for n, k in ((2 * i, h), (h, i)):
-            parts.append(torch.randint(0, 16 if fp4 else 4, (n, k), generator=gen, dtype=torch.uint8))
-            parts.append(torch.randint(119, 123, (n, k // 32), generator=gen, dtype=torch.uint8))
-        experts.append(pack_slot(layout, *parts))
-    shape = (geometry.num_moe_layers, geometry.num_experts)
-    index = torch.arange(shape[0] * shape[1]) % distinct
-    return torch.stack(experts)[index].view(*shape, -1)
+from tierstore.runtime.synthetic import tiled_rows
 
 
 def confidence_logits(confidence: np.ndarray, tokens: int, vocab: int, device) -> torch.Tensor:
