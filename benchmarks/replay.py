@@ -6,6 +6,7 @@ window. Writes benchmarks/results/replay.json with provenance.
 
     python benchmarks/replay.py --pack-dir /path/on/the/disk [--layers 8] [--steps 200] [--warmup 40]
         [--presets ds-v2-lite] [--coverages 0.25,1] [--arena-gb 0,4] [--trace extra.npz ...] [--commit HASH]
+"""
 
 from __future__ import annotations
 
