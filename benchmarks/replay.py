@@ -75,7 +75,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "replay.json"))
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    results = []
+    results: list[dict] = []
+    head = {"provenance": provenance(args.commit), "method": {
+        "steps": args.steps, "warmup": args.warmup, "layers": args.layers, "graph": not args.eager,
+        "floor": "plain all-resident steady step + steady arena-hit bytes / pinned H2D + arena-miss bytes / source read"}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for preset in args.presets.split(","):
         geometry = get_preset(preset).with_layers(args.layers)
         spec = ensure_synthetic_pack(geometry, args.pack_dir)
@@ -93,6 +97,7 @@ def main() -> None:
                                         device=device, warmup=args.warmup, graph=not args.eager)
                     result.update(preset=preset, workload=name, arena_gb=arena_gb)
                     results.append(result)
+                    Path(args.out).write_text(json.dumps({**head, "results": results}, indent=2))  # after every run
                     runs = result["runs"]
                     t, r = runs["tiered"], runs["resident"]["steady"]
                     print(f"{preset} {name} cov {coverage:.0%} arena {arena_gb} GiB (graph {t['graph']}): steady tiered "
@@ -101,11 +106,6 @@ def main() -> None:
                           f"({result['tiered_over_floor']:.2f}x), resident {r['step_ms']:.3f} ms, naive "
                           f"{runs['naive']['steady']['step_ms']:.3f} ms ({result['naive_over_tiered']:.2f}x), misses/step "
                           f"{t['steady']['missing_pairs_per_step']:.1f}", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"provenance": provenance(args.commit), "method": {
-        "steps": args.steps, "warmup": args.warmup, "layers": args.layers, "graph": not args.eager,
-        "floor": "plain all-resident steady step + steady arena-hit bytes / pinned H2D + arena-miss bytes / source read"},
-        "results": results}, indent=2))
     print(f"wrote {args.out}")
 
 
