@@ -59,6 +59,56 @@ def test_every_backend_reads_exact_bytes_in_shuffled_batches(data_file, direct):
         reader.close()
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_on_read_runs_once_per_good_read_after_its_bytes_arrived(data_file, direct):
+    path, data = data_file
+    if direct and not direct_io_supported(path):
+        pytest.skip("filesystem refuses O_DIRECT")
+    for reader in filter(None, backends(path, direct, data)):
+        dest = aligned(NUM_BLOCKS * BLOCK)
+        view = memoryview(dest.numpy())
+        seen: dict[int, bytes] = {}
+        ops = [ReadOp(b * BLOCK, view[b * BLOCK:(b + 1) * BLOCK]) for b in range(NUM_BLOCKS)]
+        reader.read(ops, on_read=lambda index: seen.setdefault(index, bytes(ops[index].dest)))
+        assert seen == {b: data[b * BLOCK:(b + 1) * BLOCK] for b in range(NUM_BLOCKS)}, reader.describe()
+        reader.close()
+
+
+@pytest.mark.parametrize("make", ["memory", "preadv", "uring"])
+def test_on_read_skips_failed_reads_and_its_exception_fails_the_read(data_file, make):
+    path, data = data_file
+    if make == "uring":
+        uring_or_skip()
+    reader = {"memory": lambda: MemoryReader(data), "preadv": lambda: PreadvPoolReader(path, threads=2),
+              "uring": lambda: UringReader(path, depth=2)}[make]()
+    view = memoryview(bytearray(5 * BLOCK))
+    tail = (NUM_BLOCKS - 1) * BLOCK
+    ops = [ReadOp(b * BLOCK, view[b * BLOCK:(b + 1) * BLOCK]) for b in range(3)]
+    ops.append(ReadOp(tail, view[3 * BLOCK:]))  # runs one block past the end of the file
+    called = []
+
+    def on_read(index):
+        called.append(index)
+        if index == 1:
+            raise ValueError("bad row")
+
+    with pytest.raises(ReadError, match=rf"2 of 4 reads .*offset {BLOCK}: on_read failed: ValueError.*offset {tail}"):
+        reader.read(ops, on_read=on_read)
+    assert sorted(called) == [0, 1, 2]
+    reader.close()
+
+
+def test_faulty_reader_runs_on_read_after_its_faults(data_file):
+    path, data = data_file
+    reader = FaultyReader(PreadvPoolReader(path), FaultPlan(eio_offsets={0}, flip_offsets={BLOCK}))
+    view = memoryview(bytearray(2 * BLOCK))
+    ops = [ReadOp(0, view[:BLOCK]), ReadOp(BLOCK, view[BLOCK:])]
+    seen = {}
+    with pytest.raises(ReadError, match="1 of 2 reads"):
+        reader.read(ops, on_read=lambda index: seen.setdefault(index, bytes(ops[index].dest)))
+    assert list(seen) == [1] and seen[1] != data[BLOCK:2 * BLOCK]  # it saw the flipped bit
+
+
 def test_io_uring_registered_buffers_read_exact_bytes(data_file):
     uring_or_skip()
     path, data = data_file

@@ -1,9 +1,14 @@
 """Reading rows of a pack: layer presence, batched reads, and checksum verification before any
-row is handed on. A row that fails its checksum is never returned as good data."""
+row is handed on. A row that fails its checksum is never returned as good data.
+
+Each row is verified as soon as its own read has finished, on a small verification pool, while
+the rest of the batch is still being read; `read_rows` returns only when every read and every
+verification of the batch is done."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from tierstore.errors import PackFormatError, ReadError
 from tierstore.io.checksum import row_checksum
@@ -20,7 +25,7 @@ class PackRows:
     undefined and must not be used.
     """
 
-    def __init__(self, pack: Pack, reader: Reader):
+    def __init__(self, pack: Pack, reader: Reader, verify_threads: int = 1):
         if reader.file_identity() != pack.inode:
             raise PackFormatError(f"reader is open on another file than {pack.path} (a new generation?); reopen both")
         self.pack = pack
@@ -28,6 +33,9 @@ class PackRows:
         spec = pack.spec
         self.num_layers, self.num_experts = spec.num_layers, spec.num_experts
         self.row_bytes, self.stride = spec.row_bytes, spec.stride
+        if verify_threads < 1:
+            raise ValueError(f"verify_threads must be >= 1, got {verify_threads}")
+        self._verifier = ThreadPoolExecutor(max_workers=verify_threads, thread_name_prefix="tierstore-verify")
 
     def has_layer(self, layer: int) -> bool:
         return self.pack.has_layer(layer)
@@ -42,9 +50,16 @@ class PackRows:
             if len(dest) != self.stride:
                 raise ReadError(f"destination of row ({layer}, {expert}) is {len(dest)} bytes, expected {self.stride}")
             ops.append(ReadOp(self.pack.spec.row_offset(layer, expert), dest))
-        self.reader.read(ops)
-        bad = [key for key, dest in zip(keys, dests)
-               if row_checksum(dest[:self.row_bytes]) != self.pack.checksum(*key)]
+        checks: dict[int, Future] = {}
+
+        def verify(index: int) -> None:  # called as each read finishes, maybe on a reader thread
+            checks[index] = self._verifier.submit(row_checksum, dests[index][:self.row_bytes])
+
+        try:
+            self.reader.read(ops, on_read=verify)
+        finally:
+            wait(checks.values())  # no verification is left reading memory the caller may reuse
+        bad = [key for index, key in enumerate(keys) if checks[index].result() != self.pack.checksum(*key)]
         if bad:
             listed = ", ".join(f"({layer}, {expert})" for layer, expert in bad[:8])
             raise PackFormatError(f"{len(bad)} row(s) of {self.pack.path} fail their checksum: {listed}; "
@@ -52,3 +67,4 @@ class PackRows:
 
     def close(self) -> None:
         self.reader.close()
+        self._verifier.shutdown(wait=True)

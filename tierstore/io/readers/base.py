@@ -1,16 +1,22 @@
 """The reader interface: positional reads of one file into caller memory, in batches.
 
-`submit(ops)` starts a batch and `complete(batch)` waits for all of it. `complete` returns only
-after every read of the batch has finished (none is left writing into caller memory), then raises
-ReadError naming each failed read if any failed or came back short. Destination contents of a
-failed read are undefined.
+`submit(ops, on_read)` starts a batch and `complete(batch)` waits for all of it. `complete`
+returns only after every read of the batch has finished (none is left writing into caller memory)
+and every `on_read` call has returned, then raises ReadError naming each failed read if any failed
+or came back short. Destination contents of a failed read are undefined.
+
+`on_read(index)`, when given, is called once for each read of the batch that finished fully and
+successfully, as soon as it has (possibly on a reader thread, while other reads of the batch are
+still in flight), so the caller can start working on that destination early (PackRows verifies
+checksums there). It is never called for a failed read; an exception it raises counts as that
+read's failure.
 """
 
 from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,12 +59,26 @@ def read_remainder(fd: int, op: ReadOp, done: int) -> str | None:
     return None
 
 
+OnRead = Callable[[int], None]
+
+
 class PendingBatch:
     """A submitted batch; backends attach what they need to finish it."""
 
-    def __init__(self, ops: Sequence[ReadOp]):
+    def __init__(self, ops: Sequence[ReadOp], on_read: OnRead | None = None):
         self.ops = list(ops)
+        self.on_read = on_read
         self.failures: dict[int, str] = {}
+
+    def finished(self, index: int) -> str | None:
+        """Read `index` finished fully: run `on_read`; returns why it failed, or None."""
+        if self.on_read is None:
+            return None
+        try:
+            self.on_read(index)
+        except Exception as exc:  # the read is then failed: its destination is not trusted
+            return f"on_read failed: {exc!r}"
+        return None
 
 
 class Reader(ABC):
@@ -90,13 +110,13 @@ class Reader(ABC):
         return info.st_dev, info.st_ino
 
     @abstractmethod
-    def submit(self, ops: Sequence[ReadOp]) -> PendingBatch: ...
+    def submit(self, ops: Sequence[ReadOp], on_read: OnRead | None = None) -> PendingBatch: ...
 
     @abstractmethod
     def complete(self, batch: PendingBatch) -> None: ...
 
-    def read(self, ops: Sequence[ReadOp]) -> None:
-        self.complete(self.submit(ops))
+    def read(self, ops: Sequence[ReadOp], on_read: OnRead | None = None) -> None:
+        self.complete(self.submit(ops, on_read))
 
     def close(self) -> None:
         if self.fd >= 0:

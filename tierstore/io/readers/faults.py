@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tierstore.io.readers.base import PendingBatch, ReadOp, Reader
+from tierstore.io.readers.base import OnRead, PendingBatch, ReadOp, Reader
 
 
 @dataclass
@@ -48,8 +48,8 @@ class FaultyReader(Reader):
                 offsets.discard(offset)
         return hit
 
-    def submit(self, ops: Sequence[ReadOp]) -> PendingBatch:
-        batch = PendingBatch(ops)
+    def submit(self, ops: Sequence[ReadOp], on_read: OnRead | None = None) -> PendingBatch:
+        batch = PendingBatch(ops, on_read)  # on_read runs after the faults, so it sees them
         batch.inner = self.inner.submit(ops)
         return batch
 
@@ -72,6 +72,9 @@ class FaultyReader(Reader):
             elif self._fires("flip", plan.flip_offsets, plan.flip_rate, op.offset):
                 position = self._rng.randrange(len(op.dest))
                 op.dest[position] ^= 1 << self._rng.randrange(8)
+        for index, op in enumerate(batch.ops):
+            if op.offset not in batch.failures and (failure := batch.finished(index)) is not None:
+                batch.failures[op.offset] = failure
         self.raise_failures(batch)
 
     def file_identity(self) -> tuple[int, int]:

@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from tierstore.io.readers.base import PendingBatch, ReadOp, Reader
+from tierstore.io.readers.base import OnRead, PendingBatch, ReadOp, Reader
 
 
 class MemoryReader(Reader):
@@ -28,14 +28,16 @@ class MemoryReader(Reader):
             info = os.fstat(handle.fileno())
             return cls(handle.read(), label=str(path), identity=(info.st_dev, info.st_ino))
 
-    def submit(self, ops: Sequence[ReadOp]) -> PendingBatch:
+    def submit(self, ops: Sequence[ReadOp], on_read: OnRead | None = None) -> PendingBatch:
         self.check_ops(ops)
-        batch = PendingBatch(ops)
-        for op in batch.ops:
+        batch = PendingBatch(ops, on_read)
+        for index, op in enumerate(batch.ops):
             chunk = self._image[op.offset:op.offset + len(op.dest)]
             op.dest[:len(chunk)] = chunk
             if len(chunk) < len(op.dest):
                 batch.failures[op.offset] = f"short read: got {len(chunk)} of {len(op.dest)} bytes (end of image)"
+            elif (failure := batch.finished(index)) is not None:
+                batch.failures[op.offset] = failure
         return batch
 
     def complete(self, batch: PendingBatch) -> None:

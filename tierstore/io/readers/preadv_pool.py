@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
-from tierstore.io.readers.base import PendingBatch, ReadOp, Reader, read_remainder
+from tierstore.io.readers.base import OnRead, PendingBatch, ReadOp, Reader, read_remainder
 
 
 class PreadvPoolReader(Reader):
@@ -20,17 +20,21 @@ class PreadvPoolReader(Reader):
         self.threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierstore-preadv")
 
-    def submit(self, ops: Sequence[ReadOp]) -> PendingBatch:
+    def _read_one(self, batch: PendingBatch, index: int) -> str | None:
+        failure = read_remainder(self.fd, batch.ops[index], 0)
+        return failure if failure is not None else batch.finished(index)
+
+    def submit(self, ops: Sequence[ReadOp], on_read: OnRead | None = None) -> PendingBatch:
         self.check_ops(ops)
-        batch = PendingBatch(ops)
+        batch = PendingBatch(ops, on_read)
         if not self.direct:
             for op in batch.ops:
                 os.posix_fadvise(self.fd, op.offset, len(op.dest), os.POSIX_FADV_WILLNEED)
         if len(batch.ops) <= 2:
             batch.futures = None
-            batch.results = [read_remainder(self.fd, op, 0) for op in batch.ops]
+            batch.results = [self._read_one(batch, index) for index in range(len(batch.ops))]
         else:
-            batch.futures = [self._pool.submit(read_remainder, self.fd, op, 0) for op in batch.ops]
+            batch.futures = [self._pool.submit(self._read_one, batch, index) for index in range(len(batch.ops))]
         return batch
 
     def complete(self, batch: PendingBatch) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tierstore.errors import ReadError
-from tierstore.io.readers.base import PendingBatch, ReadOp, Reader, buffer_address, read_remainder
+from tierstore.io.readers.base import OnRead, PendingBatch, ReadOp, Reader, buffer_address, read_remainder
 
 
 def load_liburing():
@@ -60,9 +60,9 @@ class UringReader(Reader):
         start = buffer_address(op.dest)
         return self._registered[0] <= start and start + len(op.dest) <= self._registered[1]
 
-    def submit(self, ops: Sequence[ReadOp]) -> PendingBatch:
+    def submit(self, ops: Sequence[ReadOp], on_read: OnRead | None = None) -> PendingBatch:
         self.check_ops(ops)
-        batch = PendingBatch(ops)
+        batch = PendingBatch(ops, on_read)
         batch.next_index = 0
         batch.done = [0] * len(batch.ops)
         return batch
@@ -90,10 +90,14 @@ class UringReader(Reader):
             for slot in range(ready):
                 entry = self._cqe[slot]
                 index = entry.user_data
+                op = batch.ops[index]
                 try:
                     batch.done[index] = entry.res
                 except OSError as exc:
-                    batch.failures[batch.ops[index].offset] = exc.strerror or str(exc)
+                    batch.failures[op.offset] = exc.strerror or str(exc)
+                    continue
+                if batch.done[index] == len(op.dest) and (failure := batch.finished(index)) is not None:
+                    batch.failures[op.offset] = failure
             uring.io_uring_cq_advance(self._ring, ready)
             pending -= ready
 
@@ -103,6 +107,8 @@ class UringReader(Reader):
         for index, op in enumerate(batch.ops):
             if op.offset not in batch.failures and batch.done[index] < len(op.dest):
                 failure = read_remainder(self.fd, op, batch.done[index])
+                if failure is None:
+                    failure = batch.finished(index)
                 if failure is not None:
                     batch.failures[op.offset] = failure
         self.raise_failures(batch)
