@@ -63,7 +63,7 @@ class PassLog:
             torch.cuda.current_stream(self.device).synchronize()
         counts, entries, seen = (t.numpy() for t in self._host[:3])
         logged = min(int(counts[1]), entries.shape[0])
-        missing = tuple((int(l), int(e)) for l, e in entries[:logged])
-        routed = tuple((int(l), int(e)) for l, e in np.argwhere(seen > 0))
+        missing = tuple(map(tuple, entries[:logged].tolist()))
+        routed = tuple(zip(*(axis.tolist() for axis in np.nonzero(seen > 0))))  # row-major, as argwhere
         routing = self._host[3].numpy().copy() if self.routing is not None else None
         return PassReport(int(counts[0]), missing, int(counts[1]) - logged, routed, routing)

@@ -89,11 +89,13 @@ class DevicePool:
     def touch(self, keys: Iterable[Key], now: float) -> None:
         """Close a step: tell the policy what was routed and which resident keys were hit."""
         keys = list(keys)
+        ids = [layer * self.num_experts + expert for layer, expert in keys]
         self.policy.begin_step(now)
-        self.policy.observe([self.key_id(k) for k in keys])
-        for key in keys:
-            if self.is_resident(key):
-                self.policy.on_access(self.key_id(key))
+        self.policy.observe(ids)
+        mirror, on_access = self.mirror, self.policy.on_access
+        for key, key_id in zip(keys, ids):
+            if mirror[key] >= 0:
+                on_access(key_id)
 
     # -- mutation -------------------------------------------------------------------------------
     def install(self, keys: Sequence[Key], rows: Sequence[torch.Tensor], exclude: Iterable[Key]) -> None:
