@@ -109,6 +109,17 @@ def test_faulty_reader_runs_on_read_after_its_faults(data_file):
     assert list(seen) == [1] and seen[1] != data[BLOCK:2 * BLOCK]  # it saw the flipped bit
 
 
+def test_io_uring_window_wraps_its_rings_many_times(data_file):
+    uring_or_skip()
+    path, data = data_file
+    view = memoryview(bytearray(5 * BLOCK))
+    with UringReader(path, depth=2) as reader:
+        for start in range(0, 40, 5):  # 8 batches of 5 reads through a ring of 2 entries
+            blocks = [(start + i) % NUM_BLOCKS for i in range(5)]
+            reader.read([ReadOp(b * BLOCK, view[i * BLOCK:(i + 1) * BLOCK]) for i, b in enumerate(blocks)])
+            assert bytes(view) == b"".join(data[b * BLOCK:(b + 1) * BLOCK] for b in blocks)
+
+
 def test_io_uring_registered_buffers_read_exact_bytes(data_file):
     uring_or_skip()
     path, data = data_file

@@ -1,11 +1,17 @@
 """Reader backend: io_uring through the `liburing` binding (pinned: liburing==2026.3.30).
 
-One submit per batch of up to `depth` reads; reads whose destination lies inside the registered
-buffer (typically the whole arena) use fixed-buffer reads, which skip per-I/O page pinning.
+Up to `depth` reads are in flight at once; each completion is reaped as it arrives and its slot
+refilled at once (a sliding window, not `depth`-sized rounds), so `on_read` runs while later reads
+are still in flight. The binding holds the GIL while it waits in the kernel, so the reader never
+waits there: an eventfd registered with the ring signals completions, and `os.eventfd_read`
+blocks without the GIL (other Python threads, such as checksum verification, keep running).
+Reads whose destination lies inside the registered buffer (typically the whole arena) use
+fixed-buffer reads, which skip per-I/O page pinning.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,6 +44,14 @@ class UringReader(Reader):
         except OSError as exc:
             super().close()
             raise ReadError(f"io_uring setup failed: {exc}") from None
+        self._eventfd = os.eventfd(0, os.EFD_CLOEXEC)
+        try:
+            self._uring.io_uring_register_eventfd(self._ring, self._eventfd)
+        except OSError as exc:
+            self._uring.io_uring_queue_exit(self._ring)
+            os.close(self._eventfd)
+            super().close()
+            raise ReadError(f"io_uring eventfd registration failed: {exc}") from None
         self._registered: tuple[int, int] | None = None
         if registered is not None:
             self._register(registered)
@@ -63,47 +77,53 @@ class UringReader(Reader):
     def submit(self, ops: Sequence[ReadOp], on_read: OnRead | None = None) -> PendingBatch:
         self.check_ops(ops)
         batch = PendingBatch(ops, on_read)
-        batch.next_index = 0
         batch.done = [0] * len(batch.ops)
         return batch
 
-    def _run_chunk(self, batch: PendingBatch, first: int, last: int) -> None:
-        uring, keep_alive = self._uring, []
-        for index in range(first, last):
-            op = batch.ops[index]
-            sqe = uring.io_uring_get_sqe(self._ring)
-            iovec = uring.Iovec([op.dest])
-            keep_alive.append(iovec)  # the kernel writes through it until completion
-            if self._is_registered(op):
-                uring.io_uring_prep_readv_fixed(sqe, self.fd, iovec, 0, op.offset)
-            else:
-                uring.io_uring_prep_readv(sqe, self.fd, iovec, op.offset)
-            sqe.user_data = index
-        uring.io_uring_submit_and_wait(self._ring, last - first)
-        pending = last - first
-        while pending:
+    def _queue(self, batch: PendingBatch, index: int, keep_alive: dict) -> None:
+        uring, op = self._uring, batch.ops[index]
+        sqe = uring.io_uring_get_sqe(self._ring)
+        iovec = uring.Iovec([op.dest])
+        keep_alive[index] = iovec  # the kernel writes through it until completion
+        if self._is_registered(op):
+            uring.io_uring_prep_readv_fixed(sqe, self.fd, iovec, 0, op.offset)
+        else:
+            uring.io_uring_prep_readv(sqe, self.fd, iovec, op.offset)
+        sqe.user_data = index
+
+    def _reap(self, batch: PendingBatch, keep_alive: dict) -> int:
+        """Handle every completion already posted, one at a time (the ring's head entry: no
+        indexing across the ring's wrap-around), without blocking; returns how many."""
+        uring, reaped = self._uring, 0
+        while uring.io_uring_cq_ready(self._ring):
             try:
-                uring.io_uring_wait_cqe(self._ring, self._cqe)
+                uring.io_uring_wait_cqe(self._ring, self._cqe)  # returns at once: an entry is ready
             except OSError:
-                pass  # the failed entry is still queued; it is read below
-            ready = uring.io_uring_cq_ready(self._ring)
-            for slot in range(ready):
-                entry = self._cqe[slot]
-                index = entry.user_data
-                op = batch.ops[index]
-                try:
-                    batch.done[index] = entry.res
-                except OSError as exc:
-                    batch.failures[op.offset] = exc.strerror or str(exc)
-                    continue
-                if batch.done[index] == len(op.dest) and (failure := batch.finished(index)) is not None:
-                    batch.failures[op.offset] = failure
-            uring.io_uring_cq_advance(self._ring, ready)
-            pending -= ready
+                pass  # a failed entry is still queued; it is read below
+            entry = self._cqe[0]
+            index = entry.user_data
+            op = batch.ops[index]
+            del keep_alive[index]
+            try:
+                batch.done[index] = entry.res
+            except OSError as exc:
+                batch.failures[op.offset] = exc.strerror or str(exc)
+            uring.io_uring_cq_advance(self._ring, 1)
+            reaped += 1
+            if batch.done[index] == len(op.dest) and (failure := batch.finished(index)) is not None:
+                batch.failures[op.offset] = failure
+        return reaped
 
     def complete(self, batch: PendingBatch) -> None:
-        for first in range(0, len(batch.ops), self.depth):
-            self._run_chunk(batch, first, min(first + self.depth, len(batch.ops)))
+        keep_alive: dict = {}
+        queued = 0
+        while queued < len(batch.ops) or keep_alive:
+            while queued < len(batch.ops) and len(keep_alive) < self.depth:
+                self._queue(batch, queued, keep_alive)
+                queued += 1
+            self._uring.io_uring_submit(self._ring)
+            if not self._reap(batch, keep_alive):
+                os.eventfd_read(self._eventfd)  # sleeps until a completion is posted, GIL released
         for index, op in enumerate(batch.ops):
             if op.offset not in batch.failures and batch.done[index] < len(op.dest):
                 failure = read_remainder(self.fd, op, batch.done[index])
@@ -117,7 +137,9 @@ class UringReader(Reader):
         if self.fd >= 0:
             if self._registered is not None:
                 self._uring.io_uring_unregister_buffers(self._ring)
+            self._uring.io_uring_unregister_eventfd(self._ring)
             self._uring.io_uring_queue_exit(self._ring)
+            os.close(self._eventfd)
         super().close()
 
     def describe(self) -> str:
