@@ -6,11 +6,16 @@ import hashlib
 import json
 import logging
 import random
+import threading
+import time
 
 import pytest
 import torch
 
-from tierstore.cache.arena import Arena, arena_slots, parse_heat
+from tierstore.atomic_files import atomic_write_bytes
+from tierstore.cache import heat as heat_module
+from tierstore.cache.arena import Arena, arena_slots
+from tierstore.cache.heat import parse_heat
 from tierstore.errors import PackFormatError, ReadError
 from tierstore.io.layout import PackSpec
 from tierstore.io.pack import Pack
@@ -173,15 +178,78 @@ def test_preheat_makes_the_hottest_rows_hits_after_reopen(pack, kind, tmp_path):
     assert ALL_KEYS[4] not in reopened and ALL_KEYS[11] in reopened
 
 
-def test_heat_file_is_written_periodically(pack, tmp_path):
+def wait_for(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_heat_file_is_written_periodically_in_the_background(pack, tmp_path, monkeypatch):
     heat = tmp_path / "h.json"
+    release, writers = threading.Event(), []
+
+    def slow_write(path, data):
+        writers.append(threading.current_thread().name)
+        release.wait(timeout=10)
+        atomic_write_bytes(path, data)
+
+    monkeypatch.setattr(heat_module, "atomic_write_bytes", slow_write)
     arena, _ = open_arena(pack, "memory", 8, heat_path=heat, heat_every=3)
     arena.fetch([(0, 0)])
     arena.fetch([(0, 0)])  # a pure hit places nothing and does not count
     arena.fetch([(0, 1)])
     assert not heat.exists()
-    arena.fetch([(0, 2)])
-    assert parse_heat(heat, LAYERS, EXPERTS) == [(0, 2), (0, 1), (0, 0)]
+    arena.fetch([(0, 2)])  # returns while the write is still blocked on the writer thread
+    wait_for(lambda: writers)
+    for expert in range(3, 9):  # two more snapshots while the first write is blocked: the last wins
+        arena.fetch([(0, expert)])
+    assert not heat.exists()
+    release.set()
+    wait_for(lambda: heat.exists() and len(parse_heat(heat, LAYERS, EXPERTS)) == 8)
+    assert parse_heat(heat, LAYERS, EXPERTS) == [(0, e) for e in range(8, 0, -1)]
+    assert len(writers) == 2 and all(name.startswith("tierstore-heat") for name in writers)
+    arena.close()
+
+
+def test_a_young_arena_never_erases_the_hot_set_it_booted_from(pack, tmp_path):
+    heat = tmp_path / "y.pack.heat.json"
+    arena, _ = open_arena(pack, "memory", 8, heat_path=heat)
+    for key in ALL_KEYS[:8]:
+        arena.fetch([key])
+    arena.close()
+    booted = parse_heat(heat, LAYERS, EXPERTS)
+    assert booted == ALL_KEYS[7::-1]
+    untouched, _ = open_arena(pack, "memory", 8, heat_path=heat, preheat=False)
+    untouched.close()  # published nothing: the file keeps its keys
+    assert parse_heat(heat, LAYERS, EXPERTS) == booted
+    young, _ = open_arena(pack, "memory", 8, heat_path=heat, preheat=False)
+    young.fetch([(3, 3), (3, 4)])
+    young.close()  # its two rows first, then the rest of the hot set it booted from
+    assert parse_heat(heat, LAYERS, EXPERTS) == [(3, 4), (3, 3)] + booted[:6]
+
+
+def test_a_failed_preheat_keeps_the_heat_file(pack, tmp_path, caplog):
+    heat = tmp_path / "f.pack.heat.json"
+    arena, _ = open_arena(pack, "memory", 4, heat_path=heat)
+    arena.fetch(ALL_KEYS[:4])
+    arena.close()
+    booted = parse_heat(heat, LAYERS, EXPERTS)
+    reader = FaultyReader(MemoryReader.from_file(pack.path), FaultPlan(eio_rate=1.0))
+    with caplog.at_level(logging.WARNING, logger="tierstore.cache"):
+        cold = Arena(PackRows(pack, reader), 4, heat_path=heat)
+    assert "preheat" in caplog.text and len(cold._table) == 0
+    cold.close()
+    assert parse_heat(heat, LAYERS, EXPERTS) == booted
+
+
+def test_a_failed_background_heat_write_warns_and_fetches_go_on(pack, tmp_path, caplog):
+    heat = tmp_path / "missing-dir" / "h.json"
+    arena, _ = open_arena(pack, "memory", 8, heat_path=heat, heat_every=1)
+    with caplog.at_level(logging.WARNING, logger="tierstore.cache"):
+        assert_rows([(1, 1)], arena.fetch([(1, 1)]))
+        arena._heat.close()
+    assert "could not write the heat file" in caplog.text
 
 
 @pytest.mark.parametrize("content", [

@@ -9,11 +9,14 @@ Contract of `fetch(keys, scan)`:
   go back to the free list with no owner, so a failed read can never be served as a hit;
 - returned views stay valid until the next `fetch` (staging) or the slot's eviction. The arena
   is not thread-safe: callers serialise fetches.
+
+The hot set goes to the heat file in the background every `heat_every` fetches that placed rows,
+and synchronously at `close()` (see tierstore.cache.heat: it never erases the hot set the arena
+booted from).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import deque
@@ -24,16 +27,13 @@ from typing import Protocol
 
 import torch
 
-from tierstore.atomic_files import atomic_write_bytes
+from tierstore.cache.heat import HeatWriter, parse_heat
 from tierstore.cache.slots import SlotTable
 from tierstore.errors import CapacityError, PackFormatError
 
 log = logging.getLogger("tierstore.cache")
 
 PAGE_BYTES = 4096
-HEAT_FORMAT = "tierstore-heat"
-HEAT_VERSION = 1
-MAX_HEAT_BYTES = 64 << 20
 LATENCY_WINDOW = 2048
 MIN_AUTO_SLOTS = 16
 
@@ -133,8 +133,12 @@ class Arena:
         self._hit_rows = self._miss_rows = self._overflow_rows = self._evictions = 0
         self._hit_latency: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._disk_latency: deque[float] = deque(maxlen=LATENCY_WINDOW)
-        if preheat and self.heat_path is not None and num_slots:
-            self._preheat()
+        self._heat: HeatWriter | None = None
+        if self.heat_path is not None:
+            booted_from = self._read_heat()
+            self._heat = HeatWriter(self.heat_path, source.num_layers, source.num_experts, booted_from, num_slots)
+            if preheat and num_slots and booted_from:
+                self._preheat(booted_from)
 
     # -- views -------------------------------------------------------------------------------
     def slot_memory(self) -> memoryview:
@@ -225,8 +229,8 @@ class Arena:
             self._overflow_warned = True
         if placed:
             self._placing_calls += 1
-            if self.heat_path is not None and self._placing_calls % self.heat_every == 0:
-                self.save_heat()
+            if self._heat is not None and self._placing_calls % self.heat_every == 0:
+                self._heat.submit(self._table.hottest_first())
 
     # -- stats -------------------------------------------------------------------------------
     def stats(self) -> ArenaStats:
@@ -240,22 +244,22 @@ class Arena:
 
     # -- heat --------------------------------------------------------------------------------
     def save_heat(self) -> None:
-        """Write the published keys, hottest first, to the heat file (atomic replace)."""
-        if self.heat_path is None:
-            return
-        body = {"format": HEAT_FORMAT, "version": HEAT_VERSION, "num_layers": self.source.num_layers,
-                "num_experts": self.source.num_experts, "keys": [list(k) for k in self._table.hottest_first()]}
-        atomic_write_bytes(self.heat_path, json.dumps(body).encode())
+        """Write the hot set to the heat file now (atomic replace; see tierstore.cache.heat)."""
+        if self._heat is not None:
+            self._heat.write(self._table.hottest_first())
 
-    def _preheat(self) -> None:
+    def _read_heat(self) -> list[Key]:
+        """The heat file's keys; [] with a warning on any problem, [] silently when it is absent."""
         try:
-            keys = parse_heat(self.heat_path, self.source.num_layers, self.source.num_experts)
+            return parse_heat(self.heat_path, self.source.num_layers, self.source.num_experts)
         except FileNotFoundError:
-            return
+            return []
         except (PackFormatError, OSError) as exc:
             log.warning("ignoring heat file, starting with a cold arena: %s", exc)
-            return
-        keys = [key for key in keys if self.source.has_layer(key[0])][:self.num_slots]
+            return []
+
+    def _preheat(self, heat: list[Key]) -> None:
+        keys = [key for key in heat if self.source.has_layer(key[0])][:self.num_slots]
         slots = [self._table.take_free() for _ in keys]
         try:
             self.source.read_rows(keys, [self._slot_view(slot) for slot in slots])
@@ -267,34 +271,7 @@ class Arena:
             self._table.publish(key, slot)
 
     def close(self) -> None:
+        """Finish background heat writes, then write the final hot set."""
+        if self._heat is not None:
+            self._heat.close()
         self.save_heat()
-
-
-def parse_heat(path: Path, num_layers: int, num_experts: int) -> list[Key]:
-    """Keys of a heat file, hottest first, deduplicated; PackFormatError naming any defect."""
-    with open(path, "rb") as handle:
-        raw = handle.read(MAX_HEAT_BYTES + 1)
-    if len(raw) > MAX_HEAT_BYTES:
-        raise PackFormatError(f"{path} is larger than {MAX_HEAT_BYTES} bytes")
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise PackFormatError(f"{path} is not valid JSON: {exc}") from None
-    fields = {"format", "version", "num_layers", "num_experts", "keys"}
-    if type(body) is not dict or set(body) != fields:
-        raise PackFormatError(f"{path} must be an object with exactly {sorted(fields)}")
-    if body["format"] != HEAT_FORMAT or body["version"] != HEAT_VERSION or type(body["version"]) is not int:
-        raise PackFormatError(f"{path} is not a {HEAT_FORMAT} version {HEAT_VERSION} file")
-    if body["num_layers"] != num_layers or body["num_experts"] != num_experts:
-        raise PackFormatError(f"{path} describes another geometry ({body['num_layers']!r:.20} x "
-                              f"{body['num_experts']!r:.20}, expected {num_layers} x {num_experts})")
-    keys = body["keys"]
-    if type(keys) is not list or len(keys) > num_layers * num_experts:
-        raise PackFormatError(f"{path}: keys must be a list of at most {num_layers * num_experts} entries")
-    parsed: dict[Key, None] = {}
-    for entry in keys:
-        if (type(entry) is not list or len(entry) != 2 or any(type(v) is not int for v in entry)
-                or not 0 <= entry[0] < num_layers or not 0 <= entry[1] < num_experts):
-            raise PackFormatError(f"{path}: key {entry!r:.60} is not a [layer, expert] pair in range")
-        parsed[(entry[0], entry[1])] = None
-    return list(parsed)
