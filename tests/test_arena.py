@@ -286,6 +286,29 @@ def test_heat_file_that_is_a_directory_gives_a_cold_arena(pack, tmp_path, caplog
     assert "cold arena" in caplog.text and len(arena._table) == 0
 
 
+@pytest.mark.parametrize("kind", ["preadv-direct", "uring-buffered", "uring-direct"])
+def test_the_arena_registers_its_slots_with_io_uring_and_withdraws_them_at_close(pack, kind):
+    reader = make_reader(kind, pack)
+    arena = Arena(PackRows(pack, reader), 8)
+    uring = isinstance(reader, UringReader)
+    assert arena.registered == uring and (not uring or reader.uses_fixed_buffers)
+    assert_rows(ALL_KEYS[:20], [t.clone() for t in arena.fetch(ALL_KEYS[:20])])  # 12 through staging
+    assert_rows(ALL_KEYS[12:20], arena.fetch(ALL_KEYS[12:20]))
+    arena.close()
+    assert not uring or not reader.uses_fixed_buffers
+    reader.close()
+
+
+def test_a_collected_arena_withdraws_its_registration(pack):
+    reader = make_reader("uring-buffered", pack)
+    source = PackRows(pack, reader)
+    arena = Arena(source, 4)
+    assert arena.registered and reader.uses_fixed_buffers
+    del arena
+    assert not reader.uses_fixed_buffers
+    source.close()
+
+
 def faulty_arena(pack, plan, num_slots=8):
     reader = FaultyReader(PreadvPoolReader(pack.path), plan)
     return Arena(PackRows(pack, reader), num_slots), reader

@@ -132,6 +132,31 @@ def test_io_uring_registered_buffers_read_exact_bytes(data_file):
     assert bytes(view) == b"".join(data[b * BLOCK:(b + 1) * BLOCK] for b in (3, 2, 1, 0))
 
 
+def test_io_uring_registration_is_split_into_whole_granules_and_can_be_replaced(data_file, monkeypatch):
+    from tierstore.io.readers import uring
+
+    uring_or_skip()
+    path, data = data_file
+    monkeypatch.setattr(uring, "MAX_FIXED_BYTES", 2 * BLOCK + 100)  # 2 granules per piece
+    dest = aligned(5 * BLOCK)
+    view = memoryview(dest.numpy())
+    with UringReader(path, direct=direct_io_supported(path), depth=4) as reader:
+        if not reader.register(view, granule=BLOCK):
+            pytest.skip("the kernel refused fixed buffers here")
+        assert len(reader._fixed) == 3  # 2 + 2 + 1 granules
+        blocks = [7, 3, 11, 0, 5]
+        ops = [ReadOp(b * BLOCK, view[i * BLOCK:(i + 1) * BLOCK]) for i, b in enumerate(blocks)]
+        ops.append(ReadOp(20 * BLOCK, view[BLOCK:3 * BLOCK]))  # straddles two pieces: plain readv
+        assert [reader._fixed_index(op) for op in ops] == [0, 0, 1, 1, 2, None]
+        reader.read(ops[:5])
+        assert bytes(view) == b"".join(data[b * BLOCK:(b + 1) * BLOCK] for b in blocks)
+        reader.read(ops[5:])
+        assert bytes(view[BLOCK:3 * BLOCK]) == data[20 * BLOCK:22 * BLOCK]
+        assert reader.register(view[:BLOCK], granule=BLOCK) and len(reader._fixed) == 1
+        assert not reader.register(None) and not reader.uses_fixed_buffers
+    assert not reader.register(view)  # closed
+
+
 @pytest.mark.parametrize("make", ["memory", "preadv", "uring"])
 def test_read_past_end_of_file_fails_closed_naming_the_offset(data_file, make):
     path, data = data_file

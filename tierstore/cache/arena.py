@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -127,6 +128,14 @@ class Arena:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.memory = aligned_host_buffer(num_slots * self.stride, self.pin)  # [num_slots * stride] uint8
         self._table = SlotTable(num_slots)
+        self.registered = False
+        self._unregister = None
+        register = getattr(source, "register_memory", None)  # optional (PackRows has it)
+        if register is not None and num_slots:
+            self.registered = register(self.slot_memory())
+            # withdrawn at close, or when the arena is collected: never left pointing at freed memory
+            self._unregister = weakref.finalize(self, register, None)
+            log.info("arena slot memory %s registered with the reader", "is" if self.registered else "is not")
         self._staging = aligned_host_buffer(0, self.pin)
         self._placing_calls = 0
         self._overflow_warned = False
@@ -142,7 +151,7 @@ class Arena:
 
     # -- views -------------------------------------------------------------------------------
     def slot_memory(self) -> memoryview:
-        """The whole slot region, e.g. to register with an io_uring reader."""
+        """The whole slot region (registered with the source's reader when it offers that)."""
         return memoryview(self.memory.numpy())
 
     def _slot_tensor(self, slot: int) -> torch.Tensor:
@@ -271,7 +280,10 @@ class Arena:
             self._table.publish(key, slot)
 
     def close(self) -> None:
-        """Finish background heat writes, then write the final hot set."""
+        """Finish background heat writes, write the final hot set, withdraw the slot memory from
+        the reader."""
         if self._heat is not None:
             self._heat.close()
         self.save_heat()
+        if self._unregister is not None:
+            self._unregister()

@@ -65,6 +65,11 @@ class PackRows:
             raise PackFormatError(f"{len(bad)} row(s) of {self.pack.path} fail their checksum: {listed}; "
                                   "run `tierstore verify` and rebuild the pack")
 
+    def register_memory(self, region: memoryview | None) -> bool:
+        """Offer memory made of whole rows (`stride` bytes each; the arena's slots) to the reader
+        for registration (io_uring fixed buffers); None withdraws it. Returns whether it is used."""
+        return self.reader.register(region, self.stride)
+
     def close(self) -> None:
         self.reader.close()
         self._verifier.shutdown(wait=True)

@@ -105,6 +105,12 @@ class Reader(ABC):
                 raise ReadError(f"O_DIRECT read at offset {op.offset} of {len(op.dest)} bytes in {self.path} "
                                 f"is not 4096-aligned in offset, length and destination")
 
+    def register(self, region: memoryview | None, granule: int = PAGE_BYTES) -> bool:
+        """Offer `region` (memory most reads land in, made of whole `granule`s) for the backend to
+        register, replacing any earlier offer; None withdraws it. Returns whether the backend uses
+        it: only io_uring does (fixed buffers). Reads anywhere else keep working either way."""
+        return False
+
     def file_identity(self) -> tuple[int, int]:
         info = os.fstat(self.fd)
         return info.st_dev, info.st_ino

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tierstore.io.readers.base import OnRead, PendingBatch, ReadOp, Reader
+from tierstore.io.readers.base import PAGE_BYTES, OnRead, PendingBatch, ReadOp, Reader
 
 
 @dataclass
@@ -76,6 +76,9 @@ class FaultyReader(Reader):
             if op.offset not in batch.failures and (failure := batch.finished(index)) is not None:
                 batch.failures[op.offset] = failure
         self.raise_failures(batch)
+
+    def register(self, region: memoryview | None, granule: int = PAGE_BYTES) -> bool:
+        return self.inner.register(region, granule)
 
     def file_identity(self) -> tuple[int, int]:
         return self.inner.file_identity()

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tierstore.errors import ReadError
-from tierstore.io.readers.base import OnRead, PendingBatch, ReadOp, Reader, buffer_address, read_remainder
+from tierstore.io.readers.base import PAGE_BYTES, OnRead, PendingBatch, ReadOp, Reader, buffer_address, \
+    read_remainder
 
 
 def load_liburing():
@@ -26,6 +27,9 @@ def load_liburing():
     except ImportError as exc:
         raise ReadError(f"io_uring unavailable: the liburing binding is not installed ({exc})") from None
     return liburing
+
+
+MAX_FIXED_BYTES = 1 << 30  # the kernel's limit on one registered buffer
 
 
 class UringReader(Reader):
@@ -52,27 +56,42 @@ class UringReader(Reader):
             os.close(self._eventfd)
             super().close()
             raise ReadError(f"io_uring eventfd registration failed: {exc}") from None
-        self._registered: tuple[int, int] | None = None
+        self._fixed: list[tuple[int, int]] = []  # (start, end) address of each registered buffer
         if registered is not None:
-            self._register(registered)
+            self.register(registered)
 
-    def _register(self, region: memoryview) -> None:
+    def register(self, region: memoryview | None, granule: int = PAGE_BYTES) -> bool:
+        """Register `region` as fixed buffers, replacing any earlier registration (None only
+        unregisters). It is split into pieces of whole `granule`s (e.g. arena slots) of at most
+        1 GiB each, the kernel's limit per buffer. Returns whether reads into it use fixed buffers;
+        a refused registration (e.g. over RLIMIT_MEMLOCK) leaves plain readv, which works anyway."""
+        if self.fd < 0:
+            return False  # closed: the ring and its registration are gone
+        if self._fixed:
+            self._uring.io_uring_unregister_buffers(self._ring)
+            self._fixed = []
+        if region is None or len(region) == 0:
+            return False
+        piece = max(granule, MAX_FIXED_BYTES // granule * granule)
+        pieces = [region[start:start + piece] for start in range(0, len(region), piece)]
         try:
-            self._uring.io_uring_register_buffers(self._ring, self._uring.Iovec([region]))
+            self._uring.io_uring_register_buffers(self._ring, self._uring.Iovec(pieces))
         except OSError:
-            return  # fixed buffers are an optimisation; plain readv still works
-        start = buffer_address(region)
-        self._registered = (start, start + len(region))
+            return False
+        self._fixed = [(buffer_address(p), buffer_address(p) + len(p)) for p in pieces]
+        return True
 
     @property
     def uses_fixed_buffers(self) -> bool:
-        return self._registered is not None
+        return bool(self._fixed)
 
-    def _is_registered(self, op: ReadOp) -> bool:
-        if self._registered is None:
-            return False
+    def _fixed_index(self, op: ReadOp) -> int | None:
+        """The registered buffer wholly holding the destination, if any."""
         start = buffer_address(op.dest)
-        return self._registered[0] <= start and start + len(op.dest) <= self._registered[1]
+        for index, (first, last) in enumerate(self._fixed):
+            if first <= start and start + len(op.dest) <= last:
+                return index
+        return None
 
     def submit(self, ops: Sequence[ReadOp], on_read: OnRead | None = None) -> PendingBatch:
         self.check_ops(ops)
@@ -85,8 +104,9 @@ class UringReader(Reader):
         sqe = uring.io_uring_get_sqe(self._ring)
         iovec = uring.Iovec([op.dest])
         keep_alive[index] = iovec  # the kernel writes through it until completion
-        if self._is_registered(op):
-            uring.io_uring_prep_readv_fixed(sqe, self.fd, iovec, 0, op.offset)
+        buf_index = self._fixed_index(op) if self._fixed else None
+        if buf_index is not None:
+            uring.io_uring_prep_readv_fixed(sqe, self.fd, iovec, buf_index, op.offset)
         else:
             uring.io_uring_prep_readv(sqe, self.fd, iovec, op.offset)
         sqe.user_data = index
@@ -135,8 +155,9 @@ class UringReader(Reader):
 
     def close(self) -> None:
         if self.fd >= 0:
-            if self._registered is not None:
+            if self._fixed:
                 self._uring.io_uring_unregister_buffers(self._ring)
+                self._fixed = []
             self._uring.io_uring_unregister_eventfd(self._ring)
             self._uring.io_uring_queue_exit(self._ring)
             os.close(self._eventfd)
