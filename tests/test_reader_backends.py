@@ -120,6 +120,33 @@ def test_io_uring_window_wraps_its_rings_many_times(data_file):
             assert bytes(view) == b"".join(data[b * BLOCK:(b + 1) * BLOCK] for b in blocks)
 
 
+def test_io_uring_interrupted_batch_waits_for_its_reads_and_the_ring_stays_usable(data_file, monkeypatch):
+    uring_or_skip()
+    path, data = data_file
+    real_read, calls = os.eventfd_read, []
+
+    def interrupted_once(fd):
+        calls.append(fd)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_read(fd)
+
+    view = memoryview(aligned(8 * BLOCK).numpy())
+    ops = [ReadOp(b * BLOCK, view[b * BLOCK:(b + 1) * BLOCK]) for b in range(8)]
+    with UringReader(path, direct=direct_io_supported(path), depth=4) as reader:
+        monkeypatch.setattr(os, "eventfd_read", interrupted_once)
+        for _ in range(20):  # until a batch had to wait (reads served at submit never do)
+            try:
+                reader.read(ops)
+            except KeyboardInterrupt:
+                break
+        monkeypatch.setattr(os, "eventfd_read", real_read)
+        assert calls, "no batch ever waited for a completion"
+        view[:] = bytes(len(view))
+        reader.read(ops)  # no stale completion of the interrupted batch is left in the ring
+        assert bytes(view) == data[:8 * BLOCK]
+
+
 def test_io_uring_registered_buffers_read_exact_bytes(data_file):
     uring_or_skip()
     path, data = data_file

@@ -134,16 +134,25 @@ class UringReader(Reader):
                 batch.failures[op.offset] = failure
         return reaped
 
+    def _wait_one(self, batch: PendingBatch, keep_alive: dict) -> None:
+        """Submit what is queued, then handle at least one completion (or one wake-up)."""
+        self._uring.io_uring_submit(self._ring)
+        if not self._reap(batch, keep_alive):
+            os.eventfd_read(self._eventfd)  # sleeps until a completion is posted, GIL released
+
     def complete(self, batch: PendingBatch) -> None:
         keep_alive: dict = {}
         queued = 0
-        while queued < len(batch.ops) or keep_alive:
-            while queued < len(batch.ops) and len(keep_alive) < self.depth:
-                self._queue(batch, queued, keep_alive)
-                queued += 1
-            self._uring.io_uring_submit(self._ring)
-            if not self._reap(batch, keep_alive):
-                os.eventfd_read(self._eventfd)  # sleeps until a completion is posted, GIL released
+        try:
+            while queued < len(batch.ops) or keep_alive:
+                while queued < len(batch.ops) and len(keep_alive) < self.depth:
+                    self._queue(batch, queued, keep_alive)
+                    queued += 1
+                self._wait_one(batch, keep_alive)
+        except BaseException:  # e.g. KeyboardInterrupt: never leave reads writing into caller memory
+            while keep_alive:
+                self._wait_one(batch, keep_alive)
+            raise
         for index, op in enumerate(batch.ops):
             if op.offset not in batch.failures and batch.done[index] < len(op.dest):
                 failure = read_remainder(self.fd, op, batch.done[index])
