@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from tierstore.cache.arena import Arena, aligned_host_buffer
+from tierstore.cache.arena import Arena
 from tierstore.geometry import get_preset
 from tierstore.io.checksum import row_checksum
 from tierstore.io.layout import PackSpec
