@@ -23,7 +23,7 @@ import torch
 
 from tierstore.cache.arena import Arena, RowSource
 from tierstore.cache.policy import get_policy
-from tierstore.errors import CapacityError, ConfigError, PackFormatError
+from tierstore.errors import CapacityError, ConfigError
 from tierstore.geometry import MoEGeometry
 from tierstore.kernels.layout import fp4_slot_layout, w2_slot_layout
 from tierstore.runtime.compute import TorchExperts, TritonExperts
@@ -36,6 +36,7 @@ from tierstore.runtime.gate_stats import GateRecorder, GateStats
 from tierstore.runtime.gated_step import run_gated
 from tierstore.runtime.passlog import PassLog, PassReport
 from tierstore.runtime.pools import DevicePool
+from tierstore.runtime.rows import check_row_source
 from tierstore.runtime.seen_snapshot import ChainedSnapshot
 from tierstore.runtime.stats import RuntimeStats, StatsRecorder, precision_kpi
 from tierstore.runtime.step import StepOutcome, run_step
@@ -88,11 +89,7 @@ class TieredRuntime:
         self.device = torch.device(device)
         self.layout = w2_slot_layout(geometry.hidden, geometry.expert_inter)
         shape = (geometry.num_moe_layers, geometry.num_experts)
-        if (source.num_layers, source.num_experts) != shape or source.row_bytes > self.layout.slot_bytes:
-            raise PackFormatError(
-                f"row source holds {source.num_layers} x {source.num_experts} rows of {source.row_bytes} bytes; the "
-                f"model needs {shape[0]} x {shape[1]} kernel slots of <= {self.layout.slot_bytes} bytes "
-                "(was the pack built with the kernel slot codec?)")
+        check_row_source(source, geometry, self.layout.slot_bytes, "base")
         check_working_set(geometry, pool_slots, self.layout.slot_bytes, self.config)
         self.pool = DevicePool(min(pool_slots, geometry.total_routed_experts), self.layout.slot_bytes, *shape,
                                self.device, get_policy(self.config.policy))

@@ -32,6 +32,7 @@ from tierstore.kernels.layout import fp4_slot_layout
 from tierstore.runtime.config import RuntimeConfig
 from tierstore.runtime.heat import WallClockHeat
 from tierstore.runtime.pools import DevicePool
+from tierstore.runtime.rows import check_row_source
 
 log = logging.getLogger("tierstore.runtime")
 
@@ -70,11 +71,7 @@ class Fp4Tier:
         self.geometry, self.config = geometry, config
         self.layout = fp4_slot_layout(geometry.hidden, geometry.expert_inter)
         shape = (geometry.num_moe_layers, geometry.num_experts)
-        if (source.num_layers, source.num_experts) != shape or source.row_bytes > self.layout.slot_bytes:
-            raise PackFormatError(
-                f"FP4 row source holds {source.num_layers} x {source.num_experts} rows of {source.row_bytes} bytes; "
-                f"the model needs {shape[0]} x {shape[1]} FP4 kernel slots of <= {self.layout.slot_bytes} bytes "
-                "(was the fp4 pack built with the kernel slot codec?)")
+        check_row_source(source, geometry, self.layout.slot_bytes, "FP4")
         device = torch.device(device)
         self.policy = fp4_policy(config.fp4_policy, config.fp4_half_life_s)
         self.lazy = getattr(self.policy, "promotes_lazily", True)

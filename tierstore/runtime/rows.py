@@ -32,3 +32,13 @@ class MemoryRowSource:
                 raise ReadError(f"destination of row ({layer}, {expert}) is {len(dest)} bytes, need {self.row_bytes}")
             dest[:self.row_bytes] = memoryview(self.rows[layer, expert].numpy())
             self.reads += 1
+
+
+def check_row_source(source, geometry, slot_bytes: int, tier: str) -> None:
+    """A row source must hold one row per (layer, expert) of `geometry`, each fitting a kernel slot."""
+    shape = (geometry.num_moe_layers, geometry.num_experts)
+    if (source.num_layers, source.num_experts) != shape or source.row_bytes > slot_bytes:
+        raise PackFormatError(
+            f"{tier} row source holds {source.num_layers} x {source.num_experts} rows of {source.row_bytes} bytes; "
+            f"the model needs {shape[0]} x {shape[1]} {tier} kernel slots of <= {slot_bytes} bytes "
+            f"(was the {tier} pack built with the kernel slot codec?)")
