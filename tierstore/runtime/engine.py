@@ -185,15 +185,15 @@ class TieredRuntime:
         fire is re-run with its routed experts forced to FP4 (`outcome.gate` tells how)."""
         started = time.perf_counter()
         self._scan = prefill
-        step_routed: set = set()
+        step_routed: set = set()  # every pass's routed keys, kept only under the gate
         try:
             # the safe point: the FP4 manager mutates only while nobody holds the tier's lock
             with self.fp4.lock if self.fp4 is not None else nullcontext():
                 first = run_step(forward, rewind, self._read_pass, self._fetch_for_step, self.config)
-                step_routed |= first[2]
-                result, outcome, routed = first
+                result, outcome = first[:2]
                 if self.gate is not None and not prefill:
-                    result, outcome, routed = self._gated(first, forward, rewind, logits_of, step_routed)
+                    step_routed.update(first[2])
+                    result, outcome = self._gated(first, forward, rewind, logits_of, step_routed)
         except BaseException:
             self._stats.failed += 1
             raise
@@ -201,9 +201,9 @@ class TieredRuntime:
             self._scan = False
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self.pool.touch(routed, time.monotonic())
+        self.pool.touch_ids(self.last_pass.routed_ids, time.monotonic())
         if self.fp4 is not None:
-            self.fp4.close_step(step_routed)
+            self.fp4.close_step(step_routed if outcome.gate is not None else self.last_pass.routed_ids)
             self._fp4_snapshot.push(self.log.seen)
             self._fp4_manager.wake()
         self._stats.add_step(outcome.replays, outcome.first_pass_missing_pairs, time.perf_counter() - started,
@@ -220,7 +220,7 @@ class TieredRuntime:
             step_routed.update(again[2])
             return again
 
-        (result, last, routed), reruns, _, fire = run_gated(
+        (result, last, _), reruns, _, fire = run_gated(
             first, gate=self.gate, logits_of=logits_of or (lambda r: r), rerun=rerun,
             force_promote=self.fp4.force_promote, record_need=self.fp4.record_need,
             is_fp4=self.fp4.pool.is_resident, budget=self._gate_budget, fp_max=self.config.gate_fp_max)
@@ -228,7 +228,7 @@ class TieredRuntime:
         outcomes = [first[1], *reruns]
         outcome = StepOutcome(sum(o.replays for o in outcomes), first[1].first_pass_missing_pairs, last.residue_pairs,
                               any(o.tolerated for o in outcomes), last.last_pass, fire)
-        return result, outcome, routed
+        return result, outcome
 
     def _read_pass(self) -> PassReport:
         self.last_pass = self.log.read()

@@ -87,11 +87,13 @@ class Fp4Tier:
         self.unrestored = self.failed_reads = self.promoted_prefill = self.routed_pairs = self.fp4_pairs = 0
 
     # -- the runner's side --------------------------------------------------------------------
-    def close_step(self, routed: Iterable[Key]) -> None:
-        """End of a step (runner): its routed experts become warm; coldness counts from here."""
+    def close_step(self, routed: Iterable[Key] | np.ndarray) -> None:
+        """End of a step (runner): its routed experts (keys, or dense ids int64) become warm;
+        coldness counts from here."""
+        if not isinstance(routed, np.ndarray):
+            routed = np.asarray([self.pool.key_id(k) for k in routed], dtype=np.int64)
         with self.lock:
-            for key in routed:
-                self.last_seen[key] = self.tick
+            self.last_seen.reshape(-1)[routed] = self.tick
             self.tick += 1
 
     def record_need(self, routed: Iterable[Key]) -> None:

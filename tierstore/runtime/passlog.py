@@ -2,12 +2,16 @@
 
 The device tensors are written by the MoE layers (inside a CUDA graph on CUDA) and zeroed at
 the start of every pass by the first MoE layer; `read()` brings them to the host with one
-synchronisation, the only one of a pass.
+device-to-host copy into pinned memory and one synchronisation, the only ones of a pass.
+
+All of them are views of one int32 device buffer, laid out [counts | seen | entries | routing]:
+`reset()` zeroes the first two with one fill and `read()` copies the whole buffer at once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -20,8 +24,15 @@ class PassReport:
     missing_pairs: int
     missing_keys: tuple[Key, ...]  # distinct, as logged (at most the log's capacity)
     unlogged_experts: int  # missing experts past the log's capacity (found again by the next pass)
-    routed_keys: tuple[Key, ...]  # every (layer, expert) routed in this pass
+    routed_ids: np.ndarray = field(repr=False)  # int64 ascending layer * E + expert of every routed expert
     routing: np.ndarray | None  # int32 [layers, T, k] routed ids, when recording
+    num_experts: int = field(repr=False)
+
+    @cached_property
+    def routed_keys(self) -> tuple[Key, ...]:
+        """Every (layer, expert) routed in this pass, row-major."""
+        layers, experts = np.divmod(self.routed_ids, self.num_experts)
+        return tuple(zip(layers.tolist(), experts.tolist()))
 
 
 class PassLog:
@@ -31,23 +42,24 @@ class PassLog:
     def __init__(self, num_layers: int, num_experts: int, top_k: int, capacity: int, device,
                  record_tokens: int = 0):
         self.device = torch.device(device)
-        self.counts = torch.zeros(2, dtype=torch.int32, device=self.device)
-        self.entries = torch.full((capacity, 2), -1, dtype=torch.int32, device=self.device)
-        self.seen = torch.zeros(num_layers, num_experts, dtype=torch.int32, device=self.device)
-        self.routing = (torch.full((num_layers, record_tokens, top_k), -1, dtype=torch.int32, device=self.device)
-                        if record_tokens else None)
+        self.num_experts = num_experts
         self.record_tokens = record_tokens
-        pin = self.device.type == "cuda"
-        self._host = [torch.empty_like(t, device="cpu", pin_memory=pin) for t in self._device_tensors()]
-
-    def _device_tensors(self) -> list[torch.Tensor]:
-        tensors = [self.counts, self.entries, self.seen]
-        return tensors + ([self.routing] if self.routing is not None else [])
+        sizes = (2, num_layers * num_experts, 2 * capacity, num_layers * record_tokens * top_k)
+        self.buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=self.device)
+        counts, seen, entries, routing = self.buffer.split(sizes)
+        self.counts = counts
+        self.seen = seen.view(num_layers, num_experts)
+        self.entries = entries.view(capacity, 2).fill_(-1)
+        self.routing = routing.view(num_layers, record_tokens, top_k).fill_(-1) if record_tokens else None
+        self._cleared = self.buffer[:sizes[0] + sizes[1]]
+        self._host = torch.empty_like(self.buffer, device="cpu", pin_memory=self.device.type == "cuda")
+        host = self._host.numpy()
+        self._host_counts, self._host_seen, self._host_entries, self._host_routing = np.split(
+            host, np.cumsum(sizes)[:3])
 
     def reset(self) -> None:
-        """Start a pass (called from the first MoE layer; capturable)."""
-        self.counts.zero_()
-        self.seen.zero_()
+        """Start a pass (called from the first MoE layer; capturable): one fill of counts and seen."""
+        self._cleared.zero_()
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Count the routed pairs of `layer` (topk_ids int [T, k]); capturable."""
@@ -57,13 +69,12 @@ class PassLog:
             self.routing[layer, :topk_ids.shape[0]].copy_(topk_ids)
 
     def read(self) -> PassReport:
-        for host, dev in zip(self._host, self._device_tensors()):
-            host.copy_(dev, non_blocking=True)
+        self._host.copy_(self.buffer, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        counts, entries, seen = (t.numpy() for t in self._host[:3])
-        logged = min(int(counts[1]), entries.shape[0])
-        missing = tuple(map(tuple, entries[:logged].tolist()))
-        routed = tuple(zip(*(axis.tolist() for axis in np.nonzero(seen > 0))))  # row-major, as argwhere
-        routing = self._host[3].numpy().copy() if self.routing is not None else None
-        return PassReport(int(counts[0]), missing, int(counts[1]) - logged, routed, routing)
+        pairs, experts = self._host_counts.tolist()
+        logged = min(experts, len(self._host_entries) // 2)
+        missing = tuple(map(tuple, self._host_entries[:2 * logged].reshape(-1, 2).tolist())) if logged else ()
+        routed = np.flatnonzero(self._host_seen)  # ascending = row-major
+        routing = self._host_routing.reshape(self.routing.shape).copy() if self.routing is not None else None
+        return PassReport(pairs, missing, experts - logged, routed, routing, self.num_experts)

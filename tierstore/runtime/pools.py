@@ -21,6 +21,7 @@ from itertools import islice
 import numpy as np
 import torch
 
+from tierstore.cache.policies.lru import LRUPolicy
 from tierstore.cache.policy import EvictionPolicy
 from tierstore.errors import CapacityError
 
@@ -35,7 +36,10 @@ class DevicePool:
         self.device = torch.device(device)
         self.num_slots, self.slot_bytes = num_slots, slot_bytes
         self.num_layers, self.num_experts = num_layers, num_experts
-        self.policy = policy
+        self._policy = policy
+        self._deferred_hits = type(policy) is LRUPolicy  # exact class: a subclass may override the hooks
+        self._hit_stamp = np.zeros(num_layers * num_experts, dtype=np.int64)  # [L * E] order of the last hit
+        self._stamped = self._settled = 0  # stamps handed out / already replayed into the policy
         try:
             self.slots = torch.zeros(num_slots, slot_bytes, dtype=torch.uint8, device=self.device)  # [S, slot_bytes]
         except (RuntimeError, torch.OutOfMemoryError) as exc:
@@ -86,16 +90,31 @@ class DevicePool:
         return self.num_free + sum(1 for _ in order)
 
     # -- policy hooks ---------------------------------------------------------------------------
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy, with every deferred hit applied."""
+        if self._stamped != self._settled:
+            touched = np.flatnonzero(self._hit_stamp > self._settled)
+            for key_id in touched[np.argsort(self._hit_stamp[touched])].tolist():
+                self._policy.on_access(key_id)
+            self._settled = self._stamped
+        return self._policy
+
     def touch(self, keys: Iterable[Key], now: float) -> None:
         """Close a step: tell the policy what was routed and which resident keys were hit."""
-        keys = list(keys)
-        ids = [layer * self.num_experts + expert for layer, expert in keys]
-        self.policy.begin_step(now)
-        self.policy.observe(ids)
-        mirror, on_access = self.mirror, self.policy.on_access
-        for key, key_id in zip(keys, ids):
-            if mirror[key] >= 0:
-                on_access(key_id)
+        self.touch_ids(np.unique(np.asarray([self.key_id(k) for k in keys], dtype=np.int64)), now)
+
+    def touch_ids(self, ids: np.ndarray, now: float) -> None:
+        """`touch` for dense ids (int64 ascending, distinct); hits reach the policy in that order."""
+        self._policy.begin_step(now)
+        hits = ids[self.mirror.reshape(-1)[ids] >= 0]
+        if self._deferred_hits:  # lru ignores observe(); its hits are replayed when the policy is next read
+            self._hit_stamp[hits] = np.arange(self._stamped + 1, self._stamped + 1 + len(hits))
+            self._stamped += len(hits)
+            return
+        self._policy.observe(ids.tolist())
+        for key_id in hits.tolist():
+            self._policy.on_access(key_id)
 
     # -- mutation -------------------------------------------------------------------------------
     def install(self, keys: Sequence[Key], rows: Sequence[torch.Tensor], exclude: Iterable[Key]) -> None:
