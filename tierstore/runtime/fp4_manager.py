@@ -5,7 +5,8 @@ spontaneous mutation could race the next forward). A pass takes every available 
 chained snapshot, feeds the tier's frequencies and policy, and promotes lazily in one batch. A
 window whose device-to-host copy has not landed yet is retried after `RETRY_S` by waking itself
 (never blocking the runner, never dropping the window). Mutations take the tier's lock, which the
-runner holds across each step, so they happen only between steps.
+runner holds across each step, so they happen only between steps; the rows they install are read
+from host RAM or the pack before the lock is taken (`Fp4Tier.promote_lazy`).
 """
 
 from __future__ import annotations

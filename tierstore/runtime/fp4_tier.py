@@ -10,7 +10,9 @@ with the state both promotion paths share.
 
 Every mutation goes through `DevicePool.install` (victims unmapped before their bytes are reused,
 copies on the pool's own stream, synchronised before the host state changes) and happens under
-`lock`, which the runner holds for the whole of a step: no mutation overlaps a forward.
+`lock`, which the runner holds for the whole of a step: no mutation overlaps a forward. The
+manager reads its lazy rows from host RAM or the pack before it takes `lock` (`promote_lazy`),
+so a step waits at most for a device copy and a table update, never for a host read.
 """
 
 from __future__ import annotations
@@ -82,7 +84,10 @@ class Fp4Tier:
         self.heat = WallClockHeat(*shape, config.fp4_half_life_s, time.monotonic())
         self.last_seen = np.full(shape, -(1 << 40), dtype=np.int64)  # [L, E] step index of the last routing
         self.tick = 0  # steps closed
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # held by the runner for a whole step; mutations of the pool take it
+        self._arena_lock = threading.Lock()  # the arena and its row views; taken after `lock`, never before
+        self._staging = torch.empty(config.fp4_promote if self.lazy else 0, source.row_bytes, dtype=torch.uint8,
+                                    pin_memory=device.type == "cuda")  # [fp4_promote, row_bytes] lazy rows
         self.promoted_lazy = self.promoted_forced = self.evicted = 0
         self.unrestored = self.failed_reads = self.promoted_prefill = self.routed_pairs = self.fp4_pairs = 0
 
@@ -153,26 +158,51 @@ class Fp4Tier:
 
     def promote_lazy(self, window: list[Key]) -> int:
         """Promote the window's hottest non-FP4 experts (at most `fp4_promote`), evicting only cold
-        experts outside the window. Returns how many were promoted."""
+        experts outside the window. Returns how many were promoted.
+
+        Three phases, so a step never waits for host reads: choose the keys (tier lock, host state
+        only), read their rows into the manager's own staging buffer (arena lock only: the runner
+        may step meanwhile), then install (tier lock: keys a forced promotion installed meanwhile
+        are dropped, victims are chosen afresh; the device copy and table update happen here)."""
         if not self.lazy or not self.config.fp4_promote:
             return 0
         with self.lock:
-            heat = self.heat.values(time.monotonic())
-            candidates = sorted((k for k in window if not self.pool.is_resident(k)), key=lambda k: -heat[k])
+            take = self._lazy_choice(window)
+        if not take:
+            return 0
+        try:
+            rows = self._stage(take)
+        except (OSError, CapacityError, PackFormatError) as exc:
+            self.failed_reads += 1
+            log.warning("FP4 manager: lazy promotion of %d experts dropped: %s", len(take), exc)
+            return 0
+        with self.lock:
             exclude = set(window) | self._warm_keys()
-            room = self.pool.capacity_for(exclude)
-            take = candidates[:min(self.config.fp4_promote, room)]
-            take = self._past_hysteresis(take, exclude, heat)
-            if not take:
+            kept = [i for i, k in enumerate(take) if not self.pool.is_resident(k)]
+            kept = kept[:self.pool.capacity_for(exclude, enough=len(kept))]
+            if not kept:
                 return 0
-            try:
-                self._install(take, exclude)
-            except (OSError, CapacityError, PackFormatError) as exc:
-                self.failed_reads += 1
-                log.warning("FP4 manager: lazy promotion of %d experts dropped: %s", len(take), exc)
-                return 0
-            self.promoted_lazy += len(take)
-            return len(take)
+            self._install_rows([take[i] for i in kept], [rows[i] for i in kept], exclude)
+            self.promoted_lazy += len(kept)
+            return len(kept)
+
+    def _lazy_choice(self, window: list[Key]) -> list[Key]:
+        heat = self.heat.values(time.monotonic())
+        candidates = sorted((k for k in window if not self.pool.is_resident(k)), key=lambda k: -heat[k])
+        exclude = set(window) | self._warm_keys()
+        room = self.pool.capacity_for(exclude)
+        take = candidates[:min(self.config.fp4_promote, room)]
+        return self._past_hysteresis(take, exclude, heat)
+
+    def _stage(self, keys: list[Key]) -> list[torch.Tensor]:
+        """Rows of `keys` copied out of the arena into the manager's staging (uint8 [row_bytes] each),
+        which no other fetch can overwrite."""
+        with self._arena_lock:
+            rows = self.arena.fetch(keys)
+            staged = self._staging[:len(keys)]
+            for row, dest in zip(rows, staged):
+                dest.copy_(row)
+        return list(staged)
 
     def _past_hysteresis(self, take: list[Key], exclude: set[Key], heat: np.ndarray) -> list[Key]:
         h = self.config.fp4_hysteresis
@@ -193,8 +223,11 @@ class Fp4Tier:
         return {(int(l), int(e)) for l, e in np.argwhere(warm)}
 
     def _install(self, keys: list[Key], exclude: set[Key]) -> None:
+        with self._arena_lock:
+            self._install_rows(keys, self.arena.fetch(keys), exclude)
+
+    def _install_rows(self, keys: list[Key], rows: list[torch.Tensor], exclude: set[Key]) -> None:
         mapped_before = self.pool.num_mapped
-        rows = self.arena.fetch(keys)
         self.pool.install(keys, rows, exclude)
         self.evicted += mapped_before + len(keys) - self.pool.num_mapped
 
