@@ -1,0 +1,219 @@
+"""Host cost of the step protocol on CPU, old tree vs new tree in one run.
+
+Two workloads, each timed through `TieredRuntime.step` with a forward that does only what a
+CUDA-graph replay leaves for the host to read (the pass log's routed counts, no misses), so what
+is timed is the protocol around the forward:
+
+- `nomiss`: ds-v2-lite routing shape (8 MoE layers, 64 experts, top-6, one token per step),
+  every expert resident, no FP4 tier: the host work of a step at 100% coverage.
+- `fp4`: the same routing with an FP4 pool (25% of the experts, filled lazily by the manager from
+  host RAM through an FP4 arena); the forward sleeps `--forward-ms` (a device forward during which
+  the host waits, GIL released). Reports how long the runner waited for the FP4 tier's lock per
+  step, and how long the manager held it, split into its host reads (arena fetch) and its device
+  installs.
+
+The parent process alternates rounds between the trees (`--baseline REV`, checked out as a git
+worktree, and the working tree), each round a fresh subprocess importing that tree's tierstore.
+
+    python benchmarks/step_overhead.py --baseline 8cf37d1 --out benchmarks/results/step_overhead_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+LAYERS, EXPERTS, TOP_K = 8, 64, 6
+
+
+def routing_sequence(steps: int, seed: int):
+    """int32 [steps, L, E] routed counts: per layer top-k distinct experts drawn Zipf(1.1)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, EXPERTS + 1) ** 1.1
+    weights /= weights.sum()
+    seen = np.zeros((steps, LAYERS, EXPERTS), dtype=np.int32)
+    for s in range(steps):
+        for layer in range(LAYERS):
+            seen[s, layer, rng.choice(EXPERTS, TOP_K, replace=False, p=weights)] = 1
+    return seen
+
+
+class TiledRows:
+    """A RowSource of `distinct` random rows tiled over every (layer, expert)."""
+
+    def __init__(self, rows, num_layers: int, num_experts: int):
+        self.rows, self.num_layers, self.num_experts = rows, num_layers, num_experts
+        self.row_bytes = rows.shape[1]
+        self.stride = -(-self.row_bytes // 4096) * 4096
+
+    def has_layer(self, layer: int) -> bool:
+        return 0 <= layer < self.num_layers
+
+    def read_rows(self, keys, dests) -> None:
+        for (layer, expert), dest in zip(keys, dests, strict=True):
+            dest[:self.row_bytes] = memoryview(self.rows[(layer * self.num_experts + expert) % len(self.rows)].numpy())
+
+
+class TimedLock:
+    """Wraps the tier's RLock: wait time of the runner (main thread), hold time of the manager."""
+
+    def __init__(self, lock):
+        self.lock, self.runner_wait, self.manager_hold = lock, [], 0.0
+        self._depth = threading.local()
+
+    def acquire(self, *args, **kwargs):
+        started = time.perf_counter()
+        got = self.lock.acquire(*args, **kwargs)
+        depth = getattr(self._depth, "n", 0)
+        if depth == 0:
+            if threading.current_thread() is threading.main_thread():
+                self.runner_wait.append(time.perf_counter() - started)
+            self._depth.since = time.perf_counter()
+        self._depth.n = depth + 1
+        return got
+
+    def release(self):
+        self._depth.n -= 1
+        if self._depth.n == 0 and threading.current_thread() is not threading.main_thread():
+            self.manager_hold += time.perf_counter() - self._depth.since
+        self.lock.release()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def timed(owner, name: str, totals: dict, lock: TimedLock):
+    """Wrap owner.name: seconds spent in it by the manager thread, split by whether the lock was held."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            if threading.current_thread() is not threading.main_thread():
+                held = getattr(lock._depth, "n", 0) > 0
+                key = f"manager_{name}_{'locked' if held else 'unlocked'}_s"
+                totals[key] = totals.get(key, 0.0) + time.perf_counter() - started
+    setattr(owner, name, wrapper)
+
+
+def worker(kind: str, steps: int, forward_ms: float) -> dict:
+    import torch
+
+    from tierstore.geometry import MoEGeometry
+    from tierstore.runtime import RuntimeConfig, TieredRuntime
+    from tierstore.runtime.synthetic import random_experts
+
+    torch.set_num_threads(1)
+    hidden, inter = (1024, 704) if kind == "fp4" else (128, 128)
+    g = MoEGeometry("ds-v2-lite-routing", tuple(range(LAYERS)), EXPERTS, TOP_K, hidden, inter)
+    base = TiledRows(random_experts(g, False, 4), LAYERS, EXPERTS)
+    fp4 = dict(fp4_source=TiledRows(random_experts(g, True, 4), LAYERS, EXPERTS), fp4_slots=LAYERS * EXPERTS // 4,
+               fp4_arena_slots=LAYERS * EXPERTS // 2) if kind == "fp4" else {}
+    seen = torch.from_numpy(routing_sequence(steps, seed=1))
+    runtime = TieredRuntime(g, base, pool_slots=LAYERS * EXPERTS, config=RuntimeConfig(kpi_every=0), **fp4)
+    runtime.preload()
+    totals: dict = {}
+    lock = None
+    if kind == "fp4":
+        lock = runtime.fp4.lock = TimedLock(runtime.fp4.lock)
+        timed(runtime.fp4.arena, "fetch", totals, lock)
+        timed(runtime.fp4.pool, "install", totals, lock)
+    times = []
+    for step in range(steps):
+        def forward(counts=seen[step]):
+            runtime.log.reset()
+            runtime.log.seen.copy_(counts)
+            if forward_ms:
+                time.sleep(forward_ms / 1e3)
+        started = time.perf_counter()
+        runtime.step(forward, lambda: None)
+        times.append(time.perf_counter() - started)
+    runtime.wait_fp4_manager(60)
+    out = dict(steps=steps, step_mean_us=1e6 * statistics.fmean(times), step_p50_us=1e6 * statistics.median(times))
+    if lock is not None:
+        stats = runtime.fp4_stats()
+        out.update(runner_lock_wait_mean_us=1e6 * statistics.fmean(lock.runner_wait),
+                   runner_lock_wait_max_us=1e6 * max(lock.runner_wait),
+                   manager_lock_hold_s=lock.manager_hold, promoted_lazy=stats.promoted_lazy,
+                   **{k: round(v, 6) for k, v in sorted(totals.items())})
+    runtime.close()
+    return out
+
+
+def run_rounds(trees: dict[str, Path], kind: str, rounds: int, steps: int, forward_ms: float) -> dict:
+    results: dict[str, list] = {name: [] for name in trees}
+    for _ in range(rounds):
+        for name, tree in trees.items():
+            env = dict(os.environ, PYTHONPATH=str(tree))
+            cmd = [sys.executable, __file__, "--worker", kind, "--steps", str(steps), "--forward-ms", str(forward_ms)]
+            done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
+            results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return results
+
+
+def summary(rows: list[dict], field: str) -> float:
+    return statistics.median(r[field] for r in rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", choices=("nomiss", "fp4"))
+    parser.add_argument("--baseline", default="8cf37d1", help="git revision of the old tree")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--fp4-steps", type=int, default=300)
+    parser.add_argument("--forward-ms", type=float, default=0.5)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.steps, args.forward_ms)))
+        return
+    repo = Path(__file__).resolve().parent.parent
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "tierstore"], cwd=repo, capture_output=True,
+                                text=True, check=True).stdout.strip())
+    with tempfile.TemporaryDirectory() as tmp:
+        old = Path(tmp) / "old"
+        subprocess.run(["git", "worktree", "add", "--detach", str(old), args.baseline], cwd=repo, check=True,
+                       capture_output=True)
+        try:
+            trees = {"old": old, "new": repo}
+            nomiss = run_rounds(trees, "nomiss", args.rounds, args.steps, 0.0)
+            fp4 = run_rounds(trees, "fp4", args.rounds, args.fp4_steps, args.forward_ms)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=repo, check=True)
+    report = dict(
+        provenance=dict(old=args.baseline, new=head, new_tree_dirty=dirty, python=platform.python_version(),
+                        machine=platform.machine(), cpus=os.cpu_count(), rounds=args.rounds,
+                        note="CPU only: no GPU; the forward is a pass-log write (+ sleep in fp4)"),
+        nomiss=nomiss, fp4=fp4,
+        medians=dict(
+            nomiss_step_us={k: summary(v, "step_p50_us") for k, v in nomiss.items()},
+            fp4_step_mean_us={k: summary(v, "step_mean_us") for k, v in fp4.items()},
+            fp4_runner_lock_wait_mean_us={k: summary(v, "runner_lock_wait_mean_us") for k, v in fp4.items()},
+            fp4_manager_lock_hold_s={k: summary(v, "manager_lock_hold_s") for k, v in fp4.items()}))
+    m = report["medians"]
+    m["nomiss_new_over_old"] = m["nomiss_step_us"]["new"] / m["nomiss_step_us"]["old"]
+    text = json.dumps(report, indent=1)
+    print(json.dumps(m, indent=1))
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
