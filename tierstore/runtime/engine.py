@@ -185,14 +185,13 @@ class TieredRuntime:
         fire is re-run with its routed experts forced to FP4 (`outcome.gate` tells how)."""
         started = time.perf_counter()
         self._scan = prefill
-        step_routed: set = set()  # every pass's routed keys, kept only under the gate
+        step_routed: set = set()  # every pass's routed keys, kept only when the gate fires
         try:
             # the safe point: the FP4 manager mutates only while nobody holds the tier's lock
             with self.fp4.lock if self.fp4 is not None else nullcontext():
                 first = run_step(forward, rewind, self._read_pass, self._fetch_for_step, self.config)
-                result, outcome = first[:2]
+                result, outcome = first
                 if self.gate is not None and not prefill:
-                    step_routed.update(first[2])
                     result, outcome = self._gated(first, forward, rewind, logits_of, step_routed)
         except BaseException:
             self._stats.failed += 1
@@ -217,14 +216,16 @@ class TieredRuntime:
         def rerun():
             rewind()
             again = run_step(forward, rewind, self._read_pass, self._fetch_for_step, self.config)
-            step_routed.update(again[2])
+            step_routed.update(again[1].last_pass.routed_keys)
             return again
 
-        (result, last, _), reruns, _, fire = run_gated(
+        (result, last), reruns, _, fire = run_gated(
             first, gate=self.gate, logits_of=logits_of or (lambda r: r), rerun=rerun,
             force_promote=self.fp4.force_promote, record_need=self.fp4.record_need,
             is_fp4=self.fp4.pool.is_resident, budget=self._gate_budget, fp_max=self.config.gate_fp_max)
         self._gate_stats.add(self._stats.steps, fire)
+        if fire is not None:
+            step_routed.update(first[1].last_pass.routed_keys)
         outcomes = [first[1], *reruns]
         outcome = StepOutcome(sum(o.replays for o in outcomes), first[1].first_pass_missing_pairs, last.residue_pairs,
                               any(o.tolerated for o in outcomes), last.last_pass, fire)

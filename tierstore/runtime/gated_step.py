@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from tierstore.runtime.gate import ConfidenceGate, GateDecision
+
+if TYPE_CHECKING:
+    from tierstore.runtime.step import StepOutcome
 
 T = TypeVar("T")
 Key = tuple[int, int]
@@ -44,18 +47,19 @@ def _argmax(logits: torch.Tensor) -> int:
     return int(logits.reshape(-1, logits.shape[-1])[0].argmax())
 
 
-def run_gated(first: tuple[T, object, set], *, gate: ConfidenceGate, logits_of: Callable[[T], torch.Tensor],
-              rerun: Callable[[], tuple[T, object, set]], force_promote: Callable[[set, set, int | None], int],
+def run_gated(first: tuple[T, StepOutcome], *, gate: ConfidenceGate, logits_of: Callable[[T], torch.Tensor],
+              rerun: Callable[[], tuple[T, StepOutcome]], force_promote: Callable[[set, set, int | None], int],
               record_need: Callable[[set], None], is_fp4: Callable[[Key], bool], budget: int | None,
-              fp_max: int) -> tuple[tuple[T, object, set], list, GateDecision, FireRecord | None]:
-    """`first` = (result, outcome, routed) of the step's base fixed point. `rerun()` rewinds and
-    runs the base fixed point again; `force_promote(routed, protect, budget)` returns how many it
-    promoted. Returns (final (result, outcome, routed), the reruns' outcomes, the first decision,
-    the fire record or None)."""
-    result, _, routed = first
+              fp_max: int) -> tuple[tuple[T, StepOutcome], list, GateDecision, FireRecord | None]:
+    """`first` = (result, outcome) of the step's base fixed point. `rerun()` rewinds and runs the
+    base fixed point again; `force_promote(routed, protect, budget)` returns how many it promoted.
+    Returns (final (result, outcome), the reruns' outcomes, the first decision, the fire record or
+    None)."""
+    result, outcome = first
     decision = gate.decide(logits_of(result))
     if not decision.fires:
         return first, [], decision, None
+    routed = outcome.last_pass.routed_keys
     record_need(routed)
     before = _argmax(logits_of(result))
     step_routed = set(routed)
@@ -63,17 +67,17 @@ def run_gated(first: tuple[T, object, set], *, gate: ConfidenceGate, logits_of: 
     promoted_total, final = 0, decision
     for _ in range(fp_max):
         left = None if budget is None else budget - promoted_total
-        promoted = force_promote(current[2], step_routed, left)
+        promoted = force_promote(current[1].last_pass.routed_keys, step_routed, left)
         if promoted == 0:
             break
         promoted_total += promoted
         current = rerun()
         reruns.append(current[1])
-        step_routed |= current[2]
+        step_routed.update(current[1].last_pass.routed_keys)
         final = gate.decide(logits_of(current[0]))
         if not final.fires:
             break
-    converged = all(is_fp4(k) for k in current[2])
+    converged = all(is_fp4(k) for k in current[1].last_pass.routed_keys)
     record = FireRecord(decision.signal, decision.tau, final.signal, promoted_total, len(reruns), before,
                         _argmax(logits_of(current[0])), converged)
     return current, reruns, decision, record

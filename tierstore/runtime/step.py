@@ -44,7 +44,7 @@ class StepOutcome:
 
 
 def run_step(forward: Callable[[], T], rewind: Callable[[], None], read_pass: Callable[[], PassReport],
-             fetch: Callable[[tuple, set, bool], int], config: RuntimeConfig) -> tuple[T, StepOutcome, set]:
+             fetch: Callable[[tuple, set, bool], int], config: RuntimeConfig) -> tuple[T, StepOutcome]:
     """Run one step to its fixed point. `fetch(keys, routed, partial)` makes keys resident without
     evicting `routed` (partial: as many as fit) and returns how many it installed.
 
@@ -52,18 +52,19 @@ def run_step(forward: Callable[[], T], rewind: Callable[[], None], read_pass: Ca
     and experts routed only by an earlier, degraded pass are not needed by the replay (protecting
     them too would make a pool that holds one step's working set fail on stale routes).
 
-    Returns (result of the last forward, outcome, the (layer, expert) keys the last pass routed).
+    Returns (result of the last forward, outcome); `outcome.last_pass.routed_keys` are the keys the
+    last pass routed. A pass without misses builds no key objects.
     """
     replays, first, residue, tolerated = 0, None, 0, False
     approximate = config.replay_mode == "approximate"
     while True:
         result = forward()
         report = read_pass()
-        routed = set(report.routed_keys)
         first = report.missing_pairs if first is None else first
         misses = report.missing_pairs
         if misses == 0:
             break
+        routed = set(report.routed_keys)
         if misses <= config.miss_tolerance:
             fetch(report.missing_keys, routed, True)
             tolerated = True
@@ -85,4 +86,4 @@ def run_step(forward: Callable[[], T], rewind: Callable[[], None], read_pass: Ca
             break
         rewind()
         replays += 1
-    return result, StepOutcome(replays, first, residue, tolerated, report), routed
+    return result, StepOutcome(replays, first, residue, tolerated, report)
