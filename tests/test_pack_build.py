@@ -22,6 +22,7 @@ from tierstore.io.pack_build import build_packs, pack_specs
 from tierstore.io.pack_rows import PackRows
 from tierstore.io.readers import PreadvPoolReader
 from tierstore.io.row_codec import decode_row
+from tierstore.slot_codec import KERNEL_SLOT_CODEC
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -124,7 +125,7 @@ def test_verify_names_every_flipped_row_and_fails(checkpoint, tmp_path, capsys):
     assert main(["verify", str(tmp_path)]) == 0
     assert capsys.readouterr().out.count("ok ") == 2
     with open_checkpoint(checkpoint) as ckpt:
-        spec = pack_specs(ckpt, ("fp4",), "auto")["fp4"]
+        spec = pack_specs(ckpt, ("fp4",), "auto", codec=KERNEL_SLOT_CODEC)["fp4"]
     pack_path = Pack(tmp_path, spec).path
     rng = random.Random(9)
     victims = rng.sample([(layer, expert) for layer in range(3) for expert in range(4)], 3)
@@ -183,9 +184,9 @@ def test_kill_9_of_tierstore_pack_never_serves_a_wrong_row_and_a_rerun_completes
                "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     reference = tmp_path / "reference"
-    build_packs(ckpt_dir, reference, device="cpu", progress=False)
+    build_packs(ckpt_dir, reference, device="cpu", progress=False, codec=KERNEL_SLOT_CODEC)  # the CLI's default
     with open_checkpoint(ckpt_dir) as ckpt:
-        spec = pack_specs(ckpt, ("base",), "auto")["base"]
+        spec = pack_specs(ckpt, ("base",), "auto", codec=KERNEL_SLOT_CODEC)["base"]
     rng = random.Random(11)
     for _ in range(10):
         process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -200,6 +201,21 @@ def test_kill_9_of_tierstore_pack_never_serves_a_wrong_row_and_a_rerun_completes
             for expert in range(spec.num_experts):
                 assert torch.equal(read_row(out, spec, layer, expert), read_row(reference, spec, layer, expert))
     recorded = Pack(out, spec).layers
-    report = build_packs(ckpt_dir, out, device="cpu", progress=False)
+    report = build_packs(ckpt_dir, out, device="cpu", progress=False, codec=KERNEL_SLOT_CODEC)
     assert report.written["base"] == sorted(set(range(8)) - recorded)
     assert Path(report.packs["base"]).read_bytes() == next(reference.glob("*.pack")).read_bytes()
+
+
+def test_cli_packs_are_the_ones_the_runtime_serves(tmp_path):
+    from tierstore.runtime.packs import ensure_base_pack
+
+    ckpt_dir = write_synthetic_checkpoint(tmp_path / "ckpt", num_layers=2, num_experts=4, top_k=2, hidden=64,
+                                          expert_inter=32, seed=2)
+    assert main(["pack", str(ckpt_dir), "--out", str(tmp_path / "packs"), "--tier", "both", "--device", "cpu",
+                 "--no-progress"]) == 0
+    report = ensure_base_pack(ckpt_dir, tmp_path / "packs", device="cpu", tags=("base", "fp4"))
+    assert report.written == {"base": [], "fp4": []}
+    assert report.skipped == {"base": [0, 1], "fp4": [0, 1]}
+    assert main(["pack", str(ckpt_dir), "--out", str(tmp_path / "portable"), "--layout", "portable", "--device",
+                 "cpu", "--no-progress"]) == 0
+    assert ensure_base_pack(ckpt_dir, tmp_path / "portable", device="cpu").written == {"base": [0, 1]}
