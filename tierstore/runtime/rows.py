@@ -13,7 +13,8 @@ PAGE_BYTES = 4096
 
 class MemoryRowSource:
     """Rows held in RAM: uint8 [layers, experts, row_bytes]. Satisfies the arena's RowSource
-    protocol, for tests and for benchmarks without a pack."""
+    protocol, for tests and for benchmarks without a pack. Reads let other threads run (the FP4
+    manager reads while the runner steps)."""
 
     def __init__(self, rows: torch.Tensor):
         if rows.dtype != torch.uint8 or rows.dim() != 3:
@@ -30,7 +31,8 @@ class MemoryRowSource:
         for (layer, expert), dest in zip(keys, dests, strict=True):
             if len(dest) < self.row_bytes:
                 raise ReadError(f"destination of row ({layer}, {expert}) is {len(dest)} bytes, need {self.row_bytes}")
-            dest[:self.row_bytes] = memoryview(self.rows[layer, expert].numpy())
+            # a torch copy releases the GIL (a memoryview assignment would hold it for the whole row)
+            torch.frombuffer(dest, dtype=torch.uint8, count=self.row_bytes).copy_(self.rows[layer, expert])
             self.reads += 1
 
 
