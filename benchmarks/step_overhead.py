@@ -7,10 +7,10 @@ is timed is the protocol around the forward:
 - `nomiss`: ds-v2-lite routing shape (8 MoE layers, 64 experts, top-6, one token per step),
   every expert resident, no FP4 tier: the host work of a step at 100% coverage.
 - `fp4`: the same routing with an FP4 pool (25% of the experts, filled lazily by the manager from
-  host RAM through an FP4 arena); the forward sleeps `--forward-ms` (a device forward during which
+  host RAM (`MemoryRowSource`, as in `benchmarks/gate_cost.py`) through an FP4 arena); the forward sleeps `--forward-ms` (a device forward during which
   the host waits, GIL released). Reports how long the runner waited for the FP4 tier's lock per
   step, and how long the manager held it, split into its host reads (arena fetch) and its device
-  installs.
+  installs; and what the manager achieved (windows taken, rows promoted, FP4 share of routed pairs).
 
 The parent process alternates rounds between the trees (`--baseline REV`, checked out as a git
 worktree, and the working tree), each round a fresh subprocess importing that tree's tierstore.
@@ -49,7 +49,7 @@ def routing_sequence(steps: int, seed: int):
 
 
 class TiledRows:
-    """A RowSource of `distinct` random rows tiled over every (layer, expert)."""
+    """A RowSource of a few random rows tiled over every (layer, expert) (the base pool's preload)."""
 
     def __init__(self, rows, num_layers: int, num_experts: int):
         self.rows, self.num_layers, self.num_experts = rows, num_layers, num_experts
@@ -115,14 +115,14 @@ def worker(kind: str, steps: int, forward_ms: float) -> dict:
     import torch
 
     from tierstore.geometry import MoEGeometry
-    from tierstore.runtime import RuntimeConfig, TieredRuntime
-    from tierstore.runtime.synthetic import random_experts
+    from tierstore.runtime import MemoryRowSource, RuntimeConfig, TieredRuntime
+    from tierstore.runtime.synthetic import random_experts, tiled_rows
 
     torch.set_num_threads(1)
     hidden, inter = (1024, 704) if kind == "fp4" else (128, 128)
     g = MoEGeometry("ds-v2-lite-routing", tuple(range(LAYERS)), EXPERTS, TOP_K, hidden, inter)
     base = TiledRows(random_experts(g, False, 4), LAYERS, EXPERTS)
-    fp4 = dict(fp4_source=TiledRows(random_experts(g, True, 4), LAYERS, EXPERTS), fp4_slots=LAYERS * EXPERTS // 4,
+    fp4 = dict(fp4_source=MemoryRowSource(tiled_rows(g, True)), fp4_slots=LAYERS * EXPERTS // 4,
                fp4_arena_slots=LAYERS * EXPERTS // 2) if kind == "fp4" else {}
     seen = torch.from_numpy(routing_sequence(steps, seed=1))
     runtime = TieredRuntime(g, base, pool_slots=LAYERS * EXPERTS, config=RuntimeConfig(kpi_every=0), **fp4)
@@ -150,6 +150,7 @@ def worker(kind: str, steps: int, forward_ms: float) -> dict:
         out.update(runner_lock_wait_mean_us=1e6 * statistics.fmean(lock.runner_wait),
                    runner_lock_wait_max_us=1e6 * max(lock.runner_wait),
                    manager_lock_hold_s=lock.manager_hold, promoted_lazy=stats.promoted_lazy,
+                   manager_windows=runtime._fp4_manager.windows, fp4_pair_share=stats.fp4_pair_share,
                    **{k: round(v, 6) for k, v in sorted(totals.items())})
     runtime.close()
     return out
@@ -206,7 +207,9 @@ def main() -> None:
             nomiss_step_us={k: summary(v, "step_p50_us") for k, v in nomiss.items()},
             fp4_step_mean_us={k: summary(v, "step_mean_us") for k, v in fp4.items()},
             fp4_runner_lock_wait_mean_us={k: summary(v, "runner_lock_wait_mean_us") for k, v in fp4.items()},
-            fp4_manager_lock_hold_s={k: summary(v, "manager_lock_hold_s") for k, v in fp4.items()}))
+            fp4_manager_lock_hold_s={k: summary(v, "manager_lock_hold_s") for k, v in fp4.items()},
+            fp4_promoted_lazy={k: summary(v, "promoted_lazy") for k, v in fp4.items()},
+            fp4_pair_share={k: summary(v, "fp4_pair_share") for k, v in fp4.items()}))
     m = report["medians"]
     m["nomiss_new_over_old"] = m["nomiss_step_us"]["new"] / m["nomiss_step_us"]["old"]
     text = json.dumps(report, indent=1)
