@@ -21,11 +21,17 @@ def register(subparsers) -> None:
                         help="row layout: `kernel` (default) stores rows as the GPU kernels' expert slots, the "
                         "packs `tierstore generate` and the runtime serve; `portable` stores plain packed codes "
                         "and scale bytes (see docs/pack-and-io.md)")
+    parser.add_argument("--tp-size", type=int, default=1,
+                        help="tensor-parallel world size: build one pack per rank, each holding its 1/W share of "
+                        "every expert's intermediate dimension (default: 1, the single-GPU pack)")
+    parser.add_argument("--tp-rank", type=int, default=None,
+                        help="build only this tensor-parallel rank's packs (default: every rank of --tp-size)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from tierstore.errors import TierstoreError
     from tierstore.io.pack_build import build_packs
     from tierstore.io.row_codec import DEFAULT_ROW_CODEC
 
@@ -34,12 +40,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         codec = DEFAULT_ROW_CODEC
     tags = ("base", "fp4") if args.tier == "both" else (args.tier,)
-    report = build_packs(args.checkpoint, args.out, tags=tags, device=args.device, zero_mode=args.zero_mode,
-                         checkpoint_id=args.checkpoint_id, progress=not args.no_progress, codec=codec)
-    for tag in tags:
-        print(f"{tag}: {report.packs[tag]} (wrote {len(report.written[tag])} layers, "
-              f"skipped {len(report.skipped[tag])} already built)")
-    rate = report.bytes_written / report.seconds / 2**20 if report.seconds else 0.0
-    print(f"wrote {report.bytes_written / 2**20:.1f} MiB in {report.seconds:.1f} s ({rate:.1f} MiB/s); "
-          f"peak RSS {report.peak_rss_bytes / 2**20:.0f} MiB")
+    if args.tp_size < 1:
+        raise TierstoreError(f"--tp-size must be at least 1, got {args.tp_size}")
+    ranks = range(args.tp_size) if args.tp_rank is None else (args.tp_rank,)
+    for rank in ranks:
+        report = build_packs(args.checkpoint, args.out, tags=tags, device=args.device, zero_mode=args.zero_mode,
+                             checkpoint_id=args.checkpoint_id, progress=not args.no_progress, codec=codec,
+                             rank=rank, world=args.tp_size)
+        for tag in tags:
+            print(f"{tag} rank {rank} of {args.tp_size}: {report.packs[tag]} (wrote {len(report.written[tag])} "
+                  f"layers, skipped {len(report.skipped[tag])} already built)")
+        rate = report.bytes_written / report.seconds / 2**20 if report.seconds else 0.0
+        print(f"wrote {report.bytes_written / 2**20:.1f} MiB in {report.seconds:.1f} s ({rate:.1f} MiB/s); "
+              f"peak RSS {report.peak_rss_bytes / 2**20:.0f} MiB")
     return 0

@@ -3,8 +3,10 @@ its rows to every requested tier's pack. Resumable: layers already committed are
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,12 +17,57 @@ from tierstore.checkpoint import open_checkpoint
 from tierstore.checkpoint.matrices import SourceMatrix
 from tierstore.errors import TierstoreError
 from tierstore.formats import W2Tensor, quantize_w2, w2_from_mxfp4
+from tierstore.formats.w2 import resolve_zero_mode
 from tierstore.io.identity import checkpoint_identity
 from tierstore.io.layout import PackSpec
 from tierstore.io.pack_writer import PackWriter
 from tierstore.io.row_codec import DEFAULT_ROW_CODEC, TAGS, RowCodec, row_bytes
 
 VERBATIM_ZERO_MODE = "verbatim"  # MXFP4 sources keep their nibbles: no zero signs are chosen
+SCALE_BLOCK = 32  # weights per scale byte along K
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """Tensor-parallel rank `rank` of `world`'s share of every expert, split as vLLM splits it: the
+    intermediate dimension I in `world` equal contiguous shards of `size` = I / world. w13 [2I, H]
+    keeps gate rows [r*size, (r+1)*size) and up rows [I + r*size, I + (r+1)*size); w2 [H, I] keeps
+    columns [r*size, (r+1)*size). A shard is a whole number of 32-wide scale blocks, so per-row and
+    per-block scales make the shard's requantization the slice of the full matrix's."""
+
+    inter: int
+    rank: int = 0
+    world: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world:
+            raise TierstoreError(f"tensor-parallel rank {self.rank} of {self.world} is not a rank of that world")
+        if self.inter % self.world or (self.inter // self.world) % SCALE_BLOCK:
+            raise TierstoreError(
+                f"tensor parallelism {self.world} cannot split expert_inter {self.inter}: each rank's share "
+                f"({self.inter} / {self.world}) must be a whole multiple of the {SCALE_BLOCK}-wide scale block")
+
+    @property
+    def size(self) -> int:
+        return self.inter // self.world
+
+    def w13_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's gate and up rows of a [2I, ...] tensor."""
+        start = self.rank * self.size
+        gate, up = tensor[start:start + self.size], tensor[self.inter + start:self.inter + start + self.size]
+        return torch.cat((gate, up))
+
+    def w2_columns(self, tensor: torch.Tensor, per_column: int = 1) -> torch.Tensor:
+        """This rank's columns of a [H, I / per_column] tensor (per_column = 32 for scale bytes)."""
+        width = self.size // per_column
+        return tensor[:, self.rank * width:(self.rank + 1) * width]
+
+    def w13(self, tensor: W2Tensor) -> W2Tensor:
+        return W2Tensor(self.w13_rows(tensor.nibbles()), self.w13_rows(tensor.scale_bytes()), tensor.zero_mode)
+
+    def w2(self, tensor: W2Tensor) -> W2Tensor:
+        return W2Tensor(self.w2_columns(tensor.nibbles()), self.w2_columns(tensor.scale_bytes(), SCALE_BLOCK),
+                        tensor.zero_mode)
 
 
 @dataclass
@@ -34,10 +81,12 @@ class BuildReport:
 
 
 def pack_specs(checkpoint, tags: tuple[str, ...], zero_mode: str, checkpoint_id: str | None = None,
-               codec: RowCodec = DEFAULT_ROW_CODEC) -> dict[str, PackSpec]:
+               codec: RowCodec = DEFAULT_ROW_CODEC, rank: int = 0, world: int = 1) -> dict[str, PackSpec]:
     """The spec of each tier's pack for an open checkpoint (what a reader at boot also computes);
-    `codec` decides the row layout and its ABI tag."""
-    geometry = checkpoint.geometry
+    `codec` decides the row layout and its ABI tag. A tensor-parallel rank's pack (`rank` of
+    `world`) holds rows of expert_inter I / world (see RankShard)."""
+    shard = RankShard(checkpoint.geometry.expert_inter, rank, world)
+    geometry = dataclasses.replace(checkpoint.geometry, expert_inter=shard.size)
     identity = checkpoint_identity(checkpoint.identity_files(), checkpoint_id)
     mode = VERBATIM_ZERO_MODE if checkpoint.source_format == "mxfp4" else zero_mode
     specs = {}
@@ -45,14 +94,21 @@ def pack_specs(checkpoint, tags: tuple[str, ...], zero_mode: str, checkpoint_id:
         segments = codec.segments(tag, geometry)
         specs[tag] = PackSpec(tag=tag, num_layers=geometry.num_moe_layers, num_experts=geometry.num_experts,
                               row_bytes=row_bytes(segments), checkpoint_id=identity, abi_tag=codec.abi_tag,
-                              zero_mode=mode, segments=segments)
+                              zero_mode=mode, rank=rank, world=world, segments=segments)
     return specs
 
 
-def requantize(matrix: SourceMatrix, source_format: str, zero_mode: str, device: str) -> W2Tensor:
+def requantize(matrix: SourceMatrix, source_format: str, zero_mode: str, device: str,
+               cut_weight: Callable[[torch.Tensor], torch.Tensor], cut_w2: Callable[[W2Tensor], W2Tensor]) -> W2Tensor:
+    """One rank's share of `matrix`: `cut_weight` cuts it as a float matrix, `cut_w2` as a W2Tensor
+    (MXFP4 nibbles are kept verbatim, then cut). Zero mode `auto` is decided on the full matrix and
+    applied to the share; `alt` signs follow the parity of k, which a share starting at a multiple
+    of 32 keeps. So the share's codes, nibbles and scales are exactly the slice of the full
+    matrix's requantization."""
     if source_format == "mxfp4":
-        return w2_from_mxfp4(*matrix.mxfp4_parts())
-    return quantize_w2(matrix.dequantize().to(device), zero_mode=zero_mode)
+        return cut_w2(w2_from_mxfp4(*matrix.mxfp4_parts()))
+    weight = matrix.dequantize().to(device)
+    return quantize_w2(cut_weight(weight), zero_mode=resolve_zero_mode(weight, zero_mode))
 
 
 def resolve_device(device: str | None) -> str:
@@ -67,7 +123,10 @@ def resolve_device(device: str | None) -> str:
 
 def build_packs(checkpoint_path: Path | str, out_dir: Path | str, tags: tuple[str, ...] = ("base",),
                 device: str | None = None, zero_mode: str = "auto", checkpoint_id: str | None = None,
-                progress: bool = True, codec: RowCodec = DEFAULT_ROW_CODEC) -> BuildReport:
+                progress: bool = True, codec: RowCodec = DEFAULT_ROW_CODEC, rank: int = 0,
+                world: int = 1) -> BuildReport:
+    """Build (or complete) the packs of `tags` for tensor-parallel rank `rank` of `world` (the
+    default, rank 0 of 1, is the single-GPU pack)."""
     for tag in tags:
         if tag not in TAGS:
             raise TierstoreError(f"unknown tier {tag!r}; choose from {', '.join(TAGS)}")
@@ -75,7 +134,8 @@ def build_packs(checkpoint_path: Path | str, out_dir: Path | str, tags: tuple[st
     started = time.perf_counter()
     report = BuildReport()
     with open_checkpoint(checkpoint_path) as checkpoint:
-        specs = pack_specs(checkpoint, tags, zero_mode, checkpoint_id, codec)
+        specs = pack_specs(checkpoint, tags, zero_mode, checkpoint_id, codec, rank=rank, world=world)
+        shard = RankShard(checkpoint.geometry.expert_inter, rank, world)
         writers = {tag: PackWriter(out_dir, spec) for tag, spec in specs.items()}
         try:
             done = {tag: writer.written_layers() for tag, writer in writers.items()}
@@ -92,8 +152,10 @@ def build_packs(checkpoint_path: Path | str, out_dir: Path | str, tags: tuple[st
                     missing = [t for t in tags if layer not in done[t]]
                     pending = {tag: writers[tag].begin_layer(layer) for tag in missing}
                     for expert in checkpoint.layer(layer).experts:
-                        w13 = requantize(expert.w13, checkpoint.source_format, zero_mode, device)
-                        w2 = requantize(expert.w2, checkpoint.source_format, zero_mode, device)
+                        w13 = requantize(expert.w13, checkpoint.source_format, zero_mode, device, shard.w13_rows,
+                                         shard.w13)
+                        w2 = requantize(expert.w2, checkpoint.source_format, zero_mode, device, shard.w2_columns,
+                                        shard.w2)
                         for tag in missing:
                             row = codec.encode(tag, specs[tag].segments, w13, w2)
                             pending[tag].write_row(expert.expert, row.numpy())
