@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pack_helpers import read_row
 
 from tierstore.checkpoint import open_checkpoint
 from tierstore.checkpoint.synthetic import write_synthetic_checkpoint
@@ -19,8 +20,6 @@ from tierstore.io import pack_build
 from tierstore.io.identity import checkpoint_identity
 from tierstore.io.pack import Pack
 from tierstore.io.pack_build import build_packs, pack_specs
-from tierstore.io.pack_rows import PackRows
-from tierstore.io.readers import PreadvPoolReader
 from tierstore.io.row_codec import decode_row
 from tierstore.slot_codec import KERNEL_SLOT_CODEC
 
@@ -31,14 +30,6 @@ REPO = Path(__file__).resolve().parents[1]
 def checkpoint(tmp_path_factory):
     return write_synthetic_checkpoint(tmp_path_factory.mktemp("ckpt"), num_layers=3, num_experts=4, top_k=2,
                                       hidden=64, expert_inter=32, seed=3)
-
-
-def read_row(directory, spec, layer, expert) -> torch.Tensor:
-    pack = Pack(directory, spec)
-    with PreadvPoolReader(pack.path) as reader:
-        dest = torch.empty(spec.stride, dtype=torch.uint8)
-        PackRows(pack, reader).read_rows([(layer, expert)], [memoryview(dest.numpy())])
-    return dest[:spec.row_bytes]
 
 
 def test_rows_hold_exactly_the_requantized_codes_nibbles_and_scales(checkpoint, tmp_path):

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+from pack_helpers import read_row
 
 from tierstore.checkpoint import open_checkpoint
 from tierstore.checkpoint.synthetic import write_synthetic_checkpoint
@@ -14,8 +15,6 @@ from tierstore.errors import PackFormatError, TierstoreError
 from tierstore.formats import W2Tensor, quantize_w2
 from tierstore.io.pack import Pack, PackPaths
 from tierstore.io.pack_build import RankShard, build_packs, pack_specs, requantize
-from tierstore.io.pack_rows import PackRows
-from tierstore.io.readers import PreadvPoolReader
 from tierstore.io.row_codec import decode_row
 from tierstore.slot_codec import KERNEL_SLOT_CODEC
 
@@ -36,14 +35,6 @@ def packs(checkpoint, tmp_path_factory):
         for rank in range(world):
             build_packs(checkpoint, out, tags=("base", "fp4"), device="cpu", progress=False, rank=rank, world=world)
     return out
-
-
-def read_row(directory, spec, layer, expert) -> torch.Tensor:
-    pack = Pack(directory, spec)
-    with PreadvPoolReader(pack.path) as reader:
-        dest = torch.empty(spec.stride, dtype=torch.uint8)
-        PackRows(pack, reader).read_rows([(layer, expert)], [memoryview(dest.numpy())])
-    return dest[:spec.row_bytes]
 
 
 def decoded(checkpoint, directory, tag, layer, expert, rank, world) -> dict[str, torch.Tensor]:
