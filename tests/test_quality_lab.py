@@ -1,52 +1,32 @@
 """Smoke tests of the quality lab (benchmarks/quality) on a tiny synthetic corpus, CPU only."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from quality_fixtures import train_and_export_tiny, write_corpus  # also puts `benchmarks` on the path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` lives at the repository root
-
-from benchmarks.quality import degeneration  # noqa: E402
-from benchmarks.quality.corpus import Corpus, CorpusMismatchError, require_same_corpus  # noqa: E402
-from benchmarks.quality.evaluate import Configuration, EvalSettings, evaluate  # noqa: E402
-from benchmarks.quality.export import export  # noqa: E402
-from benchmarks.quality.presets import PRESETS  # noqa: E402
-from benchmarks.quality.tokenizer import tokenizer_hash, train_tokenizer  # noqa: E402
-from benchmarks.quality.train import train  # noqa: E402
-from tierstore.checkpoint import open_checkpoint  # noqa: E402
-from tierstore.formats import dequantize_nvfp4  # noqa: E402
-from tierstore.sim import load_trace  # noqa: E402
+from benchmarks.quality import degeneration
+from benchmarks.quality.corpus import Corpus, CorpusMismatchError, require_same_corpus
+from benchmarks.quality.evaluate import Configuration, EvalSettings, evaluate
+from benchmarks.quality.tokenizer import tokenizer_hash, train_tokenizer
+from tierstore.checkpoint import open_checkpoint
+from tierstore.formats import dequantize_nvfp4
+from tierstore.sim import load_trace
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 
-def _write_corpus(root: Path) -> Path:
-    """40 small Python files; names chosen so that the hash split puts some in validation."""
-    for i in range(40):
-        body = "".join(f"def func_{i}_{j}(x, y={j}):\n    \"\"\"Return x plus {j}.\"\"\"\n    return x + y * {i}\n\n\n"
-                       for j in range(12))
-        path = root / f"pkg{i % 3}" / f"mod_{i}.py"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(body, encoding="utf-8")
-    return root
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     base = tmp_path_factory.mktemp("quality")
-    corpus_root = _write_corpus(base / "corpus")
-    record = train(PRESETS["tiny"], base / "run", budget_s=120, seed=0, device=torch.device("cpu"),
-                   corpus_root=corpus_root, max_steps=12, log=lambda line: None)
-    summary = export(base / "run", base / "ckpt", num_shards=2, corpus_root=corpus_root)
+    corpus_root, record, summary = train_and_export_tiny(base, max_steps=12, num_shards=2)
     return base, corpus_root, record, summary
 
 
 def test_corpus_is_deterministic_and_split_by_file(tmp_path):
-    root = _write_corpus(tmp_path / "c")
+    root = write_corpus(tmp_path / "c")
     first, second = Corpus(root), Corpus(root)
     assert first.corpus_hash == second.corpus_hash
     splits = {f.split for f in first.files}
@@ -60,7 +40,7 @@ def test_corpus_is_deterministic_and_split_by_file(tmp_path):
 
 
 def test_tokenizer_training_is_deterministic(tmp_path):
-    texts = Corpus(_write_corpus(tmp_path / "c")).texts("train")
+    texts = Corpus(write_corpus(tmp_path / "c")).texts("train")
     first, second = train_tokenizer(texts, 300), train_tokenizer(texts, 300)
     assert tokenizer_hash(first) == tokenizer_hash(second)
     sample = "def f(x):\n    return x  # ünïcode\n"

@@ -73,7 +73,7 @@ def generate_command(args, out) -> int:
         stats = runtime.stats()
         kpi = runtime.kpi_line()
     decode_steps = max(len(result.new_ids) - 1, 0)
-    print(f"prompt: {args.prompt!r}", file=out)
+    print(f"prompt: {args.prompt!r} ({len(prompt)} tokens, {type(tokenizer).__name__})", file=out)
     print(f"output: {tokenizer.decode(result.new_ids)!r}", file=out)
     print(f"tokens: {len(result.new_ids)} new in {result.seconds:.2f} s "
           f"({decode_steps / result.decode_seconds if result.decode_seconds else 0:.1f} decode steps/s); device {device}, "

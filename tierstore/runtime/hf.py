@@ -60,11 +60,19 @@ def install_tiered_experts(model: nn.Module, runtime) -> int:
 
 
 def load_model(checkpoint: Path | str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
-    """The checkpoint's transformers causal LM (eval mode) in `dtype` on `device`; experts are
-    loaded too and dropped when `install_tiered_experts` replaces them. Checkpoints whose
-    non-expert weights transformers cannot load (e.g. NVFP4 / FP8 quantization configs) fail here."""
+    """The checkpoint's transformers causal LM (eval mode) in `dtype` on `device`.
+
+    A checkpoint whose config.json declares a `quantization_config` (e.g. NVFP4 experts) is built
+    from its config with only the tensors outside the routed experts loaded (`hf_dense`); the
+    experts are left to `install_tiered_experts`, and quantized tensors elsewhere (e.g. FP8
+    attention) fail here. Any other checkpoint is loaded by transformers, experts included (they
+    are dropped when `install_tiered_experts` replaces them)."""
     import transformers
 
+    from tierstore.runtime.hf_dense import declares_quantization, load_dense_model
+
+    if declares_quantization(checkpoint):
+        return load_dense_model(checkpoint, dtype, device)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
