@@ -5,7 +5,8 @@ Life of a layer:
    NVFP4, MXFP4; see source_formats) so vLLM's weight loader fills and TP-shards them.
 2. `process_weights_after_loading` turns every local expert into W2 -- requantized from those
    parameters, or read from the pack when STORE_DIR is set (no requantization after the pack's
-   first build) -- and frees the checkpoint-format parameters.
+   first build; under tensor parallelism the pack of this TP rank) -- and frees the
+   checkpoint-format parameters.
 3. `apply` (router already run: topk_ids/topk_weights [T, k]) computes the routed experts:
    all resident on the CPU reference or the CUDA kernels, or through the process's tiered
    runtime when an expert cache (BASE_CACHE_GB) or an FP4 pool (DELTA_GB) is configured.
@@ -53,9 +54,6 @@ def check_layer_supported(layer: torch.nn.Module, settings: AdapterSettings) -> 
     if settings.needs_runner_hook and not tierstore_worker_configured():
         raise ConfigError(f"{runner_hook_reason(settings)} needs tierstore's model-runner hook: start vLLM with "
                           f"--worker-cls {WORKER_QUALNAME} (and VLLM_USE_V2_MODEL_RUNNER=0)")
-    if settings.store_dir is not None and moe.moe_parallel_config.tp_size > 1:
-        raise ConfigError("STORE_DIR packs hold whole experts; with tensor parallelism > 1 leave STORE_DIR unset "
-                          "(experts are then requantized from each rank's shard)")
 
 
 class TierstoreMoEMethod(FusedMoEMethodBase):
@@ -73,8 +71,9 @@ class TierstoreMoEMethod(FusedMoEMethodBase):
     def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
         check_layer_supported(layer, self.settings)
-        tp_size = layer.moe_config.moe_parallel_config.tp_size
-        check_shard_geometry(self.source_format, hidden_size, intermediate_size_per_partition, tp_size)
+        parallel = layer.moe_config.moe_parallel_config
+        self.tp_rank, self.tp_size = parallel.tp_rank, parallel.tp_size  # this rank's pack under STORE_DIR
+        check_shard_geometry(self.source_format, hidden_size, intermediate_size_per_partition, self.tp_size)
         if self.settings.uses_expert_cache and self.settings.execution == "eager" and torch.cuda.is_available() \
                 and not _moe_runs_outside_graphs():
             raise ConfigError("BASE_CACHE_GB with EXECUTION=eager fetches experts inside the MoE op, which a "
@@ -99,10 +98,9 @@ class TierstoreMoEMethod(FusedMoEMethodBase):
         boot = None
         if self.settings.store_dir is not None:
             boot = pack_boot(self.model_path, self.settings.store_dir, self.settings.zero_mode,
-                             self.settings.tier_direct, fp4=self.settings.uses_fp4_tier)
-            if (boot.geometry.num_experts, boot.geometry.expert_inter) != (self.num_experts, self.inter):
-                raise ConfigError(f"{self.prefix}: the pack holds {boot.geometry.num_experts} experts of intermediate "
-                                  f"size {boot.geometry.expert_inter}, the layer has {self.num_experts} of {self.inter}")
+                             self.settings.tier_direct, fp4=self.settings.uses_fp4_tier, rank=self.tp_rank,
+                             world=self.tp_size)
+            boot.check_layer(self.prefix, self.num_experts, self.inter, self.tp_rank, self.tp_size)
         if self.settings.uses_runtime:
             self.tiered = tiered_model(settings=self.settings, top_k=layer.top_k, hidden=self.hidden, inter=self.inter,
                                        swiglu_limit=getattr(layer, "swiglu_limit", None), device=device, boot=boot)

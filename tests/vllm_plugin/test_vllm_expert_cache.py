@@ -140,9 +140,3 @@ def test_store_dir_with_expert_cache_serves_from_the_pack(harness, checkpoints, 
     with harness.cpu_vllm(model=checkpoints["nvfp4"]):
         got = chained_step(two_layers(harness, checkpoints["nvfp4"]), x, weights, ids)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-
-
-def test_store_dir_with_tensor_parallelism_is_refused(harness, checkpoints, monkeypatch, tmp_path):
-    monkeypatch.setenv("TIERSTORE_STORE_DIR", str(tmp_path))
-    with harness.cpu_vllm(), harness.tensor_parallel_rank(2, 0), pytest.raises(ConfigError, match="whole experts"):
-        built_layer(harness, checkpoints["bf16"], process=False)
