@@ -39,6 +39,21 @@ def test_corpus_is_deterministic_and_split_by_file(tmp_path):
         require_same_corpus(first.corpus_hash, Corpus(root).corpus_hash, "test")
 
 
+def test_corpus_adds_named_packages_under_their_own_prefix(tmp_path):
+    root = write_corpus(tmp_path / "c")
+    plain, with_numpy = Corpus(root), Corpus(root, ["numpy"])
+    added = [f for f in with_numpy.files if f.relpath.startswith("site-packages/numpy/")]
+    assert added and len(with_numpy.files) == len(plain.files) + len(added)
+    assert with_numpy.corpus_hash != plain.corpus_hash
+    first = added[0]
+    assert with_numpy.path_of(first.relpath).stat().st_size == first.num_bytes
+    manifest = with_numpy.manifest()
+    assert manifest["packages"]["numpy"]["files"] == len(added)
+    assert manifest["packages"]["numpy"]["licence"].startswith("BSD")
+    with pytest.raises(ValueError, match="not one the corpus may use"):
+        Corpus(root, ["requests"])
+
+
 def test_tokenizer_training_is_deterministic(tmp_path):
     texts = Corpus(write_corpus(tmp_path / "c")).texts("train")
     first, second = train_tokenizer(texts, 300), train_tokenizer(texts, 300)
@@ -51,6 +66,9 @@ def test_training_lowers_the_loss(lab):
     _, _, record, _ = lab
     losses = [h["validation_loss"] for h in record["validation"]]
     assert record["steps"] == 12
+    assert record["selected"]["validation_loss"] == min(losses)
+    assert record["final_validation_loss"] == min(losses)
+    assert record["samples"] and all("error" not in sample for sample in record["samples"])
     assert losses[-1] < losses[0] if len(losses) > 1 else losses[-1] < torch.log(torch.tensor(320.0)).item()
 
 
@@ -58,6 +76,7 @@ def test_export_reads_back_exactly_through_open_checkpoint(lab):
     base, _, _, summary = lab
     ckpt = base / "ckpt"
     config = json.loads((ckpt / "config.json").read_text())
+    assert config["output_router_logits"] is False
     assert config["quantization_config"]["quant_method"] == "modelopt"
     assert summary["expert_matrices_verified"] == 2 * 8 * 3
     from safetensors.torch import load_file

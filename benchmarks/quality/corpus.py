@@ -1,4 +1,5 @@
-"""The text corpus: the CPython standard library's own `.py` files (PSF licence), read offline.
+"""The text corpus: the CPython standard library's own `.py` files, plus optionally the sources of
+named, permissively licensed packages installed beside it, read offline.
 
 The file list is sorted, every file is identified by its SHA-256, and the split is decided per
 file from a hash of its relative path (5% validation), so it does not depend on the order or the
@@ -6,13 +7,17 @@ number of files. The corpus hash names exactly what a model was trained and eval
 machines with different Python versions have different corpora, and results must not be compared
 across hashes (`require_same_corpus`).
 
-    python -m benchmarks.quality.corpus [--root DIR] [--out manifest.json]
+Package files are named `site-packages/<package>/<path inside the package>`; stdlib files keep
+their path relative to the stdlib folder.
+
+    python -m benchmarks.quality.corpus [--root DIR] [--packages numpy,sympy] [--out manifest.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import platform
 import sysconfig
@@ -20,6 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LICENCE = "PSF-2.0 (Python Software Foundation License Version 2; CPython standard library sources)"
+# The packages a corpus may draw on, with their licences (as their own distributions declare them).
+PACKAGE_LICENCES = {
+    "numpy": "BSD-3-Clause", "scipy": "BSD-3-Clause", "sympy": "BSD-3-Clause", "pandas": "BSD-3-Clause",
+    "sklearn": "BSD-3-Clause (scikit-learn)", "networkx": "BSD-3-Clause", "torch": "BSD-3-Clause (PyTorch)",
+}
+PACKAGE_PREFIX = "site-packages"
 VALIDATION_PERCENT = 5
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 SPLITS = ("train", "validation")
@@ -47,6 +58,16 @@ def split_of(relpath: str) -> str:
     return "validation" if bucket < VALIDATION_PERCENT else "train"
 
 
+def package_root(name: str) -> Path:
+    """The folder of an installed top-level package, found without importing it."""
+    if name not in PACKAGE_LICENCES:
+        raise ValueError(f"package {name!r} is not one the corpus may use; choose from {sorted(PACKAGE_LICENCES)}")
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"corpus package {name!r} is not installed in this Python")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
 def source_paths(root: Path) -> list[Path]:
     """Every `*.py` under `root` outside installed-package folders, sorted by relative POSIX path."""
     found = [p for p in root.rglob("*.py")
@@ -55,16 +76,27 @@ def source_paths(root: Path) -> list[Path]:
 
 
 class Corpus:
-    """The corpus under `root`: files that decode as UTF-8 (others are listed in `skipped`)."""
+    """The corpus under `root` and the named packages: files that decode as UTF-8 (others are listed in
+    `skipped`)."""
 
-    def __init__(self, root: Path | str | None = None):
+    def __init__(self, root: Path | str | None = None, packages: tuple[str, ...] | list[str] = ()):
         self.root = Path(root) if root is not None else stdlib_root()
         if not self.root.is_dir():
             raise FileNotFoundError(f"corpus root {self.root} is not a directory")
+        self.packages = tuple(sorted(set(packages)))
+        self._folders = {"": self.root}  # name prefix -> folder on this machine
+        for name in self.packages:
+            self._folders[f"{PACKAGE_PREFIX}/{name}/"] = package_root(name)
         self.files: list[CorpusFile] = []
         self.skipped: list[str] = []
-        for path in source_paths(self.root):
-            relpath = path.relative_to(self.root).as_posix()
+        for prefix, folder in self._folders.items():
+            self._read_folder(prefix, folder)
+        if not self.files:
+            raise FileNotFoundError(f"no UTF-8 .py files under {self.root}")
+
+    def _read_folder(self, prefix: str, folder: Path) -> None:
+        for path in source_paths(folder):
+            relpath = prefix + path.relative_to(folder).as_posix()
             data = path.read_bytes()
             try:
                 data.decode("utf-8")
@@ -72,8 +104,12 @@ class Corpus:
                 self.skipped.append(relpath)
                 continue
             self.files.append(CorpusFile(relpath, len(data), hashlib.sha256(data).hexdigest(), split_of(relpath)))
-        if not self.files:
-            raise FileNotFoundError(f"no UTF-8 .py files under {self.root}")
+
+    def path_of(self, relpath: str) -> Path:
+        for prefix, folder in self._folders.items():
+            if prefix and relpath.startswith(prefix):
+                return folder / relpath[len(prefix):]
+        return self.root / relpath
 
     @property
     def corpus_hash(self) -> str:
@@ -89,9 +125,9 @@ class Corpus:
         for f in self.files:
             if f.split != split:
                 continue
-            data = (self.root / f.relpath).read_bytes()
+            data = self.path_of(f.relpath).read_bytes()
             if hashlib.sha256(data).hexdigest() != f.sha256:
-                raise CorpusMismatchError(f"{self.root / f.relpath} changed while the corpus was in use")
+                raise CorpusMismatchError(f"{self.path_of(f.relpath)} changed while the corpus was in use")
             out.append(data.decode("utf-8"))
         return out
 
@@ -101,9 +137,13 @@ class Corpus:
                       "bytes": sum(f.num_bytes for f in self.files if f.split == s)} for s in SPLITS}
         return {
             "corpus_hash": self.corpus_hash,
-            "source": "CPython standard library *.py (sysconfig stdlib path)",
+            "source": "CPython standard library *.py (sysconfig stdlib path)"
+                      + (f" + *.py of the installed packages {', '.join(self.packages)}" if self.packages else ""),
             "root": str(self.root),
             "licence": LICENCE,
+            "packages": {name: {"folder": str(self._folders[f"{PACKAGE_PREFIX}/{name}/"]),
+                                "licence": PACKAGE_LICENCES[name], "files": self._count(f"{PACKAGE_PREFIX}/{name}/")}
+                         for name in self.packages},
             "python_version": platform.python_version(),
             "python_implementation": platform.python_implementation(),
             "validation_percent": VALIDATION_PERCENT,
@@ -111,6 +151,10 @@ class Corpus:
             "skipped_not_utf8": self.skipped,
             "files": [[f.relpath, f.num_bytes, f.sha256, f.split] for f in self.files],
         }
+
+
+    def _count(self, prefix: str) -> int:
+        return sum(f.relpath.startswith(prefix) for f in self.files)
 
 
 def require_same_corpus(expected: str, found: str, what: str) -> None:
@@ -124,9 +168,11 @@ def require_same_corpus(expected: str, found: str, what: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=None, help="corpus root (default: this Python's stdlib)")
+    parser.add_argument("--packages", default="", help="comma-separated packages to add, from: "
+                        + ", ".join(sorted(PACKAGE_LICENCES)))
     parser.add_argument("--out", type=Path, default=None, help="write the manifest JSON here")
     args = parser.parse_args(argv)
-    corpus = Corpus(args.root)
+    corpus = Corpus(args.root, [name for name in args.packages.split(",") if name])
     manifest = corpus.manifest()
     summary = {k: v for k, v in manifest.items() if k != "files"}
     print(json.dumps(summary, indent=2))

@@ -93,7 +93,7 @@ class Lab:
                  corpus_root: Path | None):
         self.checkpoint, self.device, self.settings = checkpoint, device, settings
         self.training = json.loads((checkpoint / "quality_training.json").read_text(encoding="utf-8"))
-        corpus = Corpus(corpus_root)
+        corpus = Corpus(corpus_root, self.training.get("corpus_packages", ()))
         require_same_corpus(self.training["corpus_hash"], corpus.corpus_hash, f"evaluation of {checkpoint}")
         self.corpus_hash = corpus.corpus_hash
         self.tokenizer = load_tokenizer_file(checkpoint / "tokenizer.json")

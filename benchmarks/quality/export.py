@@ -96,7 +96,7 @@ def dense_tensors(model) -> dict[str, torch.Tensor]:
 def calibration_windows(run: Path, seq_len: int, corpus_root: Path | None) -> torch.Tensor:
     """int64 [n, seq_len] from the first training-split documents, after checking the run's corpus."""
     record = json.loads((run / "training.json").read_text(encoding="utf-8"))
-    corpus = Corpus(corpus_root)
+    corpus = Corpus(corpus_root, record.get("corpus_packages", ()))
     require_same_corpus(record["corpus_hash"], corpus.corpus_hash, f"export of {run}")
     tokenizer = load_tokenizer_file(run / "model" / "tokenizer.json")
     if tokenizer_hash(tokenizer) != record["tokenizer_hash"]:

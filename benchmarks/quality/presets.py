@@ -34,6 +34,7 @@ class TrainPreset:
     router_aux_loss_coef: float
     eval_windows: int  # validation windows of seq_len tokens per evaluation
     eval_every_s: float
+    corpus_packages: tuple[str, ...] = ()  # installed packages whose sources join the stdlib corpus
 
     def model_config(self, bos_id: int, eos_id: int, pad_id: int):
         """The transformers Qwen3MoeConfig of this preset (every decoder layer is an MoE layer)."""
@@ -59,8 +60,9 @@ PRESETS = {
     "h200": TrainPreset(vocab_size=4096, hidden_size=256, moe_intermediate_size=256, num_experts=32,
                         num_experts_per_tok=4, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=64, seq_len=512, batch_size=64, learning_rate=2e-3, min_lr_ratio=0.1,
-                        warmup_fraction=0.03, weight_decay=0.1, router_aux_loss_coef=0.01, eval_windows=128,
-                        eval_every_s=60.0),
+                        warmup_fraction=0.03, weight_decay=0.1, router_aux_loss_coef=0.01, eval_windows=256,
+                        eval_every_s=30.0,
+                        corpus_packages=("networkx", "numpy", "pandas", "scipy", "sklearn", "sympy", "torch")),
     "tiny": TrainPreset(vocab_size=320, hidden_size=64, moe_intermediate_size=64, num_experts=8,
                         num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                         head_dim=32, seq_len=64, batch_size=8, learning_rate=3e-3, min_lr_ratio=0.1,

@@ -97,7 +97,7 @@ def train(preset: TrainPreset, out: Path, budget_s: float, seed: int, device: to
     started = time.monotonic()
     import transformers
 
-    corpus = Corpus(corpus_root)
+    corpus = Corpus(corpus_root, preset.corpus_packages)
     tokenizer, train_ids, val_ids, val_texts = prepare(corpus, preset, out)
     log(f"corpus {corpus.corpus_hash[:16]}: {len(train_ids):,} train / {len(val_ids):,} validation tokens "
         f"({time.monotonic() - started:.0f} s)")
@@ -113,6 +113,7 @@ def train(preset: TrainPreset, out: Path, budget_s: float, seed: int, device: to
     sampler = WindowSampler(train_ids, preset.seq_len, preset.batch_size, seed, device)
     windows = validation_windows(val_ids, preset.seq_len, preset.eval_windows)
     history, train_losses = [], []
+    best = BestWeights()
     train_started = time.monotonic()
     deadline = started + budget_s - SAVE_RESERVE_S
     last_eval, step, step_s = train_started, 0, 0.0
@@ -135,11 +136,20 @@ def train(preset: TrainPreset, out: Path, budget_s: float, seed: int, device: to
         step_s = time.monotonic() - now
         if preset.eval_every_s and time.monotonic() - last_eval >= preset.eval_every_s:
             history.append(_evaluation(model, windows, device, preset, step, train_started, train_losses, log))
+            best.offer(model, history[-1])
             last_eval = time.monotonic()
     train_s = time.monotonic() - train_started
     history.append(_evaluation(model, windows, device, preset, step, train_started, train_losses, log))
-    samples = greedy_samples(model, tokenizer, prompt_set(tokenizer, val_texts, SAMPLE_PROMPTS, SAMPLE_PROMPT_TOKENS),
-                             device)
+    best.offer(model, history[-1])
+    selected = best.restore(model)
+    log(f"keeping the weights of step {selected['step']} (validation loss {selected['validation_loss']:.4f})")
+    model.config.output_router_logits = False  # inference needs no load-balancing loss
+    try:  # the samples are a look at the model, not part of it: a failure here must not lose the run
+        samples = greedy_samples(model, tokenizer,
+                                 prompt_set(tokenizer, val_texts, SAMPLE_PROMPTS, SAMPLE_PROMPT_TOKENS), device)
+    except Exception as error:  # noqa: BLE001 - recorded in training.json and printed
+        samples = [{"error": f"{type(error).__name__}: {error}"}]
+        log(f"greedy samples failed: {samples[0]['error']}")
     model.to(torch.bfloat16).save_pretrained(str(out / "model"))
     record = {
         "preset": preset.as_dict(), "seed": seed, "budget_s": budget_s, "max_steps": max_steps,
@@ -151,13 +161,31 @@ def train(preset: TrainPreset, out: Path, budget_s: float, seed: int, device: to
                    "validation_evaluated": int(windows.numel())},
         "steps": step, "train_seconds": round(train_s, 1),
         "tokens_per_second": round(step * preset.batch_size * preset.seq_len / max(train_s, 1e-9)),
-        "validation": history, "final_validation_loss": history[-1]["validation_loss"],
+        "corpus_packages": list(preset.corpus_packages),
+        "validation": history, "selected": selected, "final_validation_loss": selected["validation_loss"],
         "samples": samples, "provenance": provenance(device), "wall_seconds": round(time.monotonic() - started, 1),
     }
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     log(f"saved {out / 'model'} after {step} steps ({record['tokens_per_second']:,} tokens/s), "
         f"validation loss {record['final_validation_loss']:.4f}")
     return record
+
+
+class BestWeights:
+    """The weights at the lowest validation loss seen so far (a CPU copy), to restore at the end."""
+
+    def __init__(self):
+        self.entry: dict | None = None
+        self.state: dict[str, torch.Tensor] | None = None
+
+    def offer(self, model: torch.nn.Module, entry: dict) -> None:
+        if self.entry is None or entry["validation_loss"] < self.entry["validation_loss"]:
+            self.entry = entry
+            self.state = {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
+
+    def restore(self, model: torch.nn.Module) -> dict:
+        model.load_state_dict(self.state)
+        return self.entry
 
 
 def _evaluation(model, windows, device, preset, step, train_started, train_losses, log) -> dict:
