@@ -57,8 +57,9 @@ class SwitchableExperts(nn.Module):
             self.control.routing.append(top_k_index.detach())
         num_tokens, top_k = top_k_index.shape
         upgraded = self.pool[top_k_index]  # [T, k]
-        if self.control.force_rows is not None:
-            upgraded = upgraded | self.control.force_rows[:, None]
+        if self.control.force_rows is not None:  # bool [B]; the tokens are the B rows' positions, row-major
+            forced = self.control.force_rows.repeat_interleave(num_tokens // self.control.force_rows.numel())
+            upgraded = upgraded | forced[:, None]  # [T, k]
         bank = top_k_index + self.pool.numel() * upgraded.long()  # [T, k] row of the stacked banks
         weights = top_k_weights.float()
         if bank.numel() <= GATHER_PAIRS:
