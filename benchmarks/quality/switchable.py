@@ -18,7 +18,7 @@ class PrecisionControl:
     """State shared by all layers of one model: force flags per token row, and routing capture."""
 
     def __init__(self):
-        self.force_rows: torch.Tensor | None = None  # bool [T] for the next forward, None = none forced
+        self.force_rows: torch.Tensor | None = None  # bool [B] per batch row for the next forward, None = none
         self.routing: list[torch.Tensor] = []  # int [T, k] per MoE layer, in layer order, while capturing
         self.capture = False
 
