@@ -378,3 +378,56 @@ def test_arena_sizing():
     for bad in ("lots", "-1", "nan"):
         with pytest.raises(ValueError, match="arena size"):
             arena_slots(bad, stride, 1)
+
+
+class ThreadRecordingPool(PreadvPoolReader):
+    """Records the thread each `on_read` (PackRows' hand-off to verification) runs on."""
+
+    def submit(self, ops, on_read=None):
+        def recorded(index):
+            self.on_read_threads.add(threading.current_thread().name)
+            on_read(index)
+
+        return super().submit(ops, on_read=recorded)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_row_corrupt_on_disk_read_through_the_preadv_pool_is_never_published(tmp_path, direct):
+    """Rows of a batch are handed to verification from the pool's worker threads as each read
+    completes; a row whose bytes on disk no longer match its checksum fails the whole batch,
+    naming it, and no key of that batch is published (only the earlier batch stays a hit)."""
+    spec = PackSpec(tag="base", num_layers=LAYERS, num_experts=EXPERTS, row_bytes=ROW_BYTES,
+                    checkpoint_id="arena-test", abi_tag="w2-test", zero_mode="auto")
+    with PackWriter(tmp_path, spec) as writer:
+        for layer in range(LAYERS):
+            writer.write_layer(layer, (row(layer, e) for e in range(EXPERTS)))
+    pack = Pack(tmp_path, spec)
+    if direct and not direct_io_supported(pack.path):
+        pytest.skip("filesystem refuses O_DIRECT")
+    victim = (2, 9)
+    position = spec.row_offset(*victim) + ROW_BYTES - 3  # in the payload, near its end
+    with open(pack.path, "r+b") as handle:
+        handle.seek(position)
+        good = handle.read(1)
+        handle.seek(position)
+        handle.write(bytes([good[0] ^ 0x10]))
+    reader = ThreadRecordingPool(pack.path, direct=direct, threads=4)
+    reader.on_read_threads = set()
+    arena = Arena(PackRows(pack, reader), 16)
+    warm = [(0, 0), (0, 1), (0, 2)]
+    assert_rows(warm, arena.fetch(warm))
+    batch = [(2, 6), (2, 7), (2, 8), victim, (2, 10), (2, 11)]  # > 2 reads: the pool's threads run them
+    with pytest.raises(PackFormatError, match=r"1 row\(s\) .* fail their checksum: \(2, 9\); run `tierstore verify`"):
+        arena.fetch(batch)
+    assert reader.on_read_threads and all(name.startswith("tierstore-preadv") for name in reader.on_read_threads)
+    assert not any(key in arena for key in batch)
+    assert all(key in arena for key in warm)
+    with pytest.raises(PackFormatError, match=r"\(2, 9\)"):  # never served later either
+        arena.fetch([victim])
+    assert victim not in arena
+    with open(pack.path, "r+b") as handle:  # repaired: the same arena now reads the right bytes
+        handle.seek(position)
+        handle.write(good)
+    assert_rows(batch, arena.fetch(batch))
+    assert all(key in arena for key in batch + warm)
+    arena.source.close()
