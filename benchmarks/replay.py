@@ -5,7 +5,13 @@ shapes, GPU pool at 10/25/50/100% coverage, with and without an arena, on a synt
 window. Writes benchmarks/results/replay.json with provenance.
 
     python benchmarks/replay.py --pack-dir /path/on/the/disk [--layers 8] [--steps 200] [--warmup 40]
-        [--presets ds-v2-lite] [--coverages 0.25,1] [--arena-gb 0,4] [--trace extra.npz ...] [--commit HASH]
+        [--presets ds-v2-lite] [--coverages 0.25,1] [--arena-gb 0,4] [--arena-preload] [--trace extra.npz ...]
+        [--commit HASH]
+
+Every configuration also times the all-resident run with the decoder's token readback
+(`resident_readback`), folds the tiered run's token into its pass-log read, keeps per-step counters
+(replays, arena hit / miss rows, fetch ms; `breakdown` per window), and at 100% coverage times the
+no-miss variants interleaved on one runtime (`nomiss_overhead`).
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ def main() -> None:
     parser.add_argument("--coverages", default=COVERAGES)
     parser.add_argument("--arena-gb", default=ARENA_GB)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs of the forward")
+    parser.add_argument("--arena-preload", action="store_true",
+                        help="fill the tiered and naive arenas before the clock starts (no compulsory pack reads)")
     parser.add_argument("--trace", action="append", default=[])
     parser.add_argument("--commit", help="commit of the tree (when it runs without .git)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "replay.json"))
@@ -78,6 +86,7 @@ def main() -> None:
     results: list[dict] = []
     head = {"provenance": provenance(args.commit), "method": {
         "steps": args.steps, "warmup": args.warmup, "layers": args.layers, "graph": not args.eager,
+        "arena_preload": args.arena_preload,
         "floor": "plain all-resident steady step + steady arena-hit bytes / pinned H2D + arena-miss bytes / source read"}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for preset in args.presets.split(","):
@@ -94,7 +103,8 @@ def main() -> None:
                     pool = max(1, round(coverage * geometry.total_routed_experts))
                     result = run_replay(geometry, lambda: open_synthetic_rows(spec, args.pack_dir), steps,
                                         pool_slots=pool, arena_slots=int(arena_gb * 2**30) // spec.stride,
-                                        device=device, warmup=args.warmup, graph=not args.eager)
+                                        device=device, warmup=args.warmup, graph=not args.eager,
+                                        arena_preload=args.arena_preload)
                     result.update(preset=preset, workload=name, arena_gb=arena_gb)
                     results.append(result)
                     Path(args.out).write_text(json.dumps({**head, "results": results}, indent=2))  # after every run
@@ -106,6 +116,18 @@ def main() -> None:
                           f"({result['tiered_over_floor']:.2f}x), resident {r['step_ms']:.3f} ms, naive "
                           f"{runs['naive']['steady']['step_ms']:.3f} ms ({result['naive_over_tiered']:.2f}x), misses/step "
                           f"{t['steady']['missing_pairs_per_step']:.1f}", flush=True)
+                    b = t["steady"]["breakdown"]
+                    print(f"  resident+readback {runs['resident_readback']['steady']['step_ms']:.3f} ms (tiered "
+                          f"{result['tiered_over_resident_readback']:.2f}x of it); naive/floor "
+                          f"{result['naive_over_floor']:.2f}x; tokens match resident: {result['tokens_match_resident']}; "
+                          f"steady steps reading the pack {b.get('disk_steps', 0)} ({b.get('disk_step_ms', 0):.3f} ms "
+                          f"vs {b.get('no_disk_step_ms', 0):.3f} ms), multi-replay steps {b.get('multi_replay_steps', 0)}",
+                          flush=True)
+                    if "nomiss_overhead" in result:
+                        v = result["nomiss_overhead"]["variants"]
+                        print("  no-miss interleaved: " + ", ".join(
+                            f"{k} {x['mean_ms']:.3f} ms ({x['minus_plain_us']:+.1f} us)" for k, x in v.items()),
+                            flush=True)
     print(f"wrote {args.out}")
 
 

@@ -6,6 +6,10 @@ is timed is the protocol around the forward:
 
 - `nomiss`: ds-v2-lite routing shape (8 MoE layers, 64 experts, top-6, one token per step),
   every expert resident, no FP4 tier: the host work of a step at 100% coverage.
+- `nomiss_token`: `nomiss` plus a decoder's readback of a sampled token every step (here
+  `argmax` of the routed counts): a tree whose runtime has `publish` (output_words) folds it into
+  the pass-log read; an older tree reads it back after the step (`int(token)`); `readback` in the
+  result says which.
 - `fp4`: the same routing with an FP4 pool (25% of the experts, filled lazily by the manager from
   host RAM (`MemoryRowSource`, as in `benchmarks/gate_cost.py`) through an FP4 arena); the forward sleeps `--forward-ms` (a device forward during which
   the host waits, GIL released). Reports how long the runner waited for the FP4 tier's lock per
@@ -125,7 +129,16 @@ def worker(kind: str, steps: int, forward_ms: float) -> dict:
     fp4 = dict(fp4_source=MemoryRowSource(tiled_rows(g, True)), fp4_slots=LAYERS * EXPERTS // 4,
                fp4_arena_slots=LAYERS * EXPERTS // 2) if kind == "fp4" else {}
     seen = torch.from_numpy(routing_sequence(steps, seed=1))
-    runtime = TieredRuntime(g, base, pool_slots=LAYERS * EXPERTS, config=RuntimeConfig(kpi_every=0), **fp4)
+    folded = False
+    if kind == "nomiss_token":
+        try:
+            runtime = TieredRuntime(g, base, pool_slots=LAYERS * EXPERTS, config=RuntimeConfig(kpi_every=0),
+                                    output_words=1)
+            folded = True
+        except TypeError:  # a tree before output_words / publish
+            runtime = TieredRuntime(g, base, pool_slots=LAYERS * EXPERTS, config=RuntimeConfig(kpi_every=0))
+    else:
+        runtime = TieredRuntime(g, base, pool_slots=LAYERS * EXPERTS, config=RuntimeConfig(kpi_every=0), **fp4)
     runtime.preload()
     totals: dict = {}
     lock = None
@@ -133,18 +146,27 @@ def worker(kind: str, steps: int, forward_ms: float) -> dict:
         lock = runtime.fp4.lock = TimedLock(runtime.fp4.lock)
         timed(runtime.fp4.arena, "fetch", totals, lock)
         timed(runtime.fp4.pool, "install", totals, lock)
-    times = []
+    times, tokens = [], 0
     for step in range(steps):
         def forward(counts=seen[step]):
             runtime.log.reset()
             runtime.log.seen.copy_(counts)
             if forward_ms:
                 time.sleep(forward_ms / 1e3)
+            if kind == "nomiss_token":
+                token = counts.view(-1).argmax().view(1)  # [1]
+                if folded:
+                    runtime.publish(token)
+                return token
         started = time.perf_counter()
-        runtime.step(forward, lambda: None)
+        token, outcome = runtime.step(forward, lambda: None)
+        if kind == "nomiss_token":
+            tokens += int(outcome.last_pass.outputs[0]) if folded else int(token[0])
         times.append(time.perf_counter() - started)
     runtime.wait_fp4_manager(60)
     out = dict(steps=steps, step_mean_us=1e6 * statistics.fmean(times), step_p50_us=1e6 * statistics.median(times))
+    if kind == "nomiss_token":
+        out.update(readback="folded" if folded else "separate", token_sum=tokens)
     if lock is not None:
         stats = runtime.fp4_stats()
         out.update(runner_lock_wait_mean_us=1e6 * statistics.fmean(lock.runner_wait),
@@ -173,7 +195,8 @@ def summary(rows: list[dict], field: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", choices=("nomiss", "fp4"))
+    parser.add_argument("--worker", choices=("nomiss", "nomiss_token", "fp4"))
+    parser.add_argument("--skip-fp4", action="store_true", help="only the no-miss workloads")
     parser.add_argument("--baseline", default="8cf37d1", help="git revision of the old tree")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2000)
@@ -195,16 +218,19 @@ def main() -> None:
         try:
             trees = {"old": old, "new": repo}
             nomiss = run_rounds(trees, "nomiss", args.rounds, args.steps, 0.0)
-            fp4 = run_rounds(trees, "fp4", args.rounds, args.fp4_steps, args.forward_ms)
+            token = run_rounds(trees, "nomiss_token", args.rounds, args.steps, 0.0)
+            fp4 = {} if args.skip_fp4 else run_rounds(trees, "fp4", args.rounds, args.fp4_steps, args.forward_ms)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=repo, check=True)
     report = dict(
         provenance=dict(old=args.baseline, new=head, new_tree_dirty=dirty, python=platform.python_version(),
                         machine=platform.machine(), cpus=os.cpu_count(), rounds=args.rounds,
                         note="CPU only: no GPU; the forward is a pass-log write (+ sleep in fp4)"),
-        nomiss=nomiss, fp4=fp4,
+        nomiss=nomiss, nomiss_token=token, fp4=fp4,
         medians=dict(
             nomiss_step_us={k: summary(v, "step_p50_us") for k, v in nomiss.items()},
+            nomiss_token_step_us={k: summary(v, "step_p50_us") for k, v in token.items()},
+            nomiss_token_readback={k: v[0]["readback"] for k, v in token.items()},
             fp4_step_mean_us={k: summary(v, "step_mean_us") for k, v in fp4.items()},
             fp4_runner_lock_wait_mean_us={k: summary(v, "runner_lock_wait_mean_us") for k, v in fp4.items()},
             fp4_manager_lock_hold_s={k: summary(v, "manager_lock_hold_s") for k, v in fp4.items()},
@@ -212,6 +238,9 @@ def main() -> None:
             fp4_pair_share={k: summary(v, "fp4_pair_share") for k, v in fp4.items()}))
     m = report["medians"]
     m["nomiss_new_over_old"] = m["nomiss_step_us"]["new"] / m["nomiss_step_us"]["old"]
+    m["nomiss_token_new_over_old"] = m["nomiss_token_step_us"]["new"] / m["nomiss_token_step_us"]["old"]
+    if token["old"][0]["token_sum"] != token["new"][0]["token_sum"]:
+        raise SystemExit("the folded tokens differ from the separately read ones")
     text = json.dumps(report, indent=1)
     print(json.dumps(m, indent=1))
     if args.out:

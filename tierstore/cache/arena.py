@@ -242,6 +242,10 @@ class Arena:
                 self._heat.submit(self._table.hottest_first())
 
     # -- stats -------------------------------------------------------------------------------
+    def row_counts(self) -> tuple[int, int]:
+        """(hit rows, miss rows) so far, without the latency percentiles of `stats()`."""
+        return self._hit_rows, self._miss_rows
+
     def stats(self) -> ArenaStats:
         return ArenaStats(
             hit_rows=self._hit_rows, miss_rows=self._miss_rows,

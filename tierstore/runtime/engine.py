@@ -82,7 +82,7 @@ def check_working_set(geometry: MoEGeometry, pool_slots: int, slot_bytes: int, c
 class TieredRuntime:
     def __init__(self, geometry: MoEGeometry, source: RowSource, *, pool_slots: int, arena_slots: int = 0,
                  device: torch.device | str = "cpu", config: RuntimeConfig | None = None, backend: str = "auto",
-                 heat_path=None, record_tokens: int = 0, on_close: Sequence[Callable[[], None]] = (),
+                 heat_path=None, record_tokens: int = 0, output_words: int = 0, on_close: Sequence[Callable[[], None]] = (),
                  fp4_source: RowSource | None = None, fp4_slots: int | None = None, fp4_arena_slots: int = 0):
         self.geometry = geometry
         self.config = config or RuntimeConfig()
@@ -96,7 +96,7 @@ class TieredRuntime:
         self.arena = Arena(source, arena_slots, heat_path=heat_path, pin=self.device.type == "cuda")
         self.source = source
         self.log = PassLog(*shape, geometry.top_k, capacity=shape[0] * shape[1], device=self.device,
-                           record_tokens=record_tokens)
+                           record_tokens=record_tokens, output_words=output_words)
         self.backend = _resolve_backend(backend, self.device)
         self.fp4, self.gate, self._fp4_manager, self._gate_budget = None, None, None, None
         self._setup_precision_tier(fp4_source, fp4_slots, fp4_arena_slots)
@@ -145,6 +145,12 @@ class TieredRuntime:
                 self.fp4.force_promote(keys, keys, None, prefill=True)  # KV written at FP4 where the pool allows
             self.fetch(keys, keys, scan=True)
         return self.experts(layer, hidden, topk_ids, topk_weights)
+
+    def publish(self, values: torch.Tensor) -> None:
+        """Hand `values` (e.g. the sampled token ids, int [T]) to the step's pass-log read: call it
+        at the end of the forward (capturable); `outcome.last_pass.outputs` (int32) then holds them,
+        with no device-to-host copy or sync of their own. Needs `output_words` >= their count."""
+        self.log.publish(values)
 
     # -- fetch --------------------------------------------------------------------------------
     def fetch(self, keys: Iterable[Key], protect: Iterable[Key], scan: bool = False, partial: bool = False) -> int:
@@ -198,7 +204,9 @@ class TieredRuntime:
             raise
         finally:
             self._scan = False
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and (self.gate is not None or self.fp4 is not None):
+            # the gate and the FP4 tier may have queued work after the last read; without them the
+            # read's own sync is the last thing on the stream (a fetch syncs its copy stream itself)
             torch.cuda.current_stream(self.device).synchronize()
         self.pool.touch_ids(self.last_pass.routed_ids, time.monotonic())
         if self.fp4 is not None:
@@ -242,6 +250,12 @@ class TieredRuntime:
     def stats(self) -> RuntimeStats:
         arena = self.arena.stats()
         return self._stats.snapshot(arena.hit_rows, arena.miss_rows)
+
+    def counters(self) -> tuple[int, int, int, float, int, int]:
+        """Cheap running totals for per-step breakdowns: (steps, replays, fetched bytes, fetch
+        seconds, arena hit rows, arena miss rows)."""
+        s = self._stats
+        return s.steps, s.replays, s.fetched_bytes, s.fetch_seconds, *self.arena.row_counts()
 
     def kpi_line(self, last: int = 0) -> str:
         arena = self.arena.stats()

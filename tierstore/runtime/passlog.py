@@ -4,8 +4,13 @@ The device tensors are written by the MoE layers (inside a CUDA graph on CUDA) a
 the start of every pass by the first MoE layer; `read()` brings them to the host with one
 device-to-host copy into pinned memory and one synchronisation, the only ones of a pass.
 
-All of them are views of one int32 device buffer, laid out [counts | seen | entries | routing]:
-`reset()` zeroes the first two with one fill and `read()` copies the whole buffer at once.
+All of them are views of one int32 device buffer, laid out [counts | seen | entries | routing |
+outputs]: `reset()` zeroes the first two with one fill and `read()` copies the whole buffer at once.
+
+`outputs` (`output_words` int32, 0 by default) is for what the caller reads back every step anyway,
+e.g. a decoder's sampled token: `publish(values)` at the end of the forward (capturable) writes it
+into the buffer, so the pass-log read that the step protocol makes is also the decoder's readback
+(one device-to-host copy and one sync per pass instead of two). `PassReport.outputs` holds it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class PassReport:
     routed_ids: np.ndarray = field(repr=False)  # int64 ascending layer * E + expert of every routed expert
     routing: np.ndarray | None  # int32 [layers, T, k] routed ids, when recording
     num_experts: int = field(repr=False)
+    outputs: np.ndarray | None = None  # int32 [output_words]: what the forward published, when asked for
 
     @cached_property
     def routed_keys(self) -> tuple[Key, ...]:
@@ -37,16 +43,18 @@ class PassReport:
 
 class PassLog:
     """counts int32 [2] = (missing pairs, missing experts); entries int32 [cap, 2] = (layer, expert);
-    seen int32 [L, E] = routed pairs per expert; routing int32 [L, T_max, k] when recording."""
+    seen int32 [L, E] = routed pairs per expert; routing int32 [L, T_max, k] when recording;
+    outputs int32 [output_words] written by `publish`."""
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, capacity: int, device,
-                 record_tokens: int = 0):
+                 record_tokens: int = 0, output_words: int = 0):
         self.device = torch.device(device)
         self.num_experts = num_experts
         self.record_tokens = record_tokens
-        sizes = (2, num_layers * num_experts, 2 * capacity, num_layers * record_tokens * top_k)
+        sizes = (2, num_layers * num_experts, 2 * capacity, num_layers * record_tokens * top_k, output_words)
         self.buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=self.device)
-        counts, seen, entries, routing = self.buffer.split(sizes)
+        counts, seen, entries, routing, outputs = self.buffer.split(sizes)
+        self.outputs = outputs if output_words else None
         self.counts = counts
         self.seen = seen.view(num_layers, num_experts)
         self.entries = entries.view(capacity, 2).fill_(-1)
@@ -54,8 +62,8 @@ class PassLog:
         self._cleared = self.buffer[:sizes[0] + sizes[1]]
         self._host = torch.empty_like(self.buffer, device="cpu", pin_memory=self.device.type == "cuda")
         host = self._host.numpy()
-        self._host_counts, self._host_seen, self._host_entries, self._host_routing = np.split(
-            host, np.cumsum(sizes)[:3])
+        self._host_counts, self._host_seen, self._host_entries, self._host_routing, self._host_outputs = np.split(
+            host, np.cumsum(sizes)[:4])
 
     def reset(self) -> None:
         """Start a pass (called from the first MoE layer; capturable): one fill of counts and seen."""
@@ -68,6 +76,17 @@ class PassLog:
         if self.routing is not None and topk_ids.shape[0] <= self.record_tokens:
             self.routing[layer, :topk_ids.shape[0]].copy_(topk_ids)
 
+    def publish(self, values: torch.Tensor) -> None:
+        """Write `values` (integers, at most `output_words` of them, flattened; cast to int32) into
+        the outputs, to come back with the next `read()`; capturable (call it at the end of the
+        forward, after the value is computed)."""
+        if self.outputs is None:
+            raise ValueError("this pass log has no outputs: make it with output_words >= 1")
+        flat = values.reshape(-1)
+        if flat.numel() > self.outputs.numel():
+            raise ValueError(f"{flat.numel()} values do not fit {self.outputs.numel()} output words")
+        self.outputs[:flat.numel()].copy_(flat)
+
     def read(self) -> PassReport:
         self._host.copy_(self.buffer, non_blocking=True)
         if self.device.type == "cuda":
@@ -75,6 +94,7 @@ class PassLog:
         pairs, experts = self._host_counts.tolist()
         logged = min(experts, len(self._host_entries) // 2)
         missing = tuple(map(tuple, self._host_entries[:2 * logged].reshape(-1, 2).tolist())) if logged else ()
-        routed = np.flatnonzero(self._host_seen)  # ascending = row-major
+        routed = self._host_seen.nonzero()[0]  # 1-D view: ascending = row-major (no ravel)
         routing = self._host_routing.reshape(self.routing.shape).copy() if self.routing is not None else None
-        return PassReport(pairs, missing, experts - logged, routed, routing, self.num_experts)
+        outputs = self._host_outputs.copy() if self.outputs is not None else None
+        return PassReport(pairs, missing, experts - logged, routed, routing, self.num_experts, outputs)

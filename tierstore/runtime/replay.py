@@ -27,7 +27,7 @@ from tierstore.io.readers.choice import direct_io_supported
 from tierstore.io.row_codec import row_bytes
 from tierstore.runtime.config import RuntimeConfig
 from tierstore.runtime.engine import TieredRuntime
-from tierstore.runtime.replay_drive import drive
+from tierstore.runtime.replay_drive import drive, nomiss_overhead
 from tierstore.runtime.synthetic import random_experts
 from tierstore.slot_codec import KERNEL_SLOT_CODEC
 
@@ -102,40 +102,69 @@ def source_read_gbps(source, rows: int = 64) -> float:
     return len(keys) * source.row_bytes / (time.perf_counter() - started) / 1e9
 
 
+def preload_arena(runtime: TieredRuntime, batch: int = 64) -> int:
+    """Read every row the arena has room for into it (scan: free slots only), in batches, before
+    the clock starts: a warm arena, as after a long run or a heat-file boot. Returns the rows read."""
+    g = runtime.geometry
+    keys = [(l, e) for l in range(g.num_moe_layers) for e in range(g.num_experts)][:runtime.arena.num_slots]
+    for first in range(0, len(keys), batch):
+        runtime.arena.fetch(keys[first:first + batch], scan=True)
+    return len(keys)
+
+
 def _run(geometry, source_factory, steps, *, pool_slots: int, arena_slots: int, device, config, preload: bool,
-         **drive_args) -> dict:
+         arena_preload: bool = False, **drive_args) -> dict:
+    tokens = max((len(s) for s in steps), default=1)
     with TieredRuntime(geometry, source_factory(), pool_slots=pool_slots, arena_slots=arena_slots, device=device,
-                       config=config) as runtime:
+                       config=config, output_words=tokens) as runtime:
         if preload:
             runtime.preload()
+        preloaded_rows = preload_arena(runtime) if arena_preload and arena_slots else 0
         out = drive(runtime, steps, **drive_args)
-    return {"graph": out["graph"], "preloaded": preload, "cold": out["cold"].as_dict(),
-            "steady": out["steady"].as_dict()}
+    return {"graph": out["graph"], "preloaded": preload, "arena_preloaded_rows": preloaded_rows,
+            "readback": drive_args.get("readback", "none"), "tokens": out["tokens"],
+            "cold": out["cold"].as_dict(), "steady": out["steady"].as_dict()}
+
+
+def _overhead(geometry, source_factory, steps, *, device, config, graph: bool, warmup: int) -> dict:
+    tokens = max((len(s) for s in steps), default=1)
+    with TieredRuntime(geometry, source_factory(), pool_slots=geometry.total_routed_experts, arena_slots=0,
+                       device=device, config=config, output_words=tokens) as runtime:
+        runtime.preload()
+        return nomiss_overhead(runtime, steps, graph=graph, warmup=min(warmup, len(steps) // 2))
 
 
 def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *, pool_slots: int, arena_slots: int,
                device: torch.device | str, config: RuntimeConfig | None = None, warmup: int = 0,
-               graph: bool = True) -> dict:
-    """A plain all-resident run (preloaded, forward + sync, no step protocol), the tiered run and
-    the naive on-demand baseline (eager) of the same steps, each with a cold window (the first
-    `warmup` steps) and a steady one, plus the floor of the steady tiered steps:
+               graph: bool = True, arena_preload: bool = False, overhead: bool = True) -> dict:
+    """A plain all-resident run (preloaded, forward + sync, no step protocol), the same with the
+    decoder's token readback (forward + copy + sync), the tiered run (token folded into the pass-log
+    read) and the naive on-demand baseline (eager, token read back), of the same steps, each with a
+    cold window (the first `warmup` steps) and a steady one, plus the floor of the steady tiered steps:
 
         floor = plain step + (arena-hit bytes / pinned H2D + arena-miss bytes / source read) per step
 
-    with both bandwidths measured in this run. A tiered pool that holds every expert is preloaded.
+    with both bandwidths measured in this run (`floor_readback_step_ms`: the same on the readback
+    baseline). `naive_over_floor` is the best naive / tiered ratio a tiered step at its floor could
+    reach. A tiered pool that holds every expert is preloaded; `arena_preload`: the tiered and naive
+    arenas are filled before the clock starts (no compulsory pack reads in the timed steps).
+    `overhead` with a pool that holds every expert: also `nomiss_overhead` (variants interleaved).
     `source_factory()` returns a fresh row source per run (e.g. PackRows over the pack); `graph`:
     CUDA-graph forwards on CUDA (the naive baseline is eager by definition)."""
     device = torch.device(device)
     config = config or RuntimeConfig(kpi_every=0, force_pool=True)
     everything = geometry.total_routed_experts
     common = dict(device=device, config=config, warmup=warmup)
+    full = pool_slots >= everything
     runs = {
         "resident": _run(geometry, source_factory, steps, pool_slots=everything, arena_slots=0, preload=True,
                          plain=True, graph=graph, **common),
+        "resident_readback": _run(geometry, source_factory, steps, pool_slots=everything, arena_slots=0, preload=True,
+                                  plain=True, readback="separate", graph=graph, **common),
         "tiered": _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
-                       preload=pool_slots >= everything, graph=graph, **common),
+                       preload=full, arena_preload=arena_preload, readback="folded", graph=graph, **common),
         "naive": _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
-                      preload=pool_slots >= everything, naive=True, **common),
+                      preload=full, arena_preload=arena_preload, naive=True, readback="separate", **common),
     }
     h2d = host_to_device_gbps(device)
     probe = source_factory()
@@ -145,16 +174,27 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
         getattr(probe, "close", lambda: None)()
     steady = runs["tiered"]["steady"]
     per_step = max(steady["steps"], 1)
-    floor_ms = runs["resident"]["steady"]["step_ms"] + 1e3 * (
-        steady["arena_hit_bytes"] / (h2d * 1e9) + steady["arena_miss_bytes"] / (disk * 1e9)) / per_step
+    fetch_ms = 1e3 * (steady["arena_hit_bytes"] / (h2d * 1e9) + steady["arena_miss_bytes"] / (disk * 1e9)) / per_step
+    resident_ms, readback_ms = runs["resident"]["steady"]["step_ms"], runs["resident_readback"]["steady"]["step_ms"]
+    floor_ms, floor_readback_ms = resident_ms + fetch_ms, readback_ms + fetch_ms
     tiered_ms, naive_ms = steady["step_ms"], runs["naive"]["steady"]["step_ms"]
-    return {
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b else 0.0
+
+    out = {
         "geometry": geometry.name, "layers": geometry.num_moe_layers, "steps": len(steps), "warmup": warmup,
         "device": str(device), "pool_slots": pool_slots, "coverage": pool_slots / everything,
-        "arena_slots": arena_slots, "h2d_gbps": h2d, "source_read_gbps": disk, "floor_step_ms": floor_ms,
-        "tiered_over_floor": tiered_ms / floor_ms if floor_ms else 0.0,
-        "naive_over_tiered": naive_ms / tiered_ms if tiered_ms else 0.0,
-        "tiered_over_resident": tiered_ms / runs["resident"]["steady"]["step_ms"]
-        if runs["resident"]["steady"]["step_ms"] else 0.0,
+        "arena_slots": arena_slots, "arena_preload": arena_preload, "h2d_gbps": h2d, "source_read_gbps": disk,
+        "floor_fetch_ms": fetch_ms, "floor_step_ms": floor_ms, "floor_readback_step_ms": floor_readback_ms,
+        "tiered_over_floor": ratio(tiered_ms, floor_ms), "tiered_over_floor_readback": ratio(tiered_ms, floor_readback_ms),
+        "naive_over_tiered": ratio(naive_ms, tiered_ms), "naive_over_floor": ratio(naive_ms, floor_ms),
+        "tiered_over_resident": ratio(tiered_ms, resident_ms),
+        "tiered_over_resident_readback": ratio(tiered_ms, readback_ms),
+        "tokens_match_resident": runs["tiered"]["tokens"] == runs["resident_readback"]["tokens"],
         "runs": runs,
     }
+    if overhead and full:
+        out["nomiss_overhead"] = _overhead(geometry, source_factory, steps, device=device, config=config, graph=graph,
+                                           warmup=warmup)
+    return out

@@ -3,7 +3,16 @@
 Each step's routing is uploaded before the clock starts and the hidden state is a fixed vector,
 so what is timed is the runtime: forward (a CUDA graph when `graph`), pass-log read, fetch,
 replay. The first `warmup` steps are the cold window (the pool, the arena and the kernels warm
-up there); the rest is the steady window. Both are reported apart, each with its own counters.
+up there); the rest is the steady window. Both are reported apart, each with its own counters,
+and every step's own counters (replays, arena hit and miss rows, fetch time) are kept too, to tell
+what the slow steps of a window did.
+
+The forward ends with a stand-in for sampling, `token = argmax(hidden)` per token, which every run
+computes; what the timed step does with it is its `readback`: "none" (the plain all-resident
+baseline as before: forward + synchronise), "separate" (a decoder's own device-to-host copy of the
+token and its sync after the step), "folded" (the forward publishes the token into the pass log,
+`TieredRuntime.publish`, so the step protocol's one read brings it back; needs a runtime with
+`output_words`).
 """
 
 from __future__ import annotations
@@ -37,13 +46,34 @@ class Window:
     arena_miss_bytes: int  # fetched rows read from the row source (the pack on disk)
     gate_fired: int  # steps the confidence gate fired on (0 without a gate)
     gate_replays: int
+    per_step: dict | None = None  # lists, one entry per step: ms, replays, arena_hit_rows, arena_miss_rows, fetch_ms
 
     def as_dict(self) -> dict:
         steps = max(self.steps, 1)
         return {**self.__dict__, "step_ms": 1e3 * self.seconds / steps, "steps_per_s": self.steps / self.seconds
                 if self.seconds else 0.0, "replay_rate": self.replayed_steps / steps,
                 "missing_pairs_per_step": self.missing_pairs / steps,
-                "fetch_gbps": self.fetched_bytes / self.fetch_seconds / 1e9 if self.fetch_seconds else 0.0}
+                "fetch_gbps": self.fetched_bytes / self.fetch_seconds / 1e9 if self.fetch_seconds else 0.0,
+                "breakdown": breakdown(self.per_step)}
+
+
+def breakdown(per_step: dict | None) -> dict:
+    """Steps that read the pack (arena misses) vs steps served from pinned memory or the pool,
+    steps with more than one replay, and the slowest step's counters."""
+    if not per_step or not per_step["ms"]:
+        return {}
+    ms, miss = np.asarray(per_step["ms"]), np.asarray(per_step["arena_miss_rows"])
+    replays = np.asarray(per_step["replays"])
+    disk = miss > 0
+    slowest = int(np.argmax(ms))
+
+    def mean(values) -> float:
+        return float(values.mean()) if len(values) else 0.0
+
+    return {"disk_steps": int(disk.sum()), "disk_step_ms": mean(ms[disk]), "no_disk_step_ms": mean(ms[~disk]),
+            "arena_miss_rows_per_disk_step": mean(miss[disk]), "multi_replay_steps": int((replays > 1).sum()),
+            "max_replays": int(replays.max()),
+            "slowest": {k: v[slowest] for k, v in per_step.items()} | {"index": slowest}}
 
 
 def _counters(runtime: TieredRuntime) -> np.ndarray:
@@ -54,19 +84,37 @@ def _counters(runtime: TieredRuntime) -> np.ndarray:
                      round(s.fetch_seconds * 1e9), a.hit_rows, a.miss_rows, gate.fired, gate.replays], dtype=np.int64)
 
 
-def _window(times: list[float], before: np.ndarray, after: np.ndarray, row_bytes: int) -> Window:
+def _window(times: list[float], before: np.ndarray, after: np.ndarray, row_bytes: int,
+            per_step: dict | None = None) -> Window:
     d = after - before
     ms = np.asarray(times) * 1e3 if times else np.zeros(1)
     return Window(len(times), float(sum(times)), float(np.percentile(ms, 50)), float(np.percentile(ms, 99)),
                   int(d[0]), int(d[1]), int(d[2]), d[3] / 1e9, int(d[4]) * row_bytes, int(d[5]) * row_bytes,
-                  int(d[6]), int(d[7]))
+                  int(d[6]), int(d[7]), per_step)
 
 
-def forward_fn(runtime: TieredRuntime, x: torch.Tensor, weights: torch.Tensor, naive: bool) -> Callable:
-    """forward(ids int64 [T, L, k]) -> hidden [T, H]: every MoE layer of the runtime on a residual
-    stream. `naive`: before each layer, one synchronous fetch per routed expert (on-demand)."""
+def _per_step(times: list[float], marks: list[tuple]) -> dict:
+    """Per-step deltas of `TieredRuntime.counters()` (marks[i] before step i, marks[-1] after the last)."""
+    if not times:
+        return {"ms": [], "replays": [], "arena_hit_rows": [], "arena_miss_rows": [], "fetch_ms": []}
+    c = np.asarray(marks, dtype=np.float64)  # [steps + 1, 6]
+    d = np.diff(c, axis=0)
+    return {"ms": [round(1e3 * t, 4) for t in times], "replays": d[:, 1].astype(int).tolist(),
+            "arena_hit_rows": d[:, 4].astype(int).tolist(), "arena_miss_rows": d[:, 5].astype(int).tolist(),
+            "fetch_ms": np.round(1e3 * d[:, 3], 4).tolist()}
 
-    def forward(ids: torch.Tensor) -> torch.Tensor:
+
+READBACKS = ("none", "separate", "folded")
+
+
+def forward_fn(runtime: TieredRuntime, x: torch.Tensor, weights: torch.Tensor, naive: bool,
+               publish: bool = False) -> Callable:
+    """forward(ids int64 [T, L, k]) -> (hidden [T, H], token int64 [T]): every MoE layer of the
+    runtime on a residual stream, then token = argmax of each hidden row (the stand-in for sampling).
+    `naive`: before each layer, one synchronous fetch per routed expert (on-demand). `publish`: the
+    token goes into the pass log (`runtime.publish`)."""
+
+    def forward(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = ids.shape[0]
         h = x.expand(tokens, -1).contiguous()  # [T, H]
         w = weights.expand(tokens, -1)  # [T, k]
@@ -77,7 +125,10 @@ def forward_fn(runtime: TieredRuntime, x: torch.Tensor, weights: torch.Tensor, n
                 for key in experts:
                     runtime.fetch([key], experts)
             h = h + runtime.moe(layer, h, routed, w)
-        return h
+        token = h.argmax(-1)  # [T]
+        if publish:
+            runtime.publish(token)
+        return h, token
 
     return forward
 
@@ -123,39 +174,146 @@ class Graphs:
         return run
 
 
+class Readback:
+    """The decoder's own readback of the token: one pinned host buffer, copy + sync."""
+
+    def __init__(self, device: torch.device, tokens: int):
+        self.device = device
+        self.host = torch.empty(tokens, dtype=torch.int64, pin_memory=device.type == "cuda")
+
+    def __call__(self, token: torch.Tensor) -> int:
+        n = token.numel()
+        self.host[:n].copy_(token, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return int(self.host[0])
+
+
 def drive(runtime: TieredRuntime, steps: list[np.ndarray], *, warmup: int, naive: bool = False, graph: bool = False,
-          plain: bool = False, logits: torch.Tensor | None = None, dtype=torch.float32) -> dict:
-    """Run `steps` (int [T, L, k] each) through `runtime`; {"graph": bool, "cold": Window, "steady": Window}.
-    `plain`: time forward + synchronise only, without the step protocol (an all-resident baseline
-    for a runtime that holds every expert). `logits` [steps, T, V] on the device: what the
-    confidence gate sees at each step (synthetic confidence; the forward's output has no vocabulary)."""
+          plain: bool = False, readback: str = "none", logits: torch.Tensor | None = None, dtype=torch.float32) -> dict:
+    """Run `steps` (int [T, L, k] each) through `runtime`; {"graph": bool, "cold": Window, "steady": Window,
+    "tokens": [token of each step's first row, or None without a readback]}.
+    `plain`: time forward + synchronise only (with `readback` "separate": forward + the token's
+    copy + sync), without the step protocol (an all-resident baseline for a runtime that holds
+    every expert). `readback`: see the module doc; "folded" needs `runtime.log.outputs`. `logits`
+    [steps, T, V] on the device: what the confidence gate sees at each step (synthetic confidence;
+    the forward's output has no vocabulary)."""
+    if readback not in READBACKS or (readback == "folded" and (plain or runtime.log.outputs is None)):
+        raise ValueError(f"readback {readback!r} with plain={plain}: choose one of {READBACKS}; folded needs the "
+                         "step protocol and a runtime with output_words")
     device, g = runtime.device, runtime.geometry
     x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(0)).to(device, dtype) * 0.01  # [1, H]
     weights = torch.full((1, g.top_k), 1.0 / g.top_k, device=device)  # [1, k]
-    forward = forward_fn(runtime, x, weights, naive)
+    forward = forward_fn(runtime, x, weights, naive, publish=readback == "folded")
     routes = [torch.as_tensor(np.asarray(r), dtype=torch.int64).to(device) for r in steps]  # uploaded before timing
     graphs = Graphs(forward, device) if graph and device.type == "cuda" and not naive else None
     if graphs is not None and not all(graphs.capture(r) for r in {tuple(r.shape): r for r in routes}.values()):
         graphs = None
+    read = Readback(device, max((r.shape[0] for r in routes), default=1)) if readback == "separate" else None
     times: list[float] = []
+    tokens: list[int | None] = []
     marks = [_counters(runtime)]
+    steps_marks = [runtime.counters()]
     for i, ids in enumerate(routes):
         if i == warmup:
             marks.append(_counters(runtime))
         started = time.perf_counter()
         run = graphs.bind(ids) if graphs is not None else (lambda ids=ids: forward(ids))
         if plain:
-            run()
-            if device.type == "cuda":
+            _, token = run()
+            if read is None and device.type == "cuda":
                 torch.cuda.synchronize(device)
         elif logits is not None:
-            runtime.step(run, lambda: None, logits_of=lambda _, i=i: logits[i])
+            (_, token), outcome = runtime.step(run, lambda: None, logits_of=lambda _, i=i: logits[i])
         else:
-            runtime.step(run, lambda: None)
+            (_, token), outcome = runtime.step(run, lambda: None)
+        if read is not None:
+            tokens.append(read(token))
+        elif readback == "folded":
+            tokens.append(int(outcome.last_pass.outputs[0]))
+        else:
+            tokens.append(None)
         times.append(time.perf_counter() - started)
+        steps_marks.append(runtime.counters())
     if len(marks) == 1:  # no steady window: the cold one ends here
         marks.append(_counters(runtime))
     marks.append(_counters(runtime))
     row_bytes = runtime.source.row_bytes
-    return {"graph": graphs is not None, "cold": _window(times[:warmup], marks[0], marks[1], row_bytes),
-            "steady": _window(times[warmup:], marks[1], marks[2], row_bytes)}
+    return {"graph": graphs is not None, "tokens": tokens,
+            "cold": _window(times[:warmup], marks[0], marks[1], row_bytes, _per_step(times[:warmup],
+                                                                                     steps_marks[:warmup + 1])),
+            "steady": _window(times[warmup:], marks[1], marks[2], row_bytes, _per_step(times[warmup:],
+                                                                                       steps_marks[warmup:]))}
+
+
+NOMISS_VARIANTS = ("plain", "plain_readback", "passlog_read", "step_folded", "step_separate")
+
+
+def nomiss_overhead(runtime: TieredRuntime, steps: list[np.ndarray], *, graph: bool, warmup: int = 10,
+                    dtype=torch.float32) -> dict:
+    """What the step protocol costs when nothing misses, every variant on the same runtime (which
+    holds every expert) and the same captured forward, interleaved step by step (rotating order),
+    so clocks and drift hit every variant alike:
+
+    - plain: forward + synchronise (the all-resident baseline of `run_replay`);
+    - plain_readback: forward + the token's device-to-host copy + sync (a plain decoder);
+    - passlog_read: forward + `PassLog.read()` (the protocol's copy, sync and parse, nothing else);
+    - step_folded: `runtime.step` with the token published into the pass log (one copy, one sync);
+    - step_separate: `runtime.step` + the token's own copy + sync (a decoder that does not fold).
+
+    Returns per variant mean / p50 / p99 ms over the steps after `warmup`, and each variant's mean
+    minus plain and minus plain_readback in microseconds."""
+    if runtime.log.outputs is None:
+        raise ValueError("nomiss_overhead needs a runtime with output_words >= the tokens per step")
+    device, g = runtime.device, runtime.geometry
+    x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(0)).to(device, dtype) * 0.01  # [1, H]
+    weights = torch.full((1, g.top_k), 1.0 / g.top_k, device=device)  # [1, k]
+    forward = forward_fn(runtime, x, weights, naive=False, publish=True)
+    routes = [torch.as_tensor(np.asarray(r), dtype=torch.int64).to(device) for r in steps]
+    graphs = Graphs(forward, device) if graph and device.type == "cuda" else None
+    if graphs is not None and not all(graphs.capture(r) for r in {tuple(r.shape): r for r in routes}.values()):
+        graphs = None
+    read = Readback(device, max(r.shape[0] for r in routes))
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def plain(run):
+        run()
+        sync()
+
+    def plain_readback(run):
+        return read(run()[1])
+
+    def passlog_read(run):
+        run()
+        return runtime.log.read()
+
+    def step_folded(run):
+        return int(runtime.step(run, lambda: None)[1].last_pass.outputs[0])
+
+    def step_separate(run):
+        return read(runtime.step(run, lambda: None)[0][1])
+
+    variants = dict(zip(NOMISS_VARIANTS, (plain, plain_readback, passlog_read, step_folded, step_separate)))
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for i, ids in enumerate(routes):
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]
+            started = time.perf_counter()
+            run = graphs.bind(ids) if graphs is not None else (lambda ids=ids: forward(ids))
+            variants[name](run)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - started)
+    out: dict = {"graph": graphs is not None, "steps": max(len(routes) - warmup, 0), "variants": {}}
+    for name, values in times.items():
+        ms = np.asarray(values) * 1e3 if values else np.zeros(1)
+        out["variants"][name] = {"mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),
+                                 "p99_ms": float(np.percentile(ms, 99))}
+    means = {name: v["mean_ms"] for name, v in out["variants"].items()}
+    for name in names:
+        out["variants"][name]["minus_plain_us"] = 1e3 * (means[name] - means["plain"])
+        out["variants"][name]["minus_plain_readback_us"] = 1e3 * (means[name] - means["plain_readback"])
+    return out

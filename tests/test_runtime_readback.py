@@ -1,0 +1,96 @@
+"""The decoder's readback folded into the pass-log read, the replay benchmark's readback variants,
+its per-step breakdown, the warm-arena option and the interleaved no-miss overhead (CPU device)."""
+
+import numpy as np
+import pytest
+import torch
+from test_runtime_fixtures import memory_source, toy_geometry
+from test_runtime_replay import skewed_routing
+
+from tierstore.runtime import RuntimeConfig, TieredRuntime
+from tierstore.runtime.passlog import PassLog
+from tierstore.runtime.replay import run_replay, trace_steps
+from tierstore.runtime.replay_drive import NOMISS_VARIANTS
+
+
+def test_published_values_come_back_with_the_pass_log_read():
+    log = PassLog(2, 4, top_k=2, capacity=3, device="cpu", output_words=3)
+    log.reset()
+    log.record(1, torch.tensor([[0, 3]]))
+    log.publish(torch.tensor([7, 1], dtype=torch.int64))
+    report = log.read()
+    assert report.outputs.tolist()[:2] == [7, 1] and report.outputs.dtype == np.int32
+    assert report.routed_ids.tolist() == [4, 7] and report.missing_pairs == 0
+    log.publish(torch.tensor([5]))
+    again = log.read()
+    assert again.outputs[0] == 5 and report.outputs[0] == 7  # a report keeps its own copy
+    with pytest.raises(ValueError, match="do not fit 3 output words"):
+        log.publish(torch.arange(4))
+    assert PassLog(2, 4, top_k=2, capacity=3, device="cpu").read().outputs is None
+    with pytest.raises(ValueError, match="output_words"):
+        PassLog(2, 4, top_k=2, capacity=3, device="cpu").publish(torch.tensor([1]))
+
+
+def test_a_step_returns_the_token_of_its_last_pass_after_a_replay():
+    g = toy_geometry()
+    runtime = TieredRuntime(g, memory_source(g), pool_slots=12, device="cpu",
+                            config=RuntimeConfig(kpi_every=0), output_words=1)
+    ids = torch.tensor([[[0, 1], [2, 3], [4, 5]]])  # [T=1, L, k]: nothing resident, the first pass misses
+    h = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(0))
+    w = torch.full((1, g.top_k), 0.5)
+    tokens_seen = []
+
+    def forward():
+        x = h
+        for layer in range(g.num_moe_layers):
+            x = x + runtime.moe(layer, x, ids[:, layer], w)
+        token = x.argmax(-1)
+        tokens_seen.append(int(token[0]))
+        runtime.publish(token)
+        return x
+
+    out, outcome = runtime.step(forward, lambda: None)
+    assert outcome.replays >= 1
+    assert outcome.last_pass.outputs[0] == tokens_seen[-1] == int(out.argmax(-1)[0])
+    runtime.close()
+
+
+def test_replay_reports_readback_variants_breakdown_and_matching_tokens():
+    g = toy_geometry()
+    steps = trace_steps(skewed_routing(g, 12), None, g.num_moe_layers, None)
+    result = run_replay(g, lambda: memory_source(g), steps, pool_slots=12, arena_slots=16, device="cpu", warmup=4)
+    runs = result["runs"]
+    assert [runs[k]["readback"] for k in ("resident", "resident_readback", "tiered", "naive")] == \
+        ["none", "separate", "folded", "separate"]
+    assert runs["resident"]["tokens"] == [None] * 12
+    assert result["tokens_match_resident"] and runs["naive"]["tokens"] == runs["resident_readback"]["tokens"]
+    assert result["floor_readback_step_ms"] >= result["floor_fetch_ms"]
+    assert result["naive_over_floor"] == pytest.approx(runs["naive"]["steady"]["step_ms"] / result["floor_step_ms"])
+    cold = runs["tiered"]["cold"]
+    per = cold["per_step"]
+    assert len(per["ms"]) == 4 and sum(per["replays"]) >= cold["replayed_steps"] > 0
+    assert sum(per["arena_miss_rows"]) * memory_source(g).row_bytes == cold["arena_miss_bytes"]
+    assert cold["breakdown"]["disk_steps"] == sum(1 for m in per["arena_miss_rows"] if m)
+    assert "nomiss_overhead" not in result  # only when the pool holds every expert
+
+
+def test_a_preloaded_arena_leaves_no_pack_reads_in_the_timed_steps():
+    g = toy_geometry()
+    steps = trace_steps(skewed_routing(g, 8), None, g.num_moe_layers, None)
+    result = run_replay(g, lambda: memory_source(g), steps, pool_slots=12, arena_slots=48, device="cpu", warmup=2,
+                        arena_preload=True)
+    for run in ("tiered", "naive"):
+        assert result["runs"][run]["arena_preloaded_rows"] == 48
+        for window in ("cold", "steady"):
+            assert result["runs"][run][window]["arena_miss_bytes"] == 0
+    assert result["runs"]["tiered"]["cold"]["arena_hit_bytes"] > 0
+
+
+def test_full_pool_reports_the_interleaved_no_miss_overhead():
+    g = toy_geometry()
+    steps = trace_steps(skewed_routing(g, 10), None, g.num_moe_layers, None)
+    result = run_replay(g, lambda: memory_source(g), steps, pool_slots=48, arena_slots=0, device="cpu", warmup=2)
+    overhead = result["nomiss_overhead"]
+    assert set(overhead["variants"]) == set(NOMISS_VARIANTS) and overhead["steps"] == 8
+    assert overhead["variants"]["plain"]["minus_plain_us"] == 0.0
+    assert all(v["mean_ms"] > 0 for v in overhead["variants"].values())
