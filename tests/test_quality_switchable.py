@@ -88,3 +88,16 @@ def test_forced_rows_apply_to_their_own_positions_only():
     torch.testing.assert_close(mixed[0], upgrade[0], rtol=1e-5, atol=1e-6)  # every position of row 0
     torch.testing.assert_close(mixed[1], base[1], rtol=1e-5, atol=1e-6)  # none of row 1
     assert not torch.allclose(mixed[0], base[0])
+
+
+def test_token_by_token_decode_equals_the_full_forward():
+    """The decode slice's scoring path (1-token prefill, then one cached step per token) gives the
+    logits of one full forward over the same window, so the two slices differ only by their text."""
+    model, control, layers, banks = _tiny_model()
+    _configure(layers, banks, pool_all=False)
+    ids = torch.randint(2, 96, (2, 24), generator=torch.Generator().manual_seed(3))  # [B, S]
+    with torch.no_grad():
+        full = model(input_ids=ids).logits[:, :-1].float()  # [B, S-1, V]
+    stepped = GatedDecoder(model, control, None).score(ids, 1).logits  # [B, S-1, V]
+    assert stepped.shape == full.shape
+    torch.testing.assert_close(stepped, full, rtol=1e-4, atol=1e-4)
