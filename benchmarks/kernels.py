@@ -1,7 +1,8 @@
 """Side-by-side MoE kernel benchmark on one GPU (CUDA-graph replay, L2 defeated by rotating routings).
 
 Per (preset, T): fused W2 (all experts in the W2 pool; for BT = 1 also the plain-Triton decode
-beside the default inline-PTX one, and the tensor-core BT = 16 path), fused FP4 (all in the FP4
+beside the default inline-PTX one, the two-pairs-per-program BT = 2 variant (`*_bt2`, v7), and the
+tensor-core BT = 16 path), fused FP4 (all in the FP4
 pool), the W2 gate_up stage alone, torch._grouped_mm in bf16 on the same routing (GEMM + SwiGLU
 only, the routing sort precomputed), dequantize-then-_grouped_mm on the same W2 codes, and a
 streaming-read kernel over the same number of bytes (the ceiling). Bytes = the unique routed experts' packed codes + scales (bf16: their bf16 weights).
@@ -135,10 +136,16 @@ def _check_correctness(geo, w2, f4, gen) -> list[dict]:
             ref, _, _ = moe_mm_ref(x, ids, weights, w2, f4, 0, act_dtype=torch.bfloat16)
             err = float((out.float() - ref).norm() / ref.norm())
             again = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, "cuda"), ws, out=torch.empty_like(x))
+            ws2 = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype,
+                                        "cuda", block_tokens=2)
+            bt2 = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, "cuda"), ws2, out=torch.full_like(x, float("nan")))
+            bt2_err = float((bt2.float() - ref).norm() / ref.norm())
             rows.append(dict(tier=tier, tokens=tokens, rel_err=err, nan=bool(out.isnan().any()),
-                             repeat_identical=bool(torch.equal(out, again))))
+                             repeat_identical=bool(torch.equal(out, again)), bt2_rel_err=bt2_err,
+                             bt2_equals_bt1=bool(torch.equal(out, bt2))))
             print(f"check {tier} T={tokens}: rel_err {err:.2e} nan={rows[-1]['nan']} "
-                  f"repeat_identical={rows[-1]['repeat_identical']}", flush=True)
+                  f"repeat_identical={rows[-1]['repeat_identical']} bt2_rel_err {bt2_err:.2e} "
+                  f"bt2_equals_bt1={rows[-1]['bt2_equals_bt1']}", flush=True)
     f4.table[0] = -1
     return rows
 
@@ -257,26 +264,44 @@ def run(preset: str, token_counts: list[int], reps: int, sweep: bool, config: tu
                                                   ptx_w2=False)
             times["w2_gate_up_plain"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=True, config=config,
                                                     ptx_w2=False)
+        if tokens * geo.top_k <= geo.num_experts:  # v7: two pairs of one expert per program (BT = 2) beside BT = 1
+            times["w2_fused_bt2"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, block_tokens=2,
+                                                config=config)
+            times["w2_gate_up_bt2"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=True, block_tokens=2,
+                                                  config=config)
+            # BN 64 / 8 warps compiles to 174 registers at BT = 2 (128 at BT = 1: one 8-warp block per SM
+            # instead of two); BN 32 / 8 warps stays at 128. Both are timed.
+            times["w2_fused_bt2_bn32"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, block_tokens=2,
+                                                     config=(32, 8))
+            times["w2_gate_up_bt2_bn32"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=True, block_tokens=2,
+                                                       config=(32, 8))
         if tokens * geo.top_k <= 2 * geo.num_experts:  # default there is BT = 1 (FMA); compare the MMA path
             times["w2_fused_mma16"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, block_tokens=16,
                                                   config=config)
         times["dequant_grouped_mm"] = _dequant_case(geo, w2, w13_bf16, w2_bf16, routings, reps)
         f4.table[0] = torch.arange(geo.num_experts, dtype=torch.int32)
         times["fp4_fused"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, config=config)
+        if tokens * geo.top_k <= geo.num_experts:
+            times["fp4_fused_bt2"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, block_tokens=2,
+                                                 config=config)
         f4.table[0] = -1
         nbytes = {"bf16_grouped_mm": unique * bf16_expert, "w2_fused": unique * w2_expert,
                   "w2_fused_mma16": unique * w2_expert, "w2_fused_plain": unique * w2_expert, "dequant_grouped_mm": unique * w2_expert,
                   "w2_gate_up_plain": unique * w2_gate_up,
-                  "w2_gate_up": unique * w2_gate_up, "fp4_fused": unique * f4_expert}
+                  "w2_gate_up": unique * w2_gate_up, "fp4_fused": unique * f4_expert,
+                  "w2_fused_bt2": unique * w2_expert, "w2_gate_up_bt2": unique * w2_gate_up,
+                  "w2_fused_bt2_bn32": unique * w2_expert, "w2_gate_up_bt2_bn32": unique * w2_gate_up,
+                  "fp4_fused_bt2": unique * f4_expert}
         stream = {name: _stream_us(int(b), 4 if b > 256e6 else max(4, int(4 * 64e6 / b) + 1), reps)
                   for name, b in nbytes.items()
                   if name in times and name not in ("bf16_grouped_mm", "w2_fused_mma16", "w2_fused_plain", "w2_gate_up_plain",
-                                                        "dequant_grouped_mm")}
+                                                        "dequant_grouped_mm", "w2_fused_bt2", "w2_gate_up_bt2",
+                                                        "fp4_fused_bt2", "w2_fused_bt2_bn32", "w2_gate_up_bt2_bn32")}
         for name, us in times.items():
             row = dict(preset=preset, tokens=tokens, variant=name, us=us, unique_experts=unique, bytes=nbytes[name],
                        gb_per_s=nbytes[name] / us / 1e3, pct_hbm=100 * nbytes[name] / (us * 1e-6) / HBM_BYTES_PER_S,
                        speedup_vs_bf16=times["bf16_grouped_mm"] / us, rotations=count)
-            same_bytes = "w2_gate_up" if "gate_up" in name else "w2_fused"
+            same_bytes = "w2_gate_up" if "gate_up" in name else "fp4_fused" if name.startswith("fp4") else "w2_fused"
             ceiling = None if name == "bf16_grouped_mm" else stream.get(name, stream[same_bytes])
             if ceiling is not None:
                 row["stream_us"] = ceiling
@@ -312,9 +337,9 @@ def main() -> None:
                                                           tuple(int(v) for v in args.config.split(","))))
     with open(args.json, "w") as fh:
         json.dump(result, fh, indent=1)
-    print(f"\n{'T':>4} {'variant':<16} {'us':>9} {'GB/s':>7} {'%HBM':>6} {'%stream':>8} {'x bf16':>7}")
+    print(f"\n{'T':>4} {'variant':<20} {'us':>9} {'GB/s':>7} {'%HBM':>6} {'%stream':>8} {'x bf16':>7}")
     for r in result["cases"]:
-        print(f"{r['tokens']:>4} {r['variant']:<16} {r['us']:>9.1f} {r['gb_per_s']:>7.0f} {r['pct_hbm']:>6.1f} "
+        print(f"{r['tokens']:>4} {r['variant']:<20} {r['us']:>9.1f} {r['gb_per_s']:>7.0f} {r['pct_hbm']:>6.1f} "
               f"{r.get('pct_of_stream', float('nan')):>8.1f} {r['speedup_vs_bf16']:>7.2f}")
 
 

@@ -73,13 +73,15 @@ class MoeWorkspace:
     num_blocks: torch.Tensor  # [1] int32
     act: torch.Tensor  # [P, I] activation dtype
     y: torch.Tensor  # [P, H] float32
-    ptx_w2: bool = True  # BT = 1 W2 with bf16 on CUDA: inline-PTX bf16x2 decode + FMA (else the plain-Triton path)
+    ptx_w2: bool = True  # BT = 1 / 2 W2 with bf16 on CUDA: inline-PTX bf16x2 decode + FMA (else the plain-Triton path)
 
     @classmethod
     def allocate(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype, device,
                  block_tokens: int | None = None, block_n: int = 64, num_warps: int | None = None,
                  ptx_w2: bool = True) -> MoeWorkspace:
-        """block_tokens: 1 = one pair per program on CUDA-core FMAs (decode); 16 or 64 = tensor-core blocks.
+        """block_tokens: 1 = one pair per program on CUDA-core FMAs (decode); 2 = the same FMA path with two
+        pairs of one expert per program sharing each decoded weight tile (a variant, not yet a default:
+        benchmarks/kernel-notes.md v7); 16 or 64 = tensor-core blocks.
 
         Default: 1 while pairs <= experts (measured crossover on the H200, benchmarks/kernel-notes.md),
         else 16, else 64 (prefill).
@@ -88,9 +90,9 @@ class MoeWorkspace:
         if block_tokens is None:
             block_tokens = 1 if pairs <= num_experts else 16 if pairs <= 16 * num_experts else 64
         if num_warps is None:
-            num_warps = 8 if block_tokens == 1 else 4  # best measured per path (benchmarks/kernel-notes.md)
-        if block_tokens not in (1, 16, 32, 64):
-            raise ValueError(f"block_tokens must be 1, 16, 32 or 64, got {block_tokens}")
+            num_warps = 8 if block_tokens <= 2 else 4  # best measured per path (benchmarks/kernel-notes.md)
+        if block_tokens not in (1, 2, 16, 32, 64):
+            raise ValueError(f"block_tokens must be 1, 2, 16, 32 or 64, got {block_tokens}")
         max_blocks = min(num_experts, pairs) + triton.cdiv(pairs, block_tokens)
         i32 = dict(dtype=torch.int32, device=device)
         return cls(

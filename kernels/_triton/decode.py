@@ -128,3 +128,49 @@ def w2_scale_pairs(q0, q1, q2, q3, WPS: tl.constexpr):
     else:
         return tl.inline_asm_elementwise(_W2_SCALE_PAIRS_ASM_16, "=r," * 8 + "r,r,r,r", [q0, q1, q2, q3],
                                          dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+
+
+def _w2_word_dot2_asm() -> str:
+    """PTX for `w2_word_dot2_bf16x2`: `_w2_word_dot_asm` with each decoded slot pair used by two lanes.
+
+    Operands: $0, $1 = lane a, lane b results; $2 = word; $3..$10 = lane a activations; $11..$18 =
+    lane b activations; $19..$26 = scale addends. Each lane's instruction sequence (mul, then fma in
+    slot-pair order, then the float32 join) is the single-lane one, so a lane's bits do not depend on
+    the other lane.
+    """
+    lines = ["{", ".reg .b32 r, d, acca, accb, lo, hi;"]
+    for i in range(8):
+        rot = (8 - 2 * i) % 32
+        src = "$2" if rot == 0 else "r"
+        if rot:
+            lines.append(f"shf.l.wrap.b32 r, $2, $2, {rot};")
+        lines.append(f"and.b32 d, {src}, 0x81008100;")
+        lines.append(f"add.s32 d, d, ${19 + i};")
+        if i == 0:
+            lines.append("mul.rn.bf16x2 acca, d, $3;")
+            lines.append("mul.rn.bf16x2 accb, d, $11;")
+        else:
+            lines.append(f"fma.rn.bf16x2 acca, d, ${3 + i}, acca;")
+            lines.append(f"fma.rn.bf16x2 accb, d, ${11 + i}, accb;")
+    for out, acc in (("$0", "acca"), ("$1", "accb")):
+        lines += [f"shl.b32 lo, {acc}, 16;", f"and.b32 hi, {acc}, 0xffff0000;", f"add.f32 {out}, lo, hi;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_W2_WORD_DOT2_ASM = tl.constexpr(_w2_word_dot2_asm())
+
+
+@triton.jit
+def w2_word_dot2_bf16x2(w, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+                        s0, s1, s2, s3, s4, s5, s6, s7):
+    """Inline PTX (GPU only): `w2_word_dot_bf16x2` for two activation rows a and b sharing one decode.
+
+    Returns (dot with a, dot with b) as float32; each equals `w2_word_dot_bf16x2(w, a.., s..)`
+    resp. `(w, b.., s..)` bit for bit (same per-lane instruction sequence).
+    """
+    return tl.inline_asm_elementwise(
+        _W2_WORD_DOT2_ASM, "=r,=r" + ",r" * 25,
+        [w, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, s0, s1, s2, s3, s4, s5, s6, s7],
+        dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
+    )

@@ -11,12 +11,16 @@ Per K tile it loads each weight row's WPS words once, then for every bit slot de
 partial sum of each 32-block. GATED runs gate rows n and up rows n + N_OUT together and writes
 SwiGLU(gate, up) (gate clamped to <= limit, up to [-limit, limit] when HAS_LIMIT); otherwise the
 accumulator is written as fp32. Rows are written only for the block's pairs: no atomics.
+
+BT = 1 and BT = 2 do not use tensor cores: one pair (BT = 1) or two pairs of one expert (BT = 2,
+each decoded weight tile feeding both pairs) per program on CUDA-core / packed bf16x2 FMAs.
 """
 
 import triton
 import triton.language as tl
 
-from .decode import decode_fp4_slot, decode_w2_slot, decode_w2_slot_scaled, scale_from_bytes, w2_scale_pairs, w2_word_dot_bf16x2
+from .decode import (decode_fp4_slot, decode_w2_slot, decode_w2_slot_scaled, scale_from_bytes, w2_scale_pairs, w2_word_dot_bf16x2,
+                     w2_word_dot2_bf16x2)
 
 
 @triton.jit
@@ -116,6 +120,59 @@ def _tier_tile_fma(
 
 
 @triton.jit
+def _tier_tile_fma2(
+    words_ptr, scales_ptr, rows, n_mask, a_row_ptr, b_row_ptr, K, num_blocks_k, words_per_row, blocks_per_row,
+    up_row_offset,
+    GATED: tl.constexpr, IS_W2: tl.constexpr, WPS: tl.constexpr, BN: tl.constexpr,
+):
+    """`_tier_tile_fma` for two pairs of one expert (activation rows a and b): each weight tile is
+    loaded and decoded once and feeds both rows' accumulators. Per row the float32 operations are
+    the single-pair ones in the same order, so each result equals `_tier_tile_fma`'s bit for bit.
+    Returns (gate a, up a, gate b, up b), each [BN, 1].
+    """
+    VPW: tl.constexpr = 16 if IS_W2 else 8
+    SLOTS_PER_BLOCK: tl.constexpr = 32 // WPS
+    TILE_K: tl.constexpr = VPW * WPS
+    u = tl.arange(0, WPS)
+    gate_rows = rows[:, None] * words_per_row + u[None, :]  # [BN, WPS]
+    up_rows = (rows[:, None] + up_row_offset) * words_per_row + u[None, :]
+    acc_ga = tl.zeros([BN, WPS], tl.float32)
+    acc_ua = tl.zeros([BN, WPS], tl.float32)
+    acc_gb = tl.zeros([BN, WPS], tl.float32)
+    acc_ub = tl.zeros([BN, WPS], tl.float32)
+    for t in range(0, words_per_row // WPS):
+        w_g = tl.load(words_ptr + gate_rows + t * WPS, mask=n_mask[:, None], other=0)  # [BN, WPS] int32
+        if GATED:
+            w_u = tl.load(words_ptr + up_rows + t * WPS, mask=n_mask[:, None], other=0)
+        for j in tl.static_range(VPW):
+            k = t * TILE_K + j * WPS + u  # [WPS]
+            xa = tl.load(a_row_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]  # [1, WPS]
+            xb = tl.load(b_row_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+            if j % SLOTS_PER_BLOCK == 0:
+                blk = (t * TILE_K + j * WPS) // 32
+                live = n_mask & (tl.zeros([BN], tl.int32) + blk < num_blocks_k)
+                s_g = tl.load(scales_ptr + rows * blocks_per_row + blk, mask=live, other=0).to(tl.int32)
+                if GATED:
+                    s_u = tl.load(scales_ptr + (rows + up_row_offset) * blocks_per_row + blk, mask=live, other=0)
+                    s_u = s_u.to(tl.int32)
+            if IS_W2:
+                d_g = decode_w2_slot_scaled(w_g, j, ((s_g - 125) << 23)[:, None])
+            else:
+                d_g = decode_fp4_slot(w_g, j) * tl.where(live, scale_from_bytes(s_g, 14), 0.0)[:, None]
+            acc_ga += d_g * xa
+            acc_gb += d_g * xb
+            if GATED:
+                if IS_W2:
+                    d_u = decode_w2_slot_scaled(w_u, j, ((s_u - 125) << 23)[:, None])
+                else:
+                    d_u = decode_fp4_slot(w_u, j) * tl.where(live, scale_from_bytes(s_u, 14), 0.0)[:, None]
+                acc_ua += d_u * xa
+                acc_ub += d_u * xb
+    return (tl.sum(acc_ga, axis=1)[:, None], tl.sum(acc_ua, axis=1)[:, None],
+            tl.sum(acc_gb, axis=1)[:, None], tl.sum(acc_ub, axis=1)[:, None])
+
+
+@triton.jit
 def _x_bits(a_row_ptr, k, K):
     """bfloat16 activations at k (0 past K) as their 16 bits in the low half of an int32."""
     return tl.load(a_row_ptr + k, mask=k < K, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
@@ -185,6 +242,100 @@ def _w2_tile_bf16x2(
 
 
 @triton.jit
+def _x_pairs(a_row_ptr, k0, K, WPS: tl.constexpr):
+    """The eight bfloat16x2 activation pairs of one K tile (slots 2i | 2i+1 << 16), each [1, WPS]."""
+    x0 = (_x_bits(a_row_ptr, k0, K) | (_x_bits(a_row_ptr, k0 + WPS, K) << 16))[None, :]
+    x1 = (_x_bits(a_row_ptr, k0 + 2 * WPS, K) | (_x_bits(a_row_ptr, k0 + 3 * WPS, K) << 16))[None, :]
+    x2 = (_x_bits(a_row_ptr, k0 + 4 * WPS, K) | (_x_bits(a_row_ptr, k0 + 5 * WPS, K) << 16))[None, :]
+    x3 = (_x_bits(a_row_ptr, k0 + 6 * WPS, K) | (_x_bits(a_row_ptr, k0 + 7 * WPS, K) << 16))[None, :]
+    x4 = (_x_bits(a_row_ptr, k0 + 8 * WPS, K) | (_x_bits(a_row_ptr, k0 + 9 * WPS, K) << 16))[None, :]
+    x5 = (_x_bits(a_row_ptr, k0 + 10 * WPS, K) | (_x_bits(a_row_ptr, k0 + 11 * WPS, K) << 16))[None, :]
+    x6 = (_x_bits(a_row_ptr, k0 + 12 * WPS, K) | (_x_bits(a_row_ptr, k0 + 13 * WPS, K) << 16))[None, :]
+    x7 = (_x_bits(a_row_ptr, k0 + 14 * WPS, K) | (_x_bits(a_row_ptr, k0 + 15 * WPS, K) << 16))[None, :]
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _w2_tile_bf16x2_2(
+    words_ptr, scales_ptr, rows, n_mask, a_row_ptr, b_row_ptr, K, words_per_row, blocks_per_row, up_row_offset,
+    GATED: tl.constexpr, WPS: tl.constexpr, BN: tl.constexpr,
+):
+    """`_w2_tile_bf16x2` for two pairs of one expert: words, scale pairs and each slot pair's decode
+    are shared, one packed FMA per row (`w2_word_dot2_bf16x2`). Each row's result equals the
+    single-pair path's bit for bit. Returns (gate a, up a, gate b, up b), each [BN, 1].
+    """
+    TILE_K: tl.constexpr = 16 * WPS
+    u = tl.arange(0, WPS)
+    gate_rows = rows[:, None] * words_per_row + u[None, :]  # [BN, WPS]
+    up_rows = (rows[:, None] + up_row_offset) * words_per_row + u[None, :]
+    acc_ga = tl.zeros([BN, WPS], tl.float32)
+    acc_ua = tl.zeros([BN, WPS], tl.float32)
+    acc_gb = tl.zeros([BN, WPS], tl.float32)
+    acc_ub = tl.zeros([BN, WPS], tl.float32)
+    tiles = words_per_row // WPS
+    w_g = tl.load(words_ptr + gate_rows, mask=n_mask[:, None], other=0)
+    w_u = w_g
+    if GATED:
+        w_u = tl.load(words_ptr + up_rows, mask=n_mask[:, None], other=0)
+    for t in range(0, tiles):
+        more = n_mask[:, None] & (t + 1 < tiles)
+        w_g_next = tl.load(words_ptr + gate_rows + (t + 1) * WPS, mask=more, other=0)
+        w_u_next = w_g_next
+        if GATED:
+            w_u_next = tl.load(words_ptr + up_rows + (t + 1) * WPS, mask=more, other=0)
+        k0 = t * TILE_K + u
+        a0, a1, a2, a3, a4, a5, a6, a7 = _x_pairs(a_row_ptr, k0, K, WPS)
+        b0, b1, b2, b3, b4, b5, b6, b7 = _x_pairs(b_row_ptr, k0, K, WPS)
+        g0, g1, g2, g3, g4, g5, g6, g7 = _scale_pairs(scales_ptr, rows, n_mask, blocks_per_row, t, WPS)
+        da, db = w2_word_dot2_bf16x2(w_g, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+                                     g0, g1, g2, g3, g4, g5, g6, g7)
+        acc_ga += da
+        acc_gb += db
+        if GATED:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _scale_pairs(scales_ptr, rows + up_row_offset, n_mask, blocks_per_row,
+                                                          t, WPS)
+            da, db = w2_word_dot2_bf16x2(w_u, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
+                                         v0, v1, v2, v3, v4, v5, v6, v7)
+            acc_ua += da
+            acc_ub += db
+        w_g = w_g_next
+        w_u = w_u_next
+    return (tl.sum(acc_ga, axis=1)[:, None], tl.sum(acc_ua, axis=1)[:, None],
+            tl.sum(acc_gb, axis=1)[:, None], tl.sum(acc_ub, axis=1)[:, None])
+
+
+@triton.jit
+def _fma_one_pair(
+    a_row_ptr, rows, n_mask, K, num_blocks_k, N_OUT, f4_slot, expert, table_row, w2_table_ptr,
+    w2_words_ptr, w2_scales_ptr, w2_slot_bytes, w2_words_off, w2_scales_off, w2_words_per_row, w2_blocks_per_row,
+    f4_words_ptr, f4_scales_ptr, f4_slot_bytes, f4_words_off, f4_scales_off, f4_words_per_row, f4_blocks_per_row,
+    GATED: tl.constexpr, W2_WPS: tl.constexpr, F4_WPS: tl.constexpr, BN: tl.constexpr, PTX_W2: tl.constexpr,
+):
+    """One pair on CUDA-core FMAs (the BT = 1 path): FP4 slot if present, else W2 (inline PTX when PTX_W2)."""
+    if f4_slot >= 0:
+        base = f4_slot.to(tl.int64) * f4_slot_bytes
+        acc_g, acc_u = _tier_tile_fma(
+            f4_words_ptr + (base + f4_words_off) // 4, f4_scales_ptr + base + f4_scales_off, rows, n_mask,
+            a_row_ptr, K, num_blocks_k, f4_words_per_row, f4_blocks_per_row, N_OUT,
+            GATED, False, F4_WPS, BN,
+        )
+    else:
+        base = tl.load(w2_table_ptr + table_row + expert).to(tl.int64) * w2_slot_bytes
+        if PTX_W2:
+            acc_g, acc_u = _w2_tile_bf16x2(
+                w2_words_ptr + tl.multiple_of((base + w2_words_off) // 4, 4), w2_scales_ptr + base + w2_scales_off,
+                rows, n_mask, a_row_ptr, K, w2_words_per_row, w2_blocks_per_row, N_OUT, GATED, W2_WPS, BN,
+            )
+        else:
+            acc_g, acc_u = _tier_tile_fma(
+                w2_words_ptr + (base + w2_words_off) // 4, w2_scales_ptr + base + w2_scales_off, rows, n_mask,
+                a_row_ptr, K, num_blocks_k, w2_words_per_row, w2_blocks_per_row, N_OUT,
+                GATED, True, W2_WPS, BN,
+            )
+    return acc_g, acc_u
+
+
+@triton.jit
 def moe_gemm_kernel(
     a_ptr, stride_a, out_ptr, stride_out,
     w2_words_ptr, w2_scales_ptr, w2_slot_bytes, w2_words_off, w2_scales_off, w2_words_per_row, w2_blocks_per_row,
@@ -213,26 +364,51 @@ def moe_gemm_kernel(
     f4_slot = tl.load(f4_table_ptr + table_row + expert)
     if BT == 1:
         a_row_ptr = a_ptr + tl.sum(a_rows, axis=0).to(tl.int64) * stride_a
-        if f4_slot >= 0:
-            base = f4_slot.to(tl.int64) * f4_slot_bytes
-            acc_g, acc_u = _tier_tile_fma(
-                f4_words_ptr + (base + f4_words_off) // 4, f4_scales_ptr + base + f4_scales_off, rows, n_mask,
-                a_row_ptr, K, num_blocks_k, f4_words_per_row, f4_blocks_per_row, N_OUT,
-                GATED, False, F4_WPS, BN,
+        acc_g, acc_u = _fma_one_pair(
+            a_row_ptr, rows, n_mask, K, num_blocks_k, N_OUT, f4_slot, expert, table_row, w2_table_ptr,
+            w2_words_ptr, w2_scales_ptr, w2_slot_bytes, w2_words_off, w2_scales_off, w2_words_per_row, w2_blocks_per_row,
+            f4_words_ptr, f4_scales_ptr, f4_slot_bytes, f4_words_off, f4_scales_off, f4_words_per_row, f4_blocks_per_row,
+            GATED, W2_WPS, F4_WPS, BN, PTX_W2,
+        )
+    elif BT == 2:
+        # Two pairs of one expert share each loaded and decoded weight tile; a block holding one
+        # pair runs the BT = 1 code. Either way a pair's bits equal the BT = 1 result.
+        a_row_ptr = a_ptr + tl.sum(tl.where(lanes == 0, a_rows, 0), axis=0).to(tl.int64) * stride_a
+        b_row_ptr = a_ptr + tl.sum(tl.where(lanes == 1, a_rows, 0), axis=0).to(tl.int64) * stride_a
+        if fill == 1:
+            one_g, one_u = _fma_one_pair(
+                a_row_ptr, rows, n_mask, K, num_blocks_k, N_OUT, f4_slot, expert, table_row, w2_table_ptr,
+                w2_words_ptr, w2_scales_ptr, w2_slot_bytes, w2_words_off, w2_scales_off, w2_words_per_row,
+                w2_blocks_per_row, f4_words_ptr, f4_scales_ptr, f4_slot_bytes, f4_words_off, f4_scales_off,
+                f4_words_per_row, f4_blocks_per_row, GATED, W2_WPS, F4_WPS, BN, PTX_W2,
             )
+            acc_g = one_g + tl.zeros([BN, BT], tl.float32)
+            acc_u = one_u + tl.zeros([BN, BT], tl.float32)
         else:
-            base = tl.load(w2_table_ptr + table_row + expert).to(tl.int64) * w2_slot_bytes
-            if PTX_W2:
-                acc_g, acc_u = _w2_tile_bf16x2(
-                    w2_words_ptr + tl.multiple_of((base + w2_words_off) // 4, 4), w2_scales_ptr + base + w2_scales_off,
-                    rows, n_mask, a_row_ptr, K, w2_words_per_row, w2_blocks_per_row, N_OUT, GATED, W2_WPS, BN,
+            if f4_slot >= 0:
+                base = f4_slot.to(tl.int64) * f4_slot_bytes
+                ga, ua, gb, ub = _tier_tile_fma2(
+                    f4_words_ptr + (base + f4_words_off) // 4, f4_scales_ptr + base + f4_scales_off, rows, n_mask,
+                    a_row_ptr, b_row_ptr, K, num_blocks_k, f4_words_per_row, f4_blocks_per_row, N_OUT,
+                    GATED, False, F4_WPS, BN,
                 )
             else:
-                acc_g, acc_u = _tier_tile_fma(
-                    w2_words_ptr + (base + w2_words_off) // 4, w2_scales_ptr + base + w2_scales_off, rows, n_mask,
-                    a_row_ptr, K, num_blocks_k, w2_words_per_row, w2_blocks_per_row, N_OUT,
-                    GATED, True, W2_WPS, BN,
-                )
+                base = tl.load(w2_table_ptr + table_row + expert).to(tl.int64) * w2_slot_bytes
+                if PTX_W2:
+                    ga, ua, gb, ub = _w2_tile_bf16x2_2(
+                        w2_words_ptr + tl.multiple_of((base + w2_words_off) // 4, 4),
+                        w2_scales_ptr + base + w2_scales_off, rows, n_mask, a_row_ptr, b_row_ptr, K,
+                        w2_words_per_row, w2_blocks_per_row, N_OUT, GATED, W2_WPS, BN,
+                    )
+                else:
+                    ga, ua, gb, ub = _tier_tile_fma2(
+                        w2_words_ptr + (base + w2_words_off) // 4, w2_scales_ptr + base + w2_scales_off, rows,
+                        n_mask, a_row_ptr, b_row_ptr, K, num_blocks_k, w2_words_per_row, w2_blocks_per_row, N_OUT,
+                        GATED, True, W2_WPS, BN,
+                    )
+            first = (lanes == 0)[None, :]  # [1, BT]
+            acc_g = tl.where(first, ga, gb)
+            acc_u = tl.where(first, ua, ub)
     elif f4_slot >= 0:
         base = f4_slot.to(tl.int64) * f4_slot_bytes
         acc_g, acc_u = _tier_tile(
