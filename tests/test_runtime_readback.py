@@ -94,3 +94,42 @@ def test_full_pool_reports_the_interleaved_no_miss_overhead():
     assert set(overhead["variants"]) == set(NOMISS_VARIANTS) and overhead["steps"] == 8
     assert overhead["variants"]["plain"]["minus_plain_us"] == 0.0
     assert all(v["mean_ms"] > 0 for v in overhead["variants"].values())
+
+
+def test_the_pool_policy_hears_of_a_step_at_the_next_read_in_the_same_order():
+    """`step` defers the pool's policy update to the next pass's read (or a fetch, stats, settle):
+    the policy sees the same calls in the same order as when it is settled after every step."""
+    g = toy_geometry()
+    routing = skewed_routing(g, 40, seed=3)
+    h = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(0))
+    w = torch.full((1, g.top_k), 0.5)
+    orders, outputs = [], []
+    for eager in (False, True):
+        runtime = TieredRuntime(g, memory_source(g), pool_slots=8, device="cpu",
+                                config=RuntimeConfig(kpi_every=0, force_pool=True))
+        order, outs = [], []
+        for step in routing:
+            ids = torch.as_tensor(step[None], dtype=torch.int64)  # [1, L, k]
+
+            def forward(ids=ids):
+                x = h
+                for layer in range(g.num_moe_layers):
+                    x = x + runtime.moe(layer, x, ids[:, layer], w)
+                return x
+
+            out, _ = runtime.step(forward, lambda: None)
+            outs.append(out)
+            if eager:
+                runtime.settle()
+            else:
+                assert runtime._untouched is not None  # deferred until something needs the policy
+            order.append(list(runtime.pool.policy.eviction_order()) if eager else None)
+        runtime.settle()
+        order[-1] = list(runtime.pool.policy.eviction_order())
+        orders.append(order[-1])
+        outputs.append(outs)
+        assert runtime.stats().steps == 40
+        runtime.pool.check_coherent()
+        runtime.close()
+    assert orders[0] == orders[1]
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))

@@ -109,6 +109,7 @@ class TieredRuntime:
         self._scan = False
         self._on_close = list(on_close)
         self.last_pass: PassReport | None = None
+        self._untouched = None  # (routed ids, time) of the last step, not yet told to the pool's policy
         self.closed = False
         log.info("device pool: %d slots x %.2f MiB = %.3f GiB (%.1f%% of %d experts) on %s, backend %s; arena %d slots",
                  self.pool.num_slots, self.layout.slot_bytes / 2**20, self.pool.num_slots * self.layout.slot_bytes / 2**30,
@@ -157,6 +158,7 @@ class TieredRuntime:
         """Make `keys` resident in one batch (arena hits are zero-copy; misses read the source),
         never evicting `protect`. Returns how many were installed. Fails closed: on a read error
         nothing is mapped and the error propagates."""
+        self.settle()
         keys = [k for k in dict.fromkeys(keys) if not self.pool.is_resident(k)]
         if not keys:
             return 0
@@ -200,6 +202,7 @@ class TieredRuntime:
                 if self.gate is not None and not prefill:
                     result, outcome = self._gated(first, forward, rewind, logits_of, step_routed)
         except BaseException:
+            self.settle()
             self._stats.failed += 1
             raise
         finally:
@@ -208,7 +211,13 @@ class TieredRuntime:
             # the gate and the FP4 tier may have queued work after the last read; without them the
             # read's own sync is the last thing on the stream (a fetch syncs its copy stream itself)
             torch.cuda.current_stream(self.device).synchronize()
-        self.pool.touch_ids(self.last_pass.routed_ids, time.monotonic())
+        if self.fp4 is None:
+            # the pool's policy hears of this step's routed experts when the next pass is read (its
+            # forward is then running on the device) or when anything uses the pool first: off the
+            # host path between a no-miss step's sync and its return
+            self._untouched = self.last_pass.routed_ids, time.monotonic()
+        else:
+            self.pool.touch_ids(self.last_pass.routed_ids, time.monotonic())
         if self.fp4 is not None:
             self.fp4.close_step(step_routed if outcome.gate is not None else self.last_pass.routed_ids)
             self._fp4_snapshot.push(self.log.seen)
@@ -239,7 +248,17 @@ class TieredRuntime:
                               any(o.tolerated for o in outcomes), last.last_pass, fire)
         return result, outcome
 
+    def settle(self) -> None:
+        """Tell the pool's policy about the last step now (`step` defers it; a fetch, the next
+        pass's read, `stats()` and `close()` settle first). Call it before reading
+        `runtime.pool.policy` directly."""
+        if self._untouched is not None:
+            ids, now = self._untouched
+            self._untouched = None
+            self.pool.touch_ids(ids, now)
+
     def _read_pass(self) -> PassReport:
+        self.settle()
         self.last_pass = self.log.read()
         return self.last_pass
 
@@ -248,6 +267,7 @@ class TieredRuntime:
 
     # -- observability ------------------------------------------------------------------------
     def stats(self) -> RuntimeStats:
+        self.settle()
         arena = self.arena.stats()
         return self._stats.snapshot(arena.hit_rows, arena.miss_rows)
 
@@ -286,6 +306,7 @@ class TieredRuntime:
         """Save the arena's heat, release the pool, the pinned arena and the source's files."""
         if self.closed:
             return
+        self.settle()
         self.closed = True
         if self._fp4_manager is not None:
             self._fp4_manager.close()
