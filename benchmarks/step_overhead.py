@@ -10,6 +10,10 @@ is timed is the protocol around the forward:
   `argmax` of the routed counts): a tree whose runtime has `publish` (output_words) folds it into
   the pass-log read; an older tree reads it back after the step (`int(token)`); `readback` in the
   result says which.
+- `nomiss_async`: `nomiss` with an emulated asynchronous device: the forward "launches" a device
+  pass of `--device-us` (500 us, about the H200's 8-layer ds-v2-lite step) and the pass log's
+  read waits for it first, as its sync would. Host work between the launch and the read overlaps
+  the device; what is left after it is exposed: `exposed_us` = step - device time.
 - `fp4`: the same routing with an FP4 pool (25% of the experts, filled lazily by the manager from
   host RAM (`MemoryRowSource`, as in `benchmarks/gate_cost.py`) through an FP4 arena); the forward sleeps `--forward-ms` (a device forward during which
   the host waits, GIL released). Reports how long the runner waited for the FP4 tier's lock per
@@ -115,7 +119,7 @@ def timed(owner, name: str, totals: dict, lock: TimedLock):
     setattr(owner, name, wrapper)
 
 
-def worker(kind: str, steps: int, forward_ms: float) -> dict:
+def worker(kind: str, steps: int, forward_ms: float, device_us: float = 0.0) -> dict:
     import torch
 
     from tierstore.geometry import MoEGeometry
@@ -146,9 +150,19 @@ def worker(kind: str, steps: int, forward_ms: float) -> dict:
         lock = runtime.fp4.lock = TimedLock(runtime.fp4.lock)
         timed(runtime.fp4.arena, "fetch", totals, lock)
         timed(runtime.fp4.pool, "install", totals, lock)
+    device_done = [0.0]
+    if kind == "nomiss_async":
+        host_read = runtime.log.read
+
+        def read():  # the read's sync: the emulated device pass must be over first
+            while time.perf_counter() < device_done[0]:
+                pass
+            return host_read()
+        runtime.log.read = read
     times, tokens = [], 0
     for step in range(steps):
         def forward(counts=seen[step]):
+            device_done[0] = time.perf_counter() + device_us / 1e6  # launched
             runtime.log.reset()
             runtime.log.seen.copy_(counts)
             if forward_ms:
@@ -167,6 +181,8 @@ def worker(kind: str, steps: int, forward_ms: float) -> dict:
     out = dict(steps=steps, step_mean_us=1e6 * statistics.fmean(times), step_p50_us=1e6 * statistics.median(times))
     if kind == "nomiss_token":
         out.update(readback="folded" if folded else "separate", token_sum=tokens)
+    if kind == "nomiss_async":
+        out.update(device_us=device_us, exposed_p50_us=out["step_p50_us"] - device_us)
     if lock is not None:
         stats = runtime.fp4_stats()
         out.update(runner_lock_wait_mean_us=1e6 * statistics.fmean(lock.runner_wait),
@@ -178,12 +194,14 @@ def worker(kind: str, steps: int, forward_ms: float) -> dict:
     return out
 
 
-def run_rounds(trees: dict[str, Path], kind: str, rounds: int, steps: int, forward_ms: float) -> dict:
+def run_rounds(trees: dict[str, Path], kind: str, rounds: int, steps: int, forward_ms: float,
+               device_us: float = 0.0) -> dict:
     results: dict[str, list] = {name: [] for name in trees}
     for _ in range(rounds):
         for name, tree in trees.items():
             env = dict(os.environ, PYTHONPATH=str(tree))
-            cmd = [sys.executable, __file__, "--worker", kind, "--steps", str(steps), "--forward-ms", str(forward_ms)]
+            cmd = [sys.executable, __file__, "--worker", kind, "--steps", str(steps), "--forward-ms", str(forward_ms),
+                   "--device-us", str(device_us)]
             done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
             results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
     return results
@@ -195,8 +213,9 @@ def summary(rows: list[dict], field: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", choices=("nomiss", "nomiss_token", "fp4"))
+    parser.add_argument("--worker", choices=("nomiss", "nomiss_token", "nomiss_async", "fp4"))
     parser.add_argument("--skip-fp4", action="store_true", help="only the no-miss workloads")
+    parser.add_argument("--device-us", type=float, default=500.0, help="emulated device pass of nomiss_async")
     parser.add_argument("--baseline", default="8cf37d1", help="git revision of the old tree")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2000)
@@ -205,7 +224,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.steps, args.forward_ms)))
+        print(json.dumps(worker(args.worker, args.steps, args.forward_ms, args.device_us)))
         return
     repo = Path(__file__).resolve().parent.parent
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
@@ -219,6 +238,7 @@ def main() -> None:
             trees = {"old": old, "new": repo}
             nomiss = run_rounds(trees, "nomiss", args.rounds, args.steps, 0.0)
             token = run_rounds(trees, "nomiss_token", args.rounds, args.steps, 0.0)
+            emulated = run_rounds(trees, "nomiss_async", args.rounds, args.steps, 0.0, args.device_us)
             fp4 = {} if args.skip_fp4 else run_rounds(trees, "fp4", args.rounds, args.fp4_steps, args.forward_ms)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=repo, check=True)
@@ -226,11 +246,12 @@ def main() -> None:
         provenance=dict(old=args.baseline, new=head, new_tree_dirty=dirty, python=platform.python_version(),
                         machine=platform.machine(), cpus=os.cpu_count(), rounds=args.rounds,
                         note="CPU only: no GPU; the forward is a pass-log write (+ sleep in fp4)"),
-        nomiss=nomiss, nomiss_token=token, fp4=fp4,
+        nomiss=nomiss, nomiss_token=token, nomiss_async=emulated, fp4=fp4,
         medians=dict(
             nomiss_step_us={k: summary(v, "step_p50_us") for k, v in nomiss.items()},
             nomiss_token_step_us={k: summary(v, "step_p50_us") for k, v in token.items()},
             nomiss_token_readback={k: v[0]["readback"] for k, v in token.items()},
+            nomiss_async_exposed_us={k: summary(v, "exposed_p50_us") for k, v in emulated.items()},
             fp4_step_mean_us={k: summary(v, "step_mean_us") for k, v in fp4.items()},
             fp4_runner_lock_wait_mean_us={k: summary(v, "runner_lock_wait_mean_us") for k, v in fp4.items()},
             fp4_manager_lock_hold_s={k: summary(v, "manager_lock_hold_s") for k, v in fp4.items()},
@@ -239,6 +260,7 @@ def main() -> None:
     m = report["medians"]
     m["nomiss_new_over_old"] = m["nomiss_step_us"]["new"] / m["nomiss_step_us"]["old"]
     m["nomiss_token_new_over_old"] = m["nomiss_token_step_us"]["new"] / m["nomiss_token_step_us"]["old"]
+    m["nomiss_async_exposed_new_over_old"] = m["nomiss_async_exposed_us"]["new"] / m["nomiss_async_exposed_us"]["old"]
     if token["old"][0]["token_sum"] != token["new"][0]["token_sum"]:
         raise SystemExit("the folded tokens differ from the separately read ones")
     text = json.dumps(report, indent=1)
