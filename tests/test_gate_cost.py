@@ -49,3 +49,30 @@ def test_gate_cost_runs_and_counts_fires():
     for run in runs.values():
         assert run["steady"]["steps"] == 8 and run["steady"]["replay_rate"] == 0.0  # the base pool holds everything
     assert result["armed_cost"] == pytest.approx(runs["armed"]["steady"]["step_ms"] / runs["unarmed"]["steady"]["step_ms"] - 1)
+
+
+def test_armed_cost_is_measured_at_held_residency():
+    g = toy_geometry()
+    rng = np.random.default_rng(1)
+    routing = np.stack([[rng.choice(g.num_experts, g.top_k, replace=False) for _ in range(g.num_moe_layers)]
+                        for _ in range(8)])
+    steps = trace_steps(routing, None, g.num_moe_layers, None)
+    result = gate_cost(g, steps, fp4_fractions=(), gate_fraction=0.5, fire_every=4, device="cpu", warmup=2,
+                       repetitions=3)
+    held = result["held"]
+    assert result["armed_cost"] == held["armed_cost_median"] and "armed_cost_live" in result
+    assert [r["order"] for r in held["repetitions"]] == [["unarmed", "armed"], ["armed", "unarmed"],
+                                                         ["unarmed", "armed"]]
+    residency = held["residency"]
+    assert residency["unchanged"] and residency["mapped"] == residency["fp4_slots"] == g.total_routed_experts // 2
+    assert 0.5 <= residency["fp4_pair_share"] <= 1.0  # the hottest half of the experts
+    assert all(r["armed"]["gate_fired"] == 0 for r in held["repetitions"])
+    assert held["gate_steps"] >= 3 * len(steps[2:])  # the armed blocks went through the gate
+
+
+def test_hottest_keys_counts_every_routed_pair():
+    from tierstore.runtime.replay_gate import hottest_keys
+    g = toy_geometry()
+    steps = [np.array([[[1, 2]] * g.num_moe_layers]), np.array([[[1, 3]] * g.num_moe_layers])]  # [1, L, k]
+    assert hottest_keys(g, steps, 2)[:1] == [(0, 1)] and set(hottest_keys(g, steps, g.num_moe_layers)) == {
+        (layer, 1) for layer in range(g.num_moe_layers)}

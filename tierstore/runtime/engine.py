@@ -134,6 +134,8 @@ class TieredRuntime:
             if self.fp4 is None:
                 raise ConfigError("the confidence gate needs an FP4 pool: give an fp4 row source and a pool size > 0")
             self.gate = ConfidenceGate.from_config(config)
+            # the last forward's aggregated gate signal, copied ahead of the pass log's read (its sync covers it)
+            self._gate_signal = torch.full((1,), float("nan"), dtype=torch.float32, pin_memory=self.device.type == "cuda")
 
     # -- the MoE layer ------------------------------------------------------------------------
     def moe(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -197,9 +199,12 @@ class TieredRuntime:
         try:
             # the safe point: the FP4 manager mutates only while nobody holds the tier's lock
             with self.fp4.lock if self.fp4 is not None else nullcontext():
+                gated = self.gate is not None and not prefill
+                if gated:
+                    forward = self._with_signal(forward, logits_of or (lambda r: r))
                 first = run_step(forward, rewind, self._read_pass, self._fetch_for_step, self.config)
                 result, outcome = first
-                if self.gate is not None and not prefill:
+                if gated:
                     result, outcome = self._gated(first, forward, rewind, logits_of, step_routed)
         except BaseException:
             self.settle()
@@ -229,6 +234,15 @@ class TieredRuntime:
             log.info(self.kpi_line(every))
         return result, outcome
 
+    def _with_signal(self, forward: Callable[[], object], logits_of: Callable[[object], torch.Tensor]):
+        """`forward` followed by the gate's signal on the device and its asynchronous copy to the
+        host: the pass log's read, next on the same stream, synchronises both (no sync of its own)."""
+        def run():
+            result = forward()
+            self._gate_signal.copy_(self.gate.signal_tensor(logits_of(result)), non_blocking=True)
+            return result
+        return run
+
     def _gated(self, first, forward, rewind, logits_of, step_routed: set):
         def rerun():
             rewind()
@@ -239,7 +253,8 @@ class TieredRuntime:
         (result, last), reruns, _, fire = run_gated(
             first, gate=self.gate, logits_of=logits_of or (lambda r: r), rerun=rerun,
             force_promote=self.fp4.force_promote, record_need=self.fp4.record_need,
-            is_fp4=self.fp4.pool.is_resident, budget=self._gate_budget, fp_max=self.config.gate_fp_max)
+            is_fp4=self.fp4.pool.is_resident, budget=self._gate_budget, fp_max=self.config.gate_fp_max,
+            signal_of=lambda: float(self._gate_signal[0]))
         self._gate_stats.add(self._stats.steps, fire)
         if fire is not None:
             step_routed.update(first[1].last_pass.routed_keys)
@@ -290,6 +305,15 @@ class TieredRuntime:
 
     def gate_stats(self) -> GateStats:
         return self._gate_stats.snapshot()
+
+    def pause_fp4_manager(self, timeout: float | None = None) -> bool:
+        """Hold the FP4 pool's residency still: the manager finishes its pass and then takes no
+        window (they merge, none is lost) until `resume_fp4_manager()`. Gate fires still promote."""
+        return self._fp4_manager.pause(timeout) if self._fp4_manager is not None else True
+
+    def resume_fp4_manager(self) -> None:
+        if self._fp4_manager is not None:
+            self._fp4_manager.resume()
 
     def wait_fp4_manager(self, timeout: float | None = None) -> bool:
         """Block until the FP4 manager consumed every step so far (deterministic tests, benchmarks)."""

@@ -6,7 +6,12 @@ chained snapshot, feeds the tier's frequencies and policy, and promotes lazily i
 window whose device-to-host copy has not landed yet is retried after `RETRY_S` by waking itself
 (never blocking the runner, never dropping the window). Mutations take the tier's lock, which the
 runner holds across each step, so they happen only between steps; the rows they install are read
-from host RAM or the pack before the lock is taken (`Fp4Tier.promote_lazy`).
+from host RAM or the pack before the lock is taken (`Fp4Tier.promote_lazy`), and the window's
+bookkeeping takes only the tier's `state_lock`.
+
+`pause()` holds the pool's residency still (benchmarks that compare two configurations at the same
+FP4 residency): a paused manager takes no window (they keep merging in the snapshot, none is
+lost) and mutates nothing until `resume()`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class Fp4Manager:
         self._idle = threading.Condition()
         self._busy = False
         self._stop = False
+        self._paused = False
         self.passes = self.windows = self.retries = 0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
@@ -39,11 +45,34 @@ class Fp4Manager:
     def wake(self) -> None:
         self._wake.set()
 
-    def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until every pushed window was consumed and no pass runs (tests, shutdown)."""
+    def pause(self, timeout: float | None = None) -> bool:
+        """Stop taking windows after the current pass; returns once no pass runs (False on timeout)."""
+        self._paused = True
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
-            while self._busy or self._wake.is_set() or (self.snapshot.pending and self.error is None):
+            while self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left if left is not None else 0.05)
+        return True
+
+    def resume(self) -> None:
+        """Take windows again (the ones merged while paused first)."""
+        self._paused = False
+        self._wake.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every pushed window was consumed and no pass runs (tests, shutdown); while
+        paused, until no pass runs."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._busy or (not self._paused and (self._wake.is_set() or (self.snapshot.pending
+                                                                                and self.error is None))):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -54,8 +83,11 @@ class Fp4Manager:
         while True:
             self._wake.wait()
             with self._idle:
-                self._busy = True
                 self._wake.clear()
+                if self._paused and not self._stop:
+                    self._idle.notify_all()
+                    continue
+                self._busy = True
             if self._stop:
                 break
             try:

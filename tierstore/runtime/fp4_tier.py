@@ -13,6 +13,12 @@ copies on the pool's own stream, synchronised before the host state changes) and
 `lock`, which the runner holds for the whole of a step: no mutation overlaps a forward. The
 manager reads its lazy rows from host RAM or the pack before it takes `lock` (`promote_lazy`),
 so a step waits at most for a device copy and a table update, never for a host read.
+
+Two locks, always taken in this order: `lock` (the safe point: pool contents and tables) and
+`state_lock` (host state: heat, policy, coldness, counters). The manager's bookkeeping of a window
+(`observe_window`, choosing what to promote) takes only `state_lock`, so the runner's safe point
+waits for the manager only while an install is in progress. The runner closes a step without a
+lock (`close_step` queues it; whoever next reads coldness applies it under `state_lock`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -83,8 +90,10 @@ class Fp4Tier:
         self.source = source
         self.heat = WallClockHeat(*shape, config.fp4_half_life_s, time.monotonic())
         self.last_seen = np.full(shape, -(1 << 40), dtype=np.int64)  # [L, E] step index of the last routing
-        self.tick = 0  # steps closed
-        self.lock = threading.RLock()  # held by the runner for a whole step; mutations of the pool take it
+        self.tick = 0  # steps closed (applied from `_closed`)
+        self.lock = threading.RLock()  # the safe point: held by the runner for a whole step; installs take it
+        self.state_lock = threading.RLock()  # host state; taken after `lock`, never before
+        self._closed: deque[np.ndarray] = deque()  # routed ids of steps closed, not yet applied to last_seen
         self._arena_lock = threading.Lock()  # the arena and its row views; taken after `lock`, never before
         self._staging = torch.empty(config.fp4_promote if self.lazy else 0, source.row_bytes, dtype=torch.uint8,
                                     pin_memory=device.type == "cuda")  # [fp4_promote, row_bytes] lazy rows
@@ -97,15 +106,24 @@ class Fp4Tier:
         coldness counts from here."""
         if not isinstance(routed, np.ndarray):
             routed = np.asarray([self.pool.key_id(k) for k in routed], dtype=np.int64)
-        with self.lock:
-            self.last_seen.reshape(-1)[routed] = self.tick
+        self._closed.append(routed)  # no lock: the runner never waits for the manager's bookkeeping here
+        if self.state_lock.acquire(blocking=False):  # apply now when free (keeps the queue short)
+            try:
+                self._apply_closed()
+            finally:
+                self.state_lock.release()
+
+    def _apply_closed(self) -> None:
+        """Apply the queued step closes to last_seen / tick (caller holds `state_lock`)."""
+        while self._closed:
+            self.last_seen.reshape(-1)[self._closed.popleft()] = self.tick
             self.tick += 1
 
     def record_need(self, routed: Iterable[Key]) -> None:
         """A gate fire: every routed expert of the step gains need (policies that track it)."""
         record = getattr(self.policy, "record_need", None)
         if record is not None:
-            with self.lock:
+            with self.state_lock:
                 self.policy.begin_step(time.monotonic())
                 record([self.pool.key_id(k) for k in routed])
 
@@ -114,7 +132,7 @@ class Fp4Tier:
         """Promote the routed experts that are not FP4 (at most `budget`, None = all), never
         evicting `protect` (every expert routed in this step). Returns how many were promoted.
         `prefill`: a prefill layer's routed set, promoted where the pool allows (no shortfall kept)."""
-        with self.lock:
+        with self.lock, self.state_lock:
             wanted = [k for k in dict.fromkeys(routed) if not self.pool.is_resident(k)]
             if not wanted:
                 return 0
@@ -142,7 +160,7 @@ class Fp4Tier:
     def observe_window(self, counts: np.ndarray) -> list[Key]:
         """Take one window of routed counts (int [L, E]); returns its routed keys."""
         now = time.monotonic()
-        with self.lock:
+        with self.state_lock:  # not the safe-point lock: a step may run meanwhile
             self.heat.add(counts, now)
             routed = np.argwhere(counts > 0)
             resident = self.pool.mirror >= 0
@@ -163,10 +181,11 @@ class Fp4Tier:
         Three phases, so a step never waits for host reads: choose the keys (tier lock, host state
         only), read their rows into the manager's own staging buffer (arena lock only: the runner
         may step meanwhile), then install (tier lock: keys a forced promotion installed meanwhile
-        are dropped, victims are chosen afresh; the device copy and table update happen here)."""
+        are dropped, victims are chosen afresh; the device copy and table update happen here).
+        Choosing takes only `state_lock`, so the runner's safe point waits only for the install."""
         if not self.lazy or not self.config.fp4_promote:
             return 0
-        with self.lock:
+        with self.state_lock:
             take = self._lazy_choice(window)
         if not take:
             return 0
@@ -176,7 +195,7 @@ class Fp4Tier:
             self.failed_reads += 1
             log.warning("FP4 manager: lazy promotion of %d experts dropped: %s", len(take), exc)
             return 0
-        with self.lock:
+        with self.lock, self.state_lock:
             exclude = set(window) | self._warm_keys()
             kept = [i for i, k in enumerate(take) if not self.pool.is_resident(k)]
             kept = kept[:self.pool.capacity_for(exclude, enough=len(kept))]
@@ -218,6 +237,7 @@ class Fp4Tier:
     # -- shared -------------------------------------------------------------------------------
     def _warm_keys(self) -> set[Key]:
         """Resident experts routed within the last `fp4_cold_steps` steps (not yet evictable lazily)."""
+        self._apply_closed()
         warm = self.last_seen > self.tick - 1 - self.config.fp4_cold_steps
         warm &= self.pool.mirror >= 0
         return {(int(l), int(e)) for l, e in np.argwhere(warm)}
@@ -235,7 +255,7 @@ class Fp4Tier:
         """Install `keys` (default: every expert, which needs a pool that holds them all)."""
         g = self.geometry
         keys = list(keys) if keys is not None else [(l, e) for l in range(g.num_moe_layers) for e in range(g.num_experts)]
-        with self.lock:
+        with self.lock, self.state_lock:
             keys = [k for k in keys if not self.pool.is_resident(k)]
             if len(keys) > self.pool.capacity_for(set(keys)):
                 raise CapacityError(f"FP4 pool of {self.pool.num_slots} slots cannot hold {len(keys)} experts")
@@ -246,7 +266,7 @@ class Fp4Tier:
         return "fp4" if self.pool.is_resident((layer, expert)) else "2bit"
 
     def stats(self) -> Fp4Stats:
-        with self.lock:
+        with self.state_lock:
             return Fp4Stats(self.pool.num_slots, self.pool.num_mapped, self.promoted_lazy, self.promoted_forced,
                             self.evicted, self.unrestored, self.failed_reads, self.promoted_prefill,
                             self.routed_pairs, self.fp4_pairs)

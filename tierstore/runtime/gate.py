@@ -5,6 +5,12 @@ Signal per logits row: `max_prob` = top-1 softmax probability, or `margin` = top
 fires when the aggregate is <= tau. tau changes at runtime through `set_tau` or a watched file
 (re-read when its mtime changes; a bad value is logged and ignored); a tau that can never be
 reached (e.g. -1) turns the gate off.
+
+In the runtime the signal is computed on the device right after each forward (`signal_tensor`)
+and copied asynchronously to pinned host memory ahead of the pass log's read, whose
+synchronisation covers it: a step under an armed gate that does not fire makes no host sync of
+its own (`decide_value` on the host copy). `decide` (signal + sync) remains for callers without
+that path.
 """
 
 from __future__ import annotations
@@ -25,19 +31,24 @@ log = logging.getLogger("tierstore.runtime")
 def row_signals(logits: torch.Tensor, signal: str) -> torch.Tensor:
     """float32 [R] confidence of each row of logits [R, V] (or [V])."""
     rows = logits.reshape(-1, logits.shape[-1]).float()  # [R, V]
-    if signal == "max_prob":
-        return torch.exp(rows.max(dim=-1).values - torch.logsumexp(rows, dim=-1))
+    if signal == "max_prob":  # one fused softmax + one reduction (logsumexp is several kernels on CUDA, ms on a busy CPU)
+        return torch.softmax(rows, dim=-1).amax(dim=-1)
     if signal == "margin":
         top2 = rows.topk(2, dim=-1).values  # [R, 2]
         return top2[:, 0] - top2[:, 1]
     raise ConfigError(f"gate signal must be one of {', '.join(GATE_SIGNALS)}, got {signal!r}")
 
 
-def aggregate(signals: torch.Tensor, quantile: float | None) -> float:
-    """min over rows (quantile None) or that quantile; the one host sync of the gate."""
+def aggregate_tensor(signals: torch.Tensor, quantile: float | None) -> torch.Tensor:
+    """min over rows (quantile None) or that quantile, as a float32 [1] tensor on the signals' device (no sync)."""
     if quantile is None:
-        return float(signals.min())
-    return float(torch.quantile(signals, quantile))
+        return signals.min().reshape(1)
+    return torch.quantile(signals, quantile).reshape(1)
+
+
+def aggregate(signals: torch.Tensor, quantile: float | None) -> float:
+    """min over rows (quantile None) or that quantile, on the host (a sync)."""
+    return float(aggregate_tensor(signals, quantile))
 
 
 @dataclass(frozen=True)
@@ -90,7 +101,14 @@ class ConfidenceGate:
         except (OSError, ValueError, ConfigError) as exc:
             log.warning("gate tau file %s ignored (%s); tau stays %s", self.tau_file, exc, self._tau)
 
-    def decide(self, logits: torch.Tensor) -> GateDecision:
+    def signal_tensor(self, logits: torch.Tensor) -> torch.Tensor:
+        """The aggregated signal of logits [R, V] as float32 [1] on their device; no host sync."""
+        return aggregate_tensor(row_signals(logits, self.signal), self.quantile)
+
+    def decide_value(self, value: float) -> GateDecision:
+        """Decide on an aggregated signal already on the host."""
         tau = self.tau
-        value = aggregate(row_signals(logits, self.signal), self.quantile)
         return GateDecision(value, tau, value <= tau)
+
+    def decide(self, logits: torch.Tensor) -> GateDecision:
+        return self.decide_value(aggregate(row_signals(logits, self.signal), self.quantile))

@@ -50,13 +50,20 @@ def _argmax(logits: torch.Tensor) -> int:
 def run_gated(first: tuple[T, StepOutcome], *, gate: ConfidenceGate, logits_of: Callable[[T], torch.Tensor],
               rerun: Callable[[], tuple[T, StepOutcome]], force_promote: Callable[[set, set, int | None], int],
               record_need: Callable[[set], None], is_fp4: Callable[[Key], bool], budget: int | None,
-              fp_max: int) -> tuple[tuple[T, StepOutcome], list, GateDecision, FireRecord | None]:
+              fp_max: int, signal_of: Callable[[], float | None] = lambda: None,
+              ) -> tuple[tuple[T, StepOutcome], list, GateDecision, FireRecord | None]:
     """`first` = (result, outcome) of the step's base fixed point. `rerun()` rewinds and runs the
     base fixed point again; `force_promote(routed, protect, budget)` returns how many it promoted.
+    `signal_of()`: the aggregated signal of the last forward's logits, already on the host (None:
+    compute it from `logits_of(result)`, a host sync).
     Returns (final (result, outcome), the reruns' outcomes, the first decision, the fire record or
     None)."""
+    def decide(result: T) -> GateDecision:
+        value = signal_of()
+        return gate.decide(logits_of(result)) if value is None else gate.decide_value(value)
+
     result, outcome = first
-    decision = gate.decide(logits_of(result))
+    decision = decide(result)
     if not decision.fires:
         return first, [], decision, None
     routed = outcome.last_pass.routed_keys
@@ -74,7 +81,7 @@ def run_gated(first: tuple[T, StepOutcome], *, gate: ConfidenceGate, logits_of: 
         current = rerun()
         reruns.append(current[1])
         step_routed.update(current[1].last_pass.routed_keys)
-        final = gate.decide(logits_of(current[0]))
+        final = decide(current[0])
         if not final.fires:
             break
     converged = all(is_fp4(k) for k in current[1].last_pass.routed_keys)

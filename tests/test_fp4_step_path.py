@@ -1,0 +1,110 @@
+"""What a step under the precision tier does beyond a W2 step: an armed gate that does not fire
+makes no readback or host sync of its own (its signal rides ahead of the pass log's read), the
+safe point does not wait for the manager's bookkeeping (only for installs), and a paused manager
+holds the FP4 residency still without losing windows."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from fp4_fixtures import assert_fp4_coherent, tier_rows, tiered
+from test_runtime_fixtures import ToyMoE, toy_geometry
+
+import tierstore.runtime.gate as gate_module
+from tierstore.runtime.gate import ConfidenceGate
+
+GEOMETRY = toy_geometry(layers=3, experts=16, top_k=2)
+ROWS = tier_rows(GEOMETRY)
+ALL = GEOMETRY.total_routed_experts
+
+
+def inputs(steps: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, GEOMETRY.hidden, generator=gen) for _ in range(steps)]
+
+
+def counting_reads(runtime) -> list[int]:
+    calls = [0]
+    read = runtime.log.read
+
+    def counted():
+        calls[0] += 1
+        return read()
+    runtime.log.read = counted
+    return calls
+
+
+def test_an_armed_silent_step_reads_back_once_and_never_syncs_for_the_gate(monkeypatch):
+    model, xs = ToyMoE(GEOMETRY), inputs(6)
+    with tiered(GEOMETRY, ROWS, pool_slots=ALL, fp4_slots=8, gate=True, gate_tau=-1.0, fp4_policy="freq",
+                force_fp4_pool=True) as runtime:
+        runtime.preload()  # no base misses: one pass per step
+        reads = counting_reads(runtime)
+
+        def no_host_sync(*_):
+            raise AssertionError("the armed-silent step synchronised for the gate")
+        monkeypatch.setattr(gate_module, "aggregate", no_host_sync)
+        monkeypatch.setattr(ConfidenceGate, "decide", no_host_sync)
+        for x in xs:
+            out, outcome = runtime.step(lambda x=x: model.forward(runtime, x), lambda: None)
+            assert outcome.gate is None and outcome.replays == 0
+        assert reads[0] == len(xs)  # the pass log's read, nothing else
+        assert runtime.gate_stats().steps == len(xs) and runtime.gate_stats().fired == 0
+        monkeypatch.undo()
+        # the host copy is the same float the host-side path computes from the last logits
+        assert float(runtime._gate_signal[0]) == runtime.gate.decide(out).signal
+        assert_fp4_coherent(runtime, ROWS[1])
+
+
+def test_the_safe_point_does_not_wait_for_the_managers_bookkeeping():
+    model, xs = ToyMoE(GEOMETRY), inputs(4, seed=5)
+    with tiered(GEOMETRY, ROWS, pool_slots=ALL, fp4_slots=8, fp4_policy="freq", fp4_promote=4) as runtime:
+        runtime.preload()
+        tier = runtime.fp4
+        observe, entered, release = tier.observe_window, threading.Event(), threading.Event()
+
+        def slow_observe(counts):
+            with tier.state_lock:  # the manager mid-bookkeeping, holding the host state
+                entered.set()
+                assert release.wait(10)
+                return observe(counts)
+        tier.observe_window = slow_observe
+        runtime.step(lambda: model.forward(runtime, xs[0]), lambda: None)  # wakes the manager
+        assert entered.wait(10)
+        done = threading.Event()
+
+        def steps():
+            for x in xs[1:]:
+                runtime.step(lambda x=x: model.forward(runtime, x), lambda: None)
+            done.set()
+        runner = threading.Thread(target=steps)
+        runner.start()
+        finished = done.wait(5)
+        release.set()
+        runner.join(10)
+        assert finished, "a step waited for the manager's bookkeeping (nothing was being installed)"
+        assert runtime.wait_fp4_manager(10)
+        stats = runtime.fp4_stats()
+        assert stats.routed_pairs == len(xs) * GEOMETRY.num_moe_layers * GEOMETRY.top_k  # no window lost
+        assert tier.tick == len(xs)  # every close applied
+        assert_fp4_coherent(runtime, ROWS[1])
+
+
+def test_a_paused_manager_holds_residency_and_loses_no_window():
+    steps = 5
+    model, xs = ToyMoE(GEOMETRY), inputs(steps, seed=6)
+    with tiered(GEOMETRY, ROWS, pool_slots=ALL, fp4_slots=10, fp4_policy="freq", fp4_promote=4) as runtime:
+        runtime.preload()
+        runtime.preload_fp4([(0, 0), (1, 1)])
+        assert runtime.pause_fp4_manager(10)
+        for x in xs:
+            runtime.step(lambda x=x: model.forward(runtime, x), lambda: None)
+        assert runtime.wait_fp4_manager(10)  # returns while paused
+        stats = runtime.fp4_stats()
+        assert stats.mapped == 2 and stats.promoted_lazy == 0 and stats.routed_pairs == 0
+        runtime.resume_fp4_manager()
+        assert runtime.wait_fp4_manager(10)
+        stats = runtime.fp4_stats()
+    assert stats.routed_pairs == steps * GEOMETRY.num_moe_layers * GEOMETRY.top_k  # the merged windows arrived
+    assert stats.promoted_lazy > 0
