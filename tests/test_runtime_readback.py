@@ -12,6 +12,11 @@ from tierstore.runtime.passlog import PassLog
 from tierstore.runtime.replay import run_replay, trace_steps
 from tierstore.runtime.replay_drive import NOMISS_VARIANTS
 
+try:
+    from test_runtime_hf import checkpoints  # noqa: F401 (the fixture, for the generation test)
+except pytest.skip.Exception:  # no transformers: only the generation test needs it
+    pass
+
 
 def test_published_values_come_back_with_the_pass_log_read():
     log = PassLog(2, 4, top_k=2, capacity=3, device="cpu", output_words=3)
@@ -133,3 +138,33 @@ def test_the_pool_policy_hears_of_a_step_at_the_next_read_in_the_same_order():
         runtime.close()
     assert orders[0] == orders[1]
     assert all(torch.equal(a, b) for a, b in zip(*outputs))
+
+
+def test_generation_reads_the_next_token_from_the_pass_log_with_the_same_result(checkpoints):
+    """A runtime with output_words folds the decoder's argmax into the step's read: same tokens and
+    bit-identical logits as the separate `int(logits.argmax())` path, at a 25% pool with replays."""
+    pytest.importorskip("transformers")
+    from test_runtime_hf import PROMPT
+
+    from tierstore.checkpoint import open_checkpoint
+    from tierstore.runtime.generation import TieredGenerator
+    from tierstore.runtime.hf import install_tiered_experts, load_model
+    from tierstore.runtime.packs import open_base_rows
+
+    ckpt, packs = checkpoints("qwen3_moe")
+    with open_checkpoint(ckpt) as c:
+        geometry = c.geometry
+    outs = []
+    for words in (0, 1):
+        runtime = TieredRuntime(geometry, open_base_rows(ckpt, packs), pool_slots=round(0.25 * geometry.total_routed_experts),
+                                arena_slots=16, config=RuntimeConfig(kpi_every=0, force_pool=True), output_words=words)
+        model = load_model(ckpt, torch.float32)
+        install_tiered_experts(model, runtime)
+        with runtime:
+            generator = TieredGenerator(model, runtime, max_length=len(PROMPT) + 13)
+            assert generator._fold == bool(words)
+            outs.append((generator.generate(PROMPT, 12, keep_logits=True), runtime.stats().replayed_steps))
+    (separate, replayed), (folded, _) = outs
+    assert replayed > 0
+    assert folded.new_ids == separate.new_ids
+    assert all(torch.equal(a, b) for a, b in zip(folded.step_logits, separate.step_logits))

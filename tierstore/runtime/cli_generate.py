@@ -35,7 +35,7 @@ def _runtime(checkpoint, pack_dir, geometry, pool_slots, arena, device, config, 
     fp4_rows = open_base_rows(checkpoint, pack_dir, tag="fp4") if fp4 else None
     fp4_arena = arena_slots(arena, fp4_rows.stride, fp4_rows.stride * geometry.total_routed_experts) if fp4 else 0
     return TieredRuntime(geometry, rows, pool_slots=pool_slots, arena_slots=slots, device=device, config=config,
-                         heat_path=rows.pack.paths.heat, record_tokens=1 if record else 0,
+                         heat_path=rows.pack.paths.heat, record_tokens=1 if record else 0, output_words=1,
                          fp4_source=fp4_rows, fp4_slots=fp4 or None, fp4_arena_slots=fp4_arena)
 
 

@@ -4,6 +4,10 @@ A static KV cache makes a step replayable: before each replay the cache's write 
 rewound, so the replay overwrites the same cache entries with the corrected values. On CUDA the
 decode step is captured once as a CUDA graph (pools and tables exist before the capture) and
 every pass is a graph replay; elsewhere, or when capture fails, the step runs eagerly.
+
+With a runtime made with `output_words >= 1` and no confidence gate, the decode step's argmax is
+computed inside the step and published into the pass log (`TieredRuntime.publish`): the pass-log
+read that the step makes anyway brings the next token back, with no copy or sync of its own.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class TieredGenerator:
         self._pos = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1]
         self._graph = None
         self._graph_logits = None
+        # the gate may return a result other than the last pass's, whose published token would then not match
+        self._fold = runtime.log.outputs is not None and getattr(runtime, "gate", None) is None
 
     # -- cache position -----------------------------------------------------------------------
     def _rewind(self, position: int) -> None:
@@ -58,7 +64,10 @@ class TieredGenerator:
 
     # -- decode step ----------------------------------------------------------------------------
     def _decode_eager(self) -> torch.Tensor:
-        return self._forward(self._ids, self._pos)
+        logits = self._forward(self._ids, self._pos)
+        if self._fold:
+            self.runtime.publish(logits.argmax().view(1))  # the next token, read back with the pass log
+        return logits
 
     def _capture(self, position: int) -> None:
         side = torch.cuda.Stream(self.device)
@@ -107,9 +116,13 @@ class TieredGenerator:
         logits, _ = self.runtime.step(lambda: self._forward(prompt, positions), lambda: self._rewind(0), prefill=True)
         result.fired.append(False)
         decode_started = time.perf_counter()
+        published = None  # the last decode step's argmax, from its pass-log read
         for position in range(len(prompt_ids), len(prompt_ids) + max_new_tokens):
             step = position - len(prompt_ids)
-            token = int(logits.argmax()) if forced_ids is None or step >= len(forced_ids) else forced_ids[step]
+            if forced_ids is not None and step < len(forced_ids):
+                token = forced_ids[step]
+            else:
+                token = published if published is not None else int(logits.argmax())
             if keep_logits:
                 result.step_logits.append(logits.float().cpu().clone())
             result.new_ids.append(token)
@@ -121,6 +134,7 @@ class TieredGenerator:
                 self._capture(position)
             self._rewind(position)
             logits, outcome = self.runtime.step(self._decode_pass, lambda p=position: self._rewind(p))
+            published = int(outcome.last_pass.outputs[0]) if self._fold else None
             result.fired.append(outcome.gate is not None)
             if record_routing:
                 result.routing.append(self.runtime.last_pass.routing[:, 0, :].copy())
