@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The H200 measurements still pending on main, in two device calls of under 10 minutes each.
+# Run from the repository root on the GPU machine:
+#   TIERSTORE_COMMIT=<sha of the tree, taken on the dev machine> bash benchmarks/h200_session.sh kernels
+#   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime      (carry .whl for liburing)
+# Each step writes one archive, $OUT/<step>.tar.gz (the device returns at most 8 files), and prints
+# a summary. Every stage has its own time limit, so one that hangs or fails leaves the rest to run;
+# its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
+# `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
+set -uo pipefail
+step="${1:?usage: h200_session.sh kernels|runtime}"
+out="${OUT:?set OUT to the folder that comes back}"
+commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
+work="$out/$step"
+mkdir -p "$work"
+export PYTHONUNBUFFERED=1
+
+stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to $work/NAME.log, record the status
+  local name="$1" limit="$2"
+  shift 2
+  local started=$SECONDS
+  timeout "$limit" "$@" >"$work/$name.log" 2>&1
+  local status=$?
+  echo "$name: exit $status after $((SECONDS - started)) s (limit $limit s)" | tee -a "$work/summary.txt"
+}
+
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$work/install.log" 2>&1 \
+  || { echo "editable install failed: see install.log" | tee -a "$work/summary.txt"; }
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >>"$work/install.log" 2>&1
+  export PYTHONPATH=/tmp/site
+fi
+
+case "$step" in
+  kernels)
+    stage kernel-tests 240 python3 -m pytest tests/test_kernels_gpu.py -q -x
+    stage kernels 300 python3 benchmarks/kernels.py --tokens 1,8,32 --config 64,8 --commit "$commit" \
+      --json "$work/kernels-deepseek-v3.json"
+    ;;
+  runtime)
+    stage runtime-tests 110 python3 -m pytest tests/test_runtime_gpu.py tests/test_fp4_gpu.py -q -x
+    stage replay-readback 130 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 1,0.25 --arena-gb 4 --commit "$commit" --out "$work/replay_readback.json"
+    stage replay-warm 100 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 0.25 --arena-gb 4 --arena-preload --commit "$commit" \
+      --out "$work/replay_warm.json"
+    stage gate-cost 130 python3 benchmarks/gate_cost.py --presets ds-v2-lite --layers 8 --steps 60 --warmup 20 \
+      --fp4-fractions 0.1,0.25,0.5,1 --gate-fraction 0.25 --fire-every 4 --repetitions 6 --commit "$commit" \
+      --out "$work/gate_cost_held.json"
+    stage io-fetch 90 python3 benchmarks/io_fetch.py --dir /tmp/iobh --rows 64 --repeats 5 --depths 1,8,32 \
+      --out "$work/io_fetch.json"
+    ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac
+
+python3 - "$work" "$commit" <<'EOF'
+import json, pathlib, sys
+work, commit = pathlib.Path(sys.argv[1]), sys.argv[2]
+for path in sorted(work.glob("*.json")):
+    data = json.loads(path.read_text())
+    provenance = data.get("provenance") if isinstance(data, dict) else None
+    if isinstance(provenance, dict) and provenance.get("commit") != commit:
+        provenance["commit_seen"], provenance["commit"] = provenance.get("commit"), commit
+        path.write_text(json.dumps(data, indent=1) + "\n")
+EOF
+tail -n 3 "$work"/*.log
+cat "$work/summary.txt"
+tar -C "$out" -czf "$out/$step.tar.gz" "$step" && rm -rf "$work"
