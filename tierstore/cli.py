@@ -10,7 +10,7 @@ import sys
 from tierstore.errors import TierstoreError
 
 # One entry per subcommand module under tierstore/commands/, in --help order.
-COMMAND_MODULES = ("inspect", "sim", "plan", "pack", "verify", "generate", "replay")
+COMMAND_MODULES = ("inspect", "sim", "plan", "pack", "verify", "generate", "replay", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
