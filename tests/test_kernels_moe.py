@@ -164,3 +164,254 @@ def test_two_lane_ptx_runs_each_lane_as_the_single_lane_ptx():
         assert all(line in dual for line in shared)
     assert sum(line.startswith("fma.rn.bf16x2") for line in dual) == 14
     assert sum(line.startswith("shf.l.wrap") for line in dual) == 7  # the decode is not repeated per lane
+
+
+# ---- v8: FP4 e2m1 -> bf16x2 by integer bit construction (selectable, `fp4_bf16x2`) ----
+
+import struct  # noqa: E402
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from tierstore.kernels import fp4_bf16x2_scales_exact  # noqa: E402
+from tierstore.kernels._triton.decode import (_fp4_scale_pairs_asm, _fp4_word_dot_asm, bf16x2_halves,  # noqa: E402
+                                               fp4_scale_pairs_ref, fp4_word_pairs)
+from tierstore.kernels.layout import E2M1_MAGNITUDES  # noqa: E402
+
+
+@triton.jit
+def _store_pair(pairs_ptr, values_ptr, offs, m, I: tl.constexpr, p, s):
+    tl.store(pairs_ptr + offs * 4 + I, p.to(tl.int32, bitcast=True), mask=m)
+    v_lo, v_hi = bf16x2_halves(p)
+    c_lo, c_hi = bf16x2_halves(s)
+    tl.store(values_ptr + offs * 8 + 2 * I, v_lo * c_lo, mask=m)
+    tl.store(values_ptr + offs * 8 + 2 * I + 1, v_hi * c_hi, mask=m)
+
+
+@triton.jit
+def _fp4_decode_probe(words_ptr, scale_words_ptr, pairs_ptr, values_ptr, n, WPS: tl.constexpr, BLOCK: tl.constexpr):
+    """Words and their tile's scale words -> the twin's bf16x2 pairs and the scaled weights (float32)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    w = tl.load(words_ptr + offs, mask=m, other=0)
+    q0 = tl.load(scale_words_ptr + 2 * offs, mask=m, other=0)
+    q1 = tl.load(scale_words_ptr + 2 * offs + 1, mask=m, other=0)
+    p0, p1, p2, p3 = fp4_word_pairs(w)
+    s0, s1, s2, s3 = fp4_scale_pairs_ref(q0, q1, WPS)
+    _store_pair(pairs_ptr, values_ptr, offs, m, 0, p0, s0)
+    _store_pair(pairs_ptr, values_ptr, offs, m, 1, p1, s1)
+    _store_pair(pairs_ptr, values_ptr, offs, m, 2, p2, s2)
+    _store_pair(pairs_ptr, values_ptr, offs, m, 3, p3, s3)
+
+
+def _e2m1(nibbles: torch.Tensor) -> torch.Tensor:
+    mag = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64)[(nibbles & 7).long()]
+    return torch.where(nibbles >= 8, -mag, mag)
+
+
+def _decode_cases(wps: int, seed: int):
+    """Words covering every nibble in every slot at every scale byte 2..240 (one scale per word), plus random
+    words with a random scale byte per block; returns (nibbles [N, 8], block bytes [N, 8 blocks of the tile])."""
+    gen = torch.Generator().manual_seed(seed)
+    rot = (torch.arange(16)[:, None] + torch.arange(8)[None, :]) % 16  # [16, 8]: nibble (n + j) % 16 in slot j
+    scales = torch.arange(2, 241)
+    nib = rot.repeat(len(scales), 1)
+    byte = scales.repeat_interleave(16)[:, None].expand(-1, 8)
+    rnd_nib = torch.randint(0, 16, (2048, 8), generator=gen)
+    rnd_byte = torch.randint(2, 241, (2048, 8), generator=gen)
+    nib, byte = torch.cat([nib, rnd_nib]), torch.cat([byte, rnd_byte])
+    slot_block = torch.arange(8) if wps == 32 else torch.arange(8) // 2  # block of slot j within the tile
+    return nib, byte, slot_block
+
+
+def _pack_probe(nib, byte):
+    words = (nib.to(torch.int64) << (4 * torch.arange(8))).sum(1)
+    words = (words - ((words >> 31) << 32)).to(torch.int32)
+    q = (byte.to(torch.int64) << (8 * (torch.arange(8) % 4))).view(-1, 2, 4).sum(2)
+    q = (q - ((q >> 31) << 32)).to(torch.int32)
+    return words, q.reshape(-1)
+
+
+@pytest.mark.parametrize("wps", [32, 16])
+def test_fp4_bf16x2_decode_is_byte_exact_for_every_nibble_and_scale(wps):
+    """The twin's integer construction (the PTX's, instruction for instruction) gives the bf16 bits of every
+    e2m1 value, and times the bf16 scale pair the exact value * 2^(byte - 127), for scale bytes 2..240."""
+    nib, byte, slot_block = _decode_cases(wps, seed=wps)
+    words, q = _pack_probe(nib, byte)
+    n = words.numel()
+    pairs = torch.full((n, 4), 0x7FC07FC0, dtype=torch.int32)  # poisoned (NaN pairs)
+    values = torch.full((n, 8), float("nan"))
+    _fp4_decode_probe[(triton.cdiv(n, 256),)](words, q, pairs, values, n, WPS=wps, BLOCK=256)
+    ref = _e2m1(nib)  # [N, 8], slot order
+    bits = ref.float().to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    assert torch.equal(ref.float().to(torch.bfloat16).double(), ref)  # every e2m1 value is an exact bf16
+    want_pairs = bits[:, 0::2] | (bits[:, 1::2] << 16)
+    assert torch.equal(pairs.to(torch.int64) & 0xFFFFFFFF, want_pairs)
+    slot_byte = byte[:, slot_block]  # scale byte of each slot's block
+    want = ref * torch.exp2(slot_byte.double() - 127)
+    assert torch.equal(want.to(torch.bfloat16).double(), want)  # products are normal bf16 (or zero): exact
+    assert torch.equal(values.view(torch.int32), want.float().view(torch.int32))  # sign of zero included
+
+
+def test_fp4_bf16x2_scale_byte_zero_gives_zero():
+    """Scale byte 0 (the padding blocks' byte; as a real scale 2^-127, outside the exact range) gives +-0."""
+    nib = torch.arange(16).repeat(1, 1).view(2, 8)
+    byte = torch.zeros(2, 8, dtype=torch.int64)
+    words, q = _pack_probe(nib, byte)
+    values = torch.full((2, 8), float("nan"))
+    _fp4_decode_probe[(1,)](words, q, torch.empty(2, 4, dtype=torch.int32), values, 2, WPS=32, BLOCK=4)
+    assert torch.equal(values.abs(), torch.zeros(2, 8))
+
+
+# A minimal interpreter of the instructions the FP4 PTX uses, to run the PTX text itself on the CPU.
+
+def _bf16_value(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+
+def _bf16_bits_exact(x: float) -> int:
+    f32 = struct.unpack("<I", struct.pack("<f", x))[0]
+    assert struct.unpack("<f", struct.pack("<I", f32))[0] == x and f32 & 0xFFFF == 0, f"{x} is not an exact bf16"
+    return f32 >> 16
+
+
+def _prmt(a: int, b: int, c: int) -> int:
+    src = a | (b << 32)
+    out = 0
+    for j in range(4):
+        sel = (c >> (4 * j)) & 0xF
+        byte = (src >> (8 * (sel & 7))) & 0xFF
+        if sel & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * j)
+    return out
+
+
+def _run_ptx(asm: str, operands: dict[int, int]) -> dict:
+    regs = {f"${k}": v for k, v in operands.items()}
+
+    def val(tok: str) -> int:
+        return regs[tok] if tok in regs else int(tok, 0) & 0xFFFFFFFF
+
+    for line in asm.splitlines():
+        line = line.strip()
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, rest = line.rstrip(";").split(" ", 1)
+        args = [a.strip() for a in rest.split(",")]
+        d, src = args[0], [val(a) for a in args[1:]]
+        if op == "mov.b32":
+            r = src[0]
+        elif op == "and.b32":
+            r = src[0] & src[1]
+        elif op == "or.b32":
+            r = src[0] | src[1]
+        elif op == "shl.b32":
+            r = (src[0] << src[1]) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            r = src[0] >> src[1]
+        elif op == "prmt.b32":
+            r = _prmt(*src)
+        elif op in ("mul.rn.bf16x2", "fma.rn.bf16x2"):  # exact cases only (asserted)
+            r = 0
+            for half in (0, 16):
+                x = _bf16_value(src[0] >> half) * _bf16_value(src[1] >> half)
+                if op.startswith("fma"):
+                    x += _bf16_value(src[2] >> half)
+                r |= _bf16_bits_exact(x) << half
+        elif op == "add.f32":
+            f = [struct.unpack("<f", struct.pack("<I", s))[0] for s in src]
+            r = struct.unpack("<I", struct.pack("<f", f[0] + f[1]))[0]
+        else:
+            raise AssertionError(f"unexpected PTX instruction {op}")
+        regs[d] = r
+    return regs
+
+
+@pytest.mark.parametrize("wps", [32, 16])
+def test_fp4_ptx_text_decodes_every_nibble_exactly(wps):
+    """Runs the inline-PTX text (scale pairs + word dot) in a Python model of its instructions: with a one-hot
+    activation pair the word dot returns exactly e2m1 * 2^(byte - 127) for every nibble in every slot, every
+    scale byte 2..240 (products asserted exact), and the decoded pairs equal the twin's construction."""
+    nib, byte, slot_block = _decode_cases(wps, seed=100 + wps)
+    keep = torch.arange(nib.shape[0]) % 3 == 0  # every third word of the cases keeps the run short
+    keep[: 16 * 239: 239] = True
+    nib, byte = nib[keep], byte[keep]
+    words, q = _pack_probe(nib, byte)
+    ref = _e2m1(nib) * torch.exp2(byte[:, slot_block].double() - 127)
+    one = _bf16_bits_exact(1.0)
+    dot_asm, scale_asm = _fp4_word_dot_asm(), _fp4_scale_pairs_asm(wps)
+    for r in range(words.numel()):
+        sregs = _run_ptx(scale_asm, {4: int(q[2 * r]) & 0xFFFFFFFF, 5: int(q[2 * r + 1]) & 0xFFFFFFFF})
+        scales = {6 + i: sregs[f"${i}"] for i in range(4)}
+        for j in range(8):
+            x = {2 + i: (one << (16 * (j % 2)) if i == j // 2 else 0) for i in range(4)}
+            regs = _run_ptx(dot_asm, {1: int(words[r]) & 0xFFFFFFFF, **x, **scales})
+            out = struct.unpack("<f", struct.pack("<I", regs["$0"]))[0]
+            assert out == float(ref[r, j]), (r, j, out, float(ref[r, j]))
+
+
+def test_fp4_ptx_structure():
+    """The FP4 word dot: 17 integer instructions of decode per word (plus 4 table movs), one packed multiply by
+    the scale per pair and one packed mul/FMA per pair; no exponent add, no cvt, no float op on the integer
+    side, so no step depends on subnormals (the decode builds normal bf16 bits directly)."""
+    body = [line for line in _fp4_word_dot_asm().splitlines()[3:-1]]
+    ops = [line.split(" ", 1)[0] for line in body]
+    decode = ops[: ops.index("mul.rn.bf16x2")]
+    assert decode.count("mov.b32") == 4 and len(decode) - 4 == 17
+    assert set(decode) == {"mov.b32", "and.b32", "shr.b32", "shl.b32", "prmt.b32", "or.b32"}
+    assert ops.count("mul.rn.bf16x2") == 5 and ops.count("fma.rn.bf16x2") == 3
+    assert not any(op.startswith(("add.s32", "cvt", "sub")) for op in ops)
+    scales = [f"mul.rn.bf16x2 p{i}, p{i}, ${6 + i};" for i in range(4)]
+    assert all(line in body for line in scales)
+
+
+def _fp4_run(x, ids, wts, w2, f4, misses, mode, limit=None):
+    ws = MoeWorkspace.allocate(x.shape[0], ids.shape[1], w2.table.shape[1], x.shape[1], w2.layout.inter, x.dtype, DEVICE,
+                               block_tokens=1, fp4_bf16x2=mode)
+    ws.act.fill_(float("nan"))
+    ws.y.fill_(float("nan"))
+    out = torch.full_like(x, float("nan"))
+    moe_mm(x, ids, wts, w2, f4, 0, misses, ws, out=out, swiglu_limit=limit)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp4_bf16x2_fused_matches_reference_with_mixed_residency_and_misses(dtype):
+    """fp4_bf16x2 = "ptx" (inline PTX on the GPU with bf16, the plain twin here) and "triton" through the fused
+    op: FP4, W2 and missing experts, the SwiGLU clamp, a down matrix with padded K (WPS 16). The twin equals
+    the default FP4 decode bit for bit (same products, exact, same order); miss counts and lists as the reference."""
+    hidden, inter, experts, top_k, tokens = 256, 96, 8, 3, 5
+    gen, w2, f4 = _setup(hidden, inter, experts, 1, 31, w2_slots=4, fp4_slots=3)
+    w2.table[0, :4] = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    f4.table[0, 1] = 2
+    f4.table[0, 3] = 0
+    f4.table[0, 6] = 1  # FP4 only; 4, 5, 7 missing
+    assert fp4_bf16x2_scales_exact(f4)
+    ids, wts = random_routing(tokens, top_k, experts, gen, DEVICE)
+    x = (3 * torch.randn(tokens, hidden, generator=gen)).to(DEVICE, dtype)
+    ref, missing_pairs, missing = moe_mm_ref(x, ids, wts, w2, f4, 0, swiglu_limit=6.0, act_dtype=dtype)
+    outs = {}
+    for mode in ("off", "triton", "ptx"):
+        misses = MissLog.allocate(8, DEVICE)
+        outs[mode] = _fp4_run(x, ids, wts, w2, f4, misses, mode, limit=6.0)
+        assert not outs[mode].isnan().any()
+        assert misses.counts.tolist() == [missing_pairs, len(missing)]
+        assert sorted(tuple(e) for e in misses.entries[: len(missing)].tolist()) == missing
+        assert _rel_err(outs[mode], ref) < (1e-2 if mode == "ptx" and ON_GPU else TOLERANCE[dtype])
+    used = set(ids.reshape(-1).tolist())
+    assert used & {1, 3, 6} and used & {0, 2} and used & {4, 5, 7}  # all three kinds of pair ran
+    if not ON_GPU:
+        assert torch.equal(outs["triton"], outs["off"]) and torch.equal(outs["ptx"], outs["off"])
+
+
+def test_fp4_bf16x2_scale_check_and_options():
+    gen, w2, f4 = _setup(256, 64, 4, 1, 2, w2_slots=1, fp4_slots=1)
+    assert fp4_bf16x2_scales_exact(f4)
+    lay = f4.layout
+    f4.slots[0, lay.w2_scales_offset + 1] = 1  # a real block's scale byte 1: 0.5 * 2^-126 is not a normal bf16
+    assert not fp4_bf16x2_scales_exact(f4)
+    with pytest.raises(ValueError):
+        MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE, block_tokens=2, fp4_bf16x2="ptx")
+    with pytest.raises(ValueError):
+        MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE, fp4_bf16x2="fast")

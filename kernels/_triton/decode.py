@@ -174,3 +174,181 @@ def w2_word_dot2_bf16x2(w, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b
         [w, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, s0, s1, s2, s3, s4, s5, s6, s7],
         dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# FP4 (e2m1) -> bfloat16x2 by integer bit construction (v8 variant, selectable; not yet measured).
+#
+# Every e2m1 magnitude {0, .5, 1, 1.5, 2, 3, 4, 6} is zero or a normal bfloat16, so its 16 bits are
+# looked up, never produced by scaling an exponent (which would make 0.5 a subnormal): `prmt` with
+# the 3-bit magnitude as selector picks the low byte from the 8-byte table FP4_BF16_LO and the high
+# byte from FP4_BF16_HI (entry m = byte m of {b, a}, a holding entries 0..3). Per word (8 nibbles,
+# 4 bf16x2 pairs: slots 2i | 2i+1 << 16):
+#   idx = w & 0x77777777; idh = idx >> 16; v = w << 4
+#   per nibble quad q (nibbles 4q..4q+3, selectors idx resp. idh):
+#     l = prmt(LO_a, LO_b, sel); h = prmt(HI_a, HI_b, sel)       low / high bytes of the 4 magnitudes
+#     s = prmt(v, w, 0x5140 + 0x2222 * q); h |= s & 0x80808080    nibble signs -> bit 7 of each high byte
+#     pair 2q = prmt(l, h, 0x5140); pair 2q + 1 = prmt(l, h, 0x7362)
+# 17 integer instructions per 8 weights (~2.1 per weight). The block scale 2^(byte - 127) enters as
+# one packed multiply by the bf16x2 (byte_lo << 7 | byte_hi << 23): a normal bf16 times a power of two is exact
+# while the product stays normal, which holds for scale bytes 2..252 (|e2m1| in [0.5, 6]: smallest
+# product 0.5 * 2^(2 - 127) = 2^-126, largest 6 * 2^125 < bf16 max); the layout admits 0..240.
+# Byte 0 gives the bf16 +0 scale (zero, as for padding blocks); byte 1 puts 0.5 * 2^-126 below the
+# normal range (bf16 subnormal, hardware dependent): neither is exact, see fp4_bf16x2_scales_exact.
+
+FP4_BF16_LO = (0xC0800000, 0xC0804000)  # low bytes of bf16(m) for m = 0..7: 00 00 80 C0 | 00 40 80 C0
+FP4_BF16_HI = (0x3F3F3F00, 0x40404040)  # high bytes: 00 3F 3F 3F | 40 40 40 40
+FP4_MIN_EXACT_SCALE_BYTE = 2
+
+
+def _fp4_decode_lines(word: str, pair_regs: tuple[str, str, str, str]) -> list[str]:
+    """PTX lines that build the four bf16x2 magnitude+sign pairs of FP4 word `word` into pair_regs."""
+    lines = [
+        f"mov.b32 tla, {FP4_BF16_LO[0]:#010x};", f"mov.b32 tlb, {FP4_BF16_LO[1]:#010x};",
+        f"mov.b32 tha, {FP4_BF16_HI[0]:#010x};", f"mov.b32 thb, {FP4_BF16_HI[1]:#010x};",
+        f"and.b32 idx, {word}, 0x77777777;",
+        "shr.b32 idh, idx, 16;",
+        f"shl.b32 v, {word}, 4;",
+    ]
+    for q, sel in ((0, "idx"), (1, "idh")):
+        lines += [
+            f"prmt.b32 l, tla, tlb, {sel};",
+            f"prmt.b32 h, tha, thb, {sel};",
+            f"prmt.b32 s, v, {word}, {0x5140 + 0x2222 * q:#x};",
+            "and.b32 s, s, 0x80808080;",
+            "or.b32 h, h, s;",
+            f"prmt.b32 {pair_regs[2 * q]}, l, h, 0x5140;",
+            f"prmt.b32 {pair_regs[2 * q + 1]}, l, h, 0x7362;",
+        ]
+    return lines
+
+
+_FP4_DECODE_REGS = ".reg .b32 tla, tlb, tha, thb, idx, idh, v, l, h, s;"
+
+
+def _fp4_word_dot_asm() -> str:
+    """PTX for `fp4_word_dot_bf16x2`: $0 = result (f32), $1 = word, $2..$5 = activation pairs, $6..$9 = scale pairs."""
+    lines = ["{", _FP4_DECODE_REGS, ".reg .b32 p0, p1, p2, p3, acc, lo, hi;"]
+    lines += _fp4_decode_lines("$1", ("p0", "p1", "p2", "p3"))
+    for i in range(4):
+        lines.append(f"mul.rn.bf16x2 p{i}, p{i}, ${6 + i};")  # exact: power-of-two scale, normal product
+        if i == 0:
+            lines.append("mul.rn.bf16x2 acc, p0, $2;")
+        else:
+            lines.append(f"fma.rn.bf16x2 acc, p{i}, ${2 + i}, acc;")
+    lines += ["shl.b32 lo, acc, 16;", "and.b32 hi, acc, 0xffff0000;", "add.f32 $0, lo, hi;", "}"]
+    return "\n".join(lines)
+
+
+def _fp4_scale_pairs_asm(wps: int) -> str:
+    """PTX for `fp4_scale_pairs`: the tile's scale words -> four bf16x2 scales (byte_lo << 7 | byte_hi << 23)."""
+    lines = ["{", ".reg .b32 z, d;", "mov.b32 z, 0;"]
+    for i, (word, sel) in enumerate(fp4_scale_pair_selectors(wps)):
+        lines.append(f"prmt.b32 d, ${4 + word}, z, {sel:#x};")
+        lines.append(f"shl.b32 ${i}, d, 7;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def fp4_scale_pair_selectors(wps: int) -> list[tuple[int, int]]:
+    """(scale word, prmt selector) of slot pair i of an FP4 tile: bytes [lo block, 0, hi block, 0]."""
+    out = []
+    for i in range(4):
+        lo, hi = (2 * i * wps) // 32, ((2 * i + 1) * wps) // 32  # scale blocks of slots 2i and 2i + 1
+        assert lo // 4 == hi // 4
+        out.append((lo // 4, (4 << 12) | ((hi % 4) << 8) | (4 << 4) | (lo % 4)))
+    return out
+
+
+_FP4_WORD_DOT_ASM = tl.constexpr(_fp4_word_dot_asm())
+_FP4_SCALE_PAIRS_ASM_32 = tl.constexpr(_fp4_scale_pairs_asm(32))
+_FP4_SCALE_PAIRS_ASM_16 = tl.constexpr(_fp4_scale_pairs_asm(16))
+
+
+@triton.jit
+def fp4_word_dot_bf16x2(w, x0, x1, x2, x3, s0, s1, s2, s3):
+    """Inline PTX (GPU only): sum over the 8 weights of FP4 word w of weight * activation, as float32.
+
+    x_i: activations of slots 2i (low) and 2i+1 (high) as bfloat16x2; s_i: their scales as bfloat16x2
+    powers of two (`fp4_scale_pairs`). Decode by lookup (`_fp4_decode_lines`), one exact packed
+    multiply by the scale per pair, one packed FMA per pair; four products summed in bf16x2, then joined
+    as float32.
+    """
+    return tl.inline_asm_elementwise(
+        _FP4_WORD_DOT_ASM, "=r" + ",r" * 9, [w, x0, x1, x2, x3, s0, s1, s2, s3],
+        dtype=tl.float32, is_pure=True, pack=1,
+    )
+
+
+@triton.jit
+def fp4_scale_pairs(q0, q1, WPS: tl.constexpr):
+    """Inline PTX (GPU only): scale words of an FP4 K tile (8 blocks in q0, q1 when WPS = 32; 4 in q0 when
+    WPS = 16) -> the four bf16x2 scale pairs of `fp4_word_dot_bf16x2` (one prmt + one shl each)."""
+    if WPS == 32:
+        return tl.inline_asm_elementwise(_FP4_SCALE_PAIRS_ASM_32, "=r,=r,=r,=r,r,r", [q0, q1],
+                                         dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(_FP4_SCALE_PAIRS_ASM_16, "=r,=r,=r,=r,r,r", [q0, q1],
+                                         dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+
+
+# Plain-Triton twin: the same instructions on uint32 tensors (what the CPU interpreter runs).
+
+@triton.jit
+def _prmt_byte(a, b, c, J: tl.constexpr):
+    sel = (c >> (4 * J)) & 0xF
+    n = sel & 7
+    src = tl.where(n < 4, a, b)
+    byte = (src >> ((n & 3) * 8)) & 0xFF
+    return tl.where((sel & 8) != 0, ((byte >> 7) & 1) * 0xFF, byte)
+
+
+@triton.jit
+def prmt_ref(a, b, c):
+    """`prmt.b32 d, a, b, c` (default mode, msb-replicate included) on uint32 tensors."""
+    return (_prmt_byte(a, b, c, 0) | (_prmt_byte(a, b, c, 1) << 8) | (_prmt_byte(a, b, c, 2) << 16)
+            | (_prmt_byte(a, b, c, 3) << 24))
+
+
+@triton.jit
+def fp4_word_pairs(words):
+    """FP4 words (int32) -> the four bf16x2 pairs (uint32) exactly as `_fp4_decode_lines` builds them."""
+    w = words.to(tl.uint32, bitcast=True)
+    zero = w & 0
+    tla = zero | 0xC0800000
+    tlb = zero | 0xC0804000
+    tha = zero | 0x3F3F3F00
+    thb = zero | 0x40404040
+    idx = w & 0x77777777
+    idh = idx >> 16
+    v = w << 4
+    l0 = prmt_ref(tla, tlb, idx)
+    h0 = prmt_ref(tha, thb, idx) | (prmt_ref(v, w, zero | 0x5140) & 0x80808080)
+    l1 = prmt_ref(tla, tlb, idh)
+    h1 = prmt_ref(tha, thb, idh) | (prmt_ref(v, w, zero | 0x7362) & 0x80808080)
+    return (prmt_ref(l0, h0, zero | 0x5140), prmt_ref(l0, h0, zero | 0x7362),
+            prmt_ref(l1, h1, zero | 0x5140), prmt_ref(l1, h1, zero | 0x7362))
+
+
+@triton.jit
+def _scale_pair_ref(q, SEL: tl.constexpr):
+    u = q.to(tl.uint32, bitcast=True)
+    return (prmt_ref(u, u & 0, (u & 0) | SEL) << 7).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def fp4_scale_pairs_ref(q0, q1, WPS: tl.constexpr):
+    """Plain-Triton twin of `fp4_scale_pairs` (same prmt selectors, same shift)."""
+    if WPS == 32:
+        return (_scale_pair_ref(q0, 0x4140), _scale_pair_ref(q0, 0x4342), _scale_pair_ref(q1, 0x4140),
+                _scale_pair_ref(q1, 0x4342))
+    else:
+        return (_scale_pair_ref(q0, 0x4040), _scale_pair_ref(q0, 0x4141), _scale_pair_ref(q0, 0x4242),
+                _scale_pair_ref(q0, 0x4343))
+
+
+@triton.jit
+def bf16x2_halves(p):
+    """bf16x2 bits (uint32 or int32) -> (low, high) as float32 (exact)."""
+    u = p.to(tl.uint32, bitcast=True)
+    return (u << 16).to(tl.float32, bitcast=True), (u & 0xFFFF0000).to(tl.float32, bitcast=True)

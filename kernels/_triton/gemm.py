@@ -19,8 +19,9 @@ each decoded weight tile feeding both pairs) per program on CUDA-core / packed b
 import triton
 import triton.language as tl
 
-from .decode import (decode_fp4_slot, decode_w2_slot, decode_w2_slot_scaled, scale_from_bytes, w2_scale_pairs, w2_word_dot_bf16x2,
-                     w2_word_dot2_bf16x2)
+from .decode import (bf16x2_halves, decode_fp4_slot, decode_w2_slot, decode_w2_slot_scaled, fp4_scale_pairs,
+                     fp4_scale_pairs_ref, fp4_word_dot_bf16x2, fp4_word_pairs, scale_from_bytes, w2_scale_pairs,
+                     w2_word_dot_bf16x2, w2_word_dot2_bf16x2)
 
 
 @triton.jit
@@ -305,20 +306,150 @@ def _w2_tile_bf16x2_2(
 
 
 @triton.jit
+def _fp4_scale_words(scales_ptr, rows, n_mask, blocks_per_row, t, WPS: tl.constexpr):
+    """The scale words of FP4 K tile t for `rows` ([BN] each): 8 blocks (q0, q1) when WPS = 32, 4 (q0) when 16."""
+    words = scales_ptr.to(tl.pointer_type(tl.int32)) + (rows * blocks_per_row) // 4 + t * (WPS // 16)
+    q0 = tl.load(words, mask=n_mask, other=0)
+    q1 = q0
+    if WPS == 32:
+        q1 = tl.load(words + 1, mask=n_mask, other=0)
+    return q0, q1
+
+
+@triton.jit
+def _fp4_tile_bf16x2(
+    words_ptr, scales_ptr, rows, n_mask, a_row_ptr, K, words_per_row, blocks_per_row, up_row_offset,
+    GATED: tl.constexpr, WPS: tl.constexpr, BN: tl.constexpr,
+):
+    """GPU fast path of `_tier_tile_fma` for FP4 with bfloat16 activations (v8, inline PTX).
+
+    Per word: e2m1 -> bf16x2 by lookup (`fp4_word_dot_bf16x2`, exact), one packed multiply by the
+    power-of-two scale pair (exact for scale bytes >= 2), one packed FMA per slot pair; the four
+    products of a word are summed in bf16x2, then join the float32 accumulator. Scale pairs from
+    one or two word loads per row and tile; next tile's words prefetched (as `_w2_tile_bf16x2`).
+    """
+    TILE_K: tl.constexpr = 8 * WPS
+    u = tl.arange(0, WPS)
+    gate_rows = rows[:, None] * words_per_row + u[None, :]  # [BN, WPS]
+    up_rows = (rows[:, None] + up_row_offset) * words_per_row + u[None, :]
+    acc_g = tl.zeros([BN, WPS], tl.float32)
+    acc_u = tl.zeros([BN, WPS], tl.float32)
+    tiles = words_per_row // WPS
+    w_g = tl.load(words_ptr + gate_rows, mask=n_mask[:, None], other=0)
+    w_u = w_g
+    if GATED:
+        w_u = tl.load(words_ptr + up_rows, mask=n_mask[:, None], other=0)
+    for t in range(0, tiles):
+        more = n_mask[:, None] & (t + 1 < tiles)
+        w_g_next = tl.load(words_ptr + gate_rows + (t + 1) * WPS, mask=more, other=0)
+        w_u_next = w_g_next
+        if GATED:
+            w_u_next = tl.load(words_ptr + up_rows + (t + 1) * WPS, mask=more, other=0)
+        k0 = t * TILE_K + u
+        x0 = (_x_bits(a_row_ptr, k0, K) | (_x_bits(a_row_ptr, k0 + WPS, K) << 16))[None, :]
+        x1 = (_x_bits(a_row_ptr, k0 + 2 * WPS, K) | (_x_bits(a_row_ptr, k0 + 3 * WPS, K) << 16))[None, :]
+        x2 = (_x_bits(a_row_ptr, k0 + 4 * WPS, K) | (_x_bits(a_row_ptr, k0 + 5 * WPS, K) << 16))[None, :]
+        x3 = (_x_bits(a_row_ptr, k0 + 6 * WPS, K) | (_x_bits(a_row_ptr, k0 + 7 * WPS, K) << 16))[None, :]
+        q0, q1 = _fp4_scale_words(scales_ptr, rows, n_mask, blocks_per_row, t, WPS)
+        g0, g1, g2, g3 = fp4_scale_pairs(q0, q1, WPS)
+        acc_g += fp4_word_dot_bf16x2(w_g, x0, x1, x2, x3, g0[:, None], g1[:, None], g2[:, None], g3[:, None])
+        if GATED:
+            q0, q1 = _fp4_scale_words(scales_ptr, rows + up_row_offset, n_mask, blocks_per_row, t, WPS)
+            v0, v1, v2, v3 = fp4_scale_pairs(q0, q1, WPS)
+            acc_u += fp4_word_dot_bf16x2(w_u, x0, x1, x2, x3, v0[:, None], v1[:, None], v2[:, None], v3[:, None])
+        w_g = w_g_next
+        w_u = w_u_next
+    return tl.sum(acc_g, axis=1)[:, None], tl.sum(acc_u, axis=1)[:, None]
+
+
+@triton.jit
+def _fp4_pairs_fma(acc, w, s0, s1, s2, s3, a_row_ptr, k0, K, WPS: tl.constexpr):
+    """Plain twin of one FP4 word tile: the bf16x2 pairs and scale pairs of the PTX path, bit for bit,
+    then float32 arithmetic (slot order 0..7, (weight * scale) * x added to acc, as `_tier_tile_fma`)."""
+    p0, p1, p2, p3 = fp4_word_pairs(w)
+    for i in tl.static_range(4):
+        if i == 0:
+            p = p0
+            s = s0
+        elif i == 1:
+            p = p1
+            s = s1
+        elif i == 2:
+            p = p2
+            s = s2
+        else:
+            p = p3
+            s = s3
+        v_lo, v_hi = bf16x2_halves(p)
+        c_lo, c_hi = bf16x2_halves(s)
+        k_lo = k0 + 2 * i * WPS
+        k_hi = k_lo + WPS
+        x_lo = tl.load(a_row_ptr + k_lo, mask=k_lo < K, other=0.0).to(tl.float32)[None, :]
+        x_hi = tl.load(a_row_ptr + k_hi, mask=k_hi < K, other=0.0).to(tl.float32)[None, :]
+        acc += v_lo * c_lo * x_lo
+        acc += v_hi * c_hi * x_hi
+    return acc
+
+
+@triton.jit
+def _fp4_tile_pairs(
+    words_ptr, scales_ptr, rows, n_mask, a_row_ptr, K, words_per_row, blocks_per_row, up_row_offset,
+    GATED: tl.constexpr, WPS: tl.constexpr, BN: tl.constexpr,
+):
+    """Plain-Triton twin of `_fp4_tile_bf16x2` (CPU interpreter, fp32/fp16, or forced on the GPU): the same
+    integer bit construction of weights and scales; float32 products and sums, so its result equals
+    `_tier_tile_fma`'s for FP4 bit for bit wherever the scale bytes are >= 2 (products exact in both)."""
+    TILE_K: tl.constexpr = 8 * WPS
+    u = tl.arange(0, WPS)
+    gate_rows = rows[:, None] * words_per_row + u[None, :]  # [BN, WPS]
+    up_rows = (rows[:, None] + up_row_offset) * words_per_row + u[None, :]
+    acc_g = tl.zeros([BN, WPS], tl.float32)
+    acc_u = tl.zeros([BN, WPS], tl.float32)
+    for t in range(0, words_per_row // WPS):
+        k0 = t * TILE_K + u
+        w_g = tl.load(words_ptr + gate_rows + t * WPS, mask=n_mask[:, None], other=0)
+        q0, q1 = _fp4_scale_words(scales_ptr, rows, n_mask, blocks_per_row, t, WPS)
+        g0, g1, g2, g3 = fp4_scale_pairs_ref(q0[:, None], q1[:, None], WPS)
+        acc_g = _fp4_pairs_fma(acc_g, w_g, g0, g1, g2, g3, a_row_ptr, k0, K, WPS)
+        if GATED:
+            w_u = tl.load(words_ptr + up_rows + t * WPS, mask=n_mask[:, None], other=0)
+            q0, q1 = _fp4_scale_words(scales_ptr, rows + up_row_offset, n_mask, blocks_per_row, t, WPS)
+            v0, v1, v2, v3 = fp4_scale_pairs_ref(q0[:, None], q1[:, None], WPS)
+            acc_u = _fp4_pairs_fma(acc_u, w_u, v0, v1, v2, v3, a_row_ptr, k0, K, WPS)
+    return tl.sum(acc_g, axis=1)[:, None], tl.sum(acc_u, axis=1)[:, None]
+
+
+@triton.jit
 def _fma_one_pair(
     a_row_ptr, rows, n_mask, K, num_blocks_k, N_OUT, f4_slot, expert, table_row, w2_table_ptr,
     w2_words_ptr, w2_scales_ptr, w2_slot_bytes, w2_words_off, w2_scales_off, w2_words_per_row, w2_blocks_per_row,
     f4_words_ptr, f4_scales_ptr, f4_slot_bytes, f4_words_off, f4_scales_off, f4_words_per_row, f4_blocks_per_row,
     GATED: tl.constexpr, W2_WPS: tl.constexpr, F4_WPS: tl.constexpr, BN: tl.constexpr, PTX_W2: tl.constexpr,
+    FP4_MODE: tl.constexpr = 0,
 ):
-    """One pair on CUDA-core FMAs (the BT = 1 path): FP4 slot if present, else W2 (inline PTX when PTX_W2)."""
+    """One pair on CUDA-core FMAs (the BT = 1 path): FP4 slot if present, else W2 (inline PTX when PTX_W2).
+
+    FP4_MODE: 0 = nibble decode via float16 bits (default); 1 = v8 bf16x2 bit construction, plain-Triton
+    twin; 2 = v8 inline PTX (bf16 on CUDA).
+    """
     if f4_slot >= 0:
         base = f4_slot.to(tl.int64) * f4_slot_bytes
-        acc_g, acc_u = _tier_tile_fma(
-            f4_words_ptr + (base + f4_words_off) // 4, f4_scales_ptr + base + f4_scales_off, rows, n_mask,
-            a_row_ptr, K, num_blocks_k, f4_words_per_row, f4_blocks_per_row, N_OUT,
-            GATED, False, F4_WPS, BN,
-        )
+        if FP4_MODE == 2:
+            acc_g, acc_u = _fp4_tile_bf16x2(
+                f4_words_ptr + tl.multiple_of((base + f4_words_off) // 4, 4), f4_scales_ptr + base + f4_scales_off,
+                rows, n_mask, a_row_ptr, K, f4_words_per_row, f4_blocks_per_row, N_OUT, GATED, F4_WPS, BN,
+            )
+        elif FP4_MODE == 1:
+            acc_g, acc_u = _fp4_tile_pairs(
+                f4_words_ptr + (base + f4_words_off) // 4, f4_scales_ptr + base + f4_scales_off,
+                rows, n_mask, a_row_ptr, K, f4_words_per_row, f4_blocks_per_row, N_OUT, GATED, F4_WPS, BN,
+            )
+        else:
+            acc_g, acc_u = _tier_tile_fma(
+                f4_words_ptr + (base + f4_words_off) // 4, f4_scales_ptr + base + f4_scales_off, rows, n_mask,
+                a_row_ptr, K, num_blocks_k, f4_words_per_row, f4_blocks_per_row, N_OUT,
+                GATED, False, F4_WPS, BN,
+            )
     else:
         base = tl.load(w2_table_ptr + table_row + expert).to(tl.int64) * w2_slot_bytes
         if PTX_W2:
@@ -345,7 +476,7 @@ def moe_gemm_kernel(
     N_OUT, K, top_k, limit,
     GATED: tl.constexpr, HAS_LIMIT: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr,
     W2_WPS: tl.constexpr, F4_WPS: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
-    PTX_W2: tl.constexpr,
+    PTX_W2: tl.constexpr, FP4_MODE: tl.constexpr = 0,
 ):
     b = tl.program_id(0)
     if b >= tl.load(num_blocks_ptr):
@@ -368,7 +499,7 @@ def moe_gemm_kernel(
             a_row_ptr, rows, n_mask, K, num_blocks_k, N_OUT, f4_slot, expert, table_row, w2_table_ptr,
             w2_words_ptr, w2_scales_ptr, w2_slot_bytes, w2_words_off, w2_scales_off, w2_words_per_row, w2_blocks_per_row,
             f4_words_ptr, f4_scales_ptr, f4_slot_bytes, f4_words_off, f4_scales_off, f4_words_per_row, f4_blocks_per_row,
-            GATED, W2_WPS, F4_WPS, BN, PTX_W2,
+            GATED, W2_WPS, F4_WPS, BN, PTX_W2, FP4_MODE,
         )
     elif BT == 2:
         # Two pairs of one expert share each loaded and decoded weight tile; a block holding one
