@@ -3,7 +3,7 @@
 Per (preset, T): fused W2 (all experts in the W2 pool; for BT = 1 also the plain-Triton decode
 beside the default inline-PTX one, the two-pairs-per-program BT = 2 variant (`*_bt2`, v7), and the
 tensor-core BT = 16 path), fused FP4 (all in the FP4
-pool), the W2 gate_up stage alone, torch._grouped_mm in bf16 on the same routing (GEMM + SwiGLU
+pool; for BT = 1 also its gate_up alone and the v8 bf16x2 decode, `fp4_*_bf16x2`, beside the default), the W2 gate_up stage alone, torch._grouped_mm in bf16 on the same routing (GEMM + SwiGLU
 only, the routing sort precomputed), dequantize-then-_grouped_mm on the same W2 codes, and a
 streaming-read kernel over the same number of bytes (the ceiling). Bytes = the unique routed experts' packed codes + scales (bf16: their bf16 weights).
 Correctness against moe_mm_ref is checked first at T = 1 and 8.
@@ -25,8 +25,8 @@ import triton.language as tl
 
 from tierstore.geometry import get_preset
 from tierstore.kernels._triton.decode import decode_w2_slot_scaled
-from tierstore.kernels import (ABI_TAG, MissLog, MoeWorkspace, fp4_tier, moe_gate_up, moe_mm, moe_mm_ref, moe_route,
-                               w2_tier)
+from tierstore.kernels import (ABI_TAG, MissLog, MoeWorkspace, fp4_bf16x2_scales_exact, fp4_tier, moe_gate_up, moe_mm,
+                               moe_mm_ref, moe_route, w2_tier)
 
 HBM_BYTES_PER_S = 4.8e12
 
@@ -143,6 +143,23 @@ def _check_correctness(geo, w2, f4, gen) -> list[dict]:
             rows.append(dict(tier=tier, tokens=tokens, rel_err=err, nan=bool(out.isnan().any()),
                              repeat_identical=bool(torch.equal(out, again)), bt2_rel_err=bt2_err,
                              bt2_equals_bt1=bool(torch.equal(out, bt2))))
+            if tier == "fp4":  # v8: bf16x2 FP4 decode (inline PTX) and its plain-Triton twin, BT = 1
+                extra = {}
+                for mode in ("ptx", "triton"):
+                    wsm = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter,
+                                                x.dtype, "cuda", block_tokens=1, fp4_bf16x2=mode)
+                    wsm.act.fill_(float("nan"))
+                    wsm.y.fill_(float("nan"))
+                    o = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, "cuda"), wsm,
+                               out=torch.full_like(x, float("nan")))
+                    o2 = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, "cuda"), wsm, out=torch.empty_like(x))
+                    extra[f"fp4_{mode}_rel_err"] = float((o.float() - ref).norm() / ref.norm())
+                    extra[f"fp4_{mode}_nan"] = bool(o.isnan().any())
+                    extra[f"fp4_{mode}_repeat_identical"] = bool(torch.equal(o, o2))
+                    extra[f"fp4_{mode}_equals_default"] = bool(torch.equal(o, out))
+                extra["fp4_scales_exact"] = fp4_bf16x2_scales_exact(f4)
+                rows[-1].update(extra)
+                print(f"check fp4 bf16x2 T={tokens}: {extra}", flush=True)
             print(f"check {tier} T={tokens}: rel_err {err:.2e} nan={rows[-1]['nan']} "
                   f"repeat_identical={rows[-1]['repeat_identical']} bt2_rel_err {bt2_err:.2e} "
                   f"bt2_equals_bt1={rows[-1]['bt2_equals_bt1']}", flush=True)
@@ -195,13 +212,14 @@ def _dequant_case(geo, w2, w13_out, w2_out, routings, reps):
 
 
 def _fused_case(geo, w2, f4, routings, reps, gate_up_only: bool, block_tokens: int | None = None,
-                config: tuple[int, int] = (64, 4), ptx_w2: bool = True):
+                config: tuple[int, int] = (64, 4), ptx_w2: bool = True, fp4_bf16x2: str = "off"):
     fns = []
     for ids, weights in routings:
         tokens = ids.shape[0]
         x = torch.randn(tokens, geo.hidden, device="cuda", dtype=torch.bfloat16)
         ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype, "cuda",
-                                   block_tokens=block_tokens, block_n=config[0], num_warps=config[1], ptx_w2=ptx_w2)
+                                   block_tokens=block_tokens, block_n=config[0], num_warps=config[1], ptx_w2=ptx_w2,
+                                   fp4_bf16x2=fp4_bf16x2)
         misses = MissLog.allocate(16, "cuda")
         out = torch.empty_like(x)
         if gate_up_only:
@@ -248,6 +266,7 @@ def run(preset: str, token_counts: list[int], reps: int, sweep: bool, config: tu
     w2_expert = lay2.w13.word_bytes + lay2.w13.scale_bytes + lay2.w2.word_bytes + lay2.w2.scale_bytes
     w2_gate_up = lay2.w13.word_bytes + lay2.w13.scale_bytes
     f4_expert = lay4.w13.word_bytes + lay4.w13.scale_bytes + lay4.w2.word_bytes + lay4.w2.scale_bytes
+    f4_gate_up = lay4.w13.word_bytes + lay4.w13.scale_bytes
     bf16_expert = 2 * 3 * geo.hidden * geo.expert_inter
     cases = []
     for tokens in token_counts:
@@ -281,6 +300,12 @@ def run(preset: str, token_counts: list[int], reps: int, sweep: bool, config: tu
         times["dequant_grouped_mm"] = _dequant_case(geo, w2, w13_bf16, w2_bf16, routings, reps)
         f4.table[0] = torch.arange(geo.num_experts, dtype=torch.int32)
         times["fp4_fused"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, config=config)
+        if tokens * geo.top_k <= geo.num_experts:  # v8: FP4 e2m1 -> bf16x2 construction + packed FMA (BT = 1)
+            times["fp4_gate_up"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=True, config=config)
+            times["fp4_fused_bf16x2"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, block_tokens=1,
+                                                    config=config, fp4_bf16x2="ptx")
+            times["fp4_gate_up_bf16x2"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=True, block_tokens=1,
+                                                      config=config, fp4_bf16x2="ptx")
         if tokens * geo.top_k <= geo.num_experts:
             times["fp4_fused_bt2"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, block_tokens=2,
                                                  config=config)
@@ -291,17 +316,20 @@ def run(preset: str, token_counts: list[int], reps: int, sweep: bool, config: tu
                   "w2_gate_up": unique * w2_gate_up, "fp4_fused": unique * f4_expert,
                   "w2_fused_bt2": unique * w2_expert, "w2_gate_up_bt2": unique * w2_gate_up,
                   "w2_fused_bt2_bn32": unique * w2_expert, "w2_gate_up_bt2_bn32": unique * w2_gate_up,
-                  "fp4_fused_bt2": unique * f4_expert}
+                  "fp4_fused_bt2": unique * f4_expert, "fp4_fused_bf16x2": unique * f4_expert,
+                  "fp4_gate_up": unique * f4_gate_up, "fp4_gate_up_bf16x2": unique * f4_gate_up}
         stream = {name: _stream_us(int(b), 4 if b > 256e6 else max(4, int(4 * 64e6 / b) + 1), reps)
                   for name, b in nbytes.items()
                   if name in times and name not in ("bf16_grouped_mm", "w2_fused_mma16", "w2_fused_plain", "w2_gate_up_plain",
                                                         "dequant_grouped_mm", "w2_fused_bt2", "w2_gate_up_bt2",
-                                                        "fp4_fused_bt2", "w2_fused_bt2_bn32", "w2_gate_up_bt2_bn32")}
+                                                        "fp4_fused_bt2", "w2_fused_bt2_bn32", "w2_gate_up_bt2_bn32",
+                                                        "fp4_fused_bf16x2", "fp4_gate_up_bf16x2")}
         for name, us in times.items():
             row = dict(preset=preset, tokens=tokens, variant=name, us=us, unique_experts=unique, bytes=nbytes[name],
                        gb_per_s=nbytes[name] / us / 1e3, pct_hbm=100 * nbytes[name] / (us * 1e-6) / HBM_BYTES_PER_S,
                        speedup_vs_bf16=times["bf16_grouped_mm"] / us, rotations=count)
-            same_bytes = "w2_gate_up" if "gate_up" in name else "fp4_fused" if name.startswith("fp4") else "w2_fused"
+            same_bytes = ("fp4_gate_up" if name.startswith("fp4_gate_up") else "w2_gate_up" if "gate_up" in name
+                          else "fp4_fused" if name.startswith("fp4") else "w2_fused")
             ceiling = None if name == "bf16_grouped_mm" else stream.get(name, stream[same_bytes])
             if ceiling is not None:
                 row["stream_us"] = ceiling

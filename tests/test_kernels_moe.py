@@ -239,9 +239,10 @@ def test_fp4_bf16x2_decode_is_byte_exact_for_every_nibble_and_scale(wps):
     nib, byte, slot_block = _decode_cases(wps, seed=wps)
     words, q = _pack_probe(nib, byte)
     n = words.numel()
-    pairs = torch.full((n, 4), 0x7FC07FC0, dtype=torch.int32)  # poisoned (NaN pairs)
-    values = torch.full((n, 8), float("nan"))
-    _fp4_decode_probe[(triton.cdiv(n, 256),)](words, q, pairs, values, n, WPS=wps, BLOCK=256)
+    pairs = torch.full((n, 4), 0x7FC07FC0, dtype=torch.int32, device=DEVICE)  # poisoned (NaN pairs)
+    values = torch.full((n, 8), float("nan"), device=DEVICE)
+    _fp4_decode_probe[(triton.cdiv(n, 256),)](words.to(DEVICE), q.to(DEVICE), pairs, values, n, WPS=wps, BLOCK=256)
+    pairs, values = pairs.cpu(), values.cpu()
     ref = _e2m1(nib)  # [N, 8], slot order
     bits = ref.float().to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
     assert torch.equal(ref.float().to(torch.bfloat16).double(), ref)  # every e2m1 value is an exact bf16
@@ -258,9 +259,10 @@ def test_fp4_bf16x2_scale_byte_zero_gives_zero():
     nib = torch.arange(16).repeat(1, 1).view(2, 8)
     byte = torch.zeros(2, 8, dtype=torch.int64)
     words, q = _pack_probe(nib, byte)
-    values = torch.full((2, 8), float("nan"))
-    _fp4_decode_probe[(1,)](words, q, torch.empty(2, 4, dtype=torch.int32), values, 2, WPS=32, BLOCK=4)
-    assert torch.equal(values.abs(), torch.zeros(2, 8))
+    values = torch.full((2, 8), float("nan"), device=DEVICE)
+    _fp4_decode_probe[(1,)](words.to(DEVICE), q.to(DEVICE), torch.empty(2, 4, dtype=torch.int32, device=DEVICE), values,
+                            2, WPS=32, BLOCK=4)
+    assert torch.equal(values.cpu().abs(), torch.zeros(2, 8))
 
 
 # A minimal interpreter of the instructions the FP4 PTX uses, to run the PTX text itself on the CPU.
