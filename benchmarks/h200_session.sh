@@ -33,7 +33,7 @@ fi
 
 case "$step" in
   kernels)
-    stage kernel-tests 240 python3 -m pytest tests/test_kernels_gpu.py -q -x
+    stage kernel-tests 240 python3 -m pytest tests/test_kernels_moe.py tests/test_kernels_gpu.py -q
     stage kernels 300 python3 benchmarks/kernels.py --tokens 1,8,32 --config 64,8 --commit "$commit" \
       --json "$work/kernels-deepseek-v3.json"
     ;;
