@@ -12,7 +12,8 @@ Every mutation goes through `DevicePool.install` (victims unmapped before their 
 copies on the pool's own stream, synchronised before the host state changes) and happens under
 `lock`, which the runner holds for the whole of a step: no mutation overlaps a forward. The
 manager reads its lazy rows from host RAM or the pack before it takes `lock` (`promote_lazy`),
-so a step waits at most for a device copy and a table update, never for a host read.
+straight into its staging in one reader batch, so a step waits at most for a device copy and a
+table update, never for a host read.
 
 Two locks, always taken in this order: `lock` (the safe point: pool contents and tables) and
 `state_lock` (host state: heat, policy, coldness, counters). The manager's bookkeeping of a window
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tierstore.cache.arena import Arena, RowSource
+from tierstore.cache.arena import Arena, RowSource, aligned_host_buffer
 from tierstore.cache.policy import EvictionPolicy, get_policy
 from tierstore.errors import CapacityError, PackFormatError
 from tierstore.geometry import MoEGeometry
@@ -95,8 +96,11 @@ class Fp4Tier:
         self.state_lock = threading.RLock()  # host state; taken after `lock`, never before
         self._closed: deque[np.ndarray] = deque()  # routed ids of steps closed, not yet applied to last_seen
         self._arena_lock = threading.Lock()  # the arena and its row views; taken after `lock`, never before
-        self._staging = torch.empty(config.fp4_promote if self.lazy else 0, source.row_bytes, dtype=torch.uint8,
-                                    pin_memory=device.type == "cuda")  # [fp4_promote, row_bytes] lazy rows
+        staged = config.fp4_promote if self.lazy else 0
+        # [fp4_promote, stride] lazy rows, read straight from the source (a reader's destinations are
+        # whole page-aligned strides); pinned on CUDA
+        self._staging = aligned_host_buffer(staged * source.stride, device.type == "cuda").view(staged, source.stride)
+        self.staged_reads = 0  # reader batches issued by lazy promotions (one per batch with a miss)
         self.promoted_lazy = self.promoted_forced = self.evicted = 0
         self.unrestored = self.failed_reads = self.promoted_prefill = self.routed_pairs = self.fp4_pairs = 0
 
@@ -214,14 +218,24 @@ class Fp4Tier:
         return self._past_hysteresis(take, exclude, heat)
 
     def _stage(self, keys: list[Key]) -> list[torch.Tensor]:
-        """Rows of `keys` copied out of the arena into the manager's staging (uint8 [row_bytes] each),
-        which no other fetch can overwrite."""
-        with self._arena_lock:
-            rows = self.arena.fetch(keys)
-            staged = self._staging[:len(keys)]
-            for row, dest in zip(rows, staged):
-                dest.copy_(row)
-        return list(staged)
+        """Rows of `keys` in the manager's staging (uint8 [row_bytes] views, in order), which no
+        other fetch can overwrite. Rows the arena holds are copied from it; the others are read by
+        the source straight into the staging, all in one reader batch (no pass through the arena,
+        no second host copy). Host copies are numpy copies: they release the GIL and start no
+        OpenMP team on the manager's thread."""
+        staged = self._staging[:len(keys)]
+        array = staged.numpy()  # [len(keys), stride]
+        with self._arena_lock:  # the arena is not thread-safe; a forced promotion may use it meanwhile
+            missing = []
+            for i, key in enumerate(keys):
+                if key in self.arena:
+                    array[i, :self.source.row_bytes] = self.arena.fetch([key])[0].numpy()
+                else:
+                    missing.append(i)
+            if missing:
+                self.source.read_rows([keys[i] for i in missing], [memoryview(array[i]) for i in missing])
+                self.staged_reads += 1
+        return list(staged[:, :self.source.row_bytes])
 
     def _past_hysteresis(self, take: list[Key], exclude: set[Key], heat: np.ndarray) -> list[Key]:
         h = self.config.fp4_hysteresis
