@@ -1,5 +1,8 @@
 """Building packs from a checkpoint: stream it layer by layer, requantize each expert once, write
-its rows to every requested tier's pack. Resumable: layers already committed are skipped."""
+its rows to every requested tier's pack. Resumable: layers already committed are skipped.
+
+`build_packs` builds one tensor-parallel rank's packs (requantizing only that rank's share);
+`build_rank_packs` builds every rank's packs of a world in one pass over the checkpoint."""
 
 from __future__ import annotations
 
@@ -121,15 +124,19 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+def check_tags(tags: tuple[str, ...]) -> None:
+    for tag in tags:
+        if tag not in TAGS:
+            raise TierstoreError(f"unknown tier {tag!r}; choose from {', '.join(TAGS)}")
+
+
 def build_packs(checkpoint_path: Path | str, out_dir: Path | str, tags: tuple[str, ...] = ("base",),
                 device: str | None = None, zero_mode: str = "auto", checkpoint_id: str | None = None,
                 progress: bool = True, codec: RowCodec = DEFAULT_ROW_CODEC, rank: int = 0,
                 world: int = 1) -> BuildReport:
     """Build (or complete) the packs of `tags` for tensor-parallel rank `rank` of `world` (the
     default, rank 0 of 1, is the single-GPU pack)."""
-    for tag in tags:
-        if tag not in TAGS:
-            raise TierstoreError(f"unknown tier {tag!r}; choose from {', '.join(TAGS)}")
+    check_tags(tags)
     device = resolve_device(device)
     started = time.perf_counter()
     report = BuildReport()
@@ -171,3 +178,89 @@ def build_packs(checkpoint_path: Path | str, out_dir: Path | str, tags: tuple[st
     report.seconds = time.perf_counter() - started
     report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return report
+
+
+@dataclass
+class RanksBuildReport:
+    """What `build_rank_packs` did: one BuildReport per rank (its packs, written and skipped
+    layers, bytes), the layers it read from the checkpoint, and the totals of the one pass."""
+
+    world: int
+    ranks: dict[int, BuildReport] = field(default_factory=dict)
+    layers_read: list[int] = field(default_factory=list)
+    bytes_written: int = 0
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+
+
+def build_rank_packs(checkpoint_path: Path | str, out_dir: Path | str, tags: tuple[str, ...] = ("base",),
+                     device: str | None = None, zero_mode: str = "auto", checkpoint_id: str | None = None,
+                     progress: bool = True, codec: RowCodec = DEFAULT_ROW_CODEC, world: int = 1) -> RanksBuildReport:
+    """Build (or complete) the packs of `tags` of every tensor-parallel rank of `world` in one pass
+    over the checkpoint. Each expert matrix is read and requantized once, whole (zero mode `auto`
+    decided on the full matrix, as `build_packs` does), then cut per rank with `RankShard` and
+    encoded; the packs are byte for byte those `build_packs(rank=r, world=world)` writes. Each
+    rank's pack commits each layer with the PackWriter protocol. Resumable per rank and tier:
+    a layer is written only to the packs that lack it, and not read at all when none does. The
+    split is validated for every rank before any file is touched. One layer is in flight at a
+    time (one expert's matrices in memory)."""
+    check_tags(tags)
+    if type(world) is not int or world < 1:
+        raise TierstoreError(f"tensor-parallel world size must be a whole number >= 1, got {world!r}")
+    device = resolve_device(device)
+    started = time.perf_counter()
+    report = RanksBuildReport(world)
+    with open_checkpoint(checkpoint_path) as checkpoint:
+        inter, fmt = checkpoint.geometry.expert_inter, checkpoint.source_format
+        shards = [RankShard(inter, rank, world) for rank in range(world)]  # raises on a bad split
+        specs = [pack_specs(checkpoint, tags, zero_mode, checkpoint_id, codec, rank=r, world=world)
+                 for r in range(world)]
+        writers: dict[tuple[int, str], PackWriter] = {}
+        try:
+            for rank in range(world):
+                for tag in tags:
+                    writers[rank, tag] = PackWriter(out_dir, specs[rank][tag])
+            done = {key: writer.written_layers() for key, writer in writers.items()}
+            for rank in range(world):
+                report.ranks[rank] = BuildReport(
+                    packs={tag: writers[rank, tag].paths.pack for tag in tags},
+                    written={tag: [] for tag in tags},
+                    skipped={tag: sorted(done[rank, tag]) for tag in tags})
+            num_layers = checkpoint.geometry.num_moe_layers
+            todo = [layer for layer in range(num_layers) if any(layer not in d for d in done.values())]
+            with tqdm(total=len(todo), unit="layer", desc=f"pack tp{world}", disable=not progress) as bar:
+                for layer in todo:
+                    missing = [key for key in writers if layer not in done[key]]
+                    ranks = sorted({rank for rank, _ in missing})
+                    pending = {key: writers[key].begin_layer(layer) for key in missing}
+                    for expert in checkpoint.layer(layer).experts:
+                        w13 = requantize(expert.w13, fmt, zero_mode, device, _whole, _whole)
+                        w2 = requantize(expert.w2, fmt, zero_mode, device, _whole, _whole)
+                        shares = {rank: (shards[rank].w13(w13), shards[rank].w2(w2)) for rank in ranks}
+                        for rank, tag in missing:
+                            row = codec.encode(tag, specs[rank][tag].segments, *shares[rank])
+                            pending[rank, tag].write_row(expert.expert, row.numpy())
+                            report.ranks[rank].bytes_written += row.numel()
+                            report.bytes_written += row.numel()
+                        del shares, w13, w2
+                    for rank, tag in missing:
+                        pending[rank, tag].commit()
+                        report.ranks[rank].written[tag].append(layer)
+                    report.layers_read.append(layer)
+                    checkpoint.files.release()
+                    elapsed = time.perf_counter() - started
+                    bar.set_postfix_str(f"{report.bytes_written / max(elapsed, 1e-9) / 2**20:.1f} MiB/s", refresh=False)
+                    bar.update(1)
+        finally:
+            for writer in writers.values():
+                writer.close()
+    report.seconds = time.perf_counter() - started
+    report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    for rank_report in report.ranks.values():
+        rank_report.seconds, rank_report.peak_rss_bytes = report.seconds, report.peak_rss_bytes
+    return report
+
+
+def _whole(value):
+    """The identity cut: `build_rank_packs` requantizes the whole matrix and cuts it afterwards."""
+    return value
