@@ -7,7 +7,9 @@ work), base pool all-resident, FP4 pool of 25% preloaded with the trace's hottes
 policy `need` (no lazy promotion in either tree: residency is held without a manager pause, which
 the old tree lacks; the manager still takes every window), synthetic logits of 32000 entries at
 confidence 0.99 (gate tau 0.60 never fires). It times `drive` blocks in ABBA order with the gate
-armed and unarmed (the same runtime, `runtime.gate` toggled), and a W2-only runtime.
+armed and unarmed (the same runtime, `runtime.gate` toggled), a W2-only runtime, and the live
+manager (`live_ms`: policy `freq`, lazy promotion into a 25% FP4 pool, a fresh runtime per
+repetition, one warm-up block then one timed block; `live_fp4_share`: FP4 share of routed pairs).
 
     python benchmarks/gate_step_cpu.py --baseline 7cdd7d5 --out benchmarks/results/gate_step_cpu.json
 """
@@ -76,6 +78,19 @@ def worker(steps: int, reps: int) -> dict:
         runtime.preload()
         block(runtime)
         out["w2_ms"] = [block(runtime) for _ in range(reps)]
+    # live manager: policy `freq`, lazy promotion into a 25% pool that starts empty (the manager's
+    # promotion work competes with every step); one fresh runtime per repetition
+    out["live_ms"], out["live_fp4_share"], out["live_promoted"] = [], [], []
+    for _ in range(reps):
+        with TieredRuntime(g, MemoryRowSource(w2), pool_slots=g.total_routed_experts,
+                           config=RuntimeConfig(kpi_every=0, force_pool=True, force_fp4_pool=True),
+                           fp4_source=MemoryRowSource(fp4), fp4_slots=128, fp4_arena_slots=128) as runtime:
+            runtime.preload()
+            block(runtime)  # warm-up: the pool fills
+            out["live_ms"].append(block(runtime))
+            stats = runtime.fp4_stats()
+            out["live_fp4_share"].append(stats.fp4_pair_share)
+            out["live_promoted"].append(stats.promoted_lazy)
     return out
 
 
@@ -118,6 +133,11 @@ def main() -> None:
         w2 = statistics.median(v for r in rows for v in r["w2_ms"])
         medians[name] = dict(w2_ms=w2, unarmed_ms=unarmed, armed_ms=armed, armed_cost=armed / unarmed - 1,
                              fp4_over_w2=unarmed / w2)
+        live = [v for r in rows for v in r.get("live_ms", [])]
+        if live:
+            medians[name].update(live_ms=statistics.median(live), live_over_w2=statistics.median(live) / w2,
+                                 live_over_held=statistics.median(live) / unarmed,
+                                 live_fp4_share=statistics.median(v for r in rows for v in r["live_fp4_share"]))
     report = dict(provenance=dict(old=args.baseline, new=head, new_tree_dirty_paths=[p for p in dirty if p],
                                   python=platform.python_version(), machine=platform.machine(), cpus=os.cpu_count(),
                                   rounds=args.rounds, reps=args.reps, steps=args.steps,
