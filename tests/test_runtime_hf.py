@@ -15,7 +15,7 @@ from tierstore.errors import CapacityError
 from tierstore.kernels.layout import unpack_matrix_ref
 from tierstore.runtime import RuntimeConfig, TieredRuntime
 from tierstore.runtime.generation import TieredGenerator
-from tierstore.runtime.hf import install_tiered_experts, load_model, moe_blocks
+from tierstore.runtime.hf import install_tiered_experts, load_full_model, load_model, moe_blocks
 from tierstore.runtime.packs import ensure_base_pack, open_base_rows
 
 pytest.importorskip("transformers")
@@ -65,7 +65,7 @@ def generate(ckpt, packs, fraction, steps, **config):
 
 def w2_reference_model(ckpt, packs):
     """The original transformers model with its experts' weights set to the pack's W2 values."""
-    model = load_model(ckpt, torch.float32)
+    model = load_full_model(ckpt, torch.float32)
     rows = open_base_rows(ckpt, packs, direct=False)
     with open_checkpoint(ckpt) as c:
         geometry = c.geometry

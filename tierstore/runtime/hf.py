@@ -60,19 +60,24 @@ def install_tiered_experts(model: nn.Module, runtime) -> int:
 
 
 def load_model(checkpoint: Path | str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
-    """The checkpoint's transformers causal LM (eval mode) in `dtype` on `device`.
+    """The checkpoint's transformers causal LM (eval mode) in `dtype` on `device`, without its routed
+    experts.
 
-    A checkpoint whose config.json declares a `quantization_config` (e.g. NVFP4 experts) is built
-    from its config with only the tensors outside the routed experts loaded (`hf_dense`); the
-    experts are left to `install_tiered_experts`, and quantized tensors elsewhere (e.g. FP8
-    attention) fail here. Any other checkpoint is loaded by transformers, experts included (they
-    are dropped when `install_tiered_experts` replaces them)."""
+    Every checkpoint, with or without a `quantization_config`, is built on the meta device and only
+    its dense tensors (attention, norms, embeddings, routers, shared experts) are read, one at a
+    time, onto `device` (`hf_dense`); the routed experts are never read or allocated and stand as
+    `ExpertsNotLoaded` until `install_tiered_experts` replaces them. Quantized tensors outside the
+    experts (e.g. FP8 attention) fail here."""
+    from tierstore.runtime.hf_dense import load_dense_model
+
+    return load_dense_model(checkpoint, dtype, device)
+
+
+def load_full_model(checkpoint: Path | str, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
+    """The checkpoint loaded by transformers' `from_pretrained`, routed experts included (memory:
+    the whole model). A reference for tests and comparisons; `load_model` is the runtime's loader."""
     import transformers
 
-    from tierstore.runtime.hf_dense import declares_quantization, load_dense_model
-
-    if declares_quantization(checkpoint):
-        return load_dense_model(checkpoint, dtype, device)
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
