@@ -3,7 +3,7 @@ identity, kill -9 safety, corruption reports."""
 
 import os
 import random
-import subprocess
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from pack_helpers import read_row
+from process_helpers import Watched
 
 from tierstore.checkpoint import open_checkpoint
 from tierstore.checkpoint.synthetic import write_synthetic_checkpoint
 from tierstore.cli import main
+from tierstore.errors import PackFormatError
 from tierstore.formats import quantize_w2
 from tierstore.io import pack_build
 from tierstore.io.identity import checkpoint_identity
@@ -166,35 +168,90 @@ def test_gpu_requantization_gives_exactly_the_cpu_pack(checkpoint, tmp_path):
         assert cpu_file.read_bytes() == (tmp_path / "gpu" / cpu_file.name).read_bytes()
 
 
+PROGRESS_STARTED = b"\rpack: "  # tqdm's first bar, drawn once the pack generation exists and before any row
+
+
+def spread_fractions(rng: random.Random, count: int) -> list[float]:
+    """`count` kill moments as fractions of a write window, one in each of `count` equal strata
+    (so they cover the whole window, start to end), in random order."""
+    fractions = [(i + rng.random()) / count for i in range(count)]
+    rng.shuffle(fractions)
+    return fractions
+
+
 @pytest.mark.slow
 def test_kill_9_of_tierstore_pack_never_serves_a_wrong_row_and_a_rerun_completes_only_what_is_missing(tmp_path):
-    ckpt_dir = write_synthetic_checkpoint(tmp_path / "ckpt", num_layers=8, num_experts=8, top_k=2, hidden=128,
-                                          expert_inter=64, seed=5)
+    """Kill times count from the subprocess's first progress output (not from Popen: importing
+    torch takes seconds on a loaded machine) and are spread over the write window, measured here
+    by an uninterrupted run and scaled to the layers each rerun still has to write."""
+    num_layers = 8
+    ckpt_dir = write_synthetic_checkpoint(tmp_path / "ckpt", num_layers=num_layers, num_experts=8, top_k=2,
+                                          hidden=128, expert_inter=64, seed=5)
     out = tmp_path / "packs"
-    command = [sys.executable, "-m", "tierstore", "pack", str(ckpt_dir), "--out", str(out), "--device", "cpu",
-               "--no-progress"]
+
+    def command(directory):
+        return [sys.executable, "-m", "tierstore", "pack", str(ckpt_dir), "--out", str(directory), "--device",
+                "cpu"]  # with its progress bar: the bar's first draw is the "started working" signal
+
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     reference = tmp_path / "reference"
     build_packs(ckpt_dir, reference, device="cpu", progress=False, codec=KERNEL_SLOT_CODEC)  # the CLI's default
+    reference_bytes = next(reference.glob("*.pack")).read_bytes()
     with open_checkpoint(ckpt_dir) as ckpt:
         spec = pack_specs(ckpt, ("base",), "auto", codec=KERNEL_SLOT_CODEC)["base"]
+
+    timed = Watched(command(tmp_path / "timed"), PROGRESS_STARTED, env=env)
+    began = timed.wait_started()
+    assert timed.wait(timeout=600) == 0, bytes(timed.stderr[-2000:])
+    assert timed.stdout_at is not None and b"wrote 8 layers" in timed.stdout
+    window = timed.stdout_at - began  # first progress draw .. the report printed after the last commit
+    assert next((tmp_path / "timed").glob("*.pack")).read_bytes() == reference_bytes
+
     rng = random.Random(11)
-    for _ in range(10):
-        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.3, 2.5))
-        process.kill()
-        process.wait()
-        try:
-            layers = Pack(out, spec).layers
-        except Exception:
-            continue  # killed before the first generation existed
+    fractions: list[float] = []
+    kills = interrupted = advanced = torn = 0
+    while interrupted < 10 or advanced < 2 or torn < 2:
+        assert kills < 30, (f"of {kills} kills only {interrupted} landed while `tierstore pack` was writing, "
+                            f"{advanced} after a rerun had committed some layers and {torn} between a layer's "
+                            f"row writes and its commit (write window {window:.2f} s)")
+        if not fractions:
+            fractions = spread_fractions(rng, 10)
+        before = Pack(out, spec).layers if out.exists() else frozenset()  # every kill below leaves a generation
+        if len(before) == num_layers:
+            shutil.rmtree(out)  # complete: start over, so later kills land in a write again
+            before = frozenset()
+        run = Watched(command(out), PROGRESS_STARTED, env=env)
+        began = run.wait_started()
+        remaining = num_layers - len(before)
+        fraction = fractions.pop()
+        time.sleep(max(0.0, began + fraction * window * remaining / num_layers - time.monotonic()))
+        run.kill()
+        kills += 1
+        pack = Pack(out, spec)  # the generation exists: the bar is drawn only after it was created
+        layers = pack.layers
+        assert before <= layers, "a killed rerun lost layers that were committed before it"
         for layer in layers:
             for expert in range(spec.num_experts):
                 assert torch.equal(read_row(out, spec, layer, expert), read_row(reference, spec, layer, expert))
+        image, on_disk = pack.path.read_bytes(), False
+        for layer in set(range(num_layers)) - layers:
+            with pytest.raises(PackFormatError, match="not written"):
+                read_row(out, spec, layer, 0)
+            rows = (image[spec.row_offset(layer, e):spec.row_offset(layer, e) + spec.row_bytes]
+                    for e in range(spec.num_experts))
+            on_disk |= any(row.count(0) != len(row) for row in rows)  # rows written, layer not committed
+        torn += on_disk
+        if len(layers) < num_layers:
+            interrupted += 1  # killed mid-write: the run had started and had layers left to commit
+            advanced += len(layers) > len(before)
+            if fraction * remaining >= 2 and len(layers) == len(before):
+                window *= 1.4  # late in the window yet no new commit: the machine got slower; aim later
+        else:
+            window *= 0.7  # this run finished before its kill (the machine got faster): aim earlier
     recorded = Pack(out, spec).layers
     report = build_packs(ckpt_dir, out, device="cpu", progress=False, codec=KERNEL_SLOT_CODEC)
-    assert report.written["base"] == sorted(set(range(8)) - recorded)
-    assert Path(report.packs["base"]).read_bytes() == next(reference.glob("*.pack")).read_bytes()
+    assert report.written["base"] == sorted(set(range(num_layers)) - recorded)
+    assert Path(report.packs["base"]).read_bytes() == reference_bytes
 
 
 def test_cli_packs_are_the_ones_the_runtime_serves(tmp_path):
