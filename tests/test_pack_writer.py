@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from process_helpers import Watched
 
 from tierstore.errors import CapacityError, PackFormatError
 from tierstore.io import pack_writer
@@ -24,7 +25,7 @@ SPEC_FIELDS = dict(tag="base", num_layers=6, num_experts=4, row_bytes=5000, chec
                    abi_tag="w2-test", zero_mode="auto")
 
 # A writer process: writes the given layers of the SPEC_FIELDS pack (with an overridable row size),
-# one row per `delay` seconds, printing each committed layer.
+# one row per `delay` seconds, printing each committed layer (and "writing" on stderr once the pack is open).
 WRITER_SCRIPT = """
 import hashlib, json, sys, time
 from tierstore.io.layout import PackSpec
@@ -36,6 +37,7 @@ def rows(layer):
         time.sleep(delay)
         yield hashlib.shake_128(f"{layer},{expert}".encode()).digest(spec.row_bytes)
 with PackWriter(directory, spec) as writer:
+    print("writing", file=sys.stderr, flush=True)
     for layer in layers:
         if layer in writer.written_layers():
             continue
@@ -72,10 +74,14 @@ def read_all_written(directory, spec) -> dict:
     return rows
 
 
-def run_writer(directory, spec_fields, layers, delay=0.0, **popen):
-    args = [sys.executable, "-c", WRITER_SCRIPT, json.dumps(spec_fields), str(directory), json.dumps(layers),
+def writer_args(directory, spec_fields, layers, delay=0.0) -> list[str]:
+    return [sys.executable, "-c", WRITER_SCRIPT, json.dumps(spec_fields), str(directory), json.dumps(layers),
             str(delay)]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, text=True, **popen)
+
+
+def run_writer(directory, spec_fields, layers, delay=0.0, **popen):
+    return subprocess.Popen(writer_args(directory, spec_fields, layers, delay), stdout=subprocess.PIPE, text=True,
+                            **popen)
 
 
 def test_written_layers_read_back_exactly_and_unwritten_layers_are_refused(tmp_path):
@@ -233,15 +239,17 @@ def test_kill_9_at_random_moments_never_serves_a_wrong_row_and_reruns_finish_onl
     spec = make_spec(num_layers=24, row_bytes=128 << 10)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     rng = random.Random(4)
-    for _ in range(10):
-        writer = run_writer(tmp_path, fields, list(range(24)), delay=0.025, env=env)
-        time.sleep(rng.uniform(0.05, 0.35))
-        writer.kill()
-        writer.wait()
-        try:
-            rows = read_all_written(tmp_path, spec)
-        except PackFormatError:
-            continue  # killed before the first generation existed
+    delay = 0.025  # per row: a layer takes at least 4 * delay, so a kill within that much per layer left lands mid-write
+    fractions = [(i + rng.random()) / 10 for i in range(10)]  # one per tenth of the write window
+    rng.shuffle(fractions)
+    for fraction in fractions:
+        before = Pack(tmp_path, spec).layers if PackPaths.for_spec(tmp_path, spec).sidecar.exists() else frozenset()
+        writer = Watched(writer_args(tmp_path, fields, list(range(24)), delay), b"writing", env=env)
+        began = writer.wait_started()  # counted from here, not from the interpreter's start (slow when loaded)
+        time.sleep(max(0.0, began + fraction * (24 - len(before)) * 4 * delay - time.monotonic()))
+        assert writer.kill() == -9, "the writer finished before its kill"
+        rows = read_all_written(tmp_path, spec)  # the generation exists: "writing" comes after it was created
+        assert before <= Pack(tmp_path, spec).layers
         assert all(rows[k] == row(*k, spec.row_bytes) for k in rows)
     recorded = Pack(tmp_path, spec).layers
     assert 0 < len(recorded) < 24
