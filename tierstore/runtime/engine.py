@@ -13,6 +13,7 @@ confidence gate on decode steps (docs/precision-tier.md).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -206,6 +207,9 @@ class TieredRuntime:
                 result, outcome = first
                 if gated:
                     result, outcome = self._gated(first, forward, rewind, logits_of, step_routed)
+                if self.fp4 is not None:  # read under the lock: the manager cannot change residency here
+                    resident = self.fp4.pool.mirror.reshape(-1)[outcome.last_pass.routed_ids] >= 0
+                    outcome = dataclasses.replace(outcome, all_fp4=bool(resident.all()))
         except BaseException:
             self.settle()
             self._stats.failed += 1

@@ -30,6 +30,7 @@ class GenerationResult:
     step_logits: list[torch.Tensor] = field(default_factory=list)  # float32 [V] per step (prefill first), if kept
     routing: list = field(default_factory=list)  # int32 [L, k] per decode step, if recorded
     fired: list[bool] = field(default_factory=list)  # per step (prefill first): the confidence gate fired
+    all_fp4: list[bool | None] = field(default_factory=list)  # per step: its last pass ran only FP4 experts
     seconds: float = 0.0
     decode_seconds: float = 0.0
     cuda_graph: bool = False
@@ -113,8 +114,10 @@ class TieredGenerator:
         prompt = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
         positions = torch.arange(len(prompt_ids), device=self.device)[None]  # [1, P]
         self._rewind(0)
-        logits, _ = self.runtime.step(lambda: self._forward(prompt, positions), lambda: self._rewind(0), prefill=True)
+        logits, outcome = self.runtime.step(lambda: self._forward(prompt, positions), lambda: self._rewind(0),
+                                            prefill=True)
         result.fired.append(False)
+        result.all_fp4.append(outcome.all_fp4)
         decode_started = time.perf_counter()
         published = None  # the last decode step's argmax, from its pass-log read
         for position in range(len(prompt_ids), len(prompt_ids) + max_new_tokens):
@@ -136,6 +139,7 @@ class TieredGenerator:
             logits, outcome = self.runtime.step(self._decode_pass, lambda p=position: self._rewind(p))
             published = int(outcome.last_pass.outputs[0]) if self._fold else None
             result.fired.append(outcome.gate is not None)
+            result.all_fp4.append(outcome.all_fp4)
             if record_routing:
                 result.routing.append(self.runtime.last_pass.routing[:, 0, :].copy())
         result.cuda_graph = self._graph is not None

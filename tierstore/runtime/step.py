@@ -41,6 +41,7 @@ class StepOutcome:
     tolerated: bool
     last_pass: PassReport
     gate: FireRecord | None = None  # set when the confidence gate fired on this step
+    all_fp4: bool | None = None  # with an FP4 tier: the last pass routed only FP4-resident experts
 
 
 def run_step(forward: Callable[[], T], rewind: Callable[[], None], read_pass: Callable[[], PassReport],
