@@ -239,7 +239,7 @@ def test_kill_9_at_random_moments_never_serves_a_wrong_row_and_reruns_finish_onl
     spec = make_spec(num_layers=24, row_bytes=128 << 10)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     rng = random.Random(4)
-    delay = 0.025  # per row: a layer takes at least 4 * delay, so a kill within that much per layer left lands mid-write
+    delay = 0.025  # per row: a layer takes >= 4 * delay, so a kill within that much per layer left lands mid-write
     fractions = [(i + rng.random()) / 10 for i in range(10)]  # one per tenth of the write window
     rng.shuffle(fractions)
     for fraction in fractions:
