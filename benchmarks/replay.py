@@ -1,11 +1,14 @@
 """Tiered decode benchmark (issue 5, section 4): `tierstore replay` at ds-v2-lite and qwen3-30b-a3b
 shapes, GPU pool at 10/25/50/100% coverage, with and without an arena, on a synthetic skewed trace
-(and any extra traces given, e.g. one recorded by `tierstore generate --record-trace`). The first
+(and any traces given with --trace, e.g. one recorded by `tierstore generate --record-trace` or the quality
+lab; mapped onto the preset by `runtime.replay.map_trace`, the mapping in each result's `trace_mapping`,
+a mismatch it cannot map refused before anything runs; --no-synthetic: the traces only). The first
 `--warmup` steps of every run are its cold window, timed apart; targets are judged on the steady
 window. Writes benchmarks/results/replay.json with provenance.
 
     python benchmarks/replay.py --pack-dir /path/on/the/disk [--layers 8] [--steps 200] [--warmup 40]
         [--presets ds-v2-lite] [--coverages 0.25,1] [--arena-gb 0,4] [--arena-preload] [--trace extra.npz ...]
+        [--trace-layers first|tile] [--trace-top-k trace|refuse] [--no-synthetic]
         [--commit HASH]
 
 Every configuration also times the all-resident run with the decoder's token readback
@@ -26,8 +29,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tierstore.errors import TraceFormatError
 from tierstore.geometry import get_preset
-from tierstore.runtime.replay import ensure_synthetic_pack, open_synthetic_rows, run_replay, trace_steps
+from tierstore.runtime.replay import (LAYER_MAPPINGS, TOP_K_MAPPINGS, ensure_synthetic_pack, map_trace,
+                                      open_synthetic_rows, run_replay, trace_steps)
 from tierstore.sim import load_trace
 
 PRESETS = "ds-v2-lite,qwen3-30b-a3b"
@@ -78,7 +83,14 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs of the forward")
     parser.add_argument("--arena-preload", action="store_true",
                         help="fill the tiered and naive arenas before the clock starts (no compulsory pack reads)")
-    parser.add_argument("--trace", action="append", default=[])
+    parser.add_argument("--trace", action="append", default=[], help="a recorded trace to replay too (repeatable)")
+    parser.add_argument("--trace-layers", choices=LAYER_MAPPINGS, default="first",
+                        help="run layer l replays trace layer l (first: the trace needs --layers layers) or "
+                             "l %% trace layers (tile)")
+    parser.add_argument("--trace-top-k", choices=TOP_K_MAPPINGS, default="trace",
+                        help="a trace top-k below the preset's: the preset's shapes at the trace's top-k (trace) "
+                             "or refuse; a larger one is always refused")
+    parser.add_argument("--no-synthetic", action="store_true", help="replay the --trace files only")
     parser.add_argument("--commit", help="commit of the tree (when it runs without .git)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "replay.json"))
     args = parser.parse_args()
@@ -86,26 +98,39 @@ def main() -> None:
     results: list[dict] = []
     head = {"provenance": provenance(args.commit), "method": {
         "steps": args.steps, "warmup": args.warmup, "layers": args.layers, "graph": not args.eager,
-        "arena_preload": args.arena_preload,
+        "arena_preload": args.arena_preload, "traces": args.trace, "trace_layers": args.trace_layers,
+        "trace_top_k": args.trace_top_k, "synthetic": not args.no_synthetic,
         "floor": "plain all-resident steady step + steady arena-hit bytes / pinned H2D + arena-miss bytes / source read"}}
+    if args.no_synthetic and not args.trace:
+        parser.error("--no-synthetic needs at least one --trace")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    plans = []  # (preset, geometry, {workload: (run geometry, steps, mapping or None)}), all mapped before any run
+    traces = [(Path(path).name, load_trace(path)) for path in args.trace]
     for preset in args.presets.split(","):
         geometry = get_preset(preset).with_layers(args.layers)
+        workloads = {} if args.no_synthetic else {"synthetic-skewed": (geometry, skewed_steps(geometry, args.steps), None)}
+        for name, trace in traces:
+            try:
+                run_geometry, experts, mapping = map_trace(trace, geometry, layers=args.trace_layers,
+                                                           top_k=args.trace_top_k)
+            except TraceFormatError as exc:
+                raise SystemExit(f"refused: {name}: {exc}") from None
+            print(f"{preset} {name}: layers {mapping['layers']['rule']}; experts {mapping['experts']['rule']}; "
+                  f"top-k {mapping['top_k']['rule']}", flush=True)
+            workloads[name] = (run_geometry, trace_steps(experts, trace.step, geometry.num_moe_layers, args.steps),
+                               mapping)
+        plans.append((preset, geometry, workloads))
+    for preset, geometry, workloads in plans:
         spec = ensure_synthetic_pack(geometry, args.pack_dir)
-        workloads = {"synthetic-skewed": skewed_steps(geometry, args.steps)}
-        for path in args.trace:
-            trace = load_trace(path)
-            if trace.num_experts == geometry.num_experts and trace.num_layers >= geometry.num_moe_layers:
-                workloads[Path(path).name] = trace_steps(trace.experts, trace.step, geometry.num_moe_layers, args.steps)
-        for name, steps in workloads.items():
+        for name, (run_geometry, steps, mapping) in workloads.items():
             for coverage in floats(args.coverages):
                 for arena_gb in floats(args.arena_gb):
                     pool = max(1, round(coverage * geometry.total_routed_experts))
-                    result = run_replay(geometry, lambda: open_synthetic_rows(spec, args.pack_dir), steps,
+                    result = run_replay(run_geometry, lambda: open_synthetic_rows(spec, args.pack_dir), steps,
                                         pool_slots=pool, arena_slots=int(arena_gb * 2**30) // spec.stride,
                                         device=device, warmup=args.warmup, graph=not args.eager,
                                         arena_preload=args.arena_preload)
-                    result.update(preset=preset, workload=name, arena_gb=arena_gb)
+                    result.update(preset=preset, workload=name, arena_gb=arena_gb, trace_mapping=mapping)
                     results.append(result)
                     Path(args.out).write_text(json.dumps({**head, "results": results}, indent=2))  # after every run
                     runs = result["runs"]
@@ -115,7 +140,8 @@ def main() -> None:
                           f"cold {t['cold']['step_ms']:.3f}), floor {result['floor_step_ms']:.3f} ms "
                           f"({result['tiered_over_floor']:.2f}x), resident {r['step_ms']:.3f} ms, naive "
                           f"{runs['naive']['steady']['step_ms']:.3f} ms ({result['naive_over_tiered']:.2f}x), misses/step "
-                          f"{t['steady']['missing_pairs_per_step']:.1f}", flush=True)
+                          f"{t['steady']['missing_pairs_per_step']:.1f}; pool {result['pool_over_touched']:.2f}x the "
+                          f"{result['touched_keys']} routed keys", flush=True)
                     b = t["steady"]["breakdown"]
                     print(f"  resident+readback {runs['resident_readback']['steady']['step_ms']:.3f} ms (tiered "
                           f"{result['tiered_over_resident_readback']:.2f}x of it); naive/floor "

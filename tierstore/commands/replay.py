@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def register(subparsers) -> None:
@@ -18,6 +19,12 @@ def register(subparsers) -> None:
     pool.add_argument("--gpu-pool-frac", type=float)
     parser.add_argument("--arena-gb", type=float, default=0.0, help="host arena in GiB (0 = none)")
     parser.add_argument("--pack-dir", required=True, help="where the synthetic pack is built (reused across runs)")
+    parser.add_argument("--trace-layers", choices=("first", "tile"), default="first",
+                        help="run layer l replays trace layer l (first; the trace needs enough layers) or "
+                             "l %% trace layers (tile)")
+    parser.add_argument("--trace-top-k", choices=("trace", "refuse"), default="trace",
+                        help="a trace top-k below the preset's: run the preset's shapes at the trace's top-k "
+                             "(trace, default) or refuse; a larger one is always refused")
     parser.add_argument("--steps", type=int, help="replay at most this many steps")
     parser.add_argument("--warmup", type=int, default=0,
                         help="the first N steps are the cold window, timed apart from the steady rest (default 0)")
@@ -30,24 +37,33 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from tierstore.errors import TraceFormatError
     from tierstore.geometry import get_preset
     from tierstore.kernels.layout import w2_slot_layout
     from tierstore.runtime.engine import slots_for
-    from tierstore.runtime.replay import ensure_synthetic_pack, open_synthetic_rows, run_replay, trace_steps
+    from tierstore.runtime.replay import ensure_synthetic_pack, map_trace, open_synthetic_rows, run_replay, trace_steps
     from tierstore.sim import load_trace
 
     geometry = get_preset(args.preset)
     if args.layers:
         geometry = geometry.with_layers(args.layers)
-    trace = load_trace(args.trace, num_experts=geometry.num_experts)
-    steps = trace_steps(trace.experts, trace.step, geometry.num_moe_layers, args.steps)
+    trace = load_trace(args.trace)
+    try:
+        run_geometry, experts, mapping = map_trace(trace, geometry, layers=args.trace_layers, top_k=args.trace_top_k)
+    except TraceFormatError as exc:
+        print(f"tierstore replay: refused: {exc}", file=sys.stderr)
+        return 2
+    print(f"trace mapping: layers {mapping['layers']['rule']}; experts {mapping['experts']['rule']}; "
+          f"top-k {mapping['top_k']['rule']}")
+    steps = trace_steps(experts, trace.step, geometry.num_moe_layers, args.steps)
     slot_bytes = w2_slot_layout(geometry.hidden, geometry.expert_inter).slot_bytes
-    pool_slots = slots_for(geometry, slot_bytes, gib=args.gpu_pool_gb, fraction=args.gpu_pool_frac)
+    pool_slots = slots_for(run_geometry, slot_bytes, gib=args.gpu_pool_gb, fraction=args.gpu_pool_frac)
     spec = ensure_synthetic_pack(geometry, args.pack_dir)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    result = run_replay(geometry, lambda: open_synthetic_rows(spec, args.pack_dir), steps, pool_slots=pool_slots,
+    result = run_replay(run_geometry, lambda: open_synthetic_rows(spec, args.pack_dir), steps, pool_slots=pool_slots,
                         arena_slots=int(args.arena_gb * 2**30) // spec.stride, device=device, warmup=args.warmup,
                         graph=not args.eager)
+    result["trace_mapping"] = mapping
     for name, r in result["runs"].items():
         for window in ("cold", "steady"):
             w = r[window]
@@ -59,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
           f"{result['h2d_gbps']:.1f} GB/s host->device + arena misses at {result['source_read_gbps']:.2f} GB/s source "
           f"read); tiered / floor {result['tiered_over_floor']:.2f}x, naive / tiered {result['naive_over_tiered']:.2f}x, "
           f"tiered / resident {result['tiered_over_resident']:.2f}x; pool {pool_slots} slots = "
-          f"{100 * result['coverage']:.1f}% of experts")
+          f"{100 * result['coverage']:.1f}% of experts, {result['pool_over_touched']:.2f}x the "
+          f"{result['touched_keys']} keys the replay routes")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)

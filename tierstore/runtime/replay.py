@@ -9,6 +9,7 @@ steady windows are timed apart (`replay_drive.drive`); the floor is computed on 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -72,6 +73,80 @@ def trace_steps(experts: np.ndarray, steps: np.ndarray | None, layers: int, limi
     bounds = np.arange(len(ids) + 1) if steps is None else np.flatnonzero(np.r_[True, np.diff(steps) != 0, True])
     out = [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     return out[:limit] if limit else out
+
+
+LAYER_MAPPINGS = ("first", "tile")
+TOP_K_MAPPINGS = ("trace", "refuse")
+
+
+def map_trace(trace, geometry: MoEGeometry, *, layers: str = "first",
+              top_k: str = "trace") -> tuple[MoEGeometry, np.ndarray, dict]:
+    """A recorded trace at a preset's shapes: (geometry the replay runs, routing int64 [tokens, L, k],
+    mapping). The mapping is explicit and goes into the result (`trace_mapping`):
+
+    - layers, `layers`="first": run layer l replays trace layer l (the trace needs at least the run's
+      L layers; extra trace layers are dropped); "tile": run layer l replays trace layer l % (trace
+      layers): the trace's routing repeats every (trace layers) run layers, each on its own keys;
+    - experts: ids are used as-is, so the trace's expert count must not exceed the preset's; preset
+      experts with ids >= the trace's count are never routed (the `touched_keys` of the result say
+      how many (layer, expert) keys the replay routes at all);
+    - top-k: a trace top-k above the preset's is refused (it does not fit). Below it, `top_k`="trace"
+      runs the preset's shapes with the trace's top-k (each token routes to k experts of the preset's
+      size, routing weights 1/k: less expert compute and fetch per token than the preset's own
+      top-k); "refuse" refuses. Equal: as-is;
+    - empty slots (-1) are refused: the replay forward routes every slot.
+
+    Refusals raise TraceFormatError naming the mismatch."""
+    if layers not in LAYER_MAPPINGS or top_k not in TOP_K_MAPPINGS:
+        raise ValueError(f"layers {layers!r} / top_k {top_k!r}: choose from {LAYER_MAPPINGS} / {TOP_K_MAPPINGS}")
+    ids = np.asarray(trace.experts)
+    t_layers, t_k, t_experts = ids.shape[1], ids.shape[2], trace.num_experts
+    g_layers, g_k, g_experts = geometry.num_moe_layers, geometry.top_k, geometry.num_experts
+    where = f"trace ({t_layers} layers x {t_experts} experts, top-{t_k}) at {geometry.name} " \
+            f"({g_layers} layers x {g_experts} experts, top-{g_k})"
+    if t_experts > g_experts:
+        raise TraceFormatError(f"{where}: the trace has {t_experts} experts per layer, more than the preset's "
+                               f"{g_experts}; expert ids are used as-is and would not fit")
+    if t_k > g_k:
+        raise TraceFormatError(f"{where}: the trace's top-{t_k} does not fit the preset's top-{g_k}")
+    if t_k < g_k and top_k == "refuse":
+        raise TraceFormatError(f"{where}: the trace's top-{t_k} is below the preset's top-{g_k} (refused; "
+                               "the 'trace' top-k mapping runs the preset's shapes at the trace's top-k)")
+    if np.any(ids < 0):
+        raise TraceFormatError(f"{where}: the trace has empty routing slots (-1), which the replay cannot force")
+    if layers == "first":
+        if t_layers < g_layers:
+            raise TraceFormatError(f"{where}: the trace has {t_layers} layers, the replay needs {g_layers} (use "
+                                   f"{t_layers} layers, or the 'tile' layer mapping)")
+        source_layer = np.arange(g_layers)
+        layer_rule = f"run layer l <- trace layer l (trace layers {g_layers}..{t_layers - 1} unused)" \
+            if t_layers > g_layers else "run layer l <- trace layer l"
+    else:
+        source_layer = np.arange(g_layers) % t_layers
+        layer_rule = f"run layer l <- trace layer l % {t_layers}"
+    run_geometry = dataclasses.replace(geometry, top_k=t_k) if t_k < g_k else geometry
+    mapping = {
+        "trace": {"layers": t_layers, "experts": t_experts, "top_k": t_k, "tokens": int(ids.shape[0]),
+                  "steps": int(len(np.unique(trace.step))) if trace.step is not None else int(ids.shape[0]),
+                  "meta": {k: v for k, v in trace.meta.items() if isinstance(v, (str, int, float))}},
+        "preset": {"name": geometry.name, "layers": g_layers, "experts": g_experts, "top_k": g_k},
+        "layers": {"mode": layers, "rule": layer_rule, "source_layer": source_layer.tolist()},
+        "experts": {"mode": "as-is", "rule": f"trace expert e -> preset expert e; preset experts {t_experts}.."
+                    f"{g_experts - 1} never routed" if t_experts < g_experts else "trace expert e -> preset expert e"},
+        "top_k": {"mode": top_k if t_k < g_k else "as-is", "used": t_k,
+                  "rule": f"the preset's shapes at the trace's top-{t_k} (preset top-{g_k}), weights 1/{t_k}"
+                  if t_k < g_k else f"top-{t_k} as-is"},
+    }
+    return run_geometry, ids[:, source_layer].astype(np.int64), mapping
+
+
+def touched_keys(steps: list[np.ndarray], num_experts: int) -> int:
+    """Distinct (layer, expert) keys the steps route (the working set a pool can usefully hold)."""
+    if not steps:
+        return 0
+    ids = np.concatenate([np.asarray(s) for s in steps])  # [T, L, k]
+    keys = ids + (np.arange(ids.shape[1], dtype=np.int64) * num_experts)[None, :, None]
+    return int(len(np.unique(keys[ids >= 0])))
 
 
 def host_to_device_gbps(device: torch.device, nbytes: int = 256 << 20) -> float:
@@ -150,7 +225,8 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
     arenas are filled before the clock starts (no compulsory pack reads in the timed steps).
     `overhead` with a pool that holds every expert: also `nomiss_overhead` (variants interleaved).
     `source_factory()` returns a fresh row source per run (e.g. PackRows over the pack); `graph`:
-    CUDA-graph forwards on CUDA (the naive baseline is eager by definition)."""
+    CUDA-graph forwards on CUDA (the naive baseline is eager by definition). `touched_keys`: the
+    distinct (layer, expert) keys the steps route; `pool_over_touched`: the pool over that number."""
     device = torch.device(device)
     config = config or RuntimeConfig(kpi_every=0, force_pool=True)
     everything = geometry.total_routed_experts
@@ -182,9 +258,11 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
     def ratio(a: float, b: float) -> float:
         return a / b if b else 0.0
 
+    touched = touched_keys(steps, geometry.num_experts)
     out = {
-        "geometry": geometry.name, "layers": geometry.num_moe_layers, "steps": len(steps), "warmup": warmup,
+        "geometry": geometry.name, "top_k": geometry.top_k, "layers": geometry.num_moe_layers, "steps": len(steps), "warmup": warmup,
         "device": str(device), "pool_slots": pool_slots, "coverage": pool_slots / everything,
+        "touched_keys": touched, "pool_over_touched": ratio(pool_slots, touched),
         "arena_slots": arena_slots, "arena_preload": arena_preload, "h2d_gbps": h2d, "source_read_gbps": disk,
         "floor_fetch_ms": fetch_ms, "floor_step_ms": floor_ms, "floor_readback_step_ms": floor_readback_ms,
         "tiered_over_floor": ratio(tiered_ms, floor_ms), "tiered_over_floor_readback": ratio(tiered_ms, floor_readback_ms),
