@@ -6,7 +6,16 @@ tensor-core BT = 16 path), fused FP4 (all in the FP4
 pool; for BT = 1 also its gate_up alone and the v8 bf16x2 decode, `fp4_*_bf16x2`, beside the default), the W2 gate_up stage alone, torch._grouped_mm in bf16 on the same routing (GEMM + SwiGLU
 only, the routing sort precomputed), dequantize-then-_grouped_mm on the same W2 codes, and a
 streaming-read kernel over the same number of bytes (the ceiling). Bytes = the unique routed experts' packed codes + scales (bf16: their bf16 weights).
-Correctness against moe_mm_ref is checked first at T = 1 and 8.
+Correctness against moe_mm_ref is checked at T = 1 and 8.
+
+Order and failures: the current kernels' checks, then every T's current kernels and baselines
+(BASELINE_VARIANTS, with the streaming ceilings), then the v7/v8 checks, then every T's new variants
+(NEW_VARIANTS). Each check and timed variant runs isolated (Runner): an exception goes into its row
+(`error`: type, message, traceback lines) and `errors`, and the run goes on; after a CUDA error (or
+any error after which a probe of the context fails) later GPU work is skipped (`error.type` Skipped)
+and `status` says why. A variant whose check failed (rel. error > REL_TOL, NaN, repeat or bytes not
+identical where they must be, check raised or not run) gets `invalid` (reasons) and `us` None; the
+time is kept as `invalid_us`. The JSON is rewritten (atomically) after every stage and on SIGTERM.
 
     python benchmarks/kernels.py --preset deepseek-v3 --tokens 1,8,32 --config 64,8 --json out.json
 """
@@ -16,8 +25,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import signal
 import subprocess
 import sys
+import traceback
 
 import torch
 import triton
@@ -97,13 +109,13 @@ def _graph_time_us(fns, reps: int) -> float:
     return times[len(times) // 2]
 
 
-def _stream_us(nbytes: int, copies: int, reps: int) -> float:
+def _stream_us(nbytes: int, copies: int, reps: int, device: str = "cuda") -> float:
     words = nbytes // 4
-    src = torch.randint(0, 1 << 20, (copies * words,), dtype=torch.int32, device="cuda")
+    src = torch.randint(0, 1 << 20, (copies * words,), dtype=torch.int32, device=device)
     best = float("inf")
     for block, iters in ((2048, 4), (4096, 8), (8192, 4)):
         programs = triton.cdiv(words, block * iters)
-        partial = torch.empty(programs, dtype=torch.int32, device="cuda")
+        partial = torch.empty(programs, dtype=torch.int32, device=device)
         fns = [lambda c=c: _stream_read_kernel[(programs,)](src[c * words:], partial, words, BLOCK=block, ITERS=iters,
                                                             num_warps=8) for c in range(copies)]
         best = min(best, _graph_time_us(fns, reps))
@@ -111,60 +123,154 @@ def _stream_us(nbytes: int, copies: int, reps: int) -> float:
     return best
 
 
-def _routings(tokens, top_k, experts, count, gen):
+def _routings(tokens, top_k, experts, count, gen, device="cuda"):
     out = []
     for _ in range(count):
-        scores = torch.rand(tokens, experts, generator=gen, device="cuda")
+        scores = torch.rand(tokens, experts, generator=gen, device=device)
         ids = scores.topk(top_k, dim=1).indices.to(torch.int32)
-        weights = torch.rand(tokens, top_k, generator=gen, device="cuda") + 0.05
+        weights = torch.rand(tokens, top_k, generator=gen, device=device) + 0.05
         out.append((ids.contiguous(), weights))
     return out
 
 
-def _check_correctness(geo, w2, f4, gen) -> list[dict]:
-    rows = []
+REL_TOL = 1e-2  # relative error vs moe_mm_ref above which a path's timing rows are marked invalid
+
+
+def _rel_err(out, ref) -> float:
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+def _default_check(geo, w2, f4, tier, tokens, gen, device):
+    """The default path against moe_mm_ref: (check row, inputs for the variant checks)."""
+    f4.table[0] = torch.arange(geo.num_experts, dtype=torch.int32) if tier == "fp4" else -1
+    ids, weights = _routings(tokens, geo.top_k, geo.num_experts, 1, gen, device)[0]
+    x = torch.randn(tokens, geo.hidden, generator=gen, device=device).to(torch.bfloat16)
+    ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype, device)
+    ws.act.fill_(float("nan"))
+    ws.y.fill_(float("nan"))
+    out = torch.full_like(x, float("nan"))
+    moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, device), ws, out=out)
+    ref, _, _ = moe_mm_ref(x, ids, weights, w2, f4, 0, act_dtype=torch.bfloat16)
+    again = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, device), ws, out=torch.empty_like(x))
+    row = dict(rel_err=_rel_err(out, ref), nan=bool(out.isnan().any()), repeat_identical=bool(torch.equal(out, again)))
+    return row, dict(tier=tier, tokens=tokens, ids=ids, weights=weights, x=x, out=out, ref=ref)
+
+
+def _bt2_check(geo, w2, f4, inp, device) -> dict:
+    """v7: two pairs of one expert per program; its bytes must equal the default (BT = 1) output."""
+    x, ids, weights = inp["x"], inp["ids"], inp["weights"]
+    ws2 = MoeWorkspace.allocate(inp["tokens"], geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype,
+                                device, block_tokens=2)
+    bt2 = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, device), ws2, out=torch.full_like(x, float("nan")))
+    return dict(bt2_rel_err=_rel_err(bt2, inp["ref"]), bt2_equals_bt1=bool(torch.equal(inp["out"], bt2)))
+
+
+def _fp4_mode_check(geo, w2, f4, inp, mode, device) -> dict:
+    """v8: the bf16x2 FP4 decode (`ptx`) or its plain-Triton twin (`triton`, bytes equal to the default), BT = 1."""
+    x, ids, weights = inp["x"], inp["ids"], inp["weights"]
+    wsm = MoeWorkspace.allocate(inp["tokens"], geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype,
+                                device, block_tokens=1, fp4_bf16x2=mode)
+    wsm.act.fill_(float("nan"))
+    wsm.y.fill_(float("nan"))
+    o = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, device), wsm, out=torch.full_like(x, float("nan")))
+    o2 = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, device), wsm, out=torch.empty_like(x))
+    return {f"fp4_{mode}_rel_err": _rel_err(o, inp["ref"]), f"fp4_{mode}_nan": bool(o.isnan().any()),
+            f"fp4_{mode}_repeat_identical": bool(torch.equal(o, o2)),
+            f"fp4_{mode}_equals_default": bool(torch.equal(o, inp["out"]))}
+
+
+def _check_group(variant: str) -> str | None:
+    """Which correctness check covers a timed variant (None: not checked here, e.g. plain, MMA, baselines)."""
+    if variant.endswith("_bf16x2"):
+        return "fp4_bf16x2"
+    if "_bt2" in variant:
+        return "fp4_bt2" if variant.startswith("fp4") else "w2_bt2"
+    return {"w2_fused": "w2_default", "w2_gate_up": "w2_default", "fp4_fused": "fp4_default",
+            "fp4_gate_up": "fp4_default"}.get(variant)
+
+
+def _invalid_reasons(checks: list[dict]) -> dict[str, list[str]]:
+    """Check group -> why its timings must not be read (a failed, errored or missing check). Groups absent:
+    checked and passed. `fp4_triton_*` (the twin, not timed) is reported in the check rows only."""
+    reasons: dict[str, list[str]] = {}
+
+    def bad(group, row, why):
+        reasons.setdefault(group, []).append(f"{row['tier']} T={row['tokens']}: {why}")
+
+    for row in checks:
+        tier = row["tier"]
+        for group, err_key, rel_key, nan_key, rep_key, eq_key in (
+                (f"{tier}_default", "error", "rel_err", "nan", "repeat_identical", None),
+                (f"{tier}_bt2", "bt2_error", "bt2_rel_err", None, None, "bt2_equals_bt1"),
+                ("fp4_bf16x2", "fp4_ptx_error", "fp4_ptx_rel_err", "fp4_ptx_nan", "fp4_ptx_repeat_identical", None)):
+            if group == "fp4_bf16x2" and tier != "fp4":
+                continue
+            if err_key in row:
+                bad(group, row, f"check raised {row[err_key]['type']}: {row[err_key]['message'][:200]}")
+            elif rel_key not in row:
+                bad(group, row, "check not run")
+            else:
+                if not row[rel_key] <= REL_TOL:  # NaN fails too
+                    bad(group, row, f"{rel_key} {row[rel_key]:.3g} > {REL_TOL:g}")
+                if nan_key and row.get(nan_key):
+                    bad(group, row, "NaN in output")
+                if rep_key and row.get(rep_key) is False:
+                    bad(group, row, "repeat run not bit-identical")
+                if eq_key and row.get(eq_key) is False:
+                    bad(group, row, f"{eq_key} is False (must be bit-identical)")
+        if tier == "fp4" and row.get("fp4_scales_exact") is False:
+            bad("fp4_bf16x2", row, "fp4_scales_exact is False (scale bytes outside the exact range)")
+    return reasons
+
+
+def _check_defaults(geo, w2, f4, gen, runner, device) -> tuple[list[dict], list[dict]]:
+    """The current kernels' check rows (one per tier and T), each check isolated."""
+    rows, inputs = [], []
     for tier in ("w2", "fp4"):
-        f4.table[0] = torch.arange(geo.num_experts, dtype=torch.int32) if tier == "fp4" else -1
         for tokens in (1, 8):
-            ids, weights = _routings(tokens, geo.top_k, geo.num_experts, 1, gen)[0]
-            x = torch.randn(tokens, geo.hidden, generator=gen, device="cuda").to(torch.bfloat16)
-            ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype, "cuda")
-            ws.act.fill_(float("nan"))
-            ws.y.fill_(float("nan"))
-            out = torch.full_like(x, float("nan"))
-            moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, "cuda"), ws, out=out)
-            ref, _, _ = moe_mm_ref(x, ids, weights, w2, f4, 0, act_dtype=torch.bfloat16)
-            err = float((out.float() - ref).norm() / ref.norm())
-            again = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, "cuda"), ws, out=torch.empty_like(x))
-            ws2 = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype,
-                                        "cuda", block_tokens=2)
-            bt2 = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, "cuda"), ws2, out=torch.full_like(x, float("nan")))
-            bt2_err = float((bt2.float() - ref).norm() / ref.norm())
-            rows.append(dict(tier=tier, tokens=tokens, rel_err=err, nan=bool(out.isnan().any()),
-                             repeat_identical=bool(torch.equal(out, again)), bt2_rel_err=bt2_err,
-                             bt2_equals_bt1=bool(torch.equal(out, bt2))))
-            if tier == "fp4":  # v8: bf16x2 FP4 decode (inline PTX) and its plain-Triton twin, BT = 1
-                extra = {}
-                for mode in ("ptx", "triton"):
-                    wsm = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter,
-                                                x.dtype, "cuda", block_tokens=1, fp4_bf16x2=mode)
-                    wsm.act.fill_(float("nan"))
-                    wsm.y.fill_(float("nan"))
-                    o = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, "cuda"), wsm,
-                               out=torch.full_like(x, float("nan")))
-                    o2 = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, "cuda"), wsm, out=torch.empty_like(x))
-                    extra[f"fp4_{mode}_rel_err"] = float((o.float() - ref).norm() / ref.norm())
-                    extra[f"fp4_{mode}_nan"] = bool(o.isnan().any())
-                    extra[f"fp4_{mode}_repeat_identical"] = bool(torch.equal(o, o2))
-                    extra[f"fp4_{mode}_equals_default"] = bool(torch.equal(o, out))
-                extra["fp4_scales_exact"] = fp4_bf16x2_scales_exact(f4)
-                rows[-1].update(extra)
-                print(f"check fp4 bf16x2 T={tokens}: {extra}", flush=True)
-            print(f"check {tier} T={tokens}: rel_err {err:.2e} nan={rows[-1]['nan']} "
-                  f"repeat_identical={rows[-1]['repeat_identical']} bt2_rel_err {bt2_err:.2e} "
-                  f"bt2_equals_bt1={rows[-1]['bt2_equals_bt1']}", flush=True)
-    f4.table[0] = -1
-    return rows
+            row = dict(tier=tier, tokens=tokens)
+            got, err = runner.attempt(f"check {tier} T={tokens}", lambda: _default_check(geo, w2, f4, tier, tokens, gen,
+                                                                                         device))
+            if err:
+                row["error"] = err
+            else:
+                row.update(got[0])
+                inputs.append(got[1])
+                print(f"check {tier} T={tokens}: rel_err {row['rel_err']:.2e} nan={row['nan']} "
+                      f"repeat_identical={row['repeat_identical']}", flush=True)
+            rows.append(row)
+    runner.attempt("fp4 table reset", lambda: f4.table.__setitem__(0, -1))
+    return rows, inputs
+
+
+def _check_variants(geo, w2, f4, rows, inputs, runner, device) -> None:
+    """v7 / v8 checks on the default checks' inputs, each isolated; results go into the matching check row."""
+    by_key = {(r["tier"], r["tokens"]): r for r in rows}
+    for inp in inputs:
+        row = by_key[(inp["tier"], inp["tokens"])]
+        fp4 = inp["tier"] == "fp4"
+
+        def resident(fn):
+            def go():
+                f4.table[0] = torch.arange(geo.num_experts, dtype=torch.int32) if fp4 else -1
+                try:
+                    return fn()
+                finally:
+                    f4.table[0] = -1
+            return go
+
+        label = f"check {inp['tier']} T={inp['tokens']}"
+        got, err = runner.attempt(f"{label} bt2", resident(lambda: _bt2_check(geo, w2, f4, inp, device)))
+        row.update(got or {"bt2_error": err})
+        if fp4:
+            for mode in ("ptx", "triton"):
+                got, err = runner.attempt(f"{label} fp4_bf16x2={mode}",
+                                          resident(lambda: _fp4_mode_check(geo, w2, f4, inp, mode, device)))
+                row.update(got or {f"fp4_{mode}_error": err})
+            got, err = runner.attempt(f"{label} fp4_scales_exact", lambda: fp4_bf16x2_scales_exact(f4), gpu=False)
+            row.update({"fp4_scales_exact": got} if err is None else {"fp4_scales_exact_error": err})
+        print(f"check {label[6:]} variants: " + json.dumps({k: v for k, v in row.items()
+                                                            if k.startswith(("bt2", "fp4_"))}, default=str), flush=True)
 
 
 def _bf16_case(geo, w13, w2d, routings, reps):
@@ -237,106 +343,252 @@ def _unique_experts(routings) -> float:
 SWEEP_CONFIGS = [(16, 2), (32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8)]
 
 
-def _sweep(geo, w2, f4, gen, reps) -> tuple[list[dict], tuple[int, int]]:
-    """W2 gate_up time per (block_n, num_warps) at T = 1 and 8; the best at T = 1 is used for the run."""
-    rows = []
-    routings = {t: _routings(t, geo.top_k, geo.num_experts, 6 if t == 1 else 4, gen) for t in (1, 8)}
-    for config in SWEEP_CONFIGS:
-        for tokens, rts in routings.items():
-            us = _fused_case(geo, w2, f4, rts, reps, gate_up_only=True, config=config)
-            rows.append(dict(tokens=tokens, block_n=config[0], num_warps=config[1], us=us))
-            print(f"sweep gate_up T={tokens} BN={config[0]} warps={config[1]}: {us:.1f} us", flush=True)
-    best = min((r for r in rows if r["tokens"] == 1), key=lambda r: r["us"])
-    return rows, (best["block_n"], best["num_warps"])
+_CUDA_ERROR_MARKERS = ("illegal memory access", "illegal address", "illegal instruction", "misaligned address",
+                       "unspecified launch failure", "device-side assert", "CUDA error", "Triton Error [CUDA]",
+                       "CUDA_ERROR", "cudaError", "launch timed out", "operation not permitted when stream is capturing")
 
 
-def run(preset: str, token_counts: list[int], reps: int, sweep: bool, config: tuple[int, int] = (64, 8)) -> dict:
-    geo = get_preset(preset)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    w2 = w2_tier(geo.hidden, geo.expert_inter, geo.num_experts, 1, geo.num_experts, "cuda")
-    f4 = fp4_tier(geo.hidden, geo.expert_inter, geo.num_experts, 1, geo.num_experts, "cuda")
+def _is_cuda_error(exc: BaseException) -> bool:
+    """An error after which the CUDA context may be unusable (not: compile errors, out of memory)."""
+    if isinstance(exc, getattr(torch, "OutOfMemoryError", ())) or "out of memory" in str(exc):
+        return False
+    accel = getattr(torch, "AcceleratorError", None)
+    return (accel is not None and isinstance(exc, accel)) or any(m in str(exc) for m in _CUDA_ERROR_MARKERS)
+
+
+def _error_dict(exc: BaseException) -> dict:
+    """type, message (first 20 lines), traceback (first 8 and last 12 lines)."""
+    message = "\n".join(str(exc).splitlines()[:20])[:3000]
+    lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()
+    if len(lines) > 20:
+        lines = lines[:8] + ["  ..."] + lines[-12:]
+    return dict(type=type(exc).__name__, message=message, traceback=lines)
+
+
+def _cuda_probe() -> None:
+    torch.cuda.synchronize()
+    torch.ones(1, device="cuda").add_(1).item()
+
+
+class Runner:
+    """Runs each timed variant / check in isolation: an exception is recorded (and returned), not raised.
+    After an error that may have poisoned the CUDA context (or when `probe` fails after any error), later
+    GPU work is skipped and `poisoned` says why."""
+
+    def __init__(self, probe=None):
+        self.probe = probe
+        self.poisoned: str | None = None
+        self.errors: list[dict] = []
+
+    def attempt(self, label: str, fn, gpu: bool = True):
+        """(value, None) or (None, error dict); skipped without running while poisoned (gpu work)."""
+        if gpu and self.poisoned:
+            return None, dict(type="Skipped", message=f"not run: {self.poisoned}", skipped=True)
+        try:
+            return fn(), None
+        except Exception as exc:  # noqa: BLE001: isolating the variant is the point
+            err = _error_dict(exc)
+            cause = None
+            if _is_cuda_error(exc):
+                cause = "raised a CUDA error"
+            elif gpu and self.probe is not None:
+                try:
+                    self.probe()
+                except Exception as probe_exc:  # noqa: BLE001
+                    cause = f"left the CUDA context unusable ({type(probe_exc).__name__}: {str(probe_exc)[:200]})"
+            if cause:
+                err["cuda_context_lost"] = True
+                self.poisoned = (f"{label} {cause}: {err['type']}: {err['message'].splitlines()[0][:300] if err['message'] else ''}"
+                                 "; later GPU variants were not run")
+            self.errors.append(dict(label=label, **err))
+            print(f"FAILED {label}: {err['type']}: {err['message'][:500]}" + (f"\n  -> {self.poisoned}" if cause else ""),
+                  flush=True)
+            return None, err
+
+
+# Timed first, for every T, so their rows exist even if a new variant breaks the process.
+BASELINE_VARIANTS = ("bf16_grouped_mm", "w2_fused", "w2_gate_up", "w2_fused_plain", "w2_gate_up_plain",
+                     "w2_fused_mma16", "dequant_grouped_mm", "fp4_fused", "fp4_gate_up")
+# Prepared, not yet measured (kernel-notes v7, v8): their checks and timings come after every baseline.
+NEW_VARIANTS = ("w2_fused_bt2", "w2_gate_up_bt2", "w2_fused_bt2_bn32", "w2_gate_up_bt2_bn32", "fp4_fused_bt2",
+                "fp4_fused_bf16x2", "fp4_gate_up_bf16x2")
+STREAMED = ("w2_fused", "w2_gate_up", "fp4_fused", "fp4_gate_up")  # the rest use the ceiling of the same bytes
+
+
+def _variant_thunks(geo, state, routings, tokens, config) -> dict:
+    """Variant name -> zero-argument function that times it (us), for the variants that apply at this T."""
+    w2, f4 = state["w2"], state["f4"]
+    bt1 = tokens * geo.top_k <= geo.num_experts  # the default routes one pair per program here
+
+    def fused(gate_up_only, fp4=False, **kw):
+        kw.setdefault("config", config)
+
+        def go():
+            if fp4:
+                f4.table[0] = torch.arange(geo.num_experts, dtype=torch.int32)
+            try:
+                return _fused_case(geo, w2, f4, routings, state["reps"], gate_up_only=gate_up_only, **kw)
+            finally:
+                if fp4:
+                    f4.table[0] = -1
+        return go
+
+    out = {"bf16_grouped_mm": lambda: _bf16_case(geo, state["w13_bf16"], state["w2_bf16"], routings, state["reps"]),
+           "w2_fused": fused(False), "w2_gate_up": fused(True)}
+    if bt1:  # the plain-Triton decode beside the inline-PTX one
+        out["w2_fused_plain"] = fused(False, ptx_w2=False)
+        out["w2_gate_up_plain"] = fused(True, ptx_w2=False)
+    if tokens * geo.top_k <= 2 * geo.num_experts:  # default there is BT = 1 (FMA); compare the MMA path
+        out["w2_fused_mma16"] = fused(False, block_tokens=16)
+    out["dequant_grouped_mm"] = lambda: _dequant_case(geo, w2, state["w13_bf16"], state["w2_bf16"], routings,
+                                                      state["reps"])
+    out["fp4_fused"] = fused(False, fp4=True)
+    if bt1:
+        out["fp4_gate_up"] = fused(True, fp4=True)
+        # v7: two pairs of one expert per program (BT = 2). BN 64 / 8 warps compiles to 174 registers at
+        # BT = 2 (128 at BT = 1: one 8-warp block per SM instead of two); BN 32 / 8 warps stays at 128.
+        out["w2_fused_bt2"] = fused(False, block_tokens=2)
+        out["w2_gate_up_bt2"] = fused(True, block_tokens=2)
+        out["w2_fused_bt2_bn32"] = fused(False, block_tokens=2, config=(32, 8))
+        out["w2_gate_up_bt2_bn32"] = fused(True, block_tokens=2, config=(32, 8))
+        out["fp4_fused_bt2"] = fused(False, fp4=True, block_tokens=2)
+        # v8: FP4 e2m1 -> bf16x2 construction + packed FMA (BT = 1)
+        out["fp4_fused_bf16x2"] = fused(False, fp4=True, block_tokens=1, fp4_bf16x2="ptx")
+        out["fp4_gate_up_bf16x2"] = fused(True, fp4=True, block_tokens=1, fp4_bf16x2="ptx")
+    return out
+
+
+def _case_row(preset, tokens, name, us, err, case, stream, bf16_us, invalid) -> dict:
+    nbytes, unique = case["nbytes"][name], case["unique"]
+    row = dict(preset=preset, tokens=tokens, variant=name, us=us, unique_experts=unique, bytes=nbytes,
+               rotations=case["count"])
+    if err is not None:
+        row["error"] = err
+        row["us"] = None
+        return row
+    if invalid:
+        row["invalid"] = invalid  # the check of this path failed: the time is kept aside, not as `us`
+        row["invalid_us"], row["us"] = us, None
+        return row
+    row.update(gb_per_s=nbytes / us / 1e3, pct_hbm=100 * nbytes / (us * 1e-6) / HBM_BYTES_PER_S,
+               speedup_vs_bf16=bf16_us / us if bf16_us else None)
+    same_bytes = ("fp4_gate_up" if name.startswith("fp4_gate_up") else "w2_gate_up" if "gate_up" in name
+                  else "fp4_fused" if name.startswith("fp4") else "w2_fused")
+    ceiling = None if name == "bf16_grouped_mm" else stream.get(name, stream.get(same_bytes))
+    if ceiling is not None:
+        row["stream_us"] = ceiling
+        row["pct_of_stream"] = 100 * ceiling / us
+    return row
+
+
+def _setup(geo, device) -> dict:
+    gen = torch.Generator(device=device).manual_seed(0)
+    w2 = w2_tier(geo.hidden, geo.expert_inter, geo.num_experts, 1, geo.num_experts, device)
+    f4 = fp4_tier(geo.hidden, geo.expert_inter, geo.num_experts, 1, geo.num_experts, device)
     _randomize_pool(w2)
     _randomize_pool(f4)
     w2.table[0] = torch.arange(geo.num_experts, dtype=torch.int32)
-    checks = _check_correctness(geo, w2, f4, gen)
-    sweep_rows, config = _sweep(geo, w2, f4, gen, reps) if sweep else ([], config)
-    w13_bf16 = torch.randn(geo.num_experts, 2 * geo.expert_inter, geo.hidden, device="cuda", dtype=torch.bfloat16)
-    w2_bf16 = torch.randn(geo.num_experts, geo.hidden, geo.expert_inter, device="cuda", dtype=torch.bfloat16)
+    return dict(gen=gen, w2=w2, f4=f4)
+
+
+def run(preset: str, token_counts: list[int], reps: int, sweep: bool, config: tuple[int, int] = (64, 8),
+        result: dict | None = None, emit=lambda result: None, device: str = "cuda") -> dict:
+    """Fills `result` (checks, sweep, config, cases, errors, status) and calls emit(result) after each stage,
+    so a kill leaves what was measured. Each variant and check runs isolated (Runner)."""
+    result = {} if result is None else result
+    runner = Runner(probe=_cuda_probe if device == "cuda" else None)
+    result.update(status="running: setup", checks=[], sweep=[], config=dict(block_n=config[0], num_warps=config[1]),
+                  cases=[], errors=runner.errors)
+    geo = get_preset(preset)
+    state = _setup(geo, device)
+    state["reps"] = reps
+    w2, f4, gen = state["w2"], state["f4"], state["gen"]
+    result["status"] = "running: checks of the current kernels"
+    checks, inputs = _check_defaults(geo, w2, f4, gen, runner, device)
+    result["checks"] = checks
+    emit(result)
+    if sweep:
+        result["status"] = "running: sweep"
+        routings = {t: _routings(t, geo.top_k, geo.num_experts, 6 if t == 1 else 4, gen, device) for t in (1, 8)}
+        for cfg in SWEEP_CONFIGS:
+            for tokens, rts in routings.items():
+                us, err = runner.attempt(f"sweep T={tokens} {cfg}", lambda: _fused_case(
+                    geo, w2, f4, rts, reps, gate_up_only=True, config=cfg))
+                result["sweep"].append(dict(tokens=tokens, block_n=cfg[0], num_warps=cfg[1], us=us,
+                                            **({"error": err} if err else {})))
+                if us is not None:
+                    print(f"sweep gate_up T={tokens} BN={cfg[0]} warps={cfg[1]}: {us:.1f} us", flush=True)
+        timed = [r for r in result["sweep"] if r["tokens"] == 1 and r["us"] is not None]
+        if timed:
+            best = min(timed, key=lambda r: r["us"])
+            config = (best["block_n"], best["num_warps"])
+            result["config"] = dict(block_n=config[0], num_warps=config[1])
+        emit(result)
+    state["w13_bf16"] = torch.randn(geo.num_experts, 2 * geo.expert_inter, geo.hidden, device=device,
+                                    dtype=torch.bfloat16)
+    state["w2_bf16"] = torch.randn(geo.num_experts, geo.hidden, geo.expert_inter, device=device, dtype=torch.bfloat16)
     lay2, lay4 = w2.layout, f4.layout
     w2_expert = lay2.w13.word_bytes + lay2.w13.scale_bytes + lay2.w2.word_bytes + lay2.w2.scale_bytes
     w2_gate_up = lay2.w13.word_bytes + lay2.w13.scale_bytes
     f4_expert = lay4.w13.word_bytes + lay4.w13.scale_bytes + lay4.w2.word_bytes + lay4.w2.scale_bytes
     f4_gate_up = lay4.w13.word_bytes + lay4.w13.scale_bytes
-    bf16_expert = 2 * 3 * geo.hidden * geo.expert_inter
-    cases = []
-    for tokens in token_counts:
+    per_expert = {"bf16_grouped_mm": 2 * 3 * geo.hidden * geo.expert_inter, "dequant_grouped_mm": w2_expert}
+    for name in BASELINE_VARIANTS + NEW_VARIANTS:
+        if name not in per_expert:
+            gate_up = "gate_up" in name
+            per_expert[name] = ((f4_gate_up if gate_up else f4_expert) if name.startswith("fp4")
+                                else (w2_gate_up if gate_up else w2_expert))
+    invalid = {}
+    cases = {}
+
+    def time_variants(names, tokens):
+        case = cases[tokens]
+        thunks = _variant_thunks(geo, state, case["routings"], tokens, config)
+        for name in names:
+            if name not in thunks:
+                continue
+            us, err = runner.attempt(f"T={tokens} {name}", thunks[name])
+            case["times"][name] = us
+            if name == "bf16_grouped_mm":
+                case["bf16_us"] = us
+            if name in STREAMED and err is None:
+                b = case["nbytes"][name]
+                ceiling, _ = runner.attempt(f"T={tokens} stream ceiling for {name}", lambda: _stream_us(
+                    int(b), 4 if b > 256e6 else max(4, int(4 * 64e6 / b) + 1), reps, device))
+                if ceiling is not None:
+                    case["stream"][name] = ceiling
+            group = _check_group(name)
+            row = _case_row(preset, tokens, name, us, err, case, case["stream"], case.get("bf16_us"),
+                            invalid.get(group) if group else None)
+            result["cases"].append(row)
+            print(json.dumps(row, default=str), flush=True)
+
+    for tokens in token_counts:  # 1: the current kernels and the baselines, every T
+        result["status"] = f"running: current kernels and baselines, T={tokens}"
         count = max(4, min(32, int(8 * 2**20 * 60 / (tokens * geo.top_k * w2_expert) + 1)))
-        routings = _routings(tokens, geo.top_k, geo.num_experts, count, gen)
+        routings, err = runner.attempt(f"T={tokens} routings",
+                                       lambda: _routings(tokens, geo.top_k, geo.num_experts, count, gen, device))
+        if err is not None:
+            continue
         unique = _unique_experts(routings)
-        times = {
-            "bf16_grouped_mm": _bf16_case(geo, w13_bf16, w2_bf16, routings, reps),
-            "w2_fused": _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, config=config),
-            "w2_gate_up": _fused_case(geo, w2, f4, routings, reps, gate_up_only=True, config=config),
-        }
-        if tokens * geo.top_k <= geo.num_experts:  # BT = 1: the plain-Triton decode beside the inline-PTX one
-            times["w2_fused_plain"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, config=config,
-                                                  ptx_w2=False)
-            times["w2_gate_up_plain"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=True, config=config,
-                                                    ptx_w2=False)
-        if tokens * geo.top_k <= geo.num_experts:  # v7: two pairs of one expert per program (BT = 2) beside BT = 1
-            times["w2_fused_bt2"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, block_tokens=2,
-                                                config=config)
-            times["w2_gate_up_bt2"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=True, block_tokens=2,
-                                                  config=config)
-            # BN 64 / 8 warps compiles to 174 registers at BT = 2 (128 at BT = 1: one 8-warp block per SM
-            # instead of two); BN 32 / 8 warps stays at 128. Both are timed.
-            times["w2_fused_bt2_bn32"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, block_tokens=2,
-                                                     config=(32, 8))
-            times["w2_gate_up_bt2_bn32"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=True, block_tokens=2,
-                                                       config=(32, 8))
-        if tokens * geo.top_k <= 2 * geo.num_experts:  # default there is BT = 1 (FMA); compare the MMA path
-            times["w2_fused_mma16"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, block_tokens=16,
-                                                  config=config)
-        times["dequant_grouped_mm"] = _dequant_case(geo, w2, w13_bf16, w2_bf16, routings, reps)
-        f4.table[0] = torch.arange(geo.num_experts, dtype=torch.int32)
-        times["fp4_fused"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, config=config)
-        if tokens * geo.top_k <= geo.num_experts:  # v8: FP4 e2m1 -> bf16x2 construction + packed FMA (BT = 1)
-            times["fp4_gate_up"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=True, config=config)
-            times["fp4_fused_bf16x2"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, block_tokens=1,
-                                                    config=config, fp4_bf16x2="ptx")
-            times["fp4_gate_up_bf16x2"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=True, block_tokens=1,
-                                                      config=config, fp4_bf16x2="ptx")
-        if tokens * geo.top_k <= geo.num_experts:
-            times["fp4_fused_bt2"] = _fused_case(geo, w2, f4, routings, reps, gate_up_only=False, block_tokens=2,
-                                                 config=config)
-        f4.table[0] = -1
-        nbytes = {"bf16_grouped_mm": unique * bf16_expert, "w2_fused": unique * w2_expert,
-                  "w2_fused_mma16": unique * w2_expert, "w2_fused_plain": unique * w2_expert, "dequant_grouped_mm": unique * w2_expert,
-                  "w2_gate_up_plain": unique * w2_gate_up,
-                  "w2_gate_up": unique * w2_gate_up, "fp4_fused": unique * f4_expert,
-                  "w2_fused_bt2": unique * w2_expert, "w2_gate_up_bt2": unique * w2_gate_up,
-                  "w2_fused_bt2_bn32": unique * w2_expert, "w2_gate_up_bt2_bn32": unique * w2_gate_up,
-                  "fp4_fused_bt2": unique * f4_expert, "fp4_fused_bf16x2": unique * f4_expert,
-                  "fp4_gate_up": unique * f4_gate_up, "fp4_gate_up_bf16x2": unique * f4_gate_up}
-        stream = {name: _stream_us(int(b), 4 if b > 256e6 else max(4, int(4 * 64e6 / b) + 1), reps)
-                  for name, b in nbytes.items()
-                  if name in times and name not in ("bf16_grouped_mm", "w2_fused_mma16", "w2_fused_plain", "w2_gate_up_plain",
-                                                        "dequant_grouped_mm", "w2_fused_bt2", "w2_gate_up_bt2",
-                                                        "fp4_fused_bt2", "w2_fused_bt2_bn32", "w2_gate_up_bt2_bn32",
-                                                        "fp4_fused_bf16x2", "fp4_gate_up_bf16x2")}
-        for name, us in times.items():
-            row = dict(preset=preset, tokens=tokens, variant=name, us=us, unique_experts=unique, bytes=nbytes[name],
-                       gb_per_s=nbytes[name] / us / 1e3, pct_hbm=100 * nbytes[name] / (us * 1e-6) / HBM_BYTES_PER_S,
-                       speedup_vs_bf16=times["bf16_grouped_mm"] / us, rotations=count)
-            same_bytes = ("fp4_gate_up" if name.startswith("fp4_gate_up") else "w2_gate_up" if "gate_up" in name
-                          else "fp4_fused" if name.startswith("fp4") else "w2_fused")
-            ceiling = None if name == "bf16_grouped_mm" else stream.get(name, stream[same_bytes])
-            if ceiling is not None:
-                row["stream_us"] = ceiling
-                row["pct_of_stream"] = 100 * ceiling / us
-            cases.append(row)
-            print(json.dumps(row), flush=True)
-    return dict(checks=checks, sweep=sweep_rows, config=dict(block_n=config[0], num_warps=config[1]), cases=cases)
+        cases[tokens] = dict(routings=routings, count=count, unique=unique, times={}, stream={}, bf16_us=None,
+                             nbytes={name: unique * b for name, b in per_expert.items()})
+        invalid = _invalid_reasons(checks)
+        time_variants(BASELINE_VARIANTS, tokens)
+        emit(result)
+    result["status"] = "running: checks of the new variants (v7 BT = 2, v8 FP4 bf16x2)"
+    _check_variants(geo, w2, f4, checks, inputs, runner, device)
+    invalid = _invalid_reasons(checks)
+    result["invalid_checks"] = invalid
+    emit(result)
+    for tokens in cases:  # 2: the new variants
+        result["status"] = f"running: new variants, T={tokens}"
+        time_variants(NEW_VARIANTS, tokens)
+        emit(result)
+    result["status"] = (f"stopped early: {runner.poisoned}" if runner.poisoned else
+                        f"complete, {len(runner.errors)} failure(s) recorded in `errors`" if runner.errors else "complete")
+    emit(result)
+    return result
 
 
 def _provenance(commit_hint: str | None) -> dict:
@@ -351,7 +603,39 @@ def _provenance(commit_hint: str | None) -> dict:
                 abi_tag=ABI_TAG, python=sys.version.split()[0])
 
 
-def main() -> None:
+def _write_json(path: str, result: dict) -> None:
+    """Atomic (temp file + rename): a kill mid-write leaves the previous complete file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(result, fh, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+class _Terminated(BaseException):
+    """SIGTERM (the session's `timeout`): not an Exception, so no variant's isolation swallows it."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+def _print_table(cases: list[dict]) -> None:
+    print(f"\n{'T':>4} {'variant':<20} {'us':>9} {'GB/s':>7} {'%HBM':>6} {'%stream':>8} {'x bf16':>7}")
+    num = lambda v, width, prec: f"{v:>{width}.{prec}f}" if isinstance(v, (int, float)) else f"{'-':>{width}}"
+    for r in sorted(cases, key=lambda r: r["tokens"]):
+        head = f"{r['tokens']:>4} {r['variant']:<20} "
+        if "error" in r:
+            e = r["error"]
+            print(head + ("SKIPPED " if e.get("skipped") else "ERROR ") + f"{e['type']}: "
+                  + (e["message"].splitlines() or [""])[0][:120])
+        elif "invalid" in r:
+            print(head + f"INVALID (check failed; {r['invalid_us']:.1f} us not to be read): " + "; ".join(r["invalid"])[:160])
+        else:
+            print(head + f"{r['us']:>9.1f} {r['gb_per_s']:>7.0f} {r['pct_hbm']:>6.1f} "
+                  f"{num(r.get('pct_of_stream'), 8, 1)} {num(r.get('speedup_vs_bf16'), 7, 2)}")
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="deepseek-v3")
     parser.add_argument("--tokens", default="1,8,32,64,512")
@@ -360,16 +644,31 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="pick block_n/num_warps by W2 gate_up time at T=1 first")
     parser.add_argument("--config", default="64,8", help="block_n,num_warps when not sweeping")
     parser.add_argument("--commit", help="commit of the tree being measured, where it has no .git")
-    args = parser.parse_args()
-    result = dict(provenance=_provenance(args.commit), **run(args.preset, [int(t) for t in args.tokens.split(",")], args.reps, args.sweep,
-                                                          tuple(int(v) for v in args.config.split(","))))
-    with open(args.json, "w") as fh:
-        json.dump(result, fh, indent=1)
-    print(f"\n{'T':>4} {'variant':<20} {'us':>9} {'GB/s':>7} {'%HBM':>6} {'%stream':>8} {'x bf16':>7}")
-    for r in result["cases"]:
-        print(f"{r['tokens']:>4} {r['variant']:<20} {r['us']:>9.1f} {r['gb_per_s']:>7.0f} {r['pct_hbm']:>6.1f} "
-              f"{r.get('pct_of_stream', float('nan')):>8.1f} {r['speedup_vs_bf16']:>7.2f}")
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the isolation tests
+    args = parser.parse_args(argv)
+    result: dict = dict(provenance=_provenance(args.commit))
+    emit = lambda r: _write_json(args.json, r)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    code = 0
+    try:
+        run(args.preset, [int(t) for t in args.tokens.split(",")], args.reps, args.sweep,
+            tuple(int(v) for v in args.config.split(",")), result=result, emit=emit, device=args.device)
+    except _Terminated:
+        result["status"] = f"terminated by SIGTERM ({result.get('status', 'before start')}); rows so far are kept"
+        code = 124
+    except Exception as exc:  # noqa: BLE001: outside any variant (setup): record, keep the rows so far
+        result["fatal"] = _error_dict(exc)
+        result["status"] = f"fatal {type(exc).__name__} ({result.get('status', 'before start')}): {str(exc)[:300]}"
+        code = 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    _write_json(args.json, result)
+    _print_table(result.get("cases", []))
+    print(f"\nstatus: {result['status']}")
+    for e in result.get("errors", []):
+        print(f"error in {e['label']}: {e['type']}: {(e['message'].splitlines() or [''])[0][:200]}")
+    return code
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""benchmarks/kernels.py on CPU: each variant and check is isolated, failures are recorded in the JSON
+(written after every stage), a CUDA error stops later GPU variants, a failed check marks its rows invalid.
+The timing and check functions are replaced by fakes; the pools are real (tiny geometry, CPU)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from tierstore.geometry import _preset
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def kb(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_kernels_isolation", ROOT / "benchmarks" / "kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "get_preset", lambda name: _preset("tiny", 1, 8, 2, 512, 512))
+    monkeypatch.setattr(mod, "_provenance", lambda commit: dict(commit=commit))
+    mod.calls = []
+
+    def fused(geo, w2, f4, routings, reps, gate_up_only, block_tokens=None, config=(64, 4), ptx_w2=True,
+              fp4_bf16x2="off"):
+        mod.calls.append(dict(block_tokens=block_tokens, fp4_bf16x2=fp4_bf16x2, fp4=bool((f4.table[0] >= 0).any())))
+        return 10.0 + (block_tokens or 0)
+
+    monkeypatch.setattr(mod, "_fused_case", fused)
+    monkeypatch.setattr(mod, "_bf16_case", lambda *a: 100.0)
+    monkeypatch.setattr(mod, "_dequant_case", lambda *a: 200.0)
+    monkeypatch.setattr(mod, "_stream_us", lambda nbytes, copies, reps, device="cuda": 5.0)
+
+    def default_check(geo, w2, f4, tier, tokens, gen, device):
+        return dict(rel_err=6e-3, nan=False, repeat_identical=True), dict(tier=tier, tokens=tokens)
+
+    monkeypatch.setattr(mod, "_default_check", default_check)
+    monkeypatch.setattr(mod, "_bt2_check", lambda geo, w2, f4, inp, device: dict(bt2_rel_err=6e-3, bt2_equals_bt1=True))
+    monkeypatch.setattr(mod, "_fp4_mode_check", lambda geo, w2, f4, inp, mode, device: {
+        f"fp4_{mode}_rel_err": 4e-3, f"fp4_{mode}_nan": False, f"fp4_{mode}_repeat_identical": True,
+        f"fp4_{mode}_equals_default": mode == "triton"})
+    return mod
+
+
+def _main(kb, tmp_path, tokens="1,8"):
+    path = tmp_path / "out.json"
+    code = kb.main(["--tokens", tokens, "--json", str(path), "--device", "cpu", "--reps", "1"])
+    return code, json.loads(path.read_text())
+
+
+def _rows(result):
+    return {(r["tokens"], r["variant"]): r for r in result["cases"]}
+
+
+def test_all_variants_measured_when_nothing_fails(kb, tmp_path):
+    code, result = _main(kb, tmp_path)
+    assert code == 0 and result["status"] == "complete" and result["errors"] == []
+    rows = _rows(result)
+    # T = 1 and 8 with top-2 over 8 experts: BT = 1 at T=1 (all variants), T=8 pairs 16 > 8
+    assert {v for t, v in rows if t == 1} == set(kb.BASELINE_VARIANTS + kb.NEW_VARIANTS)
+    assert all(r["us"] is not None and "error" not in r and "invalid" not in r for r in rows.values())
+    assert rows[(1, "w2_fused")]["stream_us"] == 5.0 and rows[(1, "w2_fused_bt2")]["stream_us"] == 5.0
+    assert rows[(1, "w2_fused")]["speedup_vs_bf16"] == pytest.approx(10.0)
+    # baselines of every T are timed before any new variant; FP4 variants run with the FP4 pool resident
+    order = [(r["tokens"], r["variant"]) for r in result["cases"]]
+    last_baseline = max(i for i, (t, v) in enumerate(order) if v in kb.BASELINE_VARIANTS)
+    first_new = min(i for i, (t, v) in enumerate(order) if v in kb.NEW_VARIANTS)
+    assert last_baseline < first_new
+    assert all(c["fp4"] == (c["fp4_bf16x2"] != "off") for c in kb.calls if c["fp4_bf16x2"] != "off")
+    assert result["checks"][2]["fp4_scales_exact"] is True and "fp4_ptx_rel_err" in result["checks"][2]
+
+
+def test_a_failing_variant_is_recorded_and_the_rest_still_run(kb, tmp_path, monkeypatch):
+    fused = kb._fused_case
+
+    def failing(*a, fp4_bf16x2="off", **kw):
+        if fp4_bf16x2 == "ptx":
+            raise RuntimeError("PTXAS error: Internal Triton PTX codegen error\nptxas fatal: bad operand")
+        return fused(*a, fp4_bf16x2=fp4_bf16x2, **kw)
+
+    monkeypatch.setattr(kb, "_fused_case", failing)
+    code, result = _main(kb, tmp_path)
+    rows = _rows(result)
+    for name in ("fp4_fused_bf16x2", "fp4_gate_up_bf16x2"):
+        err = rows[(1, name)]["error"]
+        assert rows[(1, name)]["us"] is None and err["type"] == "RuntimeError"
+        assert err["message"].startswith("PTXAS error") and any("PTXAS" in line for line in err["traceback"])
+    assert all(r["us"] is not None for k, r in rows.items() if not k[1].endswith("bf16x2"))
+    assert code == 0 and result["status"].startswith("complete, 2 failure")
+    assert [e["label"] for e in result["errors"]] == ["T=1 fp4_fused_bf16x2", "T=1 fp4_gate_up_bf16x2"]
+
+
+def test_a_cuda_error_stops_later_gpu_variants_but_keeps_the_json(kb, tmp_path, monkeypatch):
+    fused = kb._fused_case
+
+    def crashing(*a, block_tokens=None, **kw):
+        if block_tokens == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return fused(*a, block_tokens=block_tokens, **kw)
+
+    monkeypatch.setattr(kb, "_fused_case", crashing)
+    code, result = _main(kb, tmp_path, tokens="1,2")
+    rows = _rows(result)
+    for t in (1, 2):  # every baseline of every T was measured before the crash
+        assert all(rows[(t, v)]["us"] is not None for v in kb.BASELINE_VARIANTS if (t, v) in rows)
+    assert rows[(1, "w2_fused_bt2")]["error"]["cuda_context_lost"] is True
+    later = [r for r in result["cases"] if r["variant"] in kb.NEW_VARIANTS][1:]
+    assert later and all(r["error"]["type"] == "Skipped" and r["error"]["skipped"] for r in later)
+    assert result["status"].startswith("stopped early: T=1 w2_fused_bt2 raised a CUDA error")
+    assert len(result["errors"]) == 1 and code == 0
+
+
+def test_a_check_that_leaves_the_context_broken_poisons_too(kb, tmp_path, monkeypatch):
+    def probe():
+        raise RuntimeError("context gone")
+
+    monkeypatch.setattr(kb, "_cuda_probe", probe)
+    runner = kb.Runner(probe=kb._cuda_probe)
+    assert runner.attempt("x", lambda: 1 / 0)[1]["type"] == "ZeroDivisionError"
+    assert runner.poisoned.startswith("x left the CUDA context unusable")
+    assert runner.attempt("y", lambda: 1)[1]["skipped"] is True
+    assert runner.attempt("host", lambda: 2, gpu=False) == (2, None)
+
+
+def test_failed_checks_mark_their_timing_rows_invalid(kb, tmp_path, monkeypatch):
+    monkeypatch.setattr(kb, "_bt2_check", lambda geo, w2, f4, inp, device: dict(
+        bt2_rel_err=6e-3, bt2_equals_bt1=inp["tier"] == "fp4" or inp["tokens"] == 1))
+
+    def fp4_check(geo, w2, f4, inp, mode, device):
+        if mode == "ptx":
+            raise ValueError("asm operand mismatch")
+        return {f"fp4_{mode}_rel_err": 4e-3}
+
+    monkeypatch.setattr(kb, "_fp4_mode_check", fp4_check)
+    default = kb._default_check
+    monkeypatch.setattr(kb, "_default_check", lambda geo, w2, f4, tier, tokens, gen, device: (
+        (dict(rel_err=float("nan"), nan=True, repeat_identical=True), dict(tier=tier, tokens=tokens))
+        if tier == "fp4" and tokens == 8 else default(geo, w2, f4, tier, tokens, gen, device)))
+    code, result = _main(kb, tmp_path, tokens="1")
+    rows = _rows(result)
+    for name in ("w2_fused_bt2", "w2_gate_up_bt2", "w2_fused_bt2_bn32", "fp4_fused", "fp4_gate_up",
+                 "fp4_fused_bf16x2", "fp4_gate_up_bf16x2"):
+        row = rows[(1, name)]
+        assert row["us"] is None and row["invalid_us"] > 0 and row["invalid"], name
+        assert "gb_per_s" not in row and "speedup_vs_bf16" not in row
+    assert any("bt2_equals_bt1 is False" in why for why in rows[(1, "w2_fused_bt2")]["invalid"])
+    assert any("NaN" in why for why in rows[(1, "fp4_fused")]["invalid"])
+    assert any("ValueError" in why for why in rows[(1, "fp4_fused_bf16x2")]["invalid"])
+    for name in ("w2_fused", "w2_gate_up", "fp4_fused_bt2", "bf16_grouped_mm"):
+        assert rows[(1, name)]["us"] is not None and "invalid" not in rows[(1, name)], name
+    assert set(result["invalid_checks"]) == {"w2_bt2", "fp4_default", "fp4_bf16x2"}
+
+
+def test_json_is_written_after_each_stage_and_on_sigterm(kb, tmp_path, monkeypatch):
+    path = tmp_path / "out.json"
+    seen = []
+    write = kb._write_json
+    monkeypatch.setattr(kb, "_write_json", lambda p, r: (write(p, r), seen.append(len(r["cases"]))))
+    fused = kb._fused_case
+
+    def killed(*a, block_tokens=None, **kw):
+        if block_tokens == 2:
+            kb._on_sigterm(15, None)
+        return fused(*a, block_tokens=block_tokens, **kw)
+
+    monkeypatch.setattr(kb, "_fused_case", killed)
+    code = kb.main(["--tokens", "1,8", "--json", str(path), "--device", "cpu"])
+    result = json.loads(path.read_text())
+    assert code == 124 and result["status"].startswith("terminated by SIGTERM (running: new variants, T=1)")
+    n1 = len([r for r in result["cases"] if r["tokens"] == 1])
+    # after: the checks, T=1 baselines, T=8 baselines, the new variants' checks, then main's final write
+    assert seen == [0, n1, len(result["cases"]), len(result["cases"]), len(result["cases"])]
+    assert {r["variant"] for r in result["cases"]} == set(kb.BASELINE_VARIANTS)
+    assert not path.with_name("out.json.tmp").exists()
+
+
+def test_cuda_error_classification(kb):
+    import torch
+    assert kb._is_cuda_error(RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"))
+    assert kb._is_cuda_error(RuntimeError("CUDA error: misaligned address"))
+    assert not kb._is_cuda_error(RuntimeError("PTXAS error: Internal Triton PTX codegen error"))
+    assert not kb._is_cuda_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert not kb._is_cuda_error(ValueError("bad shape"))
