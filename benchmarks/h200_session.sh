@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The H200 measurements still pending on main, in two device calls of under 10 minutes each.
+# The H200 measurements still pending on main, in three device calls of under 10 minutes each.
 # Run from the repository root on the GPU machine:
 #   TIERSTORE_COMMIT=<sha of the tree, taken on the dev machine> bash benchmarks/h200_session.sh kernels
 #   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime      (carry .whl for liburing)
+#   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime2     (carry .whl for liburing)
 # Each step writes one archive, $OUT/<step>.tar.gz (the device returns at most 8 files), and prints
 # a summary. Every stage has its own time limit, so one that hangs or fails leaves the rest to run;
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -49,6 +50,14 @@ case "$step" in
       --out "$work/gate_cost_held.json"
     stage io-fetch 90 python3 benchmarks/io_fetch.py --dir /tmp/iobh --rows 64 --repeats 5 --depths 1,8,32 \
       --out "$work/io_fetch.json"
+    ;;
+  runtime2)  # ~7.5 min of stage limits; estimates in docs/runtime.md ("Next H200 step: runtime2")
+    stage replay-qwen3 210 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+      --steps 220 --warmup 20 --coverages 0.25,1 --arena-gb 4 --commit "$commit" --out "$work/replay_qwen3.json"
+    stage replay-recorded 220 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 520 --warmup 20 --coverages 0.1,0.25,0.5 --arena-gb 4 --no-synthetic \
+      --trace benchmarks/results/quality-traces/quality-fp4_checkpoint.npz --trace-layers first --trace-top-k trace \
+      --commit "$commit" --out "$work/replay_recorded.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
