@@ -32,7 +32,6 @@ def worker(steps: int, reps: int) -> dict:
     import dataclasses
 
     import numpy as np
-    import torch
 
     from tierstore.geometry import get_preset
     from tierstore.runtime import MemoryRowSource, RuntimeConfig, TieredRuntime

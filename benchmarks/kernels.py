@@ -119,7 +119,6 @@ def _stream_us(nbytes: int, copies: int, reps: int, device: str = "cuda") -> flo
         fns = [lambda c=c: _stream_read_kernel[(programs,)](src[c * words:], partial, words, BLOCK=block, ITERS=iters,
                                                             num_warps=8) for c in range(copies)]
         best = min(best, _graph_time_us(fns, reps))
-    del src
     return best
 
 

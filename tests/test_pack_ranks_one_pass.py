@@ -11,7 +11,6 @@ from tierstore.checkpoint.synthetic import write_synthetic_checkpoint
 from tierstore.cli import main
 from tierstore.errors import TierstoreError
 from tierstore.io import pack_build
-from tierstore.io.pack import Pack
 from tierstore.io.pack_build import build_packs, build_rank_packs
 from tierstore.io.row_codec import DEFAULT_ROW_CODEC
 from tierstore.slot_codec import KERNEL_SLOT_CODEC
