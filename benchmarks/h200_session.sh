@@ -51,13 +51,20 @@ case "$step" in
     stage io-fetch 90 python3 benchmarks/io_fetch.py --dir /tmp/iobh --rows 64 --repeats 5 --depths 1,8,32 \
       --out "$work/io_fetch.json"
     ;;
-  runtime2)  # ~7.5 min of stage limits; estimates in docs/runtime.md ("Next H200 step: runtime2")
-    stage replay-qwen3 210 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+  runtime2)  # ~8.5 min of stage limits; estimates in docs/runtime.md ("Next H200 step: runtime2")
+    stage replay-qwen3 180 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
       --steps 220 --warmup 20 --coverages 0.25,1 --arena-gb 4 --commit "$commit" --out "$work/replay_qwen3.json"
-    stage replay-recorded 220 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
-      --steps 520 --warmup 20 --coverages 0.1,0.25,0.5 --arena-gb 4 --no-synthetic \
+    stage replay-recorded 170 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 400 --warmup 20 --coverages 0.1,0.25,0.5 --arena-gb 4 --no-synthetic \
       --trace benchmarks/results/quality-traces/quality-fp4_checkpoint.npz --trace-layers first --trace-top-k trace \
       --commit "$commit" --out "$work/replay_recorded.json"
+    # the quality lab's trained checkpoint through the runtime on CUDA (graphs): tiered == resident,
+    # and the gate's fired steps with an all-FP4 context == the all-FP4 run
+    stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    stage generate-quality-gate 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --fp4-pool-frac 0.5 --gate --gate-tau 0.6 --verify-fp4 \
+      --gate-dump "$work/gate_fires.jsonl"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
