@@ -6,11 +6,15 @@ with its `_model_forward` (the method vLLM documents for subclasses to override)
 confidence gate on decode batches, the FP4 manager woken at step end. vLLM 0.33 builds the runner
 in `Worker._make_model_runner`, which this worker overrides; vLLM 0.24 builds it inline in
 `init_device`, so there the runner it built is adopted as a `TieredModelRunner` (the subclass adds
-no state, only the two methods). Model Runner V2 has no such method and is refused.
+no state, only the two methods). Model Runner V2 has no such method (its forward is inline in
+`execute_model`): when a knob needs the hook it is refused, naming what selected it; otherwise the
+worker leaves vLLM's runner, V1 or V2, as vLLM builds it (docs/vllm.md).
 """
 
 from __future__ import annotations
 
+import vllm
+from vllm import envs
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
@@ -43,6 +47,16 @@ class TieredModelRunner(GPUModelRunner):
         return hooked_forward(runtime_for_step(), forward, self._tierstore_batch, compute_logits)
 
 
+def v2_forced_by(config) -> str | None:
+    """The feature of `config` for which vLLM 0.33 selects Model Runner V2 whatever
+    VLLM_USE_V2_MODEL_RUNNER says (`VllmConfig.use_v2_model_runner`); None when there is none."""
+    if getattr(getattr(config, "attention_config", None), "hisparse_config", None) is not None:
+        return "HiSparse attention (attention_config.hisparse_config)"
+    if getattr(config, "watermark_config", None) is not None:
+        return "watermarking (watermark_config)"
+    return None
+
+
 class TieredWorker(Worker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -51,13 +65,18 @@ class TieredWorker(Worker):
         check_hook_deployment(AdapterSettings.from_environ(), v2_runner=self.use_v2_model_runner,
                               pipeline_size=parallel.pipeline_parallel_size, data_size=parallel.data_parallel_size,
                               tensor_size=parallel.tensor_parallel_size,
-                              speculative=config.speculative_config is not None)
+                              speculative=config.speculative_config is not None, vllm_version=vllm.__version__,
+                              v2_env=envs.VLLM_USE_V2_MODEL_RUNNER, v2_forced_by=v2_forced_by(config))
+        # past the check, Model Runner V2 means no knob needs the hook: vLLM's runner is left as built
 
-    def _make_model_runner(self) -> TieredModelRunner:
+    def _make_model_runner(self):
         """vLLM >= 0.33's runner factory."""
+        if self.use_v2_model_runner:
+            return super()._make_model_runner()
         return TieredModelRunner(self.vllm_config, self.device)
 
     def init_device(self) -> None:
         super().init_device()
-        if not isinstance(self.model_runner, TieredModelRunner):  # vLLM 0.24: built inline, adopt it
+        if not self.use_v2_model_runner and not isinstance(self.model_runner, TieredModelRunner):
+            # vLLM 0.24: built inline, adopt it
             self.model_runner.__class__ = TieredModelRunner

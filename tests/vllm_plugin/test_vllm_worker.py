@@ -76,7 +76,7 @@ ONE = dict(v2_runner=False, pipeline_size=1, data_size=1, tensor_size=1, specula
     (EAGER_FP4, {"speculative": True}, "speculative decoding"),
     (GATED, {"tensor_size": 2}, "tensor parallelism"),
     (GRAPH_CACHE, {"tensor_size": 2}, "tensor parallelism"),
-    (AdapterSettings(), {"v2_runner": True}, "VLLM_USE_V2_MODEL_RUNNER=0"),
+    (EAGER_FP4, {"v2_runner": True}, "VLLM_USE_V2_MODEL_RUNNER=0"),
 ])
 def test_hook_refuses_what_it_cannot_run(settings, change, message):
     with pytest.raises(ConfigError, match=message):
@@ -85,7 +85,63 @@ def test_hook_refuses_what_it_cannot_run(settings, change, message):
 
 def test_hook_accepts_tp_with_eager_fp4_pool_and_anything_without_tiers():
     check_hook_deployment(EAGER_FP4, **{**ONE, "tensor_size": 4})
-    check_hook_deployment(AdapterSettings(), **{**ONE, "tensor_size": 4, "pipeline_size": 2, "speculative": True})
+    check_hook_deployment(AdapterSettings(), **{**ONE, "tensor_size": 4, "pipeline_size": 2, "speculative": True,
+                                             "v2_runner": True})
+
+
+V2 = {**ONE, "v2_runner": True, "vllm_version": "0.33.0"}
+
+
+@pytest.mark.parametrize("change, says, not_says", [
+    ({}, ["vLLM 0.33.0 chose Model Runner V2 by default", "set VLLM_USE_V2_MODEL_RUNNER=0"], ["=1"]),
+    ({"v2_env": True}, ["VLLM_USE_V2_MODEL_RUNNER=1 selects Model Runner V2", "set VLLM_USE_V2_MODEL_RUNNER=0"],
+     ["by default"]),
+    ({"v2_forced_by": "watermarking (watermark_config)"},
+     ["vLLM 0.33.0 requires Model Runner V2 for watermarking", "VLLM_USE_V2_MODEL_RUNNER=0 does not override",
+      "turn watermarking (watermark_config) off"], ["set VLLM_USE_V2_MODEL_RUNNER=0"]),
+])
+def test_v2_refusal_names_the_knobs_and_what_chose_v2(change, says, not_says):
+    with pytest.raises(ConfigError) as refused:
+        check_hook_deployment(GATED, **{**V2, **change})
+    message = str(refused.value)
+    assert message.startswith("DELTA_GB") and "GATE" in message and "`_model_forward`" in message
+    assert all(s in message for s in says) and not any(s in message for s in not_says)
+
+
+def test_v2_forced_by_reads_the_features_vllm_033_forces_v2_for():
+    from types import SimpleNamespace
+
+    from tierstore.vllm_adapter.worker import v2_forced_by
+
+    plain = SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None), watermark_config=None)
+    assert v2_forced_by(plain) is None and v2_forced_by(SimpleNamespace()) is None  # 0.24: neither field
+    hisparse = SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=object()), watermark_config=None)
+    assert v2_forced_by(hisparse).startswith("HiSparse")
+    assert v2_forced_by(SimpleNamespace(watermark_config=object())).startswith("watermarking")
+
+
+def test_worker_leaves_vllms_v2_runner_as_built(monkeypatch):
+    """Past the check, V2 means no knob needs the hook: 0.33's factory defers to vLLM's, and 0.24's
+    inline-built runner is not adopted (a V1 runner is)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from tierstore.vllm_adapter.worker import TieredModelRunner, TieredWorker
+
+    class V2Runner:  # stands in for vllm.v1.worker.gpu.model_runner.GPUModelRunner (needs CUDA to build)
+        pass
+
+    worker = object.__new__(TieredWorker)
+    if hasattr(Worker, "_make_model_runner"):  # vLLM >= 0.33
+        monkeypatch.setattr(Worker, "_make_model_runner", lambda self: V2Runner())
+        worker.use_v2_model_runner = True
+        assert type(worker._make_model_runner()) is V2Runner
+    built = {True: V2Runner, False: lambda: object.__new__(GPUModelRunner)}
+    for v2, expected in ((True, V2Runner), (False, TieredModelRunner)):
+        monkeypatch.setattr(Worker, "init_device", lambda self: setattr(self, "model_runner", built[v2]()))
+        worker.use_v2_model_runner = v2
+        worker.init_device()
+        assert type(worker.model_runner) is expected
 
 
 def scheduler_output(**fields):
