@@ -178,10 +178,47 @@ def _to_int32(words: torch.Tensor) -> torch.Tensor:
     return (words - ((words >> 31) << 32)).to(torch.int32)  # two's complement wrap of uint32 values
 
 
+def _slot_bits(values_per_word: int):
+    """numpy uint32 [VPW, 256]: the word bits that value v (a W2 code or an FP4 nibble; larger
+    values are rejected before packing) sets in bit slot j."""
+    import numpy as np
+
+    bits = np.zeros((values_per_word, 256), dtype=np.uint32)
+    for j in range(values_per_word):
+        if values_per_word == W2_VALUES_PER_WORD:
+            for code in range(4):
+                large, negative = code in (0, 3), code < 2
+                bits[j, code] = (large << w2_mag_bit(j)) | (negative << w2_sign_bit(j))
+        else:
+            bits[j, :16] = np.arange(16, dtype=np.uint32) << (4 * j)
+    return bits
+
+
+_SLOT_BITS: dict = {}
+
+
+def _pack_words_cpu(values: torch.Tensor, m: MatrixLayout) -> torch.Tensor | None:
+    """The numba path of pack_w2_words / pack_fp4_words for CPU tensors (byte-identical to the torch
+    path below), or None where it does not apply."""
+    if values.device.type != "cpu" or values.numel() == 0:
+        return None
+    from tierstore.formats._cpu_kernels import pack_words_cpu
+
+    if m.values_per_word not in _SLOT_BITS:
+        _SLOT_BITS[m.values_per_word] = _slot_bits(m.values_per_word)
+    bits = _SLOT_BITS[m.values_per_word]
+    return torch.from_numpy(pack_words_cpu(values.contiguous().numpy(), m.k_pad, m.values_per_word, m.wps, bits))
+
+
 def pack_w2_words(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """W2 codes uint8 [N, K] -> int32 words [N, K_pad / 16]."""
     _check_matrix(codes, scales, 3, "W2 codes")
     m = MatrixLayout(codes.shape[0], codes.shape[1], W2_VALUES_PER_WORD)
+    fast = _pack_words_cpu(codes, m)
+    return fast if fast is not None else _pack_w2_words_torch(codes, m)
+
+
+def _pack_w2_words_torch(codes: torch.Tensor, m: MatrixLayout) -> torch.Tensor:
     slots = _tile_order(codes, m)  # [N, words, 16]
     negative = (slots < 2).to(torch.int64)
     large = ((slots == 0) | (slots == 3)).to(torch.int64)
@@ -195,6 +232,11 @@ def pack_fp4_words(nibbles: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """FP4 nibbles uint8 [N, K] -> int32 words [N, K_pad / 8]."""
     _check_matrix(nibbles, scales, 15, "FP4 nibbles")
     m = MatrixLayout(nibbles.shape[0], nibbles.shape[1], FP4_VALUES_PER_WORD)
+    fast = _pack_words_cpu(nibbles, m)
+    return fast if fast is not None else _pack_fp4_words_torch(nibbles, m)
+
+
+def _pack_fp4_words_torch(nibbles: torch.Tensor, m: MatrixLayout) -> torch.Tensor:
     slots = _tile_order(nibbles, m)  # [N, words, 8]
     shift = 4 * torch.arange(8, dtype=torch.int64, device=nibbles.device)
     return _to_int32((slots << shift).sum(dim=2))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+import numpy as np
 import torch
 
 from tierstore.errors import FormatError
@@ -75,14 +76,19 @@ def _check_zero_mode(zero_mode: str, allowed: tuple[str, ...]) -> None:
         raise FormatError(f"zero_mode must be one of {', '.join(allowed)}; got {zero_mode!r}")
 
 
-def resolve_zero_mode(w: torch.Tensor, zero_mode: str) -> str:
+def resolve_zero_mode(w: torch.Tensor, zero_mode: str, *, fast: bool = True) -> str:
     """`sign` or `alt` for float64 w: `auto` picks `alt` when w's exact zeros are one-signed."""
     _check_zero_mode(zero_mode, REQUANT_ZERO_MODES)
     if zero_mode != "auto":
         return zero_mode
-    zeros = w == 0
-    num_zeros = int(zeros.sum())
-    num_negative = int((zeros & torch.signbit(w)).sum())
+    if fast and w.device.type == "cpu" and w.dtype in (torch.float64, torch.float32) and w.is_contiguous():
+        from tierstore.formats._cpu_kernels import zero_counts_cpu
+
+        num_zeros, num_negative = zero_counts_cpu(w.detach().numpy())
+    else:
+        zeros = w == 0
+        num_zeros = int(zeros.sum())
+        num_negative = int((zeros & torch.signbit(w)).sum())
     minority = min(num_negative, num_zeros - num_negative)
     is_one_signed = num_zeros > 0 and minority < ONE_SIGNED_ZERO_FRACTION * num_zeros
     return "alt" if is_one_signed else "sign"
@@ -105,14 +111,48 @@ def quantize_w2(weight: torch.Tensor, *, zero_mode: str = "auto") -> "W2Tensor":
     by `zero_mode`: `sign` keeps it, `alt` makes odd k negative, `auto` uses `alt` only when the
     minority sign of the tensor's exact zeros is < 5% of them. The W2Tensor records the mode
     applied (`sign` or `alt`).
+
+    CPU tensors take a fused numba kernel (`_cpu_kernels`), other devices the torch ops of
+    `_quantize_w2_torch`; both give the same bytes (tests/test_requant_cpu_fast.py).
     """
+    _check_zero_mode(zero_mode, REQUANT_ZERO_MODES)
+    fast = _quantize_w2_cpu(weight, zero_mode)
+    if fast is not None:
+        return fast
+    return _quantize_w2_torch(weight, zero_mode=zero_mode)
+
+
+def _quantize_w2_cpu(weight: torch.Tensor, zero_mode: str) -> "W2Tensor | None":
+    """The numba path of `quantize_w2` for CPU tensors (byte-identical to `_quantize_w2_torch`);
+    None when it does not apply (another device or dtype, bad shape, NaN/Inf), so the torch path
+    runs and raises its errors."""
+    if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        weight = weight.to(torch.float32)  # exact, and float32 -> float64 inside the kernel is exact
+    if weight.dtype not in (torch.float64, torch.float32) or weight.shape[1] % W2_BLOCK or weight.numel() == 0:
+        return None
+    from tierstore.formats._cpu_kernels import quantize_w2_cpu
+
+    x = weight.detach().contiguous()
+    applied = resolve_zero_mode(x, zero_mode)
+    result = quantize_w2_cpu(x.numpy(), applied == "alt")
+    if result is None:
+        return None
+    nibbles, scale_bytes = result
+    return W2Tensor(torch.from_numpy(nibbles), torch.from_numpy(scale_bytes), applied)
+
+
+def _quantize_w2_torch(weight: torch.Tensor, *, zero_mode: str = "auto") -> "W2Tensor":
+    """`quantize_w2` in element-wise torch ops (any device; the CUDA path and the reference of
+    the CPU kernels)."""
     _check_zero_mode(zero_mode, REQUANT_ZERO_MODES)
     w = float_weight_to_f64(weight, "weight")  # [N, K]
     require_multiple(w.shape[1], W2_BLOCK, "K (weight.shape[1])")
     exponent = w2_block_exponents(w)  # [N, K/32]
     unit = w / exact_pow2(exponent).repeat_interleave(W2_BLOCK, dim=1)  # [N, K]
     nibbles = encode_e2m1(unit)
-    applied = resolve_zero_mode(w, zero_mode)
+    applied = resolve_zero_mode(w, zero_mode, fast=False)
     if applied == "alt":
         nibbles = _alternate_zero_signs(nibbles, w == 0)
     return W2Tensor(nibbles, (exponent + E8M0_BIAS).to(torch.uint8), applied)
@@ -197,6 +237,8 @@ class W2Tensor:
 
     def unpacked_codes(self) -> torch.Tensor:
         """uint8 [N, K] 2-bit codes 0..3 meaning -4, -1, +1, +4."""
+        if self.device.type == "cpu":  # numpy indexes with the uint8 nibbles directly (no int64 copy)
+            return torch.from_numpy(np.asarray(_NIBBLE_TO_CODE, dtype=np.uint8)[self._nibbles.numpy()])
         table = torch.tensor(_NIBBLE_TO_CODE, dtype=torch.uint8, device=self.device)
         return table[self._nibbles.long()]
 

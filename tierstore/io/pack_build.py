@@ -55,7 +55,9 @@ class RankShard:
         return self.inter // self.world
 
     def w13_rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's gate and up rows of a [2I, ...] tensor."""
+        """This rank's gate and up rows of a [2I, ...] tensor (the tensor itself for a world of 1)."""
+        if self.world == 1:
+            return tensor
         start = self.rank * self.size
         gate, up = tensor[start:start + self.size], tensor[self.inter + start:self.inter + start + self.size]
         return torch.cat((gate, up))
@@ -124,6 +126,15 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+def warm_up(device: str) -> None:
+    """Compile or load the CPU requantization kernels (numba) before the first expert, so the
+    progress bar starts when rows do."""
+    if device == "cpu":
+        from tierstore.formats._cpu_kernels import warm_up as warm_cpu_kernels
+
+        warm_cpu_kernels()
+
+
 def check_tags(tags: tuple[str, ...]) -> None:
     for tag in tags:
         if tag not in TAGS:
@@ -139,6 +150,7 @@ def build_packs(checkpoint_path: Path | str, out_dir: Path | str, tags: tuple[st
     check_tags(tags)
     device = resolve_device(device)
     started = time.perf_counter()
+    warm_up(device)
     report = BuildReport()
     with open_checkpoint(checkpoint_path) as checkpoint:
         specs = pack_specs(checkpoint, tags, zero_mode, checkpoint_id, codec, rank=rank, world=world)
@@ -209,6 +221,7 @@ def build_rank_packs(checkpoint_path: Path | str, out_dir: Path | str, tags: tup
         raise TierstoreError(f"tensor-parallel world size must be a whole number >= 1, got {world!r}")
     device = resolve_device(device)
     started = time.perf_counter()
+    warm_up(device)
     report = RanksBuildReport(world)
     with open_checkpoint(checkpoint_path) as checkpoint:
         inter, fmt = checkpoint.geometry.expert_inter, checkpoint.source_format
