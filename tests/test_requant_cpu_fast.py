@@ -141,3 +141,25 @@ def test_rank_shard_of_world_one_is_the_whole_matrix():
     x = torch.arange(64 * 3, dtype=torch.float64).reshape(64, 3)
     assert torch.equal(RankShard(32).w13_rows(x), x)
     assert torch.equal(RankShard(32, 0, 1).w13_rows(x), torch.cat((x[:32], x[32:])))
+
+
+def test_row_chunks_on_threads_equal_one_call(monkeypatch):
+    """Large inputs run in row chunks on threads; forced here with small chunks and 3 workers."""
+    from tierstore.formats import _cpu_kernels
+
+    rng = np.random.default_rng(13)
+    weight = edge_matrix(rng, 37, 256, torch.float64)
+    codes = torch.from_numpy(rng.integers(0, 4, (37, 512), dtype=np.uint8))
+    scales = torch.zeros(37, 16, dtype=torch.uint8)
+    one = (quantize_w2(weight, zero_mode="alt"), L.pack_w2_words(codes, scales))
+    monkeypatch.setattr(_cpu_kernels, "_MIN_CHUNK_VALUES", 32)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    chunked = (quantize_w2(weight, zero_mode="alt"), L.pack_w2_words(codes, scales))
+    assert torch.equal(one[0].nibbles(), chunked[0].nibbles())
+    assert torch.equal(one[0].scale_bytes(), chunked[0].scale_bytes())
+    assert torch.equal(one[1], chunked[1]) and torch.equal(one[1], L._pack_w2_words_torch(codes, L.MatrixLayout(37, 512, 16)))
+    assert_same(weight, "alt")
+    bad = weight.clone()
+    bad[30, 7] = math.inf  # a NaN/Inf in a later chunk still falls back and raises
+    with pytest.raises(FormatError, match="non-finite"):
+        quantize_w2(bad)

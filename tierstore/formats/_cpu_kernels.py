@@ -4,6 +4,11 @@ They compute exactly what the torch path in `w2.py` computes, with the same floa
 (an IEEE division by an exact power of two, comparisons against the e2m1 midpoints), one fused
 pass per 32-block instead of a dozen whole-tensor passes and `torch.bucketize`. Tests compare the
 two byte for byte. numba is imported on first use only; `cache=True` keeps the compiled code.
+
+The kernels are serial and release the GIL; large inputs are split into row chunks run on
+`torch.get_num_threads()` Python threads. (numba's own `parallel=True` launches a thread pool
+whose size then may not change, which clashes with `tierstore bench sim` setting
+NUMBA_NUM_THREADS=1 in the same process.)
 """
 
 from __future__ import annotations
@@ -16,14 +21,14 @@ _KERNELS = None
 def _compile(threshold: float):
     import math
 
-    from numba import njit, prange
+    from numba import njit
 
-    @njit(cache=True, nogil=True, parallel=True)
+    @njit(cache=True, nogil=True)
     def quantize_rows(x, alt, nibbles, scale_bytes, bad_rows):
         """x float64 or float32 [N, K] (K % 32 == 0) -> nibbles uint8 [N, K], scale bytes uint8
         [N, K/32]; bad_rows[i] = 1 where row i holds a NaN/Inf (outputs then undefined)."""
         n, k = x.shape
-        for i in prange(n):
+        for i in range(n):
             for b in range(k // 32):
                 base = 32 * b
                 amax = 0.0
@@ -82,13 +87,13 @@ def _compile(threshold: float):
                     negative += 1
         return zeros, negative
 
-    @njit(cache=True, nogil=True, parallel=True)
+    @njit(cache=True, nogil=True)
     def pack_words(values, k_pad, vpw, wps, bits, out):
         """Kernel slot words (as uint32) of values uint8 [N, K]: word t * wps + u ORs bits[j, v] of
         the value v at k = t * vpw * wps + j * wps + u (v = 0 past K, as the torch path pads)."""
         n, k = values.shape
         tile = vpw * wps
-        for i in prange(n):
+        for i in range(n):
             for t in range(k_pad // tile):
                 for u in range(wps):
                     word = np.uint32(0)
@@ -98,6 +103,29 @@ def _compile(threshold: float):
                     out[i, t * wps + u] = word
 
     return quantize_rows, zero_counts, pack_words
+
+
+_MIN_CHUNK_VALUES = 1 << 20  # below this per thread, one call
+_POOL = None  # (workers, ThreadPoolExecutor), grown on demand
+
+
+def _by_rows(kernel, rows: int, values: int, split) -> None:
+    """kernel(*split arrays cut to a row chunk) over all rows, on several threads when large."""
+    import torch
+
+    workers = max(1, min(torch.get_num_threads(), rows, values // _MIN_CHUNK_VALUES))
+    if workers == 1:
+        kernel(*split)
+        return
+    global _POOL
+    if _POOL is None or _POOL[0] < workers:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = (workers, ThreadPoolExecutor(workers, thread_name_prefix="tierstore-requant"))
+    bounds = [rows * w // workers for w in range(workers + 1)]
+    jobs = [_POOL[1].submit(kernel, *(a[lo:hi] for a in split)) for lo, hi in zip(bounds, bounds[1:])]
+    for job in jobs:
+        job.result()
 
 
 def kernels():
@@ -115,7 +143,9 @@ def quantize_w2_cpu(x: np.ndarray, alt: bool) -> tuple[np.ndarray, np.ndarray] |
     nibbles = np.empty((n, k), dtype=np.uint8)
     scale_bytes = np.empty((n, k // 32), dtype=np.uint8)
     bad_rows = np.zeros(n, dtype=np.uint8)
-    kernels()[0](x, alt, nibbles, scale_bytes, bad_rows)
+    quantize_rows = kernels()[0]
+    _by_rows(lambda xs, nib, sb, bad: quantize_rows(xs, alt, nib, sb, bad), n, n * k,
+             (x, nibbles, scale_bytes, bad_rows))
     if bad_rows.any():
         return None
     return nibbles, scale_bytes
@@ -130,7 +160,9 @@ def pack_words_cpu(values: np.ndarray, k_pad: int, vpw: int, wps: int, bits: np.
     """int32 [N, k_pad / vpw] slot words of uint8 values [N, K]; bits: uint32 [vpw, 256], the word
     bits value v sets in bit slot j (see `pack_words`)."""
     out = np.empty((values.shape[0], k_pad // vpw), dtype=np.uint32)
-    kernels()[2](values, k_pad, vpw, wps, bits, out)
+    pack_words = kernels()[2]
+    _by_rows(lambda vals, words: pack_words(vals, k_pad, vpw, wps, bits, words), values.shape[0], values.size,
+             (values, out))
     return out.view(np.int32)
 
 
