@@ -10,8 +10,9 @@ packing (nibbles -> unpacked codes -> slot words) and FP4 word packing, old and 
 --repeats; the outputs are checked byte for byte. Part 2, `build_packs --device cpu --tier both`
 with the kernel slot codec on a synthetic bf16 checkpoint of one layer x --pack-experts experts at
 hidden = k... (H = n, I = k), old and new alternating (best of 2), pack files compared byte for
-byte; plus a cProfile of one build each way (top functions by own time). Thread counts are torch's
-and numba's defaults unless set in the environment.
+byte; plus a cProfile of one build each way (top functions by own time; in the new build the
+numba kernels' time shows as the lock the calling thread waits on while its row chunks run).
+Both paths use torch.get_num_threads() threads (torch's default unless set in the environment).
 """
 
 from __future__ import annotations
@@ -170,7 +171,8 @@ def main() -> None:
         "benchmark": "requant_speed",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "provenance": provenance(),
-        "threads": {"torch": torch.get_num_threads(), "numba": numba.config.NUMBA_NUM_THREADS},
+        "threads": {"torch": torch.get_num_threads(), "requant_kernel_threads": torch.get_num_threads(),
+                    "numba_version": numba.__version__},
         "matrix": {"shape": [args.n, args.k], "dtype": "float64 (bf16 values)", "repeats": args.repeats,
                    "stages": matrix, "old_total_s": round(old_total, 4), "new_total_s": round(new_total, 4),
                    "speedup": round(old_total / new_total, 1), "outputs_identical": identical},
