@@ -7,6 +7,7 @@ precision and shares the W2 row's scales.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tierstore.geometry import MoEGeometry
@@ -58,3 +59,17 @@ def assert_fp4_coherent(runtime: TieredRuntime, fp4_rows: torch.Tensor) -> None:
             row = fp4_rows[layer, expert]
             slot = tier.pool.slot_of((layer, expert))
             assert torch.equal(tier.pool.slots[slot, :row.numel()].cpu(), row), f"FP4 slot of {(layer, expert)} is stale"
+
+
+def routing_counts(*keys, shape: tuple[int, int] = (2, 8)) -> np.ndarray:
+    """int32 [L, E] routing counts of one window: +1 per (layer, expert) key, repeats counted."""
+    counts = np.zeros(shape, dtype=np.int32)
+    for key in keys:
+        counts[key] += 1
+    return counts
+
+
+def decode_inputs(geometry: MoEGeometry, steps: int, seed: int = 0) -> list[torch.Tensor]:
+    """One [1, H] hidden-state row per decode step, seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, geometry.hidden, generator=gen) for _ in range(steps)]

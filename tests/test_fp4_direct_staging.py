@@ -4,9 +4,8 @@ pool afterwards."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-from fp4_fixtures import tier_rows
+from fp4_fixtures import routing_counts, tier_rows
 from test_runtime_fixtures import toy_geometry
 
 from tierstore.runtime import MemoryRowSource, RuntimeConfig
@@ -26,13 +25,6 @@ class CountingRows(MemoryRowSource):
         super().read_rows(keys, dests)
 
 
-def window(*keys) -> np.ndarray:
-    counts = np.zeros((2, 8), dtype=np.int32)
-    for key in keys:
-        counts[key] += 1
-    return counts
-
-
 def assert_exact(t: Fp4Tier, keys) -> None:
     row_bytes = ROWS[1].shape[-1]
     for key in keys:
@@ -44,7 +36,7 @@ def test_a_promotion_batch_is_one_reader_batch_and_lands_byte_exact():
     source = CountingRows(ROWS[1])
     t = Fp4Tier(GEOMETRY, source, 8, "cpu", RuntimeConfig(fp4_policy="freq", fp4_promote=4), arena_slots=4)
     keys = [(0, 1), (0, 6), (1, 2), (1, 7)]
-    assert t.promote_lazy(t.observe_window(window(*keys))) == 4
+    assert t.promote_lazy(t.observe_window(routing_counts(*keys))) == 4
     assert len(source.batches) == 1 and sorted(source.batches[0]) == sorted(keys)
     assert t.staged_reads == 1
     assert not any(key in t.arena for key in keys), "lazy rows went through the arena"
@@ -57,14 +49,14 @@ def test_rows_the_arena_holds_are_copied_not_read():
     t.arena.fetch([(1, 3)])  # e.g. left there by a forced promotion
     source.batches.clear()
     keys = [(0, 0), (1, 3), (1, 4)]
-    assert t.promote_lazy(t.observe_window(window(*keys))) == 3
+    assert t.promote_lazy(t.observe_window(routing_counts(*keys))) == 3
     assert len(source.batches) == 1 and sorted(source.batches[0]) == [(0, 0), (1, 4)]
     assert_exact(t, keys)
     source.batches.clear()
     t2 = Fp4Tier(GEOMETRY, source, 8, "cpu", RuntimeConfig(fp4_policy="freq", fp4_promote=4), arena_slots=4)
     t2.arena.fetch([(0, 5)])
     source.batches.clear()
-    assert t2.promote_lazy(t2.observe_window(window((0, 5)))) == 1
+    assert t2.promote_lazy(t2.observe_window(routing_counts((0, 5)))) == 1
     assert source.batches == [] and t2.staged_reads == 0  # every row was a hit: no reader batch
     assert_exact(t2, [(0, 5)])
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from fp4_fixtures import tier_rows
+from fp4_fixtures import routing_counts, tier_rows
 from test_runtime_fixtures import toy_geometry
 
 from tierstore.runtime import MemoryRowSource, RuntimeConfig
@@ -45,23 +45,16 @@ def tier(slots: int, **config) -> Fp4Tier:
     return Fp4Tier(GEOMETRY, MemoryRowSource(ROWS[1]), slots, "cpu", RuntimeConfig(**config))
 
 
-def counts_of(*keys) -> np.ndarray:
-    counts = np.zeros((2, 8), dtype=np.int32)
-    for key in keys:
-        counts[key] += 1
-    return counts
-
-
 def test_lazy_eviction_takes_only_cold_victims_outside_the_window():
     t = tier(2, fp4_policy="lru", fp4_cold_steps=2)
     for step in range(2):  # steps 0 and 1 route (0, 0) and (0, 1)
         t.close_step([(0, 0), (0, 1)])
-        t.promote_lazy(t.observe_window(counts_of((0, 0), (0, 1))))
+        t.promote_lazy(t.observe_window(routing_counts((0, 0), (0, 1))))
     assert sorted(t.pool.resident_keys()) == [(0, 0), (0, 1)]
     t.close_step([(0, 1), (0, 2)])  # step 2: (0, 0) routed one step ago (warm), (0, 1) in the window
-    assert t.promote_lazy(t.observe_window(counts_of((0, 1), (0, 2)))) == 0
+    assert t.promote_lazy(t.observe_window(routing_counts((0, 1), (0, 2)))) == 0
     t.close_step([(0, 3)])  # step 3: (0, 0) not routed for 2 steps (cold), (0, 1) routed in step 2 (warm)
-    assert t.promote_lazy(t.observe_window(counts_of((0, 3)))) == 1
+    assert t.promote_lazy(t.observe_window(routing_counts((0, 3)))) == 1
     assert sorted(t.pool.resident_keys()) == [(0, 1), (0, 3)] and t.evicted == 1
     t.pool.check_coherent()
 
@@ -79,11 +72,11 @@ def test_forced_promotion_ignores_coldness_but_never_evicts_the_step_and_counts_
 
 def test_hysteresis_keeps_a_hot_pool_from_churning():
     t = tier(1, fp4_policy="freq", fp4_hysteresis=2.0, fp4_cold_steps=0)
-    hot = counts_of(*[(0, 0)] * 20)
+    hot = routing_counts(*[(0, 0)] * 20)
     t.close_step([(0, 0)])
     t.promote_lazy(t.observe_window(hot))
     t.close_step([(0, 1)])
-    assert t.promote_lazy(t.observe_window(counts_of((0, 1)))) == 0  # 1 < 2 x 20 + 4
+    assert t.promote_lazy(t.observe_window(routing_counts((0, 1)))) == 0  # 1 < 2 x 20 + 4
     assert t.pool.resident_keys() == [(0, 0)]
 
 
@@ -96,7 +89,7 @@ def test_manager_thread_consumes_every_window_and_stops_on_close():
         for step in range(5):
             with t.lock:  # the runner's step: the manager cannot mutate meanwhile
                 t.close_step([(0, step)])
-            snapshot.push(torch.from_numpy(counts_of((0, step), (1, step))))
+            snapshot.push(torch.from_numpy(routing_counts((0, step), (1, step))))
             manager.wake()
         assert manager.wait_idle(10)
         assert t.routed_pairs == 10 and manager.error is None and t.promoted_lazy >= 2

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from fp4_fixtures import assert_fp4_coherent, tier_rows, tiered
+from fp4_fixtures import assert_fp4_coherent, decode_inputs, tier_rows, tiered
 from test_runtime_fixtures import ToyMoE, toy_geometry
 
 from tierstore.errors import CapacityError, ConfigError
@@ -20,11 +20,6 @@ from tierstore.runtime.fp4_manager import THREAD_NAME
 GEOMETRY = toy_geometry(layers=3, experts=16, top_k=2)
 ROWS = tier_rows(GEOMETRY)
 ALL = GEOMETRY.total_routed_experts
-
-
-def inputs(steps: int, seed: int = 0) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, GEOMETRY.hidden, generator=gen) for _ in range(steps)]
 
 
 def run(runtime, model, xs, wait: bool = True):
@@ -63,7 +58,7 @@ def test_fp4_slot_wins_over_base_slot_and_matches_the_reference():
 
 
 def test_fired_steps_equal_the_all_fp4_run_bit_for_bit():
-    model, xs = ToyMoE(GEOMETRY), inputs(12)
+    model, xs = ToyMoE(GEOMETRY), decode_inputs(GEOMETRY, 12)
     want = all_fp4(model, xs)
     with tiered(GEOMETRY, ROWS, pool_slots=24, fp4_slots=ALL, gate=True, gate_tau=1.0, gate_fp_max=8,
                 fp4_policy="need") as runtime:
@@ -77,7 +72,7 @@ def test_fired_steps_equal_the_all_fp4_run_bit_for_bit():
 
 
 def test_a_gate_that_never_fires_changes_nothing():
-    model, xs = ToyMoE(GEOMETRY), inputs(10, seed=1)
+    model, xs = ToyMoE(GEOMETRY), decode_inputs(GEOMETRY, 10, seed=1)
     results = []
     for gate in (False, True):
         with tiered(GEOMETRY, ROWS, pool_slots=24, fp4_slots=12, gate=gate, gate_tau=-1.0, fp4_policy="freq",
@@ -92,7 +87,7 @@ def test_a_gate_that_never_fires_changes_nothing():
 
 
 def test_need_policy_fills_only_on_fires():
-    model, xs = ToyMoE(GEOMETRY), inputs(8, seed=2)
+    model, xs = ToyMoE(GEOMETRY), decode_inputs(GEOMETRY, 8, seed=2)
     with tiered(GEOMETRY, ROWS, pool_slots=ALL, fp4_slots=ALL, gate=True, gate_tau=-1.0, fp4_policy="need") as runtime:
         run(runtime, model, xs)
         assert runtime.fp4.pool.num_mapped == 0
@@ -104,7 +99,7 @@ def test_need_policy_fills_only_on_fires():
 
 
 def test_freq_policy_promotes_lazily_in_the_background():
-    model, xs = ToyMoE(GEOMETRY), inputs(6, seed=3)
+    model, xs = ToyMoE(GEOMETRY), decode_inputs(GEOMETRY, 6, seed=3)
     with tiered(GEOMETRY, ROWS, pool_slots=ALL, fp4_slots=10, fp4_policy="freq", fp4_promote=4) as runtime:
         run(runtime, model, xs)
         stats = runtime.fp4_stats()
@@ -116,7 +111,7 @@ def test_freq_policy_promotes_lazily_in_the_background():
 
 
 def test_per_step_budget_is_shared_by_the_gate_iterations():
-    model, xs = ToyMoE(GEOMETRY), inputs(4, seed=4)
+    model, xs = ToyMoE(GEOMETRY), decode_inputs(GEOMETRY, 4, seed=4)
     with tiered(GEOMETRY, ROWS, pool_slots=ALL, fp4_slots=ALL, gate=True, gate_tau=1.0, gate_budget=2,
                 gate_fp_max=3, fp4_policy="need") as runtime:
         _, outcomes = run(runtime, model, xs)
@@ -128,7 +123,7 @@ def test_per_step_budget_is_shared_by_the_gate_iterations():
 @pytest.mark.parametrize("policy", ["freq", "lru", "need"])
 def test_storm_keeps_the_invariants(policy):
     """Lazy promotions (background, not waited for) and forced ones interleave over a small pool."""
-    model, xs = ToyMoE(GEOMETRY), inputs(40, seed=5)
+    model, xs = ToyMoE(GEOMETRY), decode_inputs(GEOMETRY, 40, seed=5)
     with tiered(GEOMETRY, ROWS, pool_slots=24, fp4_slots=10, gate=True, gate_tau=0.2, fp4_policy=policy,
                 fp4_promote=3, force_fp4_pool=True, gate_budget=4) as runtime:
         for i, x in enumerate(xs):
@@ -180,7 +175,7 @@ def test_gate_fire_dump_and_kpi_line(tmp_path):
     import json
 
     dump = tmp_path / "fires.jsonl"
-    model, xs = ToyMoE(GEOMETRY), inputs(3, seed=6)
+    model, xs = ToyMoE(GEOMETRY), decode_inputs(GEOMETRY, 3, seed=6)
     with tiered(GEOMETRY, ROWS, pool_slots=ALL, fp4_slots=ALL, gate=True, gate_tau=1.0, fp4_policy="need",
                 gate_dump=str(dump)) as runtime:
         run(runtime, model, xs)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import torch
-from fp4_fixtures import tier_rows
+from fp4_fixtures import routing_counts, tier_rows
 from test_runtime_fixtures import toy_geometry
 
 from tierstore.runtime import MemoryRowSource, RuntimeConfig
@@ -30,17 +29,10 @@ class GatedRows(MemoryRowSource):
         super().read_rows(keys, dests)
 
 
-def window(*keys) -> np.ndarray:
-    counts = np.zeros((2, 8), dtype=np.int32)
-    for key in keys:
-        counts[key] += 1
-    return counts
-
-
 def test_the_tier_lock_is_free_while_lazy_rows_are_read():
     source = GatedRows(ROWS[1])
     t = Fp4Tier(GEOMETRY, source, 4, "cpu", RuntimeConfig(fp4_policy="freq", fp4_promote=2))
-    keys = t.observe_window(window((0, 1), (0, 1), (1, 5)))
+    keys = t.observe_window(routing_counts((0, 1), (0, 1), (1, 5)))
     promoted = []
     manager = threading.Thread(target=lambda: promoted.append(t.promote_lazy(keys)))
     manager.start()
@@ -59,7 +51,7 @@ def test_the_tier_lock_is_free_while_lazy_rows_are_read():
 def test_keys_installed_while_staging_are_not_installed_twice():
     source = GatedRows(ROWS[1])
     t = Fp4Tier(GEOMETRY, source, 4, "cpu", RuntimeConfig(fp4_policy="freq", fp4_promote=2))
-    keys = t.observe_window(window((0, 2), (1, 3)))
+    keys = t.observe_window(routing_counts((0, 2), (1, 3)))
     promoted = []
     manager = threading.Thread(target=lambda: promoted.append(t.promote_lazy(keys)))
     manager.start()

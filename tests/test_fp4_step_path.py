@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import threading
 
-import torch
-from fp4_fixtures import assert_fp4_coherent, tier_rows, tiered
+from fp4_fixtures import assert_fp4_coherent, decode_inputs, tier_rows, tiered
 from test_runtime_fixtures import ToyMoE, toy_geometry
 
 import tierstore.runtime.gate as gate_module
@@ -17,11 +16,6 @@ from tierstore.runtime.gate import ConfidenceGate
 GEOMETRY = toy_geometry(layers=3, experts=16, top_k=2)
 ROWS = tier_rows(GEOMETRY)
 ALL = GEOMETRY.total_routed_experts
-
-
-def inputs(steps: int, seed: int = 0) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, GEOMETRY.hidden, generator=gen) for _ in range(steps)]
 
 
 def counting_reads(runtime) -> list[int]:
@@ -36,7 +30,7 @@ def counting_reads(runtime) -> list[int]:
 
 
 def test_an_armed_silent_step_reads_back_once_and_never_syncs_for_the_gate(monkeypatch):
-    model, xs = ToyMoE(GEOMETRY), inputs(6)
+    model, xs = ToyMoE(GEOMETRY), decode_inputs(GEOMETRY, 6)
     with tiered(GEOMETRY, ROWS, pool_slots=ALL, fp4_slots=8, gate=True, gate_tau=-1.0, fp4_policy="freq",
                 force_fp4_pool=True) as runtime:
         runtime.preload()  # no base misses: one pass per step
@@ -58,7 +52,7 @@ def test_an_armed_silent_step_reads_back_once_and_never_syncs_for_the_gate(monke
 
 
 def test_the_safe_point_does_not_wait_for_the_managers_bookkeeping():
-    model, xs = ToyMoE(GEOMETRY), inputs(4, seed=5)
+    model, xs = ToyMoE(GEOMETRY), decode_inputs(GEOMETRY, 4, seed=5)
     with tiered(GEOMETRY, ROWS, pool_slots=ALL, fp4_slots=8, fp4_policy="freq", fp4_promote=4) as runtime:
         runtime.preload()
         tier = runtime.fp4
@@ -93,7 +87,7 @@ def test_the_safe_point_does_not_wait_for_the_managers_bookkeeping():
 
 def test_a_paused_manager_holds_residency_and_loses_no_window():
     steps = 5
-    model, xs = ToyMoE(GEOMETRY), inputs(steps, seed=6)
+    model, xs = ToyMoE(GEOMETRY), decode_inputs(GEOMETRY, steps, seed=6)
     with tiered(GEOMETRY, ROWS, pool_slots=ALL, fp4_slots=10, fp4_policy="freq", fp4_promote=4) as runtime:
         runtime.preload()
         runtime.preload_fp4([(0, 0), (1, 1)])
