@@ -195,6 +195,24 @@ def _scale_pairs(scales_ptr, rows, n_mask, blocks_per_row, t, WPS: tl.constexpr)
 
 
 @triton.jit
+def _x_pairs4(a_row_ptr, k0, K, WPS: tl.constexpr):
+    """Four bfloat16x2 activation pairs from k0 (slots 2i | 2i+1 << 16, i < 4), each [1, WPS]."""
+    x0 = (_x_bits(a_row_ptr, k0, K) | (_x_bits(a_row_ptr, k0 + WPS, K) << 16))[None, :]
+    x1 = (_x_bits(a_row_ptr, k0 + 2 * WPS, K) | (_x_bits(a_row_ptr, k0 + 3 * WPS, K) << 16))[None, :]
+    x2 = (_x_bits(a_row_ptr, k0 + 4 * WPS, K) | (_x_bits(a_row_ptr, k0 + 5 * WPS, K) << 16))[None, :]
+    x3 = (_x_bits(a_row_ptr, k0 + 6 * WPS, K) | (_x_bits(a_row_ptr, k0 + 7 * WPS, K) << 16))[None, :]
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _x_pairs(a_row_ptr, k0, K, WPS: tl.constexpr):
+    """The eight bfloat16x2 activation pairs of one W2 K tile (slots 2i | 2i+1 << 16), each [1, WPS]."""
+    x0, x1, x2, x3 = _x_pairs4(a_row_ptr, k0, K, WPS)
+    x4, x5, x6, x7 = _x_pairs4(a_row_ptr, k0 + 8 * WPS, K, WPS)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
 def _w2_tile_bf16x2(
     words_ptr, scales_ptr, rows, n_mask, a_row_ptr, K, words_per_row, blocks_per_row, up_row_offset,
     GATED: tl.constexpr, WPS: tl.constexpr, BN: tl.constexpr,
@@ -223,14 +241,7 @@ def _w2_tile_bf16x2(
         if GATED:
             w_u_next = tl.load(words_ptr + up_rows + (t + 1) * WPS, mask=more, other=0)
         k0 = t * TILE_K + u
-        x0 = (_x_bits(a_row_ptr, k0, K) | (_x_bits(a_row_ptr, k0 + WPS, K) << 16))[None, :]
-        x1 = (_x_bits(a_row_ptr, k0 + 2 * WPS, K) | (_x_bits(a_row_ptr, k0 + 3 * WPS, K) << 16))[None, :]
-        x2 = (_x_bits(a_row_ptr, k0 + 4 * WPS, K) | (_x_bits(a_row_ptr, k0 + 5 * WPS, K) << 16))[None, :]
-        x3 = (_x_bits(a_row_ptr, k0 + 6 * WPS, K) | (_x_bits(a_row_ptr, k0 + 7 * WPS, K) << 16))[None, :]
-        x4 = (_x_bits(a_row_ptr, k0 + 8 * WPS, K) | (_x_bits(a_row_ptr, k0 + 9 * WPS, K) << 16))[None, :]
-        x5 = (_x_bits(a_row_ptr, k0 + 10 * WPS, K) | (_x_bits(a_row_ptr, k0 + 11 * WPS, K) << 16))[None, :]
-        x6 = (_x_bits(a_row_ptr, k0 + 12 * WPS, K) | (_x_bits(a_row_ptr, k0 + 13 * WPS, K) << 16))[None, :]
-        x7 = (_x_bits(a_row_ptr, k0 + 14 * WPS, K) | (_x_bits(a_row_ptr, k0 + 15 * WPS, K) << 16))[None, :]
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_pairs(a_row_ptr, k0, K, WPS)
         g0, g1, g2, g3, g4, g5, g6, g7 = _scale_pairs(scales_ptr, rows, n_mask, blocks_per_row, t, WPS)
         acc_g += w2_word_dot_bf16x2(w_g, x0, x1, x2, x3, x4, x5, x6, x7, g0, g1, g2, g3, g4, g5, g6, g7)
         if GATED:
@@ -240,20 +251,6 @@ def _w2_tile_bf16x2(
         w_g = w_g_next
         w_u = w_u_next
     return tl.sum(acc_g, axis=1)[:, None], tl.sum(acc_u, axis=1)[:, None]
-
-
-@triton.jit
-def _x_pairs(a_row_ptr, k0, K, WPS: tl.constexpr):
-    """The eight bfloat16x2 activation pairs of one K tile (slots 2i | 2i+1 << 16), each [1, WPS]."""
-    x0 = (_x_bits(a_row_ptr, k0, K) | (_x_bits(a_row_ptr, k0 + WPS, K) << 16))[None, :]
-    x1 = (_x_bits(a_row_ptr, k0 + 2 * WPS, K) | (_x_bits(a_row_ptr, k0 + 3 * WPS, K) << 16))[None, :]
-    x2 = (_x_bits(a_row_ptr, k0 + 4 * WPS, K) | (_x_bits(a_row_ptr, k0 + 5 * WPS, K) << 16))[None, :]
-    x3 = (_x_bits(a_row_ptr, k0 + 6 * WPS, K) | (_x_bits(a_row_ptr, k0 + 7 * WPS, K) << 16))[None, :]
-    x4 = (_x_bits(a_row_ptr, k0 + 8 * WPS, K) | (_x_bits(a_row_ptr, k0 + 9 * WPS, K) << 16))[None, :]
-    x5 = (_x_bits(a_row_ptr, k0 + 10 * WPS, K) | (_x_bits(a_row_ptr, k0 + 11 * WPS, K) << 16))[None, :]
-    x6 = (_x_bits(a_row_ptr, k0 + 12 * WPS, K) | (_x_bits(a_row_ptr, k0 + 13 * WPS, K) << 16))[None, :]
-    x7 = (_x_bits(a_row_ptr, k0 + 14 * WPS, K) | (_x_bits(a_row_ptr, k0 + 15 * WPS, K) << 16))[None, :]
-    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit
@@ -346,10 +343,7 @@ def _fp4_tile_bf16x2(
         if GATED:
             w_u_next = tl.load(words_ptr + up_rows + (t + 1) * WPS, mask=more, other=0)
         k0 = t * TILE_K + u
-        x0 = (_x_bits(a_row_ptr, k0, K) | (_x_bits(a_row_ptr, k0 + WPS, K) << 16))[None, :]
-        x1 = (_x_bits(a_row_ptr, k0 + 2 * WPS, K) | (_x_bits(a_row_ptr, k0 + 3 * WPS, K) << 16))[None, :]
-        x2 = (_x_bits(a_row_ptr, k0 + 4 * WPS, K) | (_x_bits(a_row_ptr, k0 + 5 * WPS, K) << 16))[None, :]
-        x3 = (_x_bits(a_row_ptr, k0 + 6 * WPS, K) | (_x_bits(a_row_ptr, k0 + 7 * WPS, K) << 16))[None, :]
+        x0, x1, x2, x3 = _x_pairs4(a_row_ptr, k0, K, WPS)
         q0, q1 = _fp4_scale_words(scales_ptr, rows, n_mask, blocks_per_row, t, WPS)
         g0, g1, g2, g3 = fp4_scale_pairs(q0, q1, WPS)
         acc_g += fp4_word_dot_bf16x2(w_g, x0, x1, x2, x3, g0[:, None], g1[:, None], g2[:, None], g3[:, None])
