@@ -272,6 +272,12 @@ def _check_variants(geo, w2, f4, rows, inputs, runner, device) -> None:
                                                             if k.startswith(("bt2", "fp4_"))}, default=str), flush=True)
 
 
+def _grouped_swiglu(x, w13, w2d, offs):
+    """bf16 experts on rows sorted by expert (`offs`: cumulative rows per expert): [P, H] -> [P, H]."""
+    gate, up = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    return torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2d.transpose(-2, -1), offs=offs)
+
+
 def _bf16_case(geo, w13, w2d, routings, reps):
     """torch._grouped_mm gate_up + SwiGLU + down on the routed pairs, sorted by expert outside timing."""
     fns = []
@@ -283,10 +289,7 @@ def _bf16_case(geo, w13, w2d, routings, reps):
         x = torch.randn(flat.numel(), geo.hidden, device="cuda", dtype=torch.bfloat16)[order]
 
         def fn(x=x, offs=offs):
-            gate_up = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = torch.nn.functional.silu(gate) * up
-            return torch._grouped_mm(act, w2d.transpose(-2, -1), offs=offs)
+            return _grouped_swiglu(x, w13, w2d, offs)
         fns.append(fn)
     return _graph_time_us(fns, reps)
 
@@ -308,10 +311,7 @@ def _dequant_case(geo, w2, w13_out, w2_out, routings, reps):
                 _dequant_w2_kernel[(experts.numel(), triton.cdiv(m.n, 32))](
                     w2.slots.view(torch.int32), w2.slots, lay.slot_bytes, off_w, off_s, m.words_per_row,
                     m.blocks_per_row, experts, w2.table, out, m.n, m.k, WPS=m.wps, BN=32, num_warps=4)
-            gate_up = torch._grouped_mm(x, w13_out.transpose(-2, -1), offs=offs)
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = torch.nn.functional.silu(gate) * up
-            return torch._grouped_mm(act, w2_out.transpose(-2, -1), offs=offs)
+            return _grouped_swiglu(x, w13_out, w2_out, offs)
         fns.append(fn)
     return _graph_time_us(fns, reps)
 
