@@ -202,7 +202,7 @@ def _pack_words_cpu(values: torch.Tensor, m: MatrixLayout) -> torch.Tensor | Non
     path below), or None where it does not apply."""
     if values.device.type != "cpu" or values.numel() == 0:
         return None
-    from tierstore.formats._cpu_kernels import pack_words_cpu
+    from ._cpu_pack import pack_words_cpu
 
     if m.values_per_word not in _SLOT_BITS:
         _SLOT_BITS[m.values_per_word] = _slot_bits(m.values_per_word)

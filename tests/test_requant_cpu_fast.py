@@ -145,14 +145,14 @@ def test_rank_shard_of_world_one_is_the_whole_matrix():
 
 def test_row_chunks_on_threads_equal_one_call(monkeypatch):
     """Large inputs run in row chunks on threads; forced here with small chunks and 3 workers."""
-    from tierstore.formats import _cpu_kernels
+    from tierstore.kernels import _cpu_pack
 
     rng = np.random.default_rng(13)
     weight = edge_matrix(rng, 37, 256, torch.float64)
     codes = torch.from_numpy(rng.integers(0, 4, (37, 512), dtype=np.uint8))
     scales = torch.zeros(37, 16, dtype=torch.uint8)
     one = (quantize_w2(weight, zero_mode="alt"), L.pack_w2_words(codes, scales))
-    monkeypatch.setattr(_cpu_kernels, "_MIN_CHUNK_VALUES", 32)
+    monkeypatch.setattr(_cpu_pack, "_MIN_CHUNK_VALUES", 32)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     chunked = (quantize_w2(weight, zero_mode="alt"), L.pack_w2_words(codes, scales))
     assert torch.equal(one[0].nibbles(), chunked[0].nibbles())

@@ -1,19 +1,22 @@
-"""numba CPU kernels for the requantization hot path (W2 nibbles + scales, zero counts).
+"""numba CPU kernels for the requantization hot path (W2 nibbles + scales, zero counts; the slot
+word packing is `tierstore.kernels._cpu_pack`).
 
 They compute exactly what the torch path in `w2.py` computes, with the same float64 operations
 (an IEEE division by an exact power of two, comparisons against the e2m1 midpoints), one fused
 pass per 32-block instead of a dozen whole-tensor passes and `torch.bucketize`. Tests compare the
 two byte for byte. numba is imported on first use only; `cache=True` keeps the compiled code.
 
-The kernels are serial and release the GIL; large inputs are split into row chunks run on
-`torch.get_num_threads()` Python threads. (numba's own `parallel=True` launches a thread pool
-whose size then may not change, which clashes with `tierstore bench sim` setting
-NUMBA_NUM_THREADS=1 in the same process.)
+The kernels are serial and release the GIL; large inputs run in row chunks on several threads
+(`tierstore.kernels._cpu_pack.by_rows`; numba's own `parallel=True` launches a thread pool whose
+size then may not change, which clashes with `tierstore bench sim` setting NUMBA_NUM_THREADS=1 in
+the same process).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from tierstore.kernels._cpu_pack import by_rows, pack_words_cpu
 
 _KERNELS = None
 
@@ -87,45 +90,7 @@ def _compile(threshold: float):
                     negative += 1
         return zeros, negative
 
-    @njit(cache=True, nogil=True)
-    def pack_words(values, k_pad, vpw, wps, bits, out):
-        """Kernel slot words (as uint32) of values uint8 [N, K]: word t * wps + u ORs bits[j, v] of
-        the value v at k = t * vpw * wps + j * wps + u (v = 0 past K, as the torch path pads)."""
-        n, k = values.shape
-        tile = vpw * wps
-        for i in range(n):
-            for t in range(k_pad // tile):
-                for u in range(wps):
-                    word = np.uint32(0)
-                    for j in range(vpw):
-                        kk = t * tile + j * wps + u
-                        word |= bits[j, values[i, kk] if kk < k else 0]
-                    out[i, t * wps + u] = word
-
-    return quantize_rows, zero_counts, pack_words
-
-
-_MIN_CHUNK_VALUES = 1 << 20  # below this per thread, one call
-_POOL = None  # (workers, ThreadPoolExecutor), grown on demand
-
-
-def _by_rows(kernel, rows: int, values: int, split) -> None:
-    """kernel(*split arrays cut to a row chunk) over all rows, on several threads when large."""
-    import torch
-
-    workers = max(1, min(torch.get_num_threads(), rows, values // _MIN_CHUNK_VALUES))
-    if workers == 1:
-        kernel(*split)
-        return
-    global _POOL
-    if _POOL is None or _POOL[0] < workers:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOL = (workers, ThreadPoolExecutor(workers, thread_name_prefix="tierstore-requant"))
-    bounds = [rows * w // workers for w in range(workers + 1)]
-    jobs = [_POOL[1].submit(kernel, *(a[lo:hi] for a in split)) for lo, hi in zip(bounds, bounds[1:])]
-    for job in jobs:
-        job.result()
+    return quantize_rows, zero_counts
 
 
 def kernels():
@@ -144,8 +109,8 @@ def quantize_w2_cpu(x: np.ndarray, alt: bool) -> tuple[np.ndarray, np.ndarray] |
     scale_bytes = np.empty((n, k // 32), dtype=np.uint8)
     bad_rows = np.zeros(n, dtype=np.uint8)
     quantize_rows = kernels()[0]
-    _by_rows(lambda xs, nib, sb, bad: quantize_rows(xs, alt, nib, sb, bad), n, n * k,
-             (x, nibbles, scale_bytes, bad_rows))
+    by_rows(lambda xs, nib, sb, bad: quantize_rows(xs, alt, nib, sb, bad), n, n * k,
+            (x, nibbles, scale_bytes, bad_rows))
     if bad_rows.any():
         return None
     return nibbles, scale_bytes
@@ -154,16 +119,6 @@ def quantize_w2_cpu(x: np.ndarray, alt: bool) -> tuple[np.ndarray, np.ndarray] |
 def zero_counts_cpu(x: np.ndarray) -> tuple[int, int]:
     zeros, negative = kernels()[1](x.reshape(-1))
     return int(zeros), int(negative)
-
-
-def pack_words_cpu(values: np.ndarray, k_pad: int, vpw: int, wps: int, bits: np.ndarray) -> np.ndarray:
-    """int32 [N, k_pad / vpw] slot words of uint8 values [N, K]; bits: uint32 [vpw, 256], the word
-    bits value v sets in bit slot j (see `pack_words`)."""
-    out = np.empty((values.shape[0], k_pad // vpw), dtype=np.uint32)
-    pack_words = kernels()[2]
-    _by_rows(lambda vals, words: pack_words(vals, k_pad, vpw, wps, bits, words), values.shape[0], values.size,
-             (values, out))
-    return out.view(np.int32)
 
 
 def warm_up() -> None:
