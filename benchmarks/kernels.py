@@ -1,16 +1,16 @@
 """Side-by-side MoE kernel benchmark on one GPU (CUDA-graph replay, L2 defeated by rotating routings).
 
 Per (preset, T): fused W2 (all experts in the W2 pool; for BT = 1 also the plain-Triton decode
-beside the default inline-PTX one, the two-pairs-per-program BT = 2 variant (`*_bt2`, v7), and the
-tensor-core BT = 16 path), fused FP4 (all in the FP4
-pool; for BT = 1 also its gate_up alone and the v8 bf16x2 decode, `fp4_*_bf16x2`, beside the default), the W2 gate_up stage alone, torch._grouped_mm in bf16 on the same routing (GEMM + SwiGLU
-only, the routing sort precomputed), dequantize-then-_grouped_mm on the same W2 codes, and a
-streaming-read kernel over the same number of bytes (the ceiling). Bytes = the unique routed experts' packed codes + scales (bf16: their bf16 weights).
-Correctness against moe_mm_ref is checked at T = 1 and 8.
+beside the default inline-PTX one, the tensor-core BT = 16 path, and the stages alone: gate_up,
+down, route + combine), fused FP4 (all in the FP4 pool; for BT = 1 also its gate_up alone),
+torch._grouped_mm in bf16 on the same routing (GEMM + SwiGLU + GEMM, the routing sort precomputed),
+dequantize-then-_grouped_mm on the same W2 codes, and a streaming-read kernel over the same number
+of bytes (the ceiling). Bytes = the unique routed experts' packed codes + scales (bf16: their bf16
+weights; route + combine: none). Correctness against moe_mm_ref is checked at T = 1 and 8.
 
 Order and failures: the current kernels' checks, then every T's current kernels and baselines
-(BASELINE_VARIANTS, with the streaming ceilings), then the v7/v8 checks, then every T's new variants
-(NEW_VARIANTS). Each check and timed variant runs isolated (Runner): an exception goes into its row
+(BASELINE_VARIANTS, with the streaming ceilings), then the checks of the alternatives (FP4 "off"
+decode and plain twin), then every T's new variants (NEW_VARIANTS). Each check and timed variant runs isolated (Runner): an exception goes into its row
 (`error`: type, message, traceback lines) and `errors`, and the run goes on; after a CUDA error (or
 any error after which a probe of the context fails) later GPU work is skipped (`error.type` Skipped)
 and `status` says why. A variant whose check failed (rel. error > REL_TOL, NaN, repeat or bytes not
@@ -37,7 +37,7 @@ import triton.language as tl
 
 from tierstore.geometry import get_preset
 from tierstore.kernels._triton.decode import decode_w2_slot_scaled
-from tierstore.kernels import (ABI_TAG, MissLog, MoeWorkspace, fp4_bf16x2_scales_exact, fp4_tier, moe_gate_up, moe_mm,
+from tierstore.kernels import (ABI_TAG, MissLog, MoeWorkspace, fp4_tier, moe_combine, moe_down, moe_gate_up, moe_mm,
                                moe_mm_ref, moe_route, w2_tier)
 
 HBM_BYTES_PER_S = 4.8e12
@@ -155,17 +155,9 @@ def _default_check(geo, w2, f4, tier, tokens, gen, device):
     return row, dict(tier=tier, tokens=tokens, ids=ids, weights=weights, x=x, out=out, ref=ref)
 
 
-def _bt2_check(geo, w2, f4, inp, device) -> dict:
-    """v7: two pairs of one expert per program; its bytes must equal the default (BT = 1) output."""
-    x, ids, weights = inp["x"], inp["ids"], inp["weights"]
-    ws2 = MoeWorkspace.allocate(inp["tokens"], geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype,
-                                device, block_tokens=2)
-    bt2 = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, device), ws2, out=torch.full_like(x, float("nan")))
-    return dict(bt2_rel_err=_rel_err(bt2, inp["ref"]), bt2_equals_bt1=bool(torch.equal(inp["out"], bt2)))
-
-
 def _fp4_mode_check(geo, w2, f4, inp, mode, device) -> dict:
-    """v8: the bf16x2 FP4 decode (`ptx`) or its plain-Triton twin (`triton`, bytes equal to the default), BT = 1."""
+    """The FP4 decodes beside the default ("ptx", v8): "off" (float16 nibble decode) and "triton" (the
+    plain twin of the bf16x2 construction; its bytes equal "off"'s). Returns the check columns and `out`."""
     x, ids, weights = inp["x"], inp["ids"], inp["weights"]
     wsm = MoeWorkspace.allocate(inp["tokens"], geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype,
                                 device, block_tokens=1, fp4_bf16x2=mode)
@@ -174,23 +166,18 @@ def _fp4_mode_check(geo, w2, f4, inp, mode, device) -> dict:
     o = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, device), wsm, out=torch.full_like(x, float("nan")))
     o2 = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, device), wsm, out=torch.empty_like(x))
     return {f"fp4_{mode}_rel_err": _rel_err(o, inp["ref"]), f"fp4_{mode}_nan": bool(o.isnan().any()),
-            f"fp4_{mode}_repeat_identical": bool(torch.equal(o, o2)),
-            f"fp4_{mode}_equals_default": bool(torch.equal(o, inp["out"]))}
+            f"fp4_{mode}_repeat_identical": bool(torch.equal(o, o2)), "out": o}
 
 
 def _check_group(variant: str) -> str | None:
     """Which correctness check covers a timed variant (None: not checked here, e.g. plain, MMA, baselines)."""
-    if variant.endswith("_bf16x2"):
-        return "fp4_bf16x2"
-    if "_bt2" in variant:
-        return "fp4_bt2" if variant.startswith("fp4") else "w2_bt2"
-    return {"w2_fused": "w2_default", "w2_gate_up": "w2_default", "fp4_fused": "fp4_default",
-            "fp4_gate_up": "fp4_default"}.get(variant)
+    return {"w2_fused": "w2_default", "w2_gate_up": "w2_default", "w2_down": "w2_default",
+            "w2_route_combine": "w2_default", "fp4_fused": "fp4_default", "fp4_gate_up": "fp4_default"}.get(variant)
 
 
 def _invalid_reasons(checks: list[dict]) -> dict[str, list[str]]:
     """Check group -> why its timings must not be read (a failed, errored or missing check). Groups absent:
-    checked and passed. `fp4_triton_*` (the twin, not timed) is reported in the check rows only."""
+    checked and passed. `fp4_off_*` / `fp4_triton_*` (not timed) are reported in the check rows only."""
     reasons: dict[str, list[str]] = {}
 
     def bad(group, row, why):
@@ -199,11 +186,7 @@ def _invalid_reasons(checks: list[dict]) -> dict[str, list[str]]:
     for row in checks:
         tier = row["tier"]
         for group, err_key, rel_key, nan_key, rep_key, eq_key in (
-                (f"{tier}_default", "error", "rel_err", "nan", "repeat_identical", None),
-                (f"{tier}_bt2", "bt2_error", "bt2_rel_err", None, None, "bt2_equals_bt1"),
-                ("fp4_bf16x2", "fp4_ptx_error", "fp4_ptx_rel_err", "fp4_ptx_nan", "fp4_ptx_repeat_identical", None)):
-            if group == "fp4_bf16x2" and tier != "fp4":
-                continue
+                (f"{tier}_default", "error", "rel_err", "nan", "repeat_identical", None),):
             if err_key in row:
                 bad(group, row, f"check raised {row[err_key]['type']}: {row[err_key]['message'][:200]}")
             elif rel_key not in row:
@@ -217,8 +200,6 @@ def _invalid_reasons(checks: list[dict]) -> dict[str, list[str]]:
                     bad(group, row, "repeat run not bit-identical")
                 if eq_key and row.get(eq_key) is False:
                     bad(group, row, f"{eq_key} is False (must be bit-identical)")
-        if tier == "fp4" and row.get("fp4_scales_exact") is False:
-            bad("fp4_bf16x2", row, "fp4_scales_exact is False (scale bytes outside the exact range)")
     return reasons
 
 
@@ -243,7 +224,7 @@ def _check_defaults(geo, w2, f4, gen, runner, device) -> tuple[list[dict], list[
 
 
 def _check_variants(geo, w2, f4, rows, inputs, runner, device) -> None:
-    """v7 / v8 checks on the default checks' inputs, each isolated; results go into the matching check row."""
+    """Checks of the alternatives on the default checks' inputs, each isolated; results go into the matching check row."""
     by_key = {(r["tier"], r["tokens"]): r for r in rows}
     for inp in inputs:
         row = by_key[(inp["tier"], inp["tokens"])]
@@ -259,17 +240,18 @@ def _check_variants(geo, w2, f4, rows, inputs, runner, device) -> None:
             return go
 
         label = f"check {inp['tier']} T={inp['tokens']}"
-        got, err = runner.attempt(f"{label} bt2", resident(lambda: _bt2_check(geo, w2, f4, inp, device)))
-        row.update(got or {"bt2_error": err})
         if fp4:
-            for mode in ("ptx", "triton"):
+            outs = {}
+            for mode in ("off", "triton"):
                 got, err = runner.attempt(f"{label} fp4_bf16x2={mode}",
                                           resident(lambda: _fp4_mode_check(geo, w2, f4, inp, mode, device)))
+                if got:
+                    outs[mode] = got.pop("out")
                 row.update(got or {f"fp4_{mode}_error": err})
-            got, err = runner.attempt(f"{label} fp4_scales_exact", lambda: fp4_bf16x2_scales_exact(f4), gpu=False)
-            row.update({"fp4_scales_exact": got} if err is None else {"fp4_scales_exact_error": err})
-        print(f"check {label[6:]} variants: " + json.dumps({k: v for k, v in row.items()
-                                                            if k.startswith(("bt2", "fp4_"))}, default=str), flush=True)
+            if len(outs) == 2:
+                row["fp4_triton_equals_off"] = bool(torch.equal(outs["triton"], outs["off"]))
+        print(f"check {label[6:]} variants: " + json.dumps({k: v for k, v in row.items() if k.startswith("fp4_")},
+                                                           default=str), flush=True)
 
 
 def _grouped_swiglu(x, w13, w2d, offs):
@@ -316,22 +298,33 @@ def _dequant_case(geo, w2, w13_out, w2_out, routings, reps):
     return _graph_time_us(fns, reps)
 
 
-def _fused_case(geo, w2, f4, routings, reps, gate_up_only: bool, block_tokens: int | None = None,
-                config: tuple[int, int] = (64, 4), ptx_w2: bool = True, fp4_bf16x2: str = "off"):
+STAGES = ("all", "gate_up", "down", "route_combine")
+
+
+def _stage_fn(stage, geo, w2, f4, x, ids, weights, ws, misses, out):
+    """The launches timed for `stage` ("all": moe_mm; else that stage alone, its inputs made by one full run)."""
+    if stage == "all":
+        return lambda: moe_mm(x, ids, weights, w2, f4, 0, misses, ws, out=out)
+    moe_mm(x, ids, weights, w2, f4, 0, misses, ws, out=out)  # blocks, act and y in place for a stage alone
+    if stage == "gate_up":
+        return lambda: moe_gate_up(x, geo.top_k, w2, f4, 0, ws)
+    if stage == "down":
+        return lambda: moe_down(geo.top_k, w2, f4, 0, ws)
+    if stage == "route_combine":
+        return lambda: (moe_route(ids, w2, f4, 0, misses, ws), moe_combine(ids, weights, w2, f4, 0, ws, out))
+    raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+
+
+def _fused_case(geo, w2, f4, routings, reps, stage: str = "all", config: tuple[int, int] = (64, 4), **ws_kw):
+    """Graph-replay time (us) of the fused op or one stage; ws_kw go to MoeWorkspace.allocate."""
     fns = []
     for ids, weights in routings:
         tokens = ids.shape[0]
         x = torch.randn(tokens, geo.hidden, device="cuda", dtype=torch.bfloat16)
         ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype, "cuda",
-                                   block_tokens=block_tokens, block_n=config[0], num_warps=config[1], ptx_w2=ptx_w2,
-                                   fp4_bf16x2=fp4_bf16x2)
+                                   block_n=config[0], num_warps=config[1], **ws_kw)
         misses = MissLog.allocate(16, "cuda")
-        out = torch.empty_like(x)
-        if gate_up_only:
-            moe_route(ids, w2, f4, 0, misses, ws)
-            fns.append(lambda x=x, ws=ws: moe_gate_up(x, geo.top_k, w2, f4, 0, ws))
-        else:
-            fns.append(lambda x=x, ids=ids, w=weights, ws=ws, m=misses, o=out: moe_mm(x, ids, w, w2, f4, 0, m, ws, out=o))
+        fns.append(_stage_fn(stage, geo, w2, f4, x, ids, weights, ws, misses, torch.empty_like(x)))
     return _graph_time_us(fns, reps)
 
 
@@ -406,12 +399,11 @@ class Runner:
 
 
 # Timed first, for every T, so their rows exist even if a new variant breaks the process.
-BASELINE_VARIANTS = ("bf16_grouped_mm", "w2_fused", "w2_gate_up", "w2_fused_plain", "w2_gate_up_plain",
-                     "w2_fused_mma16", "dequant_grouped_mm", "fp4_fused", "fp4_gate_up")
-# Prepared, not yet measured (kernel-notes v7, v8): their checks and timings come after every baseline.
-NEW_VARIANTS = ("w2_fused_bt2", "w2_gate_up_bt2", "w2_fused_bt2_bn32", "w2_gate_up_bt2_bn32", "fp4_fused_bt2",
-                "fp4_fused_bf16x2", "fp4_gate_up_bf16x2")
-STREAMED = ("w2_fused", "w2_gate_up", "fp4_fused", "fp4_gate_up")  # the rest use the ceiling of the same bytes
+BASELINE_VARIANTS = ("bf16_grouped_mm", "w2_fused", "w2_gate_up", "w2_down", "w2_route_combine", "w2_fused_plain",
+                     "w2_gate_up_plain", "w2_fused_mma16", "dequant_grouped_mm", "fp4_fused", "fp4_gate_up")
+# Prepared, not yet measured (kernel-notes): their checks and timings come after every baseline.
+NEW_VARIANTS = ()
+STREAMED = ("w2_fused", "w2_gate_up", "w2_down", "fp4_fused", "fp4_gate_up")  # the rest: the ceiling of the same bytes
 
 
 def _variant_thunks(geo, state, routings, tokens, config) -> dict:
@@ -419,41 +411,33 @@ def _variant_thunks(geo, state, routings, tokens, config) -> dict:
     w2, f4 = state["w2"], state["f4"]
     bt1 = tokens * geo.top_k <= geo.num_experts  # the default routes one pair per program here
 
-    def fused(gate_up_only, fp4=False, **kw):
+    def fused(stage, fp4=False, **kw):
         kw.setdefault("config", config)
 
         def go():
             if fp4:
                 f4.table[0] = torch.arange(geo.num_experts, dtype=torch.int32)
             try:
-                return _fused_case(geo, w2, f4, routings, state["reps"], gate_up_only=gate_up_only, **kw)
+                return _fused_case(geo, w2, f4, routings, state["reps"], stage=stage, **kw)
             finally:
                 if fp4:
                     f4.table[0] = -1
         return go
 
     out = {"bf16_grouped_mm": lambda: _bf16_case(geo, state["w13_bf16"], state["w2_bf16"], routings, state["reps"]),
-           "w2_fused": fused(False), "w2_gate_up": fused(True)}
-    if bt1:  # the plain-Triton decode beside the inline-PTX one
-        out["w2_fused_plain"] = fused(False, ptx_w2=False)
-        out["w2_gate_up_plain"] = fused(True, ptx_w2=False)
+           "w2_fused": fused("all"), "w2_gate_up": fused("gate_up")}
+    if bt1:  # the stages alone; the plain-Triton decode beside the inline-PTX one
+        out["w2_down"] = fused("down")
+        out["w2_route_combine"] = fused("route_combine")
+        out["w2_fused_plain"] = fused("all", ptx_w2=False)
+        out["w2_gate_up_plain"] = fused("gate_up", ptx_w2=False)
     if tokens * geo.top_k <= 2 * geo.num_experts:  # default there is BT = 1 (FMA); compare the MMA path
-        out["w2_fused_mma16"] = fused(False, block_tokens=16)
+        out["w2_fused_mma16"] = fused("all", block_tokens=16)
     out["dequant_grouped_mm"] = lambda: _dequant_case(geo, w2, state["w13_bf16"], state["w2_bf16"], routings,
                                                       state["reps"])
-    out["fp4_fused"] = fused(False, fp4=True)
+    out["fp4_fused"] = fused("all", fp4=True)
     if bt1:
-        out["fp4_gate_up"] = fused(True, fp4=True)
-        # v7: two pairs of one expert per program (BT = 2). BN 64 / 8 warps compiles to 174 registers at
-        # BT = 2 (128 at BT = 1: one 8-warp block per SM instead of two); BN 32 / 8 warps stays at 128.
-        out["w2_fused_bt2"] = fused(False, block_tokens=2)
-        out["w2_gate_up_bt2"] = fused(True, block_tokens=2)
-        out["w2_fused_bt2_bn32"] = fused(False, block_tokens=2, config=(32, 8))
-        out["w2_gate_up_bt2_bn32"] = fused(True, block_tokens=2, config=(32, 8))
-        out["fp4_fused_bt2"] = fused(False, fp4=True, block_tokens=2)
-        # v8: FP4 e2m1 -> bf16x2 construction + packed FMA (BT = 1)
-        out["fp4_fused_bf16x2"] = fused(False, fp4=True, block_tokens=1, fp4_bf16x2="ptx")
-        out["fp4_gate_up_bf16x2"] = fused(True, fp4=True, block_tokens=1, fp4_bf16x2="ptx")
+        out["fp4_gate_up"] = fused("gate_up", fp4=True)
     return out
 
 
@@ -469,10 +453,12 @@ def _case_row(preset, tokens, name, us, err, case, stream, bf16_us, invalid) -> 
         row["invalid"] = invalid  # the check of this path failed: the time is kept aside, not as `us`
         row["invalid_us"], row["us"] = us, None
         return row
+    if not nbytes:  # route + combine: no weights read
+        return row
     row.update(gb_per_s=nbytes / us / 1e3, pct_hbm=100 * nbytes / (us * 1e-6) / HBM_BYTES_PER_S,
                speedup_vs_bf16=bf16_us / us if bf16_us else None)
     same_bytes = ("fp4_gate_up" if name.startswith("fp4_gate_up") else "w2_gate_up" if "gate_up" in name
-                  else "fp4_fused" if name.startswith("fp4") else "w2_fused")
+                  else "w2_down" if "down" in name else "fp4_fused" if name.startswith("fp4") else "w2_fused")
     ceiling = None if name == "bf16_grouped_mm" else stream.get(name, stream.get(same_bytes))
     if ceiling is not None:
         row["stream_us"] = ceiling
@@ -512,7 +498,7 @@ def run(preset: str, token_counts: list[int], reps: int, sweep: bool, config: tu
         for cfg in SWEEP_CONFIGS:
             for tokens, rts in routings.items():
                 us, err = runner.attempt(f"sweep T={tokens} {cfg}", lambda: _fused_case(
-                    geo, w2, f4, rts, reps, gate_up_only=True, config=cfg))
+                    geo, w2, f4, rts, reps, stage="gate_up", config=cfg))
                 result["sweep"].append(dict(tokens=tokens, block_n=cfg[0], num_warps=cfg[1], us=us,
                                             **({"error": err} if err else {})))
                 if us is not None:
@@ -529,14 +515,16 @@ def run(preset: str, token_counts: list[int], reps: int, sweep: bool, config: tu
     lay2, lay4 = w2.layout, f4.layout
     w2_expert = lay2.w13.word_bytes + lay2.w13.scale_bytes + lay2.w2.word_bytes + lay2.w2.scale_bytes
     w2_gate_up = lay2.w13.word_bytes + lay2.w13.scale_bytes
+    w2_down = lay2.w2.word_bytes + lay2.w2.scale_bytes
     f4_expert = lay4.w13.word_bytes + lay4.w13.scale_bytes + lay4.w2.word_bytes + lay4.w2.scale_bytes
     f4_gate_up = lay4.w13.word_bytes + lay4.w13.scale_bytes
-    per_expert = {"bf16_grouped_mm": 2 * 3 * geo.hidden * geo.expert_inter, "dequant_grouped_mm": w2_expert}
+    per_expert = {"bf16_grouped_mm": 2 * 3 * geo.hidden * geo.expert_inter, "dequant_grouped_mm": w2_expert,
+                  "w2_route_combine": 0}
     for name in BASELINE_VARIANTS + NEW_VARIANTS:
         if name not in per_expert:
             gate_up = "gate_up" in name
             per_expert[name] = ((f4_gate_up if gate_up else f4_expert) if name.startswith("fp4")
-                                else (w2_gate_up if gate_up else w2_expert))
+                                else w2_gate_up if gate_up else w2_down if "down" in name else w2_expert)
     invalid = {}
     cases = {}
 
@@ -575,7 +563,7 @@ def run(preset: str, token_counts: list[int], reps: int, sweep: bool, config: tu
         invalid = _invalid_reasons(checks)
         time_variants(BASELINE_VARIANTS, tokens)
         emit(result)
-    result["status"] = "running: checks of the new variants (v7 BT = 2, v8 FP4 bf16x2)"
+    result["status"] = "running: checks of the alternatives (FP4 off / twin) and new variants"
     _check_variants(geo, w2, f4, checks, inputs, runner, device)
     invalid = _invalid_reasons(checks)
     result["invalid_checks"] = invalid
@@ -630,7 +618,7 @@ def _print_table(cases: list[dict]) -> None:
         elif "invalid" in r:
             print(head + f"INVALID (check failed; {r['invalid_us']:.1f} us not to be read): " + "; ".join(r["invalid"])[:160])
         else:
-            print(head + f"{r['us']:>9.1f} {r['gb_per_s']:>7.0f} {r['pct_hbm']:>6.1f} "
+            print(head + f"{r['us']:>9.1f} {num(r.get('gb_per_s'), 7, 0)} {num(r.get('pct_hbm'), 6, 1)} "
                   f"{num(r.get('pct_of_stream'), 8, 1)} {num(r.get('speedup_vs_bf16'), 7, 2)}")
 
 

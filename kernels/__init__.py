@@ -9,8 +9,8 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 __all__ = ["ABI_TAG", "HAS_TRITON", "SlotLayout", "fp4_slot_layout", "pack_slot", "unpack_matrix_ref", "w2_slot_layout"]
 
 if HAS_TRITON:
-    from .moe_mm import (MissLog, MoeWorkspace, TierPool, fp4_bf16x2_scales_exact, fp4_tier, moe_combine, moe_down,
+    from .moe_mm import (MissLog, MoeWorkspace, TierPool, fp4_tier, moe_combine, moe_down,
                          moe_gate_up, moe_mm, moe_mm_ref, moe_route, w2_tier)
 
-    __all__ += ["MissLog", "MoeWorkspace", "TierPool", "fp4_bf16x2_scales_exact", "fp4_tier", "moe_combine", "moe_down",
+    __all__ += ["MissLog", "MoeWorkspace", "TierPool", "fp4_tier", "moe_combine", "moe_down",
                 "moe_gate_up", "moe_mm", "moe_mm_ref", "moe_route", "w2_tier"]

@@ -16,7 +16,6 @@ import torch
 import triton
 
 from ._triton.combine import combine_kernel
-from ._triton.decode import FP4_MIN_EXACT_SCALE_BYTE
 from ._triton.gemm import moe_gemm_kernel
 from ._triton.route import route_kernel
 from .layout import SlotLayout, fp4_slot_layout, unpack_matrix_ref, w2_slot_layout
@@ -74,20 +73,18 @@ class MoeWorkspace:
     num_blocks: torch.Tensor  # [1] int32
     act: torch.Tensor  # [P, I] activation dtype
     y: torch.Tensor  # [P, H] float32
-    ptx_w2: bool = True  # BT = 1 / 2 W2 with bf16 on CUDA: inline-PTX bf16x2 decode + FMA (else the plain-Triton path)
-    # BT = 1 FP4 decode (v8, not yet measured on a GPU): "off" = the nibble -> float16 decode (default);
-    # "ptx" = e2m1 -> bf16x2 by integer bit construction, inline PTX with bf16 on CUDA, else its
-    # plain-Triton twin; "triton" = the twin everywhere. Exact decode for scale bytes >= 2
-    # (`fp4_bf16x2_scales_exact`). BT = 2 / 16 / 64 programs keep their own FP4 decode.
-    fp4_bf16x2: str = "off"
+    ptx_w2: bool = True  # BT = 1 W2 with bf16 on CUDA: inline-PTX bf16x2 decode + FMA (else the plain-Triton path)
+    # BT = 1 FP4 decode: "ptx" (default, v8) = e2m1 -> bf16x2 by integer bit construction, inline PTX with
+    # bf16 on CUDA, else its plain-Triton twin; "triton" = the twin everywhere; "off" = the nibble ->
+    # float16 decode. All three decode every scale byte the layout admits exactly (kernel-notes v8).
+    # BT = 16 / 64 programs keep their own FP4 decode.
+    fp4_bf16x2: str = "ptx"
 
     @classmethod
     def allocate(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype, device,
                  block_tokens: int | None = None, block_n: int = 64, num_warps: int | None = None,
-                 ptx_w2: bool = True, fp4_bf16x2: str = "off") -> MoeWorkspace:
-        """block_tokens: 1 = one pair per program on CUDA-core FMAs (decode); 2 = the same FMA path with two
-        pairs of one expert per program sharing each decoded weight tile (a variant, not yet a default:
-        benchmarks/kernel-notes.md v7); 16 or 64 = tensor-core blocks.
+                 ptx_w2: bool = True, fp4_bf16x2: str = "ptx") -> MoeWorkspace:
+        """block_tokens: 1 = one pair per program on CUDA-core FMAs (decode); 16 or 64 = tensor-core blocks.
 
         Default: 1 while pairs <= experts (measured crossover on the H200, benchmarks/kernel-notes.md),
         else 16, else 64 (prefill).
@@ -96,13 +93,11 @@ class MoeWorkspace:
         if block_tokens is None:
             block_tokens = 1 if pairs <= num_experts else 16 if pairs <= 16 * num_experts else 64
         if num_warps is None:
-            num_warps = 8 if block_tokens <= 2 else 4  # best measured per path (benchmarks/kernel-notes.md)
-        if block_tokens not in (1, 2, 16, 32, 64):
-            raise ValueError(f"block_tokens must be 1, 2, 16, 32 or 64, got {block_tokens}")
+            num_warps = 8 if block_tokens == 1 else 4  # best measured per path (benchmarks/kernel-notes.md)
+        if block_tokens not in (1, 16, 32, 64):
+            raise ValueError(f"block_tokens must be 1, 16, 32 or 64, got {block_tokens}")
         if fp4_bf16x2 not in ("off", "ptx", "triton"):
             raise ValueError(f"fp4_bf16x2 must be 'off', 'ptx' or 'triton', got {fp4_bf16x2!r}")
-        if fp4_bf16x2 != "off" and block_tokens == 2:
-            raise ValueError("fp4_bf16x2 is a BT = 1 variant; block_tokens = 2 has no bf16x2 FP4 path")
         max_blocks = min(num_experts, pairs) + triton.cdiv(pairs, block_tokens)
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
@@ -125,18 +120,6 @@ def _fp4_mode(ws: MoeWorkspace, a: torch.Tensor) -> int:
     if ws.fp4_bf16x2 == "off":
         return 0
     return 2 if ws.fp4_bf16x2 == "ptx" and a.is_cuda and a.dtype == torch.bfloat16 else 1
-
-
-def fp4_bf16x2_scales_exact(pool: TierPool) -> bool:
-    """Whether every real (non-padding) scale byte of an FP4 pool is >= 2, the range where the bf16x2
-    decode (`fp4_bf16x2`) is exact: e2m1 magnitude times 2^(byte - 127) is then zero or a normal bf16.
-    Reads the whole pool (host sync): a check for load/pack time, not for the launch path."""
-    lay = pool.layout
-    for offset, m in ((lay.w13_scales_offset, lay.w13), (lay.w2_scales_offset, lay.w2)):
-        scales = pool.slots[:, offset: offset + m.scale_bytes].view(-1, m.n, m.blocks_per_row)[:, :, : m.k // 32]
-        if scales.numel() and int(scales.min()) < FP4_MIN_EXACT_SCALE_BYTE:
-            return False
-    return True
 
 
 def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: MoeWorkspace, n_out: int, k: int,

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tierstore.geometry import _preset
 
@@ -22,10 +23,10 @@ def kb(monkeypatch):
     monkeypatch.setattr(mod, "_provenance", lambda commit: dict(commit=commit))
     mod.calls = []
 
-    def fused(geo, w2, f4, routings, reps, gate_up_only, block_tokens=None, config=(64, 4), ptx_w2=True,
-              fp4_bf16x2="off"):
-        mod.calls.append(dict(block_tokens=block_tokens, fp4_bf16x2=fp4_bf16x2, fp4=bool((f4.table[0] >= 0).any())))
-        return 10.0 + (block_tokens or 0)
+    def fused(geo, w2, f4, routings, reps, stage="all", config=(64, 4), **ws_kw):
+        assert stage in mod.STAGES
+        mod.calls.append(dict(stage=stage, fp4=bool((f4.table[0] >= 0).any()), **ws_kw))
+        return 10.0 + (ws_kw.get("block_tokens") or 0)
 
     monkeypatch.setattr(mod, "_fused_case", fused)
     monkeypatch.setattr(mod, "_bf16_case", lambda *a: 100.0)
@@ -36,10 +37,9 @@ def kb(monkeypatch):
         return dict(rel_err=6e-3, nan=False, repeat_identical=True), dict(tier=tier, tokens=tokens)
 
     monkeypatch.setattr(mod, "_default_check", default_check)
-    monkeypatch.setattr(mod, "_bt2_check", lambda geo, w2, f4, inp, device: dict(bt2_rel_err=6e-3, bt2_equals_bt1=True))
     monkeypatch.setattr(mod, "_fp4_mode_check", lambda geo, w2, f4, inp, mode, device: {
-        f"fp4_{mode}_rel_err": 4e-3, f"fp4_{mode}_nan": False, f"fp4_{mode}_repeat_identical": True,
-        f"fp4_{mode}_equals_default": mode == "triton"})
+        f"fp4_{mode}_rel_err": 2e-3, f"fp4_{mode}_nan": False, f"fp4_{mode}_repeat_identical": True,
+        "out": torch.zeros(2)})
     return mod
 
 
@@ -60,54 +60,60 @@ def test_all_variants_measured_when_nothing_fails(kb, tmp_path):
     # T = 1 and 8 with top-2 over 8 experts: BT = 1 at T=1 (all variants), T=8 pairs 16 > 8
     assert {v for t, v in rows if t == 1} == set(kb.BASELINE_VARIANTS + kb.NEW_VARIANTS)
     assert all(r["us"] is not None and "error" not in r and "invalid" not in r for r in rows.values())
-    assert rows[(1, "w2_fused")]["stream_us"] == 5.0 and rows[(1, "w2_fused_bt2")]["stream_us"] == 5.0
+    assert rows[(1, "w2_fused")]["stream_us"] == 5.0 and rows[(1, "w2_down")]["stream_us"] == 5.0
+    assert rows[(1, "w2_down")]["bytes"] < rows[(1, "w2_fused")]["bytes"]
+    assert rows[(1, "w2_route_combine")]["bytes"] == 0 and "gb_per_s" not in rows[(1, "w2_route_combine")]
     assert rows[(1, "w2_fused")]["speedup_vs_bf16"] == pytest.approx(10.0)
     # baselines of every T are timed before any new variant; FP4 variants run with the FP4 pool resident
     order = [(r["tokens"], r["variant"]) for r in result["cases"]]
     last_baseline = max(i for i, (t, v) in enumerate(order) if v in kb.BASELINE_VARIANTS)
-    first_new = min(i for i, (t, v) in enumerate(order) if v in kb.NEW_VARIANTS)
-    assert last_baseline < first_new
-    assert all(c["fp4"] == (c["fp4_bf16x2"] != "off") for c in kb.calls if c["fp4_bf16x2"] != "off")
-    assert result["checks"][2]["fp4_scales_exact"] is True and "fp4_ptx_rel_err" in result["checks"][2]
+    assert all(i > last_baseline for i, (t, v) in enumerate(order) if v in kb.NEW_VARIANTS)
+    stages = {(c["stage"], c["fp4"]) for c in kb.calls}
+    assert stages == {("all", False), ("gate_up", False), ("down", False), ("route_combine", False), ("all", True),
+                      ("gate_up", True)}
+    fp4_row = result["checks"][2]
+    assert fp4_row["fp4_off_rel_err"] == 2e-3 and fp4_row["fp4_triton_equals_off"] is True
 
 
 def test_a_failing_variant_is_recorded_and_the_rest_still_run(kb, tmp_path, monkeypatch):
     fused = kb._fused_case
 
-    def failing(*a, fp4_bf16x2="off", **kw):
-        if fp4_bf16x2 == "ptx":
+    def failing(*a, ptx_w2=True, **kw):
+        if not ptx_w2:
             raise RuntimeError("PTXAS error: Internal Triton PTX codegen error\nptxas fatal: bad operand")
-        return fused(*a, fp4_bf16x2=fp4_bf16x2, **kw)
+        return fused(*a, ptx_w2=ptx_w2, **kw)
 
     monkeypatch.setattr(kb, "_fused_case", failing)
     code, result = _main(kb, tmp_path)
     rows = _rows(result)
-    for name in ("fp4_fused_bf16x2", "fp4_gate_up_bf16x2"):
+    for name in ("w2_fused_plain", "w2_gate_up_plain"):
         err = rows[(1, name)]["error"]
         assert rows[(1, name)]["us"] is None and err["type"] == "RuntimeError"
         assert err["message"].startswith("PTXAS error") and any("PTXAS" in line for line in err["traceback"])
-    assert all(r["us"] is not None for k, r in rows.items() if not k[1].endswith("bf16x2"))
+    assert all(r["us"] is not None for k, r in rows.items() if not k[1].endswith("_plain"))
     assert code == 0 and result["status"].startswith("complete, 2 failure")
-    assert [e["label"] for e in result["errors"]] == ["T=1 fp4_fused_bf16x2", "T=1 fp4_gate_up_bf16x2"]
+    assert [e["label"] for e in result["errors"]] == ["T=1 w2_fused_plain", "T=1 w2_gate_up_plain"]
 
 
 def test_a_cuda_error_stops_later_gpu_variants_but_keeps_the_json(kb, tmp_path, monkeypatch):
     fused = kb._fused_case
 
     def crashing(*a, block_tokens=None, **kw):
-        if block_tokens == 2:
+        if block_tokens == 16:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return fused(*a, block_tokens=block_tokens, **kw)
 
     monkeypatch.setattr(kb, "_fused_case", crashing)
     code, result = _main(kb, tmp_path, tokens="1,2")
-    rows = _rows(result)
-    for t in (1, 2):  # every baseline of every T was measured before the crash
-        assert all(rows[(t, v)]["us"] is not None for v in kb.BASELINE_VARIANTS if (t, v) in rows)
-    assert rows[(1, "w2_fused_bt2")]["error"]["cuda_context_lost"] is True
-    later = [r for r in result["cases"] if r["variant"] in kb.NEW_VARIANTS][1:]
-    assert later and all(r["error"]["type"] == "Skipped" and r["error"]["skipped"] for r in later)
-    assert result["status"].startswith("stopped early: T=1 w2_fused_bt2 raised a CUDA error")
+    order = [r["variant"] for r in result["cases"] if r["tokens"] == 1]
+    crash = order.index("w2_fused_mma16")
+    cases = result["cases"]
+    assert all(r["us"] is not None for r in cases[:crash])  # measured before the crash
+    assert cases[crash]["error"]["cuda_context_lost"] is True
+    assert len(cases) > crash + 1 and all(r["error"]["type"] == "Skipped" and r["error"]["skipped"]
+                                          for r in cases[crash + 1:])
+    assert {r["tokens"] for r in cases} == {1}  # T=2's routings (GPU work) were skipped too
+    assert result["status"].startswith("stopped early: T=1 w2_fused_mma16 raised a CUDA error")
     assert len(result["errors"]) == 1 and code == 0
 
 
@@ -124,32 +130,30 @@ def test_a_check_that_leaves_the_context_broken_poisons_too(kb, tmp_path, monkey
 
 
 def test_failed_checks_mark_their_timing_rows_invalid(kb, tmp_path, monkeypatch):
-    monkeypatch.setattr(kb, "_bt2_check", lambda geo, w2, f4, inp, device: dict(
-        bt2_rel_err=6e-3, bt2_equals_bt1=inp["tier"] == "fp4" or inp["tokens"] == 1))
-
     def fp4_check(geo, w2, f4, inp, mode, device):
-        if mode == "ptx":
+        if mode == "off":
             raise ValueError("asm operand mismatch")
-        return {f"fp4_{mode}_rel_err": 4e-3}
+        return {f"fp4_{mode}_rel_err": 4e-3, "out": torch.zeros(2)}
 
     monkeypatch.setattr(kb, "_fp4_mode_check", fp4_check)
     default = kb._default_check
     monkeypatch.setattr(kb, "_default_check", lambda geo, w2, f4, tier, tokens, gen, device: (
         (dict(rel_err=float("nan"), nan=True, repeat_identical=True), dict(tier=tier, tokens=tokens))
-        if tier == "fp4" and tokens == 8 else default(geo, w2, f4, tier, tokens, gen, device)))
+        if tier == "fp4" and tokens == 8 else
+        (dict(rel_err=6e-3, nan=False, repeat_identical=False), dict(tier=tier, tokens=tokens))
+        if tier == "w2" and tokens == 1 else default(geo, w2, f4, tier, tokens, gen, device)))
     code, result = _main(kb, tmp_path, tokens="1")
     rows = _rows(result)
-    for name in ("w2_fused_bt2", "w2_gate_up_bt2", "w2_fused_bt2_bn32", "fp4_fused", "fp4_gate_up",
-                 "fp4_fused_bf16x2", "fp4_gate_up_bf16x2"):
+    for name in ("w2_fused", "w2_gate_up", "w2_down", "w2_route_combine", "fp4_fused", "fp4_gate_up"):
         row = rows[(1, name)]
         assert row["us"] is None and row["invalid_us"] > 0 and row["invalid"], name
         assert "gb_per_s" not in row and "speedup_vs_bf16" not in row
-    assert any("bt2_equals_bt1 is False" in why for why in rows[(1, "w2_fused_bt2")]["invalid"])
+    assert any("repeat run not bit-identical" in why for why in rows[(1, "w2_down")]["invalid"])
     assert any("NaN" in why for why in rows[(1, "fp4_fused")]["invalid"])
-    assert any("ValueError" in why for why in rows[(1, "fp4_fused_bf16x2")]["invalid"])
-    for name in ("w2_fused", "w2_gate_up", "fp4_fused_bt2", "bf16_grouped_mm"):
+    for name in ("w2_fused_plain", "w2_fused_mma16", "bf16_grouped_mm", "dequant_grouped_mm"):
         assert rows[(1, name)]["us"] is not None and "invalid" not in rows[(1, name)], name
-    assert set(result["invalid_checks"]) == {"w2_bt2", "fp4_default", "fp4_bf16x2"}
+    assert set(result["invalid_checks"]) == {"w2_default", "fp4_default"}
+    assert "fp4_off_error" in result["checks"][2] and "fp4_triton_equals_off" not in result["checks"][2]
 
 
 def test_json_is_written_after_each_stage_and_on_sigterm(kb, tmp_path, monkeypatch):
@@ -160,18 +164,19 @@ def test_json_is_written_after_each_stage_and_on_sigterm(kb, tmp_path, monkeypat
     fused = kb._fused_case
 
     def killed(*a, block_tokens=None, **kw):
-        if block_tokens == 2:
+        if block_tokens == 16:
             kb._on_sigterm(15, None)
         return fused(*a, block_tokens=block_tokens, **kw)
 
     monkeypatch.setattr(kb, "_fused_case", killed)
     code = kb.main(["--tokens", "1,8", "--json", str(path), "--device", "cpu"])
     result = json.loads(path.read_text())
-    assert code == 124 and result["status"].startswith("terminated by SIGTERM (running: new variants, T=1)")
-    n1 = len([r for r in result["cases"] if r["tokens"] == 1])
-    # after: the checks, T=1 baselines, T=8 baselines, the new variants' checks, then main's final write
-    assert seen == [0, n1, len(result["cases"]), len(result["cases"]), len(result["cases"])]
-    assert {r["variant"] for r in result["cases"]} == set(kb.BASELINE_VARIANTS)
+    assert code == 124
+    assert result["status"].startswith("terminated by SIGTERM (running: current kernels and baselines, T=1)")
+    # after: the checks, then main's final write with the rows measured before the kill
+    assert seen == [0, len(result["cases"])]
+    order = [r["variant"] for r in result["cases"]]
+    assert order == list(kb.BASELINE_VARIANTS[: kb.BASELINE_VARIANTS.index("w2_fused_mma16")])
     assert not path.with_name("out.json.tmp").exists()
 
 

@@ -112,31 +112,3 @@ def test_graph_replay_equals_eager_and_tracks_table_changes():
     graph.replay()
     assert torch.equal(out, eager_full)
     assert misses.counts.tolist() == [0, 0]
-
-
-@pytest.mark.parametrize("name", ["deepseek-v3", "ds-v2-lite"])
-@pytest.mark.parametrize("ptx", [False, True])
-def test_two_pair_blocks_equal_one_pair_blocks(name, ptx):
-    """block_tokens = 2 (v7 variant) against BT = 1 on the GPU: W2 and FP4 experts with several pairs each."""
-    geo = PRESETS[name]
-    gen = torch.Generator().manual_seed(7)
-    w2, f4 = _tiers(geo, 7)
-    w2.table[0, :SLOTS] = torch.arange(SLOTS, dtype=torch.int32).cuda()
-    f4.table[0, 0] = 0
-    f4.table[0, SLOTS] = 1  # expert 0 and one W2-less expert read FP4; expert SLOTS + 1 is missing
-    tokens = 16
-    ids, wts = random_routing(tokens, min(geo.top_k, SLOTS), SLOTS + 2, gen, "cuda")
-    x = torch.randn(tokens, geo.hidden, generator=gen).cuda().to(torch.bfloat16)
-    outs = []
-    for block_tokens in (1, 2):
-        ws = MoeWorkspace.allocate(tokens, ids.shape[1], geo.num_experts, geo.hidden, geo.expert_inter, x.dtype,
-                                   "cuda", block_tokens=block_tokens, ptx_w2=ptx)
-        ws.act.fill_(float("nan"))
-        ws.y.fill_(float("nan"))
-        out = torch.full_like(x, float("nan"))
-        moe_mm(x, ids, wts, w2, f4, 0, MissLog.allocate(8, "cuda"), ws, out=out)
-        outs.append(out)
-    assert not outs[1].isnan().any()
-    ref, _, _ = moe_mm_ref(x, ids, wts, w2, f4, 0, act_dtype=torch.bfloat16)
-    assert float((outs[1].float() - ref).norm() / ref.norm()) < (1e-2 if ptx else 5e-3)
-    assert torch.equal(outs[0], outs[1])  # designed: each lane runs the BT = 1 instruction sequence

@@ -46,7 +46,7 @@ def _rel_err(out, ref):
     return float((out.float() - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize("block_tokens", [1, 2, 16])
+@pytest.mark.parametrize("block_tokens", [1, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mixed_residency_matches_reference_and_logs_misses(dtype, block_tokens):
     hidden, inter, experts, layers, top_k, tokens = 256, 96, 8, 2, 3, 5
@@ -108,74 +108,15 @@ def test_swiglu_limit_repeat_determinism_and_refetch_exactness():
     assert torch.equal(_run(x, ids, wts, w2, f4, 0, MissLog.allocate(4, DEVICE), limit=7.0), full)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_two_pair_blocks_equal_one_pair_blocks_bit_for_bit(dtype):
-    """block_tokens = 2 (two pairs of one expert share each decoded tile) gives the BT = 1 bytes: W2 and
-    FP4 experts with 1..4 pairs each (blocks of two and of one), a miss, the SwiGLU clamp."""
-    hidden, inter, experts, top_k, tokens = 256, 64, 5, 3, 6
-    gen, w2, f4 = _setup(hidden, inter, experts, 1, 23, w2_slots=4, fp4_slots=2)
-    w2.table[0, :4] = torch.tensor([3, 0, 2, 1], dtype=torch.int32)
-    f4.table[0, 1] = 1
-    f4.table[0, 2] = 0  # experts 1, 2 read FP4; 0, 3 read W2; 4 is missing
-    ids, wts = random_routing(tokens, top_k, experts, gen, DEVICE)
-    x = (3 * torch.randn(tokens, hidden, generator=gen)).to(DEVICE, dtype)
-    outs, logs = [], []
-    for block_tokens in (1, 2):
-        misses = MissLog.allocate(4, DEVICE)
-        outs.append(_run(x, ids, wts, w2, f4, 0, misses, limit=6.0, block_tokens=block_tokens))
-        logs.append((misses.counts.tolist(), misses.entries.tolist()))
-    counts = torch.bincount(ids.reshape(-1).long().cpu(), minlength=experts)
-    assert int(counts[:4].max()) >= 2 and int((counts[:4] % 2).sum()) >= 1  # both block kinds ran
-    assert not outs[1].isnan().any()
-    assert torch.equal(outs[0], outs[1])
-    assert logs[0] == logs[1]
-    ref, missing_pairs, missing = moe_mm_ref(x, ids, wts, w2, f4, 0, swiglu_limit=6.0, act_dtype=dtype)
-    assert _rel_err(outs[1], ref) < TOLERANCE[dtype]
-    assert logs[1][0] == [missing_pairs, len(missing)]
-
-
-def test_two_lane_ptx_runs_each_lane_as_the_single_lane_ptx():
-    """The GPU-only two-lane asm (not runnable here) is the single-lane asm per lane, operands renamed:
-    word $1 -> $2, activations $2+i -> $3+i (lane a) / $11+i (lane b), scales $10+i -> $19+i."""
-    import re
-
-    from tierstore.kernels._triton.decode import _w2_word_dot2_asm, _w2_word_dot_asm
-
-    single = _w2_word_dot_asm().splitlines()[2:-1]
-    dual = _w2_word_dot2_asm().splitlines()[2:-1]
-
-    def lane(out: str, acc: str, x_base: int) -> list[str]:
-        def operand(m):
-            n = int(m.group(1))
-            if n == 0:
-                return out
-            if n == 1:
-                return "$2"
-            return f"${x_base + n - 2}" if n < 10 else f"${19 + n - 10}"
-        return [re.sub(r"\$(\d+)", operand, line).replace("acc", acc) for line in single]
-
-    for out, acc, x_base in (("$0", "acca", 3), ("$1", "accb", 11)):
-        expected = lane(out, acc, x_base)
-        shared = [line for line in expected if "acc" not in line and " lo" not in line and " hi" not in line
-                  and not line.startswith("add.f32")]
-        # every instruction of this lane appears in the dual asm, in the same order
-        it = iter(dual)
-        assert all(any(line == d for d in it) for line in expected), (out, expected)
-        assert all(line in dual for line in shared)
-    assert sum(line.startswith("fma.rn.bf16x2") for line in dual) == 14
-    assert sum(line.startswith("shf.l.wrap") for line in dual) == 7  # the decode is not repeated per lane
-
-
-# ---- v8: FP4 e2m1 -> bf16x2 by integer bit construction (selectable, `fp4_bf16x2`) ----
+# ---- v8: FP4 e2m1 -> bf16x2 by integer bit construction (`fp4_bf16x2`, default "ptx") ----
 
 import struct  # noqa: E402
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from tierstore.kernels import fp4_bf16x2_scales_exact  # noqa: E402
-from tierstore.kernels._triton.decode import (_fp4_scale_pairs_asm, _fp4_word_dot_asm, bf16x2_halves,  # noqa: E402
-                                               fp4_scale_pairs_ref, fp4_word_pairs)
+from tierstore.kernels._triton.decode import (FP4_SCALE_BIAS, _fp4_scale_pairs_asm, _fp4_word_dot_asm,  # noqa: E402
+                                               bf16x2_halves, fp4_scale_pairs_ref, fp4_word_pairs)
 from tierstore.kernels.layout import E2M1_MAGNITUDES  # noqa: E402
 
 
@@ -210,15 +151,15 @@ def _e2m1(nibbles: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_cases(wps: int, seed: int):
-    """Words covering every nibble in every slot at every scale byte 2..240 (one scale per word), plus random
+    """Words covering every nibble in every slot at every scale byte 0..240 (one scale per word), plus random
     words with a random scale byte per block; returns (nibbles [N, 8], block bytes [N, 8 blocks of the tile])."""
     gen = torch.Generator().manual_seed(seed)
     rot = (torch.arange(16)[:, None] + torch.arange(8)[None, :]) % 16  # [16, 8]: nibble (n + j) % 16 in slot j
-    scales = torch.arange(2, 241)
+    scales = torch.arange(0, 241)
     nib = rot.repeat(len(scales), 1)
     byte = scales.repeat_interleave(16)[:, None].expand(-1, 8)
     rnd_nib = torch.randint(0, 16, (2048, 8), generator=gen)
-    rnd_byte = torch.randint(2, 241, (2048, 8), generator=gen)
+    rnd_byte = torch.randint(0, 241, (2048, 8), generator=gen)
     nib, byte = torch.cat([nib, rnd_nib]), torch.cat([byte, rnd_byte])
     slot_block = torch.arange(8) if wps == 32 else torch.arange(8) // 2  # block of slot j within the tile
     return nib, byte, slot_block
@@ -235,7 +176,8 @@ def _pack_probe(nib, byte):
 @pytest.mark.parametrize("wps", [32, 16])
 def test_fp4_bf16x2_decode_is_byte_exact_for_every_nibble_and_scale(wps):
     """The twin's integer construction (the PTX's, instruction for instruction) gives the bf16 bits of every
-    e2m1 value, and times the bf16 scale pair the exact value * 2^(byte - 127), for scale bytes 2..240."""
+    e2m1 value, and times the bf16 scale pair the exact value * 2^(byte - 127 + FP4_SCALE_BIAS), for every
+    scale byte 0..240 the layout admits (without the bias, bytes 0 and 1 would leave the normal range)."""
     nib, byte, slot_block = _decode_cases(wps, seed=wps)
     words, q = _pack_probe(nib, byte)
     n = words.numel()
@@ -248,21 +190,13 @@ def test_fp4_bf16x2_decode_is_byte_exact_for_every_nibble_and_scale(wps):
     assert torch.equal(ref.float().to(torch.bfloat16).double(), ref)  # every e2m1 value is an exact bf16
     want_pairs = bits[:, 0::2] | (bits[:, 1::2] << 16)
     assert torch.equal(pairs.to(torch.int64) & 0xFFFFFFFF, want_pairs)
-    slot_byte = byte[:, slot_block]  # scale byte of each slot's block
-    want = ref * torch.exp2(slot_byte.double() - 127)
-    assert torch.equal(want.to(torch.bfloat16).double(), want)  # products are normal bf16 (or zero): exact
+    slot_byte = byte[:, slot_block]  # [N, 8] scale byte of each slot's block
+    want = ref * torch.exp2(slot_byte.double() - 127 + FP4_SCALE_BIAS)  # [N, 8]
+    assert torch.equal(want.to(torch.bfloat16).double(), want)  # exact bf16 products ...
+    assert ((want == 0) | (want.abs() >= 2.0**-126)).all()  # ... zero or normal (no subnormal step)
+    unbiased = want / 2**FP4_SCALE_BIAS
+    assert ((unbiased != 0) & (unbiased.abs() < 2.0**-126)).any()  # without the bias: subnormal (bytes 0, 1)
     assert torch.equal(values.view(torch.int32), want.float().view(torch.int32))  # sign of zero included
-
-
-def test_fp4_bf16x2_scale_byte_zero_gives_zero():
-    """Scale byte 0 (the padding blocks' byte; as a real scale 2^-127, outside the exact range) gives +-0."""
-    nib = torch.arange(16).repeat(1, 1).view(2, 8)
-    byte = torch.zeros(2, 8, dtype=torch.int64)
-    words, q = _pack_probe(nib, byte)
-    values = torch.full((2, 8), float("nan"), device=DEVICE)
-    _fp4_decode_probe[(1,)](words.to(DEVICE), q.to(DEVICE), torch.empty(2, 4, dtype=torch.int32, device=DEVICE), values,
-                            2, WPS=32, BLOCK=4)
-    assert torch.equal(values.cpu().abs(), torch.zeros(2, 8))
 
 
 # A minimal interpreter of the instructions the FP4 PTX uses, to run the PTX text itself on the CPU.
@@ -304,6 +238,8 @@ def _run_ptx(asm: str, operands: dict[int, int]) -> dict:
         d, src = args[0], [val(a) for a in args[1:]]
         if op == "mov.b32":
             r = src[0]
+        elif op == "add.s32":
+            r = (src[0] + src[1]) & 0xFFFFFFFF
         elif op == "and.b32":
             r = src[0] & src[1]
         elif op == "or.b32":
@@ -333,14 +269,14 @@ def _run_ptx(asm: str, operands: dict[int, int]) -> dict:
 @pytest.mark.parametrize("wps", [32, 16])
 def test_fp4_ptx_text_decodes_every_nibble_exactly(wps):
     """Runs the inline-PTX text (scale pairs + word dot) in a Python model of its instructions: with a one-hot
-    activation pair the word dot returns exactly e2m1 * 2^(byte - 127) for every nibble in every slot, every
-    scale byte 2..240 (products asserted exact), and the decoded pairs equal the twin's construction."""
+    activation pair the word dot returns exactly e2m1 * 2^(byte - 127 + FP4_SCALE_BIAS) for every nibble in
+    every slot, every scale byte 0..240 (products asserted exact)."""
     nib, byte, slot_block = _decode_cases(wps, seed=100 + wps)
     keep = torch.arange(nib.shape[0]) % 3 == 0  # every third word of the cases keeps the run short
-    keep[: 16 * 239: 239] = True
+    keep[: 16 * 241: 241] = True
     nib, byte = nib[keep], byte[keep]
     words, q = _pack_probe(nib, byte)
-    ref = _e2m1(nib) * torch.exp2(byte[:, slot_block].double() - 127)
+    ref = _e2m1(nib) * torch.exp2(byte[:, slot_block].double() - 127 + FP4_SCALE_BIAS)
     one = _bf16_bits_exact(1.0)
     dot_asm, scale_asm = _fp4_word_dot_asm(), _fp4_scale_pairs_asm(wps)
     for r in range(words.numel()):
@@ -366,6 +302,9 @@ def test_fp4_ptx_structure():
     assert not any(op.startswith(("add.s32", "cvt", "sub")) for op in ops)
     scales = [f"mul.rn.bf16x2 p{i}, p{i}, ${6 + i};" for i in range(4)]
     assert all(line in body for line in scales)
+    for wps, words in ((32, 2), (16, 1)):  # the scale bias: one add per scale word, then prmt + shl per pair
+        ops = [line.split(" ", 1)[0] for line in _fp4_scale_pairs_asm(wps).splitlines()[3:-1]]
+        assert ops == ["add.s32"] * words + ["prmt.b32", "shl.b32"] * 4
 
 
 def _fp4_run(x, ids, wts, w2, f4, misses, mode, limit=None):
@@ -389,7 +328,6 @@ def test_fp4_bf16x2_fused_matches_reference_with_mixed_residency_and_misses(dtyp
     f4.table[0, 1] = 2
     f4.table[0, 3] = 0
     f4.table[0, 6] = 1  # FP4 only; 4, 5, 7 missing
-    assert fp4_bf16x2_scales_exact(f4)
     ids, wts = random_routing(tokens, top_k, experts, gen, DEVICE)
     x = (3 * torch.randn(tokens, hidden, generator=gen)).to(DEVICE, dtype)
     ref, missing_pairs, missing = moe_mm_ref(x, ids, wts, w2, f4, 0, swiglu_limit=6.0, act_dtype=dtype)
@@ -407,13 +345,30 @@ def test_fp4_bf16x2_fused_matches_reference_with_mixed_residency_and_misses(dtyp
         assert torch.equal(outs["triton"], outs["off"]) and torch.equal(outs["ptx"], outs["off"])
 
 
-def test_fp4_bf16x2_scale_check_and_options():
-    gen, w2, f4 = _setup(256, 64, 4, 1, 2, w2_slots=1, fp4_slots=1)
-    assert fp4_bf16x2_scales_exact(f4)
-    lay = f4.layout
-    f4.slots[0, lay.w2_scales_offset + 1] = 1  # a real block's scale byte 1: 0.5 * 2^-126 is not a normal bf16
-    assert not fp4_bf16x2_scales_exact(f4)
+def test_fp4_bf16x2_is_exact_for_scale_bytes_0_and_1():
+    """FP4 down matrices whose real blocks all have scale byte 0 or 1 (weights ~2^-127; the unbiased bf16x2
+    construction gives byte 0 a zero scale) match the reference through every decode mode."""
+    hidden, inter, experts, top_k, tokens = 256, 96, 4, 2, 3
+    gen, w2, f4 = _setup(hidden, inter, experts, 1, 41, w2_slots=1, fp4_slots=2)
+    m, lay = f4.layout.w2, f4.layout
+    scales = f4.slots[:, lay.w2_scales_offset: lay.w2_scales_offset + m.scale_bytes].view(-1, m.n, m.blocks_per_row)
+    scales[:, :, : m.k // 32] = torch.randint(0, 2, (scales.shape[0], m.n, m.k // 32), generator=gen,
+                                              dtype=torch.uint8).to(DEVICE)
+    f4.table[0, :2] = torch.tensor([0, 1], dtype=torch.int32)  # experts 2, 3 missing
+    ids = torch.tensor([[0, 1], [1, 2], [0, 3]], dtype=torch.int32, device=DEVICE)
+    wts = torch.rand(tokens, top_k, generator=gen).to(DEVICE)
+    dtype = torch.bfloat16 if ON_GPU else torch.float32  # fp16 outputs cannot hold ~2^-120
+    x = (3 * torch.randn(tokens, hidden, generator=gen)).to(DEVICE, dtype)
+    ref, _, _ = moe_mm_ref(x, ids, wts, w2, f4, 0, act_dtype=dtype)
+    assert 2.0**-126 < float(ref.abs().max()) < 2.0**-100
+    for mode in ("off", "triton", "ptx"):
+        out = _fp4_run(x, ids, wts, w2, f4, MissLog.allocate(4, DEVICE), mode)
+        assert _rel_err(out.float() * 2.0**120, ref * 2.0**120) < (1e-2 if ON_GPU else 1e-4), mode  # exact rescale
+
+
+def test_fp4_bf16x2_options():
+    assert MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE).fp4_bf16x2 == "ptx"  # the default
     with pytest.raises(ValueError):
-        MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE, block_tokens=2, fp4_bf16x2="ptx")
+        MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE, block_tokens=2)
     with pytest.raises(ValueError):
         MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE, fp4_bf16x2="fast")

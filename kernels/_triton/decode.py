@@ -130,54 +130,8 @@ def w2_scale_pairs(q0, q1, q2, q3, WPS: tl.constexpr):
                                          dtype=(tl.int32,) * 8, is_pure=True, pack=1)
 
 
-def _w2_word_dot2_asm() -> str:
-    """PTX for `w2_word_dot2_bf16x2`: `_w2_word_dot_asm` with each decoded slot pair used by two lanes.
-
-    Operands: $0, $1 = lane a, lane b results; $2 = word; $3..$10 = lane a activations; $11..$18 =
-    lane b activations; $19..$26 = scale addends. Each lane's instruction sequence (mul, then fma in
-    slot-pair order, then the float32 join) is the single-lane one, so a lane's bits do not depend on
-    the other lane.
-    """
-    lines = ["{", ".reg .b32 r, d, acca, accb, lo, hi;"]
-    for i in range(8):
-        rot = (8 - 2 * i) % 32
-        src = "$2" if rot == 0 else "r"
-        if rot:
-            lines.append(f"shf.l.wrap.b32 r, $2, $2, {rot};")
-        lines.append(f"and.b32 d, {src}, 0x81008100;")
-        lines.append(f"add.s32 d, d, ${19 + i};")
-        if i == 0:
-            lines.append("mul.rn.bf16x2 acca, d, $3;")
-            lines.append("mul.rn.bf16x2 accb, d, $11;")
-        else:
-            lines.append(f"fma.rn.bf16x2 acca, d, ${3 + i}, acca;")
-            lines.append(f"fma.rn.bf16x2 accb, d, ${11 + i}, accb;")
-    for out, acc in (("$0", "acca"), ("$1", "accb")):
-        lines += [f"shl.b32 lo, {acc}, 16;", f"and.b32 hi, {acc}, 0xffff0000;", f"add.f32 {out}, lo, hi;"]
-    lines.append("}")
-    return "\n".join(lines)
-
-
-_W2_WORD_DOT2_ASM = tl.constexpr(_w2_word_dot2_asm())
-
-
-@triton.jit
-def w2_word_dot2_bf16x2(w, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
-                        s0, s1, s2, s3, s4, s5, s6, s7):
-    """Inline PTX (GPU only): `w2_word_dot_bf16x2` for two activation rows a and b sharing one decode.
-
-    Returns (dot with a, dot with b) as float32; each equals `w2_word_dot_bf16x2(w, a.., s..)`
-    resp. `(w, b.., s..)` bit for bit (same per-lane instruction sequence).
-    """
-    return tl.inline_asm_elementwise(
-        _W2_WORD_DOT2_ASM, "=r,=r" + ",r" * 25,
-        [w, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, s0, s1, s2, s3, s4, s5, s6, s7],
-        dtype=(tl.float32, tl.float32), is_pure=True, pack=1,
-    )
-
-
 # ---------------------------------------------------------------------------------------------
-# FP4 (e2m1) -> bfloat16x2 by integer bit construction (v8 variant, selectable; not yet measured).
+# FP4 (e2m1) -> bfloat16x2 by integer bit construction (v8; the BT = 1 default on CUDA with bf16).
 #
 # Every e2m1 magnitude {0, .5, 1, 1.5, 2, 3, 4, 6} is zero or a normal bfloat16, so its 16 bits are
 # looked up, never produced by scaling an exponent (which would make 0.5 a subnormal): `prmt` with
@@ -189,16 +143,20 @@ def w2_word_dot2_bf16x2(w, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b
 #     l = prmt(LO_a, LO_b, sel); h = prmt(HI_a, HI_b, sel)       low / high bytes of the 4 magnitudes
 #     s = prmt(v, w, 0x5140 + 0x2222 * q); h |= s & 0x80808080    nibble signs -> bit 7 of each high byte
 #     pair 2q = prmt(l, h, 0x5140); pair 2q + 1 = prmt(l, h, 0x7362)
-# 17 integer instructions per 8 weights (~2.1 per weight). The block scale 2^(byte - 127) enters as
-# one packed multiply by the bf16x2 (byte_lo << 7 | byte_hi << 23): a normal bf16 times a power of two is exact
-# while the product stays normal, which holds for scale bytes 2..252 (|e2m1| in [0.5, 6]: smallest
-# product 0.5 * 2^(2 - 127) = 2^-126, largest 6 * 2^125 < bf16 max); the layout admits 0..240.
-# Byte 0 gives the bf16 +0 scale (zero, as for padding blocks); byte 1 puts 0.5 * 2^-126 below the
-# normal range (bf16 subnormal, hardware dependent): neither is exact, see fp4_bf16x2_scales_exact.
+# 17 integer instructions per 8 weights (~2.1 per weight). The block scale enters as one packed
+# multiply by the bf16x2 of 2^(byte - 127 + FP4_SCALE_BIAS) ((byte_lo + 2) << 7 | (byte_hi + 2) << 23; the
+# + 2 is one SWAR add on each scale word, no carry since bytes are <= 240): a normal bf16 times a power
+# of two is exact while the product stays normal, which holds for every byte the layout admits, 0..240
+# (smallest product 0.5 * 2^(0 - 125) = 2^-126, largest 6 * 2^115 < bf16 max). Unbiased (2^(byte - 127))
+# bytes 0 and 1 would give a zero scale resp. a bf16 subnormal product. The tile's float32 sums carry
+# the factor 2^FP4_SCALE_BIAS = 4 until one exact multiply by 0.25 per row at the end; scaling every
+# product and partial sum by 4 leaves each rounding unchanged (outside the subnormal range).
 
 FP4_BF16_LO = (0xC0800000, 0xC0804000)  # low bytes of bf16(m) for m = 0..7: 00 00 80 C0 | 00 40 80 C0
 FP4_BF16_HI = (0x3F3F3F00, 0x40404040)  # high bytes: 00 3F 3F 3F | 40 40 40 40
-FP4_MIN_EXACT_SCALE_BYTE = 2
+FP4_SCALE_BIAS = 2  # exponent added to every FP4 block scale of the bf16x2 decode (undone per row)
+FP4_SCALE_UNBIAS = tl.constexpr(2.0 ** -FP4_SCALE_BIAS)  # the exact multiply per row that removes the bias
+_FP4_BIAS_BYTES = tl.constexpr(0x01010101 * FP4_SCALE_BIAS)
 
 
 def _fp4_decode_lines(word: str, pair_regs: tuple[str, str, str, str]) -> list[str]:
@@ -241,10 +199,12 @@ def _fp4_word_dot_asm() -> str:
 
 
 def _fp4_scale_pairs_asm(wps: int) -> str:
-    """PTX for `fp4_scale_pairs`: the tile's scale words -> four bf16x2 scales (byte_lo << 7 | byte_hi << 23)."""
-    lines = ["{", ".reg .b32 z, d;", "mov.b32 z, 0;"]
+    """PTX for `fp4_scale_pairs`: the tile's scale words -> four bf16x2 scales ((byte_lo + 2) << 7 | (byte_hi + 2) << 23)."""
+    lines = ["{", ".reg .b32 z, d, q0, q1;", "mov.b32 z, 0;"]
+    for word in range(wps // 16):
+        lines.append(f"add.s32 q{word}, ${4 + word}, {0x01010101 * FP4_SCALE_BIAS:#x};")  # bytes <= 240: no carry
     for i, (word, sel) in enumerate(fp4_scale_pair_selectors(wps)):
-        lines.append(f"prmt.b32 d, ${4 + word}, z, {sel:#x};")
+        lines.append(f"prmt.b32 d, q{word}, z, {sel:#x};")
         lines.append(f"shl.b32 ${i}, d, 7;")
     lines.append("}")
     return "\n".join(lines)
@@ -269,8 +229,8 @@ _FP4_SCALE_PAIRS_ASM_16 = tl.constexpr(_fp4_scale_pairs_asm(16))
 def fp4_word_dot_bf16x2(w, x0, x1, x2, x3, s0, s1, s2, s3):
     """Inline PTX (GPU only): sum over the 8 weights of FP4 word w of weight * activation, as float32.
 
-    x_i: activations of slots 2i (low) and 2i+1 (high) as bfloat16x2; s_i: their scales as bfloat16x2
-    powers of two (`fp4_scale_pairs`). Decode by lookup (`_fp4_decode_lines`), one exact packed
+    x_i: activations of slots 2i (low) and 2i+1 (high) as bfloat16x2; s_i: their scales times
+    2^FP4_SCALE_BIAS as bfloat16x2 powers of two (`fp4_scale_pairs`), so the result is 2^FP4_SCALE_BIAS times the dot. Decode by lookup (`_fp4_decode_lines`), one exact packed
     multiply by the scale per pair, one packed FMA per pair; four products summed in bf16x2, then joined
     as float32.
     """
@@ -283,7 +243,8 @@ def fp4_word_dot_bf16x2(w, x0, x1, x2, x3, s0, s1, s2, s3):
 @triton.jit
 def fp4_scale_pairs(q0, q1, WPS: tl.constexpr):
     """Inline PTX (GPU only): scale words of an FP4 K tile (8 blocks in q0, q1 when WPS = 32; 4 in q0 when
-    WPS = 16) -> the four bf16x2 scale pairs of `fp4_word_dot_bf16x2` (one prmt + one shl each)."""
+    WPS = 16) -> the four bf16x2 scale pairs of `fp4_word_dot_bf16x2`, 2^FP4_SCALE_BIAS times the block scales
+    (one add per scale word, one prmt + one shl per pair)."""
     if WPS == 32:
         return tl.inline_asm_elementwise(_FP4_SCALE_PAIRS_ASM_32, "=r,=r,=r,=r,r,r", [q0, q1],
                                          dtype=(tl.int32,) * 4, is_pure=True, pack=1)
@@ -332,13 +293,13 @@ def fp4_word_pairs(words):
 
 @triton.jit
 def _scale_pair_ref(q, SEL: tl.constexpr):
-    u = q.to(tl.uint32, bitcast=True)
+    u = q.to(tl.uint32, bitcast=True) + _FP4_BIAS_BYTES  # FP4_SCALE_BIAS in every byte (bytes <= 240)
     return (prmt_ref(u, u & 0, (u & 0) | SEL) << 7).to(tl.int32, bitcast=True)
 
 
 @triton.jit
 def fp4_scale_pairs_ref(q0, q1, WPS: tl.constexpr):
-    """Plain-Triton twin of `fp4_scale_pairs` (same prmt selectors, same shift)."""
+    """Plain-Triton twin of `fp4_scale_pairs` (same bias add, prmt selectors and shift)."""
     if WPS == 32:
         return (_scale_pair_ref(q0, 0x4140), _scale_pair_ref(q0, 0x4342), _scale_pair_ref(q1, 0x4140),
                 _scale_pair_ref(q1, 0x4342))

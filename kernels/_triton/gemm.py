@@ -12,16 +12,15 @@ partial sum of each 32-block. GATED runs gate rows n and up rows n + N_OUT toget
 SwiGLU(gate, up) (gate clamped to <= limit, up to [-limit, limit] when HAS_LIMIT); otherwise the
 accumulator is written as fp32. Rows are written only for the block's pairs: no atomics.
 
-BT = 1 and BT = 2 do not use tensor cores: one pair (BT = 1) or two pairs of one expert (BT = 2,
-each decoded weight tile feeding both pairs) per program on CUDA-core / packed bf16x2 FMAs.
+BT = 1 does not use tensor cores: one pair per program on CUDA-core / packed bf16x2 FMAs.
 """
 
 import triton
 import triton.language as tl
 
-from .decode import (bf16x2_halves, decode_fp4_slot, decode_w2_slot, decode_w2_slot_scaled, fp4_scale_pairs,
+from .decode import (FP4_SCALE_UNBIAS, bf16x2_halves, decode_fp4_slot, decode_w2_slot, decode_w2_slot_scaled, fp4_scale_pairs,
                      fp4_scale_pairs_ref, fp4_word_dot_bf16x2, fp4_word_pairs, scale_from_bytes, w2_scale_pairs,
-                     w2_word_dot_bf16x2, w2_word_dot2_bf16x2)
+                     w2_word_dot_bf16x2)
 
 
 @triton.jit
@@ -121,59 +120,6 @@ def _tier_tile_fma(
 
 
 @triton.jit
-def _tier_tile_fma2(
-    words_ptr, scales_ptr, rows, n_mask, a_row_ptr, b_row_ptr, K, num_blocks_k, words_per_row, blocks_per_row,
-    up_row_offset,
-    GATED: tl.constexpr, IS_W2: tl.constexpr, WPS: tl.constexpr, BN: tl.constexpr,
-):
-    """`_tier_tile_fma` for two pairs of one expert (activation rows a and b): each weight tile is
-    loaded and decoded once and feeds both rows' accumulators. Per row the float32 operations are
-    the single-pair ones in the same order, so each result equals `_tier_tile_fma`'s bit for bit.
-    Returns (gate a, up a, gate b, up b), each [BN, 1].
-    """
-    VPW: tl.constexpr = 16 if IS_W2 else 8
-    SLOTS_PER_BLOCK: tl.constexpr = 32 // WPS
-    TILE_K: tl.constexpr = VPW * WPS
-    u = tl.arange(0, WPS)
-    gate_rows = rows[:, None] * words_per_row + u[None, :]  # [BN, WPS]
-    up_rows = (rows[:, None] + up_row_offset) * words_per_row + u[None, :]
-    acc_ga = tl.zeros([BN, WPS], tl.float32)
-    acc_ua = tl.zeros([BN, WPS], tl.float32)
-    acc_gb = tl.zeros([BN, WPS], tl.float32)
-    acc_ub = tl.zeros([BN, WPS], tl.float32)
-    for t in range(0, words_per_row // WPS):
-        w_g = tl.load(words_ptr + gate_rows + t * WPS, mask=n_mask[:, None], other=0)  # [BN, WPS] int32
-        if GATED:
-            w_u = tl.load(words_ptr + up_rows + t * WPS, mask=n_mask[:, None], other=0)
-        for j in tl.static_range(VPW):
-            k = t * TILE_K + j * WPS + u  # [WPS]
-            xa = tl.load(a_row_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]  # [1, WPS]
-            xb = tl.load(b_row_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-            if j % SLOTS_PER_BLOCK == 0:
-                blk = (t * TILE_K + j * WPS) // 32
-                live = n_mask & (tl.zeros([BN], tl.int32) + blk < num_blocks_k)
-                s_g = tl.load(scales_ptr + rows * blocks_per_row + blk, mask=live, other=0).to(tl.int32)
-                if GATED:
-                    s_u = tl.load(scales_ptr + (rows + up_row_offset) * blocks_per_row + blk, mask=live, other=0)
-                    s_u = s_u.to(tl.int32)
-            if IS_W2:
-                d_g = decode_w2_slot_scaled(w_g, j, ((s_g - 125) << 23)[:, None])
-            else:
-                d_g = decode_fp4_slot(w_g, j) * tl.where(live, scale_from_bytes(s_g, 14), 0.0)[:, None]
-            acc_ga += d_g * xa
-            acc_gb += d_g * xb
-            if GATED:
-                if IS_W2:
-                    d_u = decode_w2_slot_scaled(w_u, j, ((s_u - 125) << 23)[:, None])
-                else:
-                    d_u = decode_fp4_slot(w_u, j) * tl.where(live, scale_from_bytes(s_u, 14), 0.0)[:, None]
-                acc_ua += d_u * xa
-                acc_ub += d_u * xb
-    return (tl.sum(acc_ga, axis=1)[:, None], tl.sum(acc_ua, axis=1)[:, None],
-            tl.sum(acc_gb, axis=1)[:, None], tl.sum(acc_ub, axis=1)[:, None])
-
-
-@triton.jit
 def _x_bits(a_row_ptr, k, K):
     """bfloat16 activations at k (0 past K) as their 16 bits in the low half of an int32."""
     return tl.load(a_row_ptr + k, mask=k < K, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
@@ -254,55 +200,6 @@ def _w2_tile_bf16x2(
 
 
 @triton.jit
-def _w2_tile_bf16x2_2(
-    words_ptr, scales_ptr, rows, n_mask, a_row_ptr, b_row_ptr, K, words_per_row, blocks_per_row, up_row_offset,
-    GATED: tl.constexpr, WPS: tl.constexpr, BN: tl.constexpr,
-):
-    """`_w2_tile_bf16x2` for two pairs of one expert: words, scale pairs and each slot pair's decode
-    are shared, one packed FMA per row (`w2_word_dot2_bf16x2`). Each row's result equals the
-    single-pair path's bit for bit. Returns (gate a, up a, gate b, up b), each [BN, 1].
-    """
-    TILE_K: tl.constexpr = 16 * WPS
-    u = tl.arange(0, WPS)
-    gate_rows = rows[:, None] * words_per_row + u[None, :]  # [BN, WPS]
-    up_rows = (rows[:, None] + up_row_offset) * words_per_row + u[None, :]
-    acc_ga = tl.zeros([BN, WPS], tl.float32)
-    acc_ua = tl.zeros([BN, WPS], tl.float32)
-    acc_gb = tl.zeros([BN, WPS], tl.float32)
-    acc_ub = tl.zeros([BN, WPS], tl.float32)
-    tiles = words_per_row // WPS
-    w_g = tl.load(words_ptr + gate_rows, mask=n_mask[:, None], other=0)
-    w_u = w_g
-    if GATED:
-        w_u = tl.load(words_ptr + up_rows, mask=n_mask[:, None], other=0)
-    for t in range(0, tiles):
-        more = n_mask[:, None] & (t + 1 < tiles)
-        w_g_next = tl.load(words_ptr + gate_rows + (t + 1) * WPS, mask=more, other=0)
-        w_u_next = w_g_next
-        if GATED:
-            w_u_next = tl.load(words_ptr + up_rows + (t + 1) * WPS, mask=more, other=0)
-        k0 = t * TILE_K + u
-        a0, a1, a2, a3, a4, a5, a6, a7 = _x_pairs(a_row_ptr, k0, K, WPS)
-        b0, b1, b2, b3, b4, b5, b6, b7 = _x_pairs(b_row_ptr, k0, K, WPS)
-        g0, g1, g2, g3, g4, g5, g6, g7 = _scale_pairs(scales_ptr, rows, n_mask, blocks_per_row, t, WPS)
-        da, db = w2_word_dot2_bf16x2(w_g, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
-                                     g0, g1, g2, g3, g4, g5, g6, g7)
-        acc_ga += da
-        acc_gb += db
-        if GATED:
-            v0, v1, v2, v3, v4, v5, v6, v7 = _scale_pairs(scales_ptr, rows + up_row_offset, n_mask, blocks_per_row,
-                                                          t, WPS)
-            da, db = w2_word_dot2_bf16x2(w_u, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7,
-                                         v0, v1, v2, v3, v4, v5, v6, v7)
-            acc_ua += da
-            acc_ub += db
-        w_g = w_g_next
-        w_u = w_u_next
-    return (tl.sum(acc_ga, axis=1)[:, None], tl.sum(acc_ua, axis=1)[:, None],
-            tl.sum(acc_gb, axis=1)[:, None], tl.sum(acc_ub, axis=1)[:, None])
-
-
-@triton.jit
 def _fp4_scale_words(scales_ptr, rows, n_mask, blocks_per_row, t, WPS: tl.constexpr):
     """The scale words of FP4 K tile t for `rows` ([BN] each): 8 blocks (q0, q1) when WPS = 32, 4 (q0) when 16."""
     words = scales_ptr.to(tl.pointer_type(tl.int32)) + (rows * blocks_per_row) // 4 + t * (WPS // 16)
@@ -321,7 +218,8 @@ def _fp4_tile_bf16x2(
     """GPU fast path of `_tier_tile_fma` for FP4 with bfloat16 activations (v8, inline PTX).
 
     Per word: e2m1 -> bf16x2 by lookup (`fp4_word_dot_bf16x2`, exact), one packed multiply by the
-    power-of-two scale pair (exact for scale bytes >= 2), one packed FMA per slot pair; the four
+    power-of-two scale pair times 4 (exact for every scale byte; the 4 is removed per row at the end),
+    one packed FMA per slot pair; the four
     products of a word are summed in bf16x2, then join the float32 accumulator. Scale pairs from
     one or two word loads per row and tile; next tile's words prefetched (as `_w2_tile_bf16x2`).
     """
@@ -353,7 +251,7 @@ def _fp4_tile_bf16x2(
             acc_u += fp4_word_dot_bf16x2(w_u, x0, x1, x2, x3, v0[:, None], v1[:, None], v2[:, None], v3[:, None])
         w_g = w_g_next
         w_u = w_u_next
-    return tl.sum(acc_g, axis=1)[:, None], tl.sum(acc_u, axis=1)[:, None]
+    return tl.sum(acc_g, axis=1)[:, None] * FP4_SCALE_UNBIAS, tl.sum(acc_u, axis=1)[:, None] * FP4_SCALE_UNBIAS
 
 
 @triton.jit
@@ -392,7 +290,8 @@ def _fp4_tile_pairs(
 ):
     """Plain-Triton twin of `_fp4_tile_bf16x2` (CPU interpreter, fp32/fp16, or forced on the GPU): the same
     integer bit construction of weights and scales; float32 products and sums, so its result equals
-    `_tier_tile_fma`'s for FP4 bit for bit wherever the scale bytes are >= 2 (products exact in both)."""
+    `_tier_tile_fma`'s for FP4 bit for bit (products exact in both, the bias of 4 removed exactly) unless
+    a product or sum falls below float32's normal range."""
     TILE_K: tl.constexpr = 8 * WPS
     u = tl.arange(0, WPS)
     gate_rows = rows[:, None] * words_per_row + u[None, :]  # [BN, WPS]
@@ -410,7 +309,7 @@ def _fp4_tile_pairs(
             q0, q1 = _fp4_scale_words(scales_ptr, rows + up_row_offset, n_mask, blocks_per_row, t, WPS)
             v0, v1, v2, v3 = fp4_scale_pairs_ref(q0[:, None], q1[:, None], WPS)
             acc_u = _fp4_pairs_fma(acc_u, w_u, v0, v1, v2, v3, a_row_ptr, k0, K, WPS)
-    return tl.sum(acc_g, axis=1)[:, None], tl.sum(acc_u, axis=1)[:, None]
+    return tl.sum(acc_g, axis=1)[:, None] * FP4_SCALE_UNBIAS, tl.sum(acc_u, axis=1)[:, None] * FP4_SCALE_UNBIAS
 
 
 @triton.jit
@@ -423,8 +322,8 @@ def _fma_one_pair(
 ):
     """One pair on CUDA-core FMAs (the BT = 1 path): FP4 slot if present, else W2 (inline PTX when PTX_W2).
 
-    FP4_MODE: 0 = nibble decode via float16 bits (default); 1 = v8 bf16x2 bit construction, plain-Triton
-    twin; 2 = v8 inline PTX (bf16 on CUDA).
+    FP4_MODE: 0 = nibble decode via float16 bits; 1 = v8 bf16x2 bit construction, plain-Triton twin;
+    2 = v8 inline PTX (bf16 on CUDA, the default). All three decode every scale byte exactly.
     """
     if f4_slot >= 0:
         base = f4_slot.to(tl.int64) * f4_slot_bytes
@@ -495,45 +394,6 @@ def moe_gemm_kernel(
             f4_words_ptr, f4_scales_ptr, f4_slot_bytes, f4_words_off, f4_scales_off, f4_words_per_row, f4_blocks_per_row,
             GATED, W2_WPS, F4_WPS, BN, PTX_W2, FP4_MODE,
         )
-    elif BT == 2:
-        # Two pairs of one expert share each loaded and decoded weight tile; a block holding one
-        # pair runs the BT = 1 code. Either way a pair's bits equal the BT = 1 result.
-        a_row_ptr = a_ptr + tl.sum(tl.where(lanes == 0, a_rows, 0), axis=0).to(tl.int64) * stride_a
-        b_row_ptr = a_ptr + tl.sum(tl.where(lanes == 1, a_rows, 0), axis=0).to(tl.int64) * stride_a
-        if fill == 1:
-            one_g, one_u = _fma_one_pair(
-                a_row_ptr, rows, n_mask, K, num_blocks_k, N_OUT, f4_slot, expert, table_row, w2_table_ptr,
-                w2_words_ptr, w2_scales_ptr, w2_slot_bytes, w2_words_off, w2_scales_off, w2_words_per_row,
-                w2_blocks_per_row, f4_words_ptr, f4_scales_ptr, f4_slot_bytes, f4_words_off, f4_scales_off,
-                f4_words_per_row, f4_blocks_per_row, GATED, W2_WPS, F4_WPS, BN, PTX_W2,
-            )
-            acc_g = one_g + tl.zeros([BN, BT], tl.float32)
-            acc_u = one_u + tl.zeros([BN, BT], tl.float32)
-        else:
-            if f4_slot >= 0:
-                base = f4_slot.to(tl.int64) * f4_slot_bytes
-                ga, ua, gb, ub = _tier_tile_fma2(
-                    f4_words_ptr + (base + f4_words_off) // 4, f4_scales_ptr + base + f4_scales_off, rows, n_mask,
-                    a_row_ptr, b_row_ptr, K, num_blocks_k, f4_words_per_row, f4_blocks_per_row, N_OUT,
-                    GATED, False, F4_WPS, BN,
-                )
-            else:
-                base = tl.load(w2_table_ptr + table_row + expert).to(tl.int64) * w2_slot_bytes
-                if PTX_W2:
-                    ga, ua, gb, ub = _w2_tile_bf16x2_2(
-                        w2_words_ptr + tl.multiple_of((base + w2_words_off) // 4, 4),
-                        w2_scales_ptr + base + w2_scales_off, rows, n_mask, a_row_ptr, b_row_ptr, K,
-                        w2_words_per_row, w2_blocks_per_row, N_OUT, GATED, W2_WPS, BN,
-                    )
-                else:
-                    ga, ua, gb, ub = _tier_tile_fma2(
-                        w2_words_ptr + (base + w2_words_off) // 4, w2_scales_ptr + base + w2_scales_off, rows,
-                        n_mask, a_row_ptr, b_row_ptr, K, num_blocks_k, w2_words_per_row, w2_blocks_per_row, N_OUT,
-                        GATED, True, W2_WPS, BN,
-                    )
-            first = (lanes == 0)[None, :]  # [1, BT]
-            acc_g = tl.where(first, ga, gb)
-            acc_u = tl.where(first, ua, ub)
     elif f4_slot >= 0:
         base = f4_slot.to(tl.int64) * f4_slot_bytes
         acc_g, acc_u = _tier_tile(
