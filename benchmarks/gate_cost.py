@@ -18,13 +18,47 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import torch
 from replay import floats, provenance, skewed_steps
 
 from tierstore.geometry import get_preset
-from tierstore.runtime.replay_gate import gate_cost
+from tierstore.runtime.gate import ConfidenceGate, row_signals
+from tierstore.runtime.replay_gate import confidence_logits, fire_schedule, gate_cost
+
+
+def signal_timing(tokens: int, vocab: int, calls: int = 100) -> dict:
+    """Per step, the armed gate's signal work after the forward (signal + its copy into pinned host
+    memory), max_prob / min on logits [tokens, vocab] at a fixed address: host microseconds to
+    enqueue it and device microseconds it runs (enqueued behind a sleep kernel, so the events
+    time the device alone; `covered` says the sleep outlasted the enqueueing). Variants: `graph`
+    (signal_tensor: a captured graph), `eager` (the same kernels op by op), `eager_min` (eager plus
+    the min over one row that the signal ran before)."""
+    gate = ConfidenceGate("max_prob")
+    logits = confidence_logits(fire_schedule(1, 0), tokens, vocab, "cuda")[0]  # [T, V]
+    host = torch.empty(1, pin_memory=True)
+    variants = {"graph": gate.signal_tensor, "eager": gate.eager_signal,
+                "eager_min": lambda x: row_signals(x, "max_prob").min().reshape(1)}
+    out = {}
+    for name, signal in variants.items():
+        for _ in range(5):  # warm-up; the graph is captured here
+            host.copy_(signal(logits), non_blocking=True)
+        torch.cuda.synchronize()
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        marks[0].record()
+        torch.cuda._sleep(200_000_000)
+        marks[1].record()
+        started = time.perf_counter()
+        for _ in range(calls):
+            host.copy_(signal(logits), non_blocking=True)
+        host_s = time.perf_counter() - started
+        marks[2].record()
+        torch.cuda.synchronize()
+        out[name] = {"host_us": 1e6 * host_s / calls, "device_us": 1e3 * marks[1].elapsed_time(marks[2]) / calls,
+                     "covered": 1e3 * host_s < marks[0].elapsed_time(marks[1])}
+    return out
 
 
 def main() -> None:
@@ -51,10 +85,13 @@ def main() -> None:
         if args.hidden or args.inter:
             geometry = dataclasses.replace(geometry, hidden=args.hidden or geometry.hidden,
                                            expert_inter=args.inter or geometry.expert_inter)
-        result = gate_cost(geometry, skewed_steps(geometry, args.steps), fp4_fractions=tuple(floats(args.fp4_fractions)),
+        steps = skewed_steps(geometry, args.steps)
+        result = gate_cost(geometry, steps, fp4_fractions=tuple(floats(args.fp4_fractions)),
                            gate_fraction=args.gate_fraction, fire_every=args.fire_every, device=device,
                            warmup=args.warmup, graph=not args.eager, repetitions=args.repetitions)
         result.update(preset=preset, hidden=geometry.hidden, expert_inter=geometry.expert_inter)
+        if device.type == "cuda":
+            result["signal_timing"] = signal_timing(steps[0].shape[0], result["vocab"])
         results.append(result)
         for name, run in result["runs"].items():
             s = run["steady"]
@@ -70,6 +107,9 @@ def main() -> None:
                   f"[{100 * held['armed_cost_min']:+.1f}%, {100 * held['armed_cost_max']:+.1f}%] over "
                   f"{len(held['repetitions'])} repetitions, FP4 share {100 * held['residency']['fp4_pair_share']:.1f}% "
                   f"(residency unchanged: {held['residency']['unchanged']})", flush=True)
+        for name, t in result.get("signal_timing", {}).items():
+            print(f"{preset} gate signal {name:>9}: host {t['host_us']:.1f} us  device {t['device_us']:.1f} us per step "
+                  f"(covered {t['covered']})", flush=True)
         print(f"{preset}: armed-silent cost {100 * result['armed_cost']:+.1f}% (target <= 5%; live-manager runs "
               f"{100 * result['armed_cost_live']:+.1f}%, confounded), "
               f"{result['ms_per_fire']:.3f} ms per fire over {result['fires']} fires", flush=True)
@@ -81,7 +121,11 @@ def main() -> None:
                       "hottest experts and the manager paused (residency held; see results[].held.residency)",
         "armed_cost_live": "steady step time of the live-manager armed run / unarmed run - 1 (residency differs)",
         "repetitions": args.repetitions, "device": str(device),
-        "ms_per_fire": "(steady seconds firing run - armed run) / steady fires"}, "results": results}, indent=2))
+        "ms_per_fire": "(steady seconds firing run - armed run) / steady fires",
+        "signal_timing": "per step, host enqueue and device time of the gate signal + its host copy, max_prob / min "
+                         "(graph: signal_tensor; eager: same kernels op by op; eager_min: with the min of the signal "
+                         "before, one kernel more for one row); CUDA only"},
+        "results": results}, indent=2))
     print(f"wrote {args.out}")
 
 

@@ -10,13 +10,15 @@ In the runtime the signal is computed on the device right after each forward (`s
 and copied asynchronously to pinned host memory ahead of the pass log's read, whose
 synchronisation covers it: a step under an armed gate that does not fire makes no host sync of
 its own (`decide_value` on the host copy). `decide` (signal + sync) remains for callers without
-that path.
+that path. On CUDA, logits that stay at one address get their signal from a captured graph of the
+same kernels (`SignalGraphs`): one launch per step instead of one per kernel; tau stays on the host.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,10 @@ from tierstore.errors import ConfigError
 from tierstore.runtime.config import GATE_SIGNALS, RuntimeConfig, parse_gate_agg
 
 log = logging.getLogger("tierstore.runtime")
+
+GRAPH_MAX_ELEMENTS = 1 << 20  # larger logits run eagerly: their kernels outweigh the launches
+GRAPH_AFTER = 8  # calls in a row on the same logits that capture their signal (> 1 + gate_fp_max's default 3)
+GRAPH_KEYS = 4  # captured logits kept, the oldest dropped first
 
 
 def row_signals(logits: torch.Tensor, signal: str) -> torch.Tensor:
@@ -41,14 +47,82 @@ def row_signals(logits: torch.Tensor, signal: str) -> torch.Tensor:
 
 def aggregate_tensor(signals: torch.Tensor, quantile: float | None) -> torch.Tensor:
     """min over rows (quantile None) or that quantile, as a float32 [1] tensor on the signals' device (no sync)."""
-    if quantile is None:
-        return signals.min().reshape(1)
+    if quantile is None:  # one row: its own signal (min of one value is that value, NaN included)
+        return signals.reshape(1) if signals.numel() == 1 else signals.min().reshape(1)
     return torch.quantile(signals, quantile).reshape(1)
 
 
 def aggregate(signals: torch.Tensor, quantile: float | None) -> float:
     """min over rows (quantile None) or that quantile, on the host (a sync)."""
     return float(aggregate_tensor(signals, quantile))
+
+
+def _graphable(logits: torch.Tensor) -> bool:
+    """CUDA logits of at most GRAPH_MAX_ELEMENTS, outside anyone's capture."""
+    return logits.is_cuda and logits.numel() <= GRAPH_MAX_ELEMENTS and not torch.cuda.is_current_stream_capturing()
+
+
+class SignalGraphs:
+    """`compute(logits)` on CUDA as one graph launch per call, for logits that stay where they are
+    (a decoder's captured forward writes them to the same address every step).
+
+    A graph reads the logits in place, so it is keyed by their address, shape, strides, dtype and
+    device; a key gets its graph on its GRAPH_AFTER-th call in a row (a fired step's decision and
+    replays on one set of logits do not capture), at most GRAPH_KEYS are kept. The graph holds the very kernels
+    `compute` runs eagerly: its output is bit-identical, and overwritten by its next replay. Eager:
+    logits off CUDA, above GRAPH_MAX_ELEMENTS or at a new address, calls inside someone else's
+    capture, and keys whose capture failed."""
+
+    def __init__(self, compute: Callable[[torch.Tensor], torch.Tensor]):
+        self._compute = compute
+        self._graphs: dict[tuple, tuple | None] = {}  # key -> (graph, output), None: capture failed
+        self._last: tuple | None = None  # key of the last call without a graph
+        self._repeats = 0  # calls in a row with that key
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if not _graphable(logits):
+            return self._compute(logits)
+        key = (logits.data_ptr(), logits.shape, logits.stride(), logits.dtype, logits.device)
+        if key not in self._graphs:
+            self._repeats = self._repeats + 1 if key == self._last else 1
+            self._last = key
+            if self._repeats < GRAPH_AFTER:
+                return self._compute(logits)
+            self._keep(key, self._capture(logits))
+        entry = self._graphs[key]
+        if entry is None:
+            return self._compute(logits)
+        graph, out = entry
+        graph.replay()
+        return out
+
+    def _keep(self, key: tuple, entry: tuple | None) -> None:
+        self._graphs[key] = entry
+        if len(self._graphs) > GRAPH_KEYS:
+            del self._graphs[next(iter(self._graphs))]
+
+    def _capture(self, logits: torch.Tensor) -> tuple | None:
+        """(graph, output), or None (logged) when the capture fails. One eager warm-up on a side
+        stream first, as torch asks; the capture itself computes nothing."""
+        current = torch.cuda.current_stream(logits.device)
+        side = torch.cuda.Stream(logits.device)
+        side.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.device(logits.device), torch.cuda.stream(side):
+                self._compute(logits)
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    out = self._compute(logits)
+                finally:
+                    graph.capture_end()
+        except RuntimeError as exc:
+            log.warning("gate signal: CUDA graph capture failed for logits %s %s, they run eagerly (%s)",
+                        tuple(logits.shape), logits.dtype, exc)
+            return None
+        finally:
+            current.wait_stream(side)
+        return graph, out
 
 
 @dataclass(frozen=True)
@@ -68,6 +142,7 @@ class ConfidenceGate:
         self._tau = RuntimeConfig(gate_signal=signal, gate_tau=tau).effective_gate_tau
         self.tau_file = Path(tau_file) if tau_file else None
         self._tau_mtime: int | None = None
+        self._graphs = SignalGraphs(self.eager_signal)
 
     @classmethod
     def from_config(cls, config: RuntimeConfig) -> ConfidenceGate:
@@ -101,9 +176,14 @@ class ConfidenceGate:
         except (OSError, ValueError, ConfigError) as exc:
             log.warning("gate tau file %s ignored (%s); tau stays %s", self.tau_file, exc, self._tau)
 
-    def signal_tensor(self, logits: torch.Tensor) -> torch.Tensor:
-        """The aggregated signal of logits [R, V] as float32 [1] on their device; no host sync."""
+    def eager_signal(self, logits: torch.Tensor) -> torch.Tensor:
+        """The aggregated signal of logits [R, V] as float32 [1] on their device, op by op; no host sync."""
         return aggregate_tensor(row_signals(logits, self.signal), self.quantile)
+
+    def signal_tensor(self, logits: torch.Tensor) -> torch.Tensor:
+        """`eager_signal`'s value; on CUDA possibly a graph's output (`SignalGraphs`), which the
+        next call on the same logits overwrites: copy it before then."""
+        return self._graphs(logits)
 
     def decide_value(self, value: float) -> GateDecision:
         """Decide on an aggregated signal already on the host."""

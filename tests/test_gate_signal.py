@@ -1,0 +1,202 @@
+"""The gate's signal on the device: `signal_tensor` (a captured CUDA graph on CUDA) is bit-identical
+to the op-by-op definition, for both signals, min and quantile aggregation, several shapes and
+dtypes; graphs are kept per logits shape, bounded, and skipped where they cannot serve; tau stays
+on the host. CPU tests run everywhere, the `gpu` ones on a CUDA device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierstore.runtime import gate as gate_module
+from tierstore.runtime.gate import ConfidenceGate, row_signals
+
+CASES = [(signal, agg) for signal in ("max_prob", "margin") for agg in ("min", "q:0.5", "q:0.1")]
+SHAPES = [(1, 32000), (32000,), (5, 1000), (3, 2, 517)]
+
+
+def bits(t: torch.Tensor) -> list[int]:
+    """The float32 bit patterns (NaN compares equal to the same NaN)."""
+    return t.detach().float().cpu().reshape(-1).view(torch.int32).tolist()
+
+
+def definition(logits: torch.Tensor, signal: str, agg: str) -> torch.Tensor:
+    """The signal as first written: row signals, then torch's min or quantile over them."""
+    signals = row_signals(logits, signal)
+    quantile = None if agg == "min" else float(agg[2:])
+    return (signals.min() if quantile is None else torch.quantile(signals, quantile)).reshape(1)
+
+
+def random_logits(shape, dtype, device, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (4 * torch.randn(shape, generator=gen)).to(device, dtype)
+
+
+@pytest.mark.parametrize("signal,agg", CASES)
+def test_signal_tensor_is_the_definition_bit_for_bit_on_cpu(signal, agg):
+    gate = ConfidenceGate(signal, agg=agg)
+    for seed, shape in enumerate(SHAPES):
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = random_logits(shape, dtype, "cpu", seed)
+            got = gate.signal_tensor(logits)
+            assert got.dtype == torch.float32 and got.shape == (1,)
+            assert bits(got) == bits(definition(logits, signal, agg))
+            assert gate.decide(logits).signal == float(got)
+
+
+def test_one_row_skips_the_min_exactly_nan_and_inf_included():
+    gate = ConfidenceGate("margin")
+    for row in ([3.0, 1.0, -2.0], [float("inf"), 0.0, 1.0], [float("nan"), 0.0, 1.0], [0.0, 0.0, 0.0]):
+        logits = torch.tensor([row])
+        assert bits(gate.signal_tensor(logits)) == bits(definition(logits, "margin", "min"))
+    assert bits(ConfidenceGate().signal_tensor(torch.tensor([[float("nan"), 1.0]]))) == \
+        bits(definition(torch.tensor([[float("nan"), 1.0]]), "max_prob", "min"))
+
+
+class FakeGraph:
+    """A capture stand-in on CPU: replay recomputes from the captured tensor's storage in place."""
+
+    def __init__(self, compute, logits: torch.Tensor, counts: dict):
+        self.compute, self.logits, self.counts = compute, logits, counts
+        self.out = compute(logits).clone()
+
+    def replay(self) -> None:
+        self.counts["replays"] += 1
+        self.out.copy_(self.compute(self.logits))
+
+
+def fake_graphs(monkeypatch, fail: bool = False) -> dict:
+    counts = {"captures": 0, "replays": 0}
+
+    def capture(self, logits):
+        counts["captures"] += 1
+        if fail:
+            return None
+        graph = FakeGraph(self._compute, logits, counts)
+        return graph, graph.out
+    monkeypatch.setattr(gate_module, "_graphable", lambda logits: True)
+    monkeypatch.setattr(gate_module.SignalGraphs, "_capture", capture)
+    return counts
+
+
+def test_graph_policy_captures_logits_that_stay_put_and_only_those(monkeypatch):
+    counts = fake_graphs(monkeypatch)
+    gate, after = ConfidenceGate("margin"), gate_module.GRAPH_AFTER
+    static = torch.empty(2, 50)
+    for call in range(after + 3):
+        static.copy_(random_logits((2, 50), torch.float32, "cpu", call))
+        assert bits(gate.signal_tensor(static)) == bits(definition(static, "margin", "min"))
+    assert counts == {"captures": 1, "replays": 4}  # captured and replayed on call `after`, then 3 replays
+    fresh = [random_logits((2, 50), torch.float32, "cpu", call) for call in range(after + 1)]
+    for logits in fresh:  # a new address every call: eager
+        gate.signal_tensor(logits)
+    repeated = random_logits((2, 50), torch.float32, "cpu", 7)
+    for _ in range(after - 1):  # a fired step and its replay: eager
+        gate.signal_tensor(repeated)
+    assert counts["captures"] == 1
+    others = [torch.zeros(1, 10 + i) for i in range(gate_module.GRAPH_KEYS)]
+    for logits in others:
+        for _ in range(after):
+            gate.signal_tensor(logits)
+    assert counts["captures"] == 1 + len(others) and len(gate._graphs._graphs) == gate_module.GRAPH_KEYS
+    gate.signal_tensor(static)  # dropped as the oldest: counts again from one
+    assert counts["captures"] == 1 + len(others)
+
+
+def test_a_failed_capture_leaves_its_logits_eager_for_good(monkeypatch):
+    counts = fake_graphs(monkeypatch, fail=True)
+    gate, logits = ConfidenceGate(), random_logits((3, 40), torch.float32, "cpu", 0)
+    for _ in range(3 * gate_module.GRAPH_AFTER):
+        assert bits(gate.signal_tensor(logits)) == bits(definition(logits, "max_prob", "min"))
+    assert counts == {"captures": 1, "replays": 0}
+
+
+# -- CUDA --------------------------------------------------------------------------------------------
+
+
+def graph_entry(gate: ConfidenceGate, logits: torch.Tensor):
+    key = (logits.data_ptr(), logits.shape, logits.stride(), logits.dtype, logits.device)
+    return gate._graphs._graphs.get(key, "absent")
+
+
+def refill(buffer: torch.Tensor, seed: int) -> torch.Tensor:
+    """New values in place (a captured forward's output: same address every step)."""
+    return buffer.copy_(random_logits(buffer.shape, buffer.dtype, buffer.device, seed))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("signal,agg", CASES)
+def test_the_graph_signal_is_the_eager_signal_bit_for_bit(signal, agg):
+    for seed, shape in enumerate(SHAPES):
+        for dtype in (torch.float32, torch.bfloat16):
+            gate = ConfidenceGate(signal, agg=agg)
+            logits = torch.empty(shape, dtype=dtype, device="cuda")
+            for call in range(gate_module.GRAPH_AFTER + 2):  # eager, ..., capture + replay, replay
+                refill(logits, 10 * seed + call)
+                got = gate.signal_tensor(logits).clone()
+                assert bits(got) == bits(gate.eager_signal(logits)) == bits(definition(logits, signal, agg))
+            assert graph_entry(gate, logits) not in ("absent", None), f"no graph for {shape} {dtype}"
+
+
+@pytest.mark.gpu
+def test_a_strided_view_is_read_in_place_and_new_addresses_run_eagerly():
+    gate = ConfidenceGate("margin", agg="q:0.5")
+    base = torch.empty(4, 3, 4000, device="cuda")
+    view = base[:, -1, :]  # [4, 4000], row stride 12000
+    for seed in range(gate_module.GRAPH_AFTER + 2):
+        refill(base, seed)
+        assert bits(gate.signal_tensor(view)) == bits(gate.eager_signal(view))
+    assert graph_entry(gate, view) not in ("absent", None)
+    kept = []
+    for seed in range(gate_module.GRAPH_AFTER + 2):
+        kept.append(random_logits((4, 4000), torch.float32, "cuda", 100 + seed))  # kept alive: a new address each call
+        assert bits(gate.signal_tensor(kept[-1])) == bits(gate.eager_signal(kept[-1]))
+    assert all(graph_entry(gate, logits) == "absent" for logits in kept)
+
+
+@pytest.mark.gpu
+def test_graphs_are_bounded_and_skipped_for_repeats_large_or_captured_logits():
+    gate = ConfidenceGate("max_prob")
+    buffers = [torch.empty(1, 100 + i, device="cuda") for i in range(gate_module.GRAPH_KEYS + 2)]
+    for i, logits in enumerate(buffers):
+        for call in range(gate_module.GRAPH_AFTER):
+            assert bits(gate.signal_tensor(refill(logits, call))) == bits(gate.eager_signal(logits))
+    kept = [b for b in buffers if graph_entry(gate, b) not in ("absent", None)]
+    assert kept == buffers[-gate_module.GRAPH_KEYS:]
+    once_more = torch.empty(1, 77, device="cuda")
+    for call in range(gate_module.GRAPH_AFTER - 1):  # a fired step's replay repeats its logits: no capture
+        gate.signal_tensor(refill(once_more, call))
+    assert graph_entry(gate, once_more) == "absent"
+    large = torch.empty(1, gate_module.GRAPH_MAX_ELEMENTS + 1, device="cuda")
+    for call in range(gate_module.GRAPH_AFTER + 1):
+        assert bits(gate.signal_tensor(refill(large, call))) == bits(gate.eager_signal(large))
+    assert graph_entry(gate, large) == "absent"
+    # inside someone else's capture the ops go into their graph
+    logits = refill(torch.empty(1, 999, device="cuda"), 1)
+    for _ in range(gate_module.GRAPH_AFTER - 1):
+        gate.signal_tensor(logits)
+    outer = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(outer):
+        captured = gate.signal_tensor(logits)
+    outer.replay()
+    assert bits(captured) == bits(gate.eager_signal(logits)) and graph_entry(gate, logits) == "absent"
+
+
+@pytest.mark.gpu
+def test_tau_changes_apply_to_graph_signals(tmp_path):
+    path = tmp_path / "tau"
+    gate = ConfidenceGate("max_prob", tau=0.5, tau_file=path)
+    logits = torch.zeros(1, 64, device="cuda")
+    logits[0, 0] = 5.0  # top-1 probability ~0.70
+    host = torch.empty(1, pin_memory=True)
+    after, decisions = gate_module.GRAPH_AFTER, []
+    for step in range(after + 4):
+        if step == after + 1:
+            gate.set_tau(0.8)
+        if step == after + 3:
+            path.write_text("0.6")
+        host.copy_(gate.signal_tensor(logits), non_blocking=True)
+        torch.cuda.synchronize()
+        decisions.append(gate.decide_value(float(host[0])).fires)
+    assert decisions == [False] * (after + 1) + [True, True, False]
+    assert graph_entry(gate, logits) not in ("absent", None)
