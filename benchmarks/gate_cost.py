@@ -25,7 +25,7 @@ import torch
 from replay import floats, provenance, skewed_steps
 
 from tierstore.geometry import get_preset
-from tierstore.runtime.gate import ConfidenceGate, row_signals
+from tierstore.runtime.gate import GRAPH_AFTER, ConfidenceGate, row_signals
 from tierstore.runtime.replay_gate import confidence_logits, fire_schedule, gate_cost
 
 
@@ -43,7 +43,7 @@ def signal_timing(tokens: int, vocab: int, calls: int = 100) -> dict:
                 "eager_min": lambda x: row_signals(x, "max_prob").min().reshape(1)}
     out = {}
     for name, signal in variants.items():
-        for _ in range(5):  # warm-up; the graph is captured here
+        for _ in range(GRAPH_AFTER + 2):  # warm-up; the graph is captured here
             host.copy_(signal(logits), non_blocking=True)
         torch.cuda.synchronize()
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
@@ -58,6 +58,7 @@ def signal_timing(tokens: int, vocab: int, calls: int = 100) -> dict:
         torch.cuda.synchronize()
         out[name] = {"host_us": 1e6 * host_s / calls, "device_us": 1e3 * marks[1].elapsed_time(marks[2]) / calls,
                      "covered": 1e3 * host_s < marks[0].elapsed_time(marks[1])}
+    out["graph"]["captured"] = gate.signal_graphed(logits)
     return out
 
 
@@ -109,7 +110,7 @@ def main() -> None:
                   f"(residency unchanged: {held['residency']['unchanged']})", flush=True)
         for name, t in result.get("signal_timing", {}).items():
             print(f"{preset} gate signal {name:>9}: host {t['host_us']:.1f} us  device {t['device_us']:.1f} us per step "
-                  f"(covered {t['covered']})", flush=True)
+                  f"(covered {t['covered']}{', captured %s' % t['captured'] if 'captured' in t else ''})", flush=True)
         print(f"{preset}: armed-silent cost {100 * result['armed_cost']:+.1f}% (target <= 5%; live-manager runs "
               f"{100 * result['armed_cost_live']:+.1f}%, confounded), "
               f"{result['ms_per_fire']:.3f} ms per fire over {result['fires']} fires", flush=True)

@@ -87,20 +87,20 @@ def test_graph_policy_captures_logits_that_stay_put_and_only_those(monkeypatch):
         static.copy_(random_logits((2, 50), torch.float32, "cpu", call))
         assert bits(gate.signal_tensor(static)) == bits(definition(static, "margin", "min"))
     assert counts == {"captures": 1, "replays": 4}  # captured and replayed on call `after`, then 3 replays
+    assert gate.signal_graphed(static)
     fresh = [random_logits((2, 50), torch.float32, "cpu", call) for call in range(after + 1)]
     for logits in fresh:  # a new address every call: eager
         gate.signal_tensor(logits)
     repeated = random_logits((2, 50), torch.float32, "cpu", 7)
-    for _ in range(after - 1):  # a fired step and its replay: eager
+    for _ in range(after - 1):  # fewer calls in a row (a fired step and its replays): eager
         gate.signal_tensor(repeated)
     assert counts["captures"] == 1
     others = [torch.zeros(1, 10 + i) for i in range(gate_module.GRAPH_KEYS)]
     for logits in others:
         for _ in range(after):
             gate.signal_tensor(logits)
-    assert counts["captures"] == 1 + len(others) and len(gate._graphs._graphs) == gate_module.GRAPH_KEYS
-    gate.signal_tensor(static)  # dropped as the oldest: counts again from one
-    assert counts["captures"] == 1 + len(others)
+    assert counts["captures"] == 1 + len(others) and all(gate.signal_graphed(b) for b in others)
+    assert not gate.signal_graphed(static)  # dropped as the oldest
 
 
 def test_a_failed_capture_leaves_its_logits_eager_for_good(monkeypatch):
@@ -108,15 +108,10 @@ def test_a_failed_capture_leaves_its_logits_eager_for_good(monkeypatch):
     gate, logits = ConfidenceGate(), random_logits((3, 40), torch.float32, "cpu", 0)
     for _ in range(3 * gate_module.GRAPH_AFTER):
         assert bits(gate.signal_tensor(logits)) == bits(definition(logits, "max_prob", "min"))
-    assert counts == {"captures": 1, "replays": 0}
+    assert counts == {"captures": 1, "replays": 0} and not gate.signal_graphed(logits)
 
 
 # -- CUDA --------------------------------------------------------------------------------------------
-
-
-def graph_entry(gate: ConfidenceGate, logits: torch.Tensor):
-    key = (logits.data_ptr(), logits.shape, logits.stride(), logits.dtype, logits.device)
-    return gate._graphs._graphs.get(key, "absent")
 
 
 def refill(buffer: torch.Tensor, seed: int) -> torch.Tensor:
@@ -135,7 +130,7 @@ def test_the_graph_signal_is_the_eager_signal_bit_for_bit(signal, agg):
                 refill(logits, 10 * seed + call)
                 got = gate.signal_tensor(logits).clone()
                 assert bits(got) == bits(gate.eager_signal(logits)) == bits(definition(logits, signal, agg))
-            assert graph_entry(gate, logits) not in ("absent", None), f"no graph for {shape} {dtype}"
+            assert gate.signal_graphed(logits), f"no graph for {shape} {dtype}"
 
 
 @pytest.mark.gpu
@@ -146,12 +141,12 @@ def test_a_strided_view_is_read_in_place_and_new_addresses_run_eagerly():
     for seed in range(gate_module.GRAPH_AFTER + 2):
         refill(base, seed)
         assert bits(gate.signal_tensor(view)) == bits(gate.eager_signal(view))
-    assert graph_entry(gate, view) not in ("absent", None)
+    assert gate.signal_graphed(view)
     kept = []
     for seed in range(gate_module.GRAPH_AFTER + 2):
         kept.append(random_logits((4, 4000), torch.float32, "cuda", 100 + seed))  # kept alive: a new address each call
         assert bits(gate.signal_tensor(kept[-1])) == bits(gate.eager_signal(kept[-1]))
-    assert all(graph_entry(gate, logits) == "absent" for logits in kept)
+    assert not any(gate.signal_graphed(logits) for logits in kept)
 
 
 @pytest.mark.gpu
@@ -161,16 +156,16 @@ def test_graphs_are_bounded_and_skipped_for_repeats_large_or_captured_logits():
     for i, logits in enumerate(buffers):
         for call in range(gate_module.GRAPH_AFTER):
             assert bits(gate.signal_tensor(refill(logits, call))) == bits(gate.eager_signal(logits))
-    kept = [b for b in buffers if graph_entry(gate, b) not in ("absent", None)]
+    kept = [b for b in buffers if gate.signal_graphed(b)]
     assert kept == buffers[-gate_module.GRAPH_KEYS:]
     once_more = torch.empty(1, 77, device="cuda")
     for call in range(gate_module.GRAPH_AFTER - 1):  # a fired step's replay repeats its logits: no capture
         gate.signal_tensor(refill(once_more, call))
-    assert graph_entry(gate, once_more) == "absent"
+    assert not gate.signal_graphed(once_more)
     large = torch.empty(1, gate_module.GRAPH_MAX_ELEMENTS + 1, device="cuda")
     for call in range(gate_module.GRAPH_AFTER + 1):
         assert bits(gate.signal_tensor(refill(large, call))) == bits(gate.eager_signal(large))
-    assert graph_entry(gate, large) == "absent"
+    assert not gate.signal_graphed(large)
     # inside someone else's capture the ops go into their graph
     logits = refill(torch.empty(1, 999, device="cuda"), 1)
     for _ in range(gate_module.GRAPH_AFTER - 1):
@@ -179,7 +174,7 @@ def test_graphs_are_bounded_and_skipped_for_repeats_large_or_captured_logits():
     with torch.cuda.graph(outer):
         captured = gate.signal_tensor(logits)
     outer.replay()
-    assert bits(captured) == bits(gate.eager_signal(logits)) and graph_entry(gate, logits) == "absent"
+    assert bits(captured) == bits(gate.eager_signal(logits)) and not gate.signal_graphed(logits)
 
 
 @pytest.mark.gpu
@@ -199,4 +194,4 @@ def test_tau_changes_apply_to_graph_signals(tmp_path):
         torch.cuda.synchronize()
         decisions.append(gate.decide_value(float(host[0])).fires)
     assert decisions == [False] * (after + 1) + [True, True, False]
-    assert graph_entry(gate, logits) not in ("absent", None)
+    assert gate.signal_graphed(logits)

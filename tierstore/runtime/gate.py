@@ -62,6 +62,10 @@ def _graphable(logits: torch.Tensor) -> bool:
     return logits.is_cuda and logits.numel() <= GRAPH_MAX_ELEMENTS and not torch.cuda.is_current_stream_capturing()
 
 
+def _key(logits: torch.Tensor) -> tuple:
+    return logits.data_ptr(), logits.shape, logits.stride(), logits.dtype, logits.device
+
+
 class SignalGraphs:
     """`compute(logits)` on CUDA as one graph launch per call, for logits that stay where they are
     (a decoder's captured forward writes them to the same address every step).
@@ -79,10 +83,14 @@ class SignalGraphs:
         self._last: tuple | None = None  # key of the last call without a graph
         self._repeats = 0  # calls in a row with that key
 
+    def graphed(self, logits: torch.Tensor) -> bool:
+        """Whether a call on these logits replays a captured graph."""
+        return self._graphs.get(_key(logits)) is not None
+
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if not _graphable(logits):
             return self._compute(logits)
-        key = (logits.data_ptr(), logits.shape, logits.stride(), logits.dtype, logits.device)
+        key = _key(logits)
         if key not in self._graphs:
             self._repeats = self._repeats + 1 if key == self._last else 1
             self._last = key
@@ -184,6 +192,10 @@ class ConfidenceGate:
         """`eager_signal`'s value; on CUDA possibly a graph's output (`SignalGraphs`), which the
         next call on the same logits overwrites: copy it before then."""
         return self._graphs(logits)
+
+    def signal_graphed(self, logits: torch.Tensor) -> bool:
+        """Whether `signal_tensor(logits)` replays a captured CUDA graph (else it runs op by op)."""
+        return self._graphs.graphed(logits)
 
     def decide_value(self, value: float) -> GateDecision:
         """Decide on an aggregated signal already on the host."""
