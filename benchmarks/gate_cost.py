@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -29,36 +30,64 @@ from tierstore.runtime.gate import GRAPH_AFTER, ConfidenceGate, row_signals
 from tierstore.runtime.replay_gate import confidence_logits, fire_schedule, gate_cost
 
 
-def signal_timing(tokens: int, vocab: int, calls: int = 100) -> dict:
+FORWARD_CYCLES = 200_000  # a device sleep of about 0.1 ms stands for the forward in `_step_like`
+
+
+def _throughput(signal, logits: torch.Tensor, host: torch.Tensor, calls: int) -> dict:
+    """Host enqueue and device time per call, `calls` calls queued behind a long sleep kernel (the
+    events then time the device alone; `covered`: the sleep outlasted the enqueueing)."""
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    marks[0].record()
+    torch.cuda._sleep(200_000_000)
+    marks[1].record()
+    started = time.perf_counter()
+    for _ in range(calls):
+        host.copy_(signal(logits), non_blocking=True)
+    host_s = time.perf_counter() - started
+    marks[2].record()
+    torch.cuda.synchronize()
+    return {"host_us": 1e6 * host_s / calls, "device_us": 1e3 * marks[1].elapsed_time(marks[2]) / calls,
+            "covered": 1e3 * host_s < marks[0].elapsed_time(marks[1])}
+
+
+def _step_like(signal, logits: torch.Tensor, host: torch.Tensor, trials: int) -> float:
+    """Median seconds of: a short sleep kernel (the forward), the signal and its copy (None: none),
+    a 4-byte copy to pinned memory (the pass log's read) and a stream sync."""
+    word = torch.zeros(1, dtype=torch.int32, device="cuda")
+    word_host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+    stream, times = torch.cuda.current_stream(), []
+    for _ in range(trials):
+        started = time.perf_counter()
+        torch.cuda._sleep(FORWARD_CYCLES)
+        if signal is not None:
+            host.copy_(signal(logits), non_blocking=True)
+        word_host.copy_(word, non_blocking=True)
+        stream.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def signal_timing(tokens: int, vocab: int, calls: int = 100, trials: int = 300) -> dict:
     """Per step, the armed gate's signal work after the forward (signal + its copy into pinned host
-    memory), max_prob / min on logits [tokens, vocab] at a fixed address: host microseconds to
-    enqueue it and device microseconds it runs (enqueued behind a sleep kernel, so the events
-    time the device alone; `covered` says the sleep outlasted the enqueueing). Variants: `graph`
-    (signal_tensor: a captured graph), `eager` (the same kernels op by op), `eager_min` (eager plus
-    the min over one row that the signal ran before)."""
+    memory), max_prob / min on logits [tokens, vocab] at a fixed address: `_throughput`'s host and
+    device microseconds, and `added_us`: what it adds to a step-like sequence (`_step_like`, median,
+    minus the same without it). Variants: `graph` (signal_tensor: a captured graph), `eager` (the
+    same kernels op by op), `eager_min` (eager plus the min over one row that the signal ran before)."""
     gate = ConfidenceGate("max_prob")
     logits = confidence_logits(fire_schedule(1, 0), tokens, vocab, "cuda")[0]  # [T, V]
     host = torch.empty(1, pin_memory=True)
     variants = {"graph": gate.signal_tensor, "eager": gate.eager_signal,
                 "eager_min": lambda x: row_signals(x, "max_prob").min().reshape(1)}
-    out = {}
+    out, bare = {}, None
     for name, signal in variants.items():
         for _ in range(GRAPH_AFTER + 2):  # warm-up; the graph is captured here
             host.copy_(signal(logits), non_blocking=True)
         torch.cuda.synchronize()
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        marks[0].record()
-        torch.cuda._sleep(200_000_000)
-        marks[1].record()
-        started = time.perf_counter()
-        for _ in range(calls):
-            host.copy_(signal(logits), non_blocking=True)
-        host_s = time.perf_counter() - started
-        marks[2].record()
-        torch.cuda.synchronize()
-        out[name] = {"host_us": 1e6 * host_s / calls, "device_us": 1e3 * marks[1].elapsed_time(marks[2]) / calls,
-                     "covered": 1e3 * host_s < marks[0].elapsed_time(marks[1])}
+        bare = _step_like(None, logits, host, trials)
+        out[name] = {**_throughput(signal, logits, host, calls),
+                     "added_us": 1e6 * (_step_like(signal, logits, host, trials) - bare)}
     out["graph"]["captured"] = gate.signal_graphed(logits)
+    out["bare_step_us"] = 1e6 * bare
     return out
 
 
@@ -109,8 +138,10 @@ def main() -> None:
                   f"{len(held['repetitions'])} repetitions, FP4 share {100 * held['residency']['fp4_pair_share']:.1f}% "
                   f"(residency unchanged: {held['residency']['unchanged']})", flush=True)
         for name, t in result.get("signal_timing", {}).items():
-            print(f"{preset} gate signal {name:>9}: host {t['host_us']:.1f} us  device {t['device_us']:.1f} us per step "
-                  f"(covered {t['covered']}{', captured %s' % t['captured'] if 'captured' in t else ''})", flush=True)
+            if isinstance(t, dict):
+                print(f"{preset} gate signal {name:>9}: adds {t['added_us']:.1f} us to a step-like sequence; host "
+                      f"{t['host_us']:.1f} us  device {t['device_us']:.1f} us per call (covered {t['covered']}"
+                      f"{', captured %s' % t['captured'] if 'captured' in t else ''})", flush=True)
         print(f"{preset}: armed-silent cost {100 * result['armed_cost']:+.1f}% (target <= 5%; live-manager runs "
               f"{100 * result['armed_cost_live']:+.1f}%, confounded), "
               f"{result['ms_per_fire']:.3f} ms per fire over {result['fires']} fires", flush=True)
@@ -123,9 +154,10 @@ def main() -> None:
         "armed_cost_live": "steady step time of the live-manager armed run / unarmed run - 1 (residency differs)",
         "repetitions": args.repetitions, "device": str(device),
         "ms_per_fire": "(steady seconds firing run - armed run) / steady fires",
-        "signal_timing": "per step, host enqueue and device time of the gate signal + its host copy, max_prob / min "
-                         "(graph: signal_tensor; eager: same kernels op by op; eager_min: with the min of the signal "
-                         "before, one kernel more for one row); CUDA only"},
+        "signal_timing": "the gate signal + its host copy, max_prob / min, per call: host enqueue and device time "
+                         "(queued behind a sleep kernel), and added_us: median added to sleep 0.1 ms + 4-byte copy + "
+                         "sync (graph: signal_tensor; eager: same kernels op by op; eager_min: with the min of the "
+                         "signal before, one kernel more for one row); CUDA only"},
         "results": results}, indent=2))
     print(f"wrote {args.out}")
 
