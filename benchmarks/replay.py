@@ -13,8 +13,9 @@ window. Writes benchmarks/results/replay.json with provenance.
 
 Every configuration also times the all-resident run with the decoder's token readback
 (`resident_readback`), folds the tiered run's token into its pass-log read, keeps per-step counters
-(replays, arena hit / miss rows, fetch ms; `breakdown` per window), and at 100% coverage times the
-no-miss variants interleaved on one runtime (`nomiss_overhead`).
+(replays, arena hit / miss rows, fetch ms split into arena, pool install and copy wait, the copies'
+device time, the pass-log reads; `breakdown` per window, with the medians of the steps that fetched),
+and at 100% coverage times the no-miss variants interleaved on one runtime (`nomiss_overhead`).
 """
 
 from __future__ import annotations
@@ -149,6 +150,14 @@ def main() -> None:
                           f"steady steps reading the pack {b.get('disk_steps', 0)} ({b.get('disk_step_ms', 0):.3f} ms "
                           f"vs {b.get('no_disk_step_ms', 0):.3f} ms), multi-replay steps {b.get('multi_replay_steps', 0)}",
                           flush=True)
+                    split = b.get("fetch_step_median_ms")
+                    if b.get("fetch_steps"):
+                        print(f"  steady steps that fetched {b['fetch_steps']}, medians: step {split['ms']:.3f} ms, "
+                              f"pass-log reads {split['read_ms']:.3f} ms (waiting for the forward and the copies), "
+                              f"fetch host {split['fetch_ms']:.3f} ms (arena {split['arena_ms']:.3f}, pool install "
+                              f"{split['install_ms']:.3f}, copy wait {split['copy_wait_ms']:.3f}), copies "
+                              f"{split['copy_ms']:.3f} ms on the device (window: {t['steady']['copy_gbps']:.1f} GB/s vs "
+                              f"pinned H2D {result['h2d_gbps']:.1f})", flush=True)
                     if "nomiss_overhead" in result:
                         v = result["nomiss_overhead"]["variants"]
                         print("  no-miss interleaved: " + ", ".join(

@@ -127,6 +127,8 @@ class Arena:
         self.heat_every = heat_every
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.memory = aligned_host_buffer(num_slots * self.stride, self.pin)  # [num_slots * stride] uint8
+        # slot s's row bytes, a view made once (a hit then costs no tensor indexing)
+        self._rows = self.memory.view(num_slots, self.stride)[:, :source.row_bytes].unbind(0)
         self._table = SlotTable(num_slots)
         self.registered = False
         self._unregister = None
@@ -154,11 +156,8 @@ class Arena:
         """The whole slot region (registered with the source's reader when it offers that)."""
         return memoryview(self.memory.numpy())
 
-    def _slot_tensor(self, slot: int) -> torch.Tensor:
-        return self.memory[slot * self.stride:(slot + 1) * self.stride]
-
     def _slot_view(self, slot: int) -> memoryview:
-        return memoryview(self._slot_tensor(slot).numpy())
+        return memoryview(self.memory[slot * self.stride:(slot + 1) * self.stride].numpy())
 
     def _staging_tensors(self, count: int) -> list[torch.Tensor]:
         if self._staging.numel() < count * self.stride:
@@ -183,7 +182,6 @@ class Arena:
         never evict."""
         started = time.perf_counter()
         keys = [self._check_key(key) for key in keys]
-        row_bytes = self.source.row_bytes
         resident: dict[Key, torch.Tensor] = {}
         busy: set[int] = set()
         for key in keys:
@@ -192,7 +190,7 @@ class Arena:
             slot = self._table.hit(key)
             if slot is not None:
                 busy.add(slot)
-                resident[key] = self._slot_tensor(slot)
+                resident[key] = self._rows[slot]
         hit_rows = len(resident)
         missing = [key for key in dict.fromkeys(keys) if key not in resident]
         placed: list[tuple[Key, int]] = []
@@ -213,7 +211,7 @@ class Arena:
         self._hit_rows += hit_rows
         self._miss_rows += len(missing)
         (self._disk_latency if missing else self._hit_latency).append(time.perf_counter() - started)
-        return [resident[key][:row_bytes] for key in keys]
+        return [resident[key] for key in keys]
 
     def _read(self, placed: list[tuple[Key, int]], overflow: list[Key],
               resident: dict[Key, torch.Tensor], scan: bool) -> None:
@@ -228,9 +226,9 @@ class Arena:
             raise
         for key, slot in placed:
             self._table.publish(key, slot)
-            resident[key] = self._slot_tensor(slot)
+            resident[key] = self._rows[slot]
         for key, tensor in zip(overflow, staging):
-            resident[key] = tensor
+            resident[key] = tensor[:self.source.row_bytes]
         self._overflow_rows += len(overflow)
         if overflow and not scan and not self._overflow_warned:
             log.warning("arena of %d slots overflowed: %d rows of one batch went through staging",

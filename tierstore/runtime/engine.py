@@ -46,6 +46,8 @@ log = logging.getLogger("tierstore.runtime")
 
 Key = tuple[int, int]
 BACKENDS = ("auto", "torch", "triton")
+COUNTERS = ("steps", "replays", "fetched_bytes", "fetch_s", "arena_hit_rows", "arena_miss_rows", "arena_s",
+            "install_s", "copy_s", "copy_wait_s", "read_s")  # TieredRuntime.counters()
 
 
 def working_set_slots(geometry: MoEGeometry, tokens_per_step: int, margin: float) -> int:
@@ -92,8 +94,9 @@ class TieredRuntime:
         shape = (geometry.num_moe_layers, geometry.num_experts)
         check_row_source(source, geometry, self.layout.slot_bytes, "base")
         check_working_set(geometry, pool_slots, self.layout.slot_bytes, self.config)
+        # overlap: a fetch returns with its copies in flight; the next pass waits for them on the device
         self.pool = DevicePool(min(pool_slots, geometry.total_routed_experts), self.layout.slot_bytes, *shape,
-                               self.device, get_policy(self.config.policy))
+                               self.device, get_policy(self.config.policy), overlap=True)
         self.arena = Arena(source, arena_slots, heat_path=heat_path, pin=self.device.type == "cuda")
         self.source = source
         self.log = PassLog(*shape, geometry.top_k, capacity=shape[0] * shape[1], device=self.device,
@@ -176,9 +179,14 @@ class TieredRuntime:
             if not keys:
                 return 0
         started = time.perf_counter()
+        self.pool.wait()  # the arena may rewrite rows the last install's copies read
+        looked_up = time.perf_counter()
         rows = self.arena.fetch(keys, scan=scan)
+        installing = time.perf_counter()
         self.pool.install(keys, rows, protect)
-        self._stats.add_fetch(len(keys), sum(r.numel() for r in rows), time.perf_counter() - started)
+        done = time.perf_counter()
+        self._stats.add_fetch(len(keys), sum(r.numel() for r in rows), done - started, installing - looked_up,
+                              done - installing)
         return len(keys)
 
     def preload(self, keys: Iterable[Key] | None = None) -> None:
@@ -186,6 +194,7 @@ class TieredRuntime:
         g = self.geometry
         keys = list(keys) if keys is not None else [(l, e) for l in range(g.num_moe_layers) for e in range(g.num_experts)]
         self.fetch(keys, keys, scan=True)
+        self.pool.wait()  # every row in place on return (callers may use the arena directly next)
 
     # -- the step -----------------------------------------------------------------------------
     def step(self, forward: Callable[[], torch.Tensor], rewind: Callable[[], None], prefill: bool = False,
@@ -278,7 +287,10 @@ class TieredRuntime:
 
     def _read_pass(self) -> PassReport:
         self.settle()
+        self.pool.apply_hits()  # while the forward runs on the device, not in a fetch after its sync
+        started = time.perf_counter()
         self.last_pass = self.log.read()
+        self._stats.read_seconds += time.perf_counter() - started
         return self.last_pass
 
     def _fetch_for_step(self, keys, routed, partial: bool) -> int:
@@ -286,19 +298,25 @@ class TieredRuntime:
 
     # -- observability ------------------------------------------------------------------------
     def stats(self) -> RuntimeStats:
+        """Counters so far (copies still in flight are counted once done)."""
         self.settle()
+        self.pool.collect()
         arena = self.arena.stats()
-        return self._stats.snapshot(arena.hit_rows, arena.miss_rows)
+        return self._stats.snapshot(arena.hit_rows, arena.miss_rows, self.pool.copy_seconds)
 
-    def counters(self) -> tuple[int, int, int, float, int, int]:
-        """Cheap running totals for per-step breakdowns: (steps, replays, fetched bytes, fetch
-        seconds, arena hit rows, arena miss rows)."""
-        s = self._stats
-        return s.steps, s.replays, s.fetched_bytes, s.fetch_seconds, *self.arena.row_counts()
+    def counters(self) -> tuple:
+        """Cheap running totals for per-step breakdowns, named by `COUNTERS`. Fetch seconds are the
+        host's time in `fetch` (arena, install and any wait for the last fetch's copies); copy
+        seconds the copies' own time, counted once they are done (device events on CUDA)."""
+        s, pool = self._stats, self.pool
+        pool.collect()
+        return (s.steps, s.replays, s.fetched_bytes, s.fetch_seconds, *self.arena.row_counts(), s.arena_seconds,
+                s.install_seconds, pool.copy_seconds, pool.wait_seconds, s.read_seconds)
 
     def kpi_line(self, last: int = 0) -> str:
+        self.pool.collect()
         arena = self.arena.stats()
-        line = self._stats.kpi_line(last, arena.hit_rows, arena.miss_rows)
+        line = self._stats.kpi_line(last, arena.hit_rows, arena.miss_rows, self.pool.copy_seconds)
         if self.fp4 is not None:
             line += precision_kpi(self.fp4_stats(), self.gate_stats() if self.gate is not None else None)
         return line
@@ -335,6 +353,7 @@ class TieredRuntime:
         if self.closed:
             return
         self.settle()
+        self.pool.wait()  # no copy may still read the arena when it is freed
         self.closed = True
         if self._fp4_manager is not None:
             self._fp4_manager.close()

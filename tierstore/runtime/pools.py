@@ -3,9 +3,13 @@ per-slot owners, with eviction through the policy API.
 
 Invariants (checked by `check_coherent`): `table` (device) == `mirror` (host); slot s is owned by
 (l, e) iff mirror[l, e] == s; a slot is free iff it has no owner; the policy holds exactly the
-mapped keys. Bytes change only in `install`, between launches: victims are unmapped on the copy
-stream before their slots are rewritten, and the new mappings are written after the copies, all
-on one stream that is synchronised before the host state changes.
+mapped keys. Bytes change only in `install`, between launches: the copy stream first waits for
+the compute stream (nothing launched before still reads a victim), victims are unmapped on it
+before their slots are rewritten, and the new mappings are written after the copies. The host
+state changes while the copies run; `install` returns once they are done, or, with `overlap`,
+at once: the compute stream then waits for them on the device (an event), so nothing launched
+after `install` reads a slot before its bytes land, and the host rows and the staging tables
+must stay untouched until `wait()` (the next `install` waits first).
 
 One install costs few copies: the table goes to the device whole from a host staging table (at
 most two copies: victims unmapped, then the final mapping; no per-index kernels), and rows whose
@@ -15,6 +19,7 @@ order into free slots in order) are merged into one copy per run.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from itertools import islice
 
@@ -30,7 +35,7 @@ Key = tuple[int, int]
 
 class DevicePool:
     def __init__(self, num_slots: int, slot_bytes: int, num_layers: int, num_experts: int,
-                 device: torch.device | str, policy: EvictionPolicy):
+                 device: torch.device | str, policy: EvictionPolicy, overlap: bool = False):
         if num_slots < 1:
             raise CapacityError(f"a device pool needs at least one slot, got {num_slots}")
         self.device = torch.device(device)
@@ -45,6 +50,7 @@ class DevicePool:
         except (RuntimeError, torch.OutOfMemoryError) as exc:
             raise CapacityError(f"cannot allocate a pool of {num_slots} slots x {slot_bytes} bytes "
                                 f"({num_slots * slot_bytes / 2**30:.2f} GiB) on {self.device}: {exc}") from None
+        self._slot_rows = self.slots.unbind(0)  # [S] views [slot_bytes]: no indexing per copy
         self.table = torch.full((num_layers, num_experts), -1, dtype=torch.int32, device=self.device)  # [L, E]
         self.mirror = np.full((num_layers, num_experts), -1, dtype=np.int32)  # [L, E]
         self.owner = np.full((num_slots, 2), -1, dtype=np.int32)  # [S, (layer, expert)]
@@ -52,9 +58,16 @@ class DevicePool:
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         pin = self.device.type == "cuda"
-        # host staging of the table: [0] victims unmapped, [1] final; reused once the stream is synchronised
+        # host staging of the table: [0] victims unmapped, [1] final; reused once the copies are done
         self._staged = [torch.empty(num_layers, num_experts, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._staged_ids = [t.numpy().reshape(-1) for t in self._staged]  # [L * E] views by key id
+        self.overlap = overlap
+        # the last install's copies on the copy stream, timed on the device; in flight until wait()
+        self._marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self._stream is not None else None
+        self._in_flight = False
         self.copies = 0  # row copies issued (a merged run counts once)
+        self.copy_seconds = 0.0  # the copies' own time (device events on CUDA; the memcpys on CPU)
+        self.wait_seconds = 0.0  # host time blocked on copies
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -67,6 +80,10 @@ class DevicePool:
 
     def key_id(self, key: Key) -> int:
         return key[0] * self.num_experts + key[1]
+
+    def key_ids(self, keys: Iterable[Key]) -> list[int]:
+        experts = self.num_experts
+        return [layer * experts + expert for layer, expert in keys]
 
     def slot_of(self, key: Key) -> int:
         return int(self.mirror[key])
@@ -83,8 +100,7 @@ class DevicePool:
         whole eviction order."""
         if enough is not None and self.num_free >= enough:
             return enough
-        ids = {self.key_id(k) for k in exclude}
-        order = self.policy.eviction_order(ids)
+        order = self.policy.eviction_order(set(self.key_ids(exclude)))
         if enough is not None:
             order = islice(order, enough - self.num_free)
         return self.num_free + sum(1 for _ in order)
@@ -93,16 +109,20 @@ class DevicePool:
     @property
     def policy(self) -> EvictionPolicy:
         """The eviction policy, with every deferred hit applied."""
+        self.apply_hits()
+        return self._policy
+
+    def apply_hits(self) -> None:
+        """Replay the deferred hits into the policy, oldest first (`policy` does it when read)."""
         if self._stamped != self._settled:
             touched = np.flatnonzero(self._hit_stamp > self._settled)
             for key_id in touched[np.argsort(self._hit_stamp[touched])].tolist():
                 self._policy.on_access(key_id)
             self._settled = self._stamped
-        return self._policy
 
     def touch(self, keys: Iterable[Key], now: float) -> None:
         """Close a step: tell the policy what was routed and which resident keys were hit."""
-        self.touch_ids(np.unique(np.asarray([self.key_id(k) for k in keys], dtype=np.int64)), now)
+        self.touch_ids(np.unique(np.asarray(self.key_ids(keys), dtype=np.int64)), now)
 
     def touch_ids(self, ids: np.ndarray, now: float) -> None:
         """`touch` for dense ids (int64 ascending, distinct); hits reach the policy in that order."""
@@ -122,61 +142,101 @@ class DevicePool:
 
         Takes free slots first, then victims from the policy that are not in `exclude` (the
         step's routed set); raises CapacityError, changing nothing, when that is not enough.
+        Returns when the copies are done, or with `overlap` as soon as they are issued (see the
+        module doc).
         """
         if len(keys) != len(rows):
             raise ValueError(f"{len(keys)} keys but {len(rows)} rows")
-        if any(self.is_resident(k) for k in keys) or len(set(keys)) != len(keys):
+        if not keys:
+            return
+        self.wait()
+        ids = self.key_ids(keys)
+        if len(set(ids)) != len(ids) or (self.mirror.reshape(-1)[ids] >= 0).any():
             raise ValueError("install() takes distinct keys that are not resident")
-        needed = len(keys) - self.num_free
-        exclude_ids = {self.key_id(k) for k in exclude} | {self.key_id(k) for k in keys}
-        victims: list[int] = []
-        if needed > 0:
-            try:
-                victims = self.policy.victims(needed, exclude_ids)
-            except CapacityError:
-                raise CapacityError(
-                    f"device pool of {self.num_slots} slots cannot take {len(keys)} more experts: "
-                    f"{self.num_free} free and only {self.capacity_for(exclude) - self.num_free} evictable outside "
-                    f"the step's routed set") from None
-        victim_slots = [int(self.mirror[divmod(v, self.num_experts)]) for v in victims]
-        slots = [self._free[-1 - i] for i in range(min(len(keys), self.num_free))] + victim_slots
-        self._write_device(keys, rows, slots, victims)
-        for victim, slot in zip(victims, victim_slots):
-            self.mirror[divmod(victim, self.num_experts)] = -1
-            self.owner[slot] = -1
-            self.policy.on_evict(victim)
-        del self._free[len(self._free) - min(len(keys), self.num_free):]
-        for key, slot in zip(keys, slots):
-            self.mirror[key] = slot
-            self.owner[slot] = key
-            self.generation[slot] += 1
-            self.policy.on_insert(self.key_id(key))
-
-    def _write_device(self, keys, rows, slots, victims) -> None:
         for row in rows:
             if row.numel() > self.slot_bytes:
                 raise CapacityError(f"row of {row.numel()} bytes does not fit a {self.slot_bytes}-byte slot")
-        unmapped, final = self._staged
-        final.numpy()[:] = self.mirror
+        victims = self._victims(len(ids) - self.num_free, exclude, ids)
+        victim_slots = self.mirror.reshape(-1)[victims].tolist()
+        slots = self._free[len(self._free) - min(len(keys), self.num_free):][::-1] + victim_slots  # pop() order
+        self._write_device(rows, slots, ids, victims)
+        self._map(keys, ids, slots, victims, victim_slots)
+        if not self.overlap:
+            self.wait()
+
+    def _victims(self, needed: int, exclude: Iterable[Key], ids: list[int]) -> list[int]:
+        if needed <= 0:
+            return []
+        try:
+            return self.policy.victims(needed, set(self.key_ids(exclude)).union(ids))
+        except CapacityError:
+            raise CapacityError(
+                f"device pool of {self.num_slots} slots cannot take {len(ids)} more experts: "
+                f"{self.num_free} free and only {self.capacity_for(exclude) - self.num_free} evictable outside "
+                f"the step's routed set") from None
+
+    def _map(self, keys, ids: list[int], slots: list[int], victims: list[int], victim_slots: list[int]) -> None:
+        """The host state of an install (while its copies run)."""
+        policy, mirror = self.policy, self.mirror.reshape(-1)
+        mirror[victims] = -1
+        self.owner[victim_slots] = -1
+        for victim in victims:
+            policy.on_evict(victim)
+        del self._free[len(self._free) - (len(slots) - len(victims)):]
+        mirror[ids] = slots
+        self.owner[slots] = keys
+        self.generation[slots] += 1
+        for key_id in ids:
+            policy.on_insert(key_id)
+
+    def _write_device(self, rows, slots: list[int], ids: list[int], victims: list[int]) -> None:
+        """Stage the table, issue the copies (with `overlap`, the compute stream waits for them)."""
+        (unmapped, final), (unmapped_ids, final_ids) = self._staged, self._staged_ids
+        final_ids[:] = self.mirror.reshape(-1)
         if victims:
-            final.view(-1)[torch.as_tensor(victims, dtype=torch.int64)] = -1
-            unmapped.copy_(final)
-        final.view(-1)[torch.as_tensor([self.key_id(k) for k in keys], dtype=torch.int64)] = \
-            torch.as_tensor(slots, dtype=torch.int32)
+            final_ids[victims] = -1
+            unmapped_ids[:] = final_ids
+        final_ids[ids] = slots
         if self._stream is None:
+            started = time.perf_counter()
             self._copy(rows, slots, unmapped if victims else None, final)
+            self.copy_seconds += time.perf_counter() - started
             return
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        compute = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute)
+        start, end = self._marks
         with torch.cuda.stream(self._stream):
+            start.record()
             self._copy(rows, slots, unmapped if victims else None, final)
-        self._stream.synchronize()
+            end.record()
+        if self.overlap:  # otherwise install waits on the host before anything else is launched
+            compute.wait_event(end)
+        self._in_flight = True
+
+    def wait(self) -> None:
+        """Block until the last install's copies are done (its host rows and the staging tables
+        may then be reused); adds their device time to `copy_seconds`."""
+        if not self._in_flight:
+            return
+        start, end = self._marks
+        started = time.perf_counter()
+        end.synchronize()
+        self.wait_seconds += time.perf_counter() - started
+        self.copy_seconds += start.elapsed_time(end) / 1e3
+        self._in_flight = False
+
+    def collect(self) -> None:
+        """`wait()` if the copies are already done (never blocks): brings `copy_seconds` up to date."""
+        if self._in_flight and self._marks[1].query():
+            self.wait()
 
     def _copy(self, rows, slots, unmapped: torch.Tensor | None, final: torch.Tensor) -> None:
         if unmapped is not None:
             self.table.copy_(unmapped, non_blocking=True)  # unmap before the bytes are reused
         for first, count, nbytes in self._runs(rows, slots):
             if count == 1:
-                self.slots[slots[first], :nbytes].copy_(rows[first], non_blocking=True)
+                dest = self._slot_rows[slots[first]]
+                (dest if nbytes == self.slot_bytes else dest[:nbytes]).copy_(rows[first], non_blocking=True)
             else:  # `count` full rows, adjacent in one host buffer: one copy into consecutive slots
                 source = rows[first].as_strided((count * nbytes,), (1,))
                 self.slots[slots[first]:slots[first] + count].view(-1).copy_(source, non_blocking=True)
@@ -188,7 +248,7 @@ class DevicePool:
         their host bytes are adjacent in one allocation and their slots are consecutive."""
         runs: list[list[int]] = []
         for i, row in enumerate(rows):
-            if runs and self._follows(rows[i - 1], row) and slots[i] == slots[i - 1] + 1:
+            if runs and slots[i] == slots[i - 1] + 1 and self._follows(rows[i - 1], row):
                 runs[-1][1] += 1
             else:
                 runs.append([i, 1, row.numel()])

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tierstore.runtime.engine import TieredRuntime
+from tierstore.runtime.engine import COUNTERS, TieredRuntime
 
 log = logging.getLogger("tierstore.runtime")
 
@@ -41,12 +41,16 @@ class Window:
     replayed_steps: int
     missing_pairs: int
     fetched_bytes: int
-    fetch_seconds: float
+    fetch_seconds: float  # host time in fetches (on CUDA their copies finish after: copy_seconds)
+    copy_seconds: float  # the copies' own time (device events on CUDA)
     arena_hit_bytes: int  # fetched rows the arena served from pinned memory
     arena_miss_bytes: int  # fetched rows read from the row source (the pack on disk)
     gate_fired: int  # steps the confidence gate fired on (0 without a gate)
     gate_replays: int
-    per_step: dict | None = None  # lists, one entry per step: ms, replays, arena_hit_rows, arena_miss_rows, fetch_ms
+    per_step: dict | None = None  # lists, one entry per step: ms, replays, arena_hit_rows, arena_miss_rows, and
+    # PER_STEP_MS: fetch_ms (host time in fetch) = arena_ms + install_ms (+ copy_wait_ms in fetch); copy_ms (the
+    # copies' device time); copy_wait_ms (host blocked on copies); read_ms (pass-log reads: each waits for its
+    # forward and for copies in flight)
 
     def as_dict(self) -> dict:
         steps = max(self.steps, 1)
@@ -54,6 +58,7 @@ class Window:
                 if self.seconds else 0.0, "replay_rate": self.replayed_steps / steps,
                 "missing_pairs_per_step": self.missing_pairs / steps,
                 "fetch_gbps": self.fetched_bytes / self.fetch_seconds / 1e9 if self.fetch_seconds else 0.0,
+                "copy_gbps": self.fetched_bytes / self.copy_seconds / 1e9 if self.copy_seconds else 0.0,
                 "breakdown": breakdown(self.per_step)}
 
 
@@ -70,18 +75,25 @@ def breakdown(per_step: dict | None) -> dict:
     def mean(values) -> float:
         return float(values.mean()) if len(values) else 0.0
 
+    fetched = np.asarray(per_step["arena_hit_rows"]) + miss > 0
     return {"disk_steps": int(disk.sum()), "disk_step_ms": mean(ms[disk]), "no_disk_step_ms": mean(ms[~disk]),
             "arena_miss_rows_per_disk_step": mean(miss[disk]), "multi_replay_steps": int((replays > 1).sum()),
-            "max_replays": int(replays.max()),
+            "max_replays": int(replays.max()), "fetch_steps": int(fetched.sum()),
+            "fetch_step_median_ms": {name: float(np.median(np.asarray(per_step[name])[fetched])) if fetched.any()
+                                     else 0.0 for name in ("ms", *PER_STEP_MS)},
             "slowest": {k: v[slowest] for k, v in per_step.items()} | {"index": slowest}}
 
 
+PER_STEP_MS = ("fetch_ms", "arena_ms", "install_ms", "copy_ms", "copy_wait_ms", "read_ms")
+
+
 def _counters(runtime: TieredRuntime) -> np.ndarray:
-    """[replayed steps, first-pass missing pairs, fetched bytes, fetch ns, arena hit rows, arena miss rows,
-    gate fires, gate replays]."""
+    """[replayed steps, first-pass missing pairs, fetched bytes, fetch ns, copy ns, arena hit rows, arena miss
+    rows, gate fires, gate replays]."""
     s, a, gate = runtime.stats(), runtime.arena.stats(), runtime.gate_stats()
     return np.array([s.replayed_steps, round(s.missing_pairs_per_step * s.steps), s.fetched_bytes,
-                     round(s.fetch_seconds * 1e9), a.hit_rows, a.miss_rows, gate.fired, gate.replays], dtype=np.int64)
+                     round(s.fetch_seconds * 1e9), round(s.copy_seconds * 1e9), a.hit_rows, a.miss_rows, gate.fired,
+                     gate.replays], dtype=np.int64)
 
 
 def _window(times: list[float], before: np.ndarray, after: np.ndarray, row_bytes: int,
@@ -89,19 +101,18 @@ def _window(times: list[float], before: np.ndarray, after: np.ndarray, row_bytes
     d = after - before
     ms = np.asarray(times) * 1e3 if times else np.zeros(1)
     return Window(len(times), float(sum(times)), float(np.percentile(ms, 50)), float(np.percentile(ms, 99)),
-                  int(d[0]), int(d[1]), int(d[2]), d[3] / 1e9, int(d[4]) * row_bytes, int(d[5]) * row_bytes,
-                  int(d[6]), int(d[7]), per_step)
+                  int(d[0]), int(d[1]), int(d[2]), d[3] / 1e9, d[4] / 1e9, int(d[5]) * row_bytes, int(d[6]) * row_bytes,
+                  int(d[7]), int(d[8]), per_step)
 
 
 def _per_step(times: list[float], marks: list[tuple]) -> dict:
     """Per-step deltas of `TieredRuntime.counters()` (marks[i] before step i, marks[-1] after the last)."""
-    if not times:
-        return {"ms": [], "replays": [], "arena_hit_rows": [], "arena_miss_rows": [], "fetch_ms": []}
-    c = np.asarray(marks, dtype=np.float64)  # [steps + 1, 6]
-    d = np.diff(c, axis=0)
-    return {"ms": [round(1e3 * t, 4) for t in times], "replays": d[:, 1].astype(int).tolist(),
-            "arena_hit_rows": d[:, 4].astype(int).tolist(), "arena_miss_rows": d[:, 5].astype(int).tolist(),
-            "fetch_ms": np.round(1e3 * d[:, 3], 4).tolist()}
+    d = np.diff(np.asarray(marks, dtype=np.float64).reshape(len(marks), len(COUNTERS)), axis=0)  # [steps, counters]
+    column = dict(zip(COUNTERS, d.T))
+    out = {"ms": [round(1e3 * t, 4) for t in times]}
+    out.update({name: column[name].astype(int).tolist() for name in ("replays", "arena_hit_rows", "arena_miss_rows")})
+    out.update({name: np.round(1e3 * column[name[:-3] + "_s"], 4).tolist() for name in PER_STEP_MS})
+    return out
 
 
 READBACKS = ("none", "separate", "folded")

@@ -23,7 +23,8 @@ class RuntimeStats:
     failed_steps: int
     fetched_rows: int
     fetched_bytes: int
-    fetch_seconds: float
+    fetch_seconds: float  # host time in fetches; on CUDA their copies finish after (copy_seconds)
+    copy_seconds: float  # the copies' own time (device events on CUDA, the memcpys on CPU)
     step_p50_s: float
     step_p99_s: float
     arena_hit_share: float  # share of fetched rows the arena served without a pack read
@@ -38,9 +39,13 @@ class RuntimeStats:
     def fetch_gbps(self) -> float:
         return self.fetched_bytes / self.fetch_seconds / 1e9 if self.fetch_seconds else 0.0
 
+    @property
+    def copy_gbps(self) -> float:
+        return self.fetched_bytes / self.copy_seconds / 1e9 if self.copy_seconds else 0.0
+
     def as_dict(self) -> dict:
         out = dict(self.__dict__)
-        out.update(replay_rate=self.replay_rate, fetch_gbps=self.fetch_gbps)
+        out.update(replay_rate=self.replay_rate, fetch_gbps=self.fetch_gbps, copy_gbps=self.copy_gbps)
         return out
 
 
@@ -52,13 +57,17 @@ class StatsRecorder:
         self.first_pass_misses = 0
         self.fetched_rows = self.fetched_bytes = 0
         self.fetch_seconds = 0.0
+        self.arena_seconds = self.install_seconds = 0.0  # the parts of fetch_seconds in the arena and the pool
+        self.read_seconds = 0.0  # pass-log reads (their sync waits for the forward and any copies in flight)
         self.step_seconds: deque[float] = deque(maxlen=WINDOW)
         self.recent: deque[tuple[bool, int]] = deque(maxlen=WINDOW)  # (replayed, first-pass missing pairs)
 
-    def add_fetch(self, rows: int, nbytes: int, seconds: float) -> None:
+    def add_fetch(self, rows: int, nbytes: int, seconds: float, arena_seconds: float, install_seconds: float) -> None:
         self.fetched_rows += rows
         self.fetched_bytes += nbytes
         self.fetch_seconds += seconds
+        self.arena_seconds += arena_seconds
+        self.install_seconds += install_seconds
 
     def add_step(self, replays: int, first_misses: int, seconds: float, tolerated: bool, residue: int) -> None:
         self.steps += 1
@@ -72,7 +81,7 @@ class StatsRecorder:
         self.step_seconds.append(seconds)
         self.recent.append((replays > 0, first_misses))
 
-    def snapshot(self, arena_hits: int, arena_misses: int) -> RuntimeStats:
+    def snapshot(self, arena_hits: int, arena_misses: int, copy_seconds: float) -> RuntimeStats:
         times = np.asarray(self.step_seconds) if self.step_seconds else np.zeros(1)
         looked_up = arena_hits + arena_misses
         return RuntimeStats(
@@ -81,15 +90,15 @@ class StatsRecorder:
             missing_pairs_per_step=self.first_pass_misses / self.steps if self.steps else 0.0,
             tolerated_steps=self.tolerated, residue_steps=self.residue_steps, residue_pairs=self.residue_pairs,
             failed_steps=self.failed, fetched_rows=self.fetched_rows, fetched_bytes=self.fetched_bytes,
-            fetch_seconds=self.fetch_seconds,
+            fetch_seconds=self.fetch_seconds, copy_seconds=copy_seconds,
             step_p50_s=float(np.percentile(times, 50)), step_p99_s=float(np.percentile(times, 99)),
             arena_hit_share=arena_hits / looked_up if looked_up else 0.0,
             pool_slots=self.pool_slots, pool_coverage=self.pool_slots / self.total_experts,
         )
 
-    def kpi_line(self, last: int, arena_hits: int, arena_misses: int) -> str:
+    def kpi_line(self, last: int, arena_hits: int, arena_misses: int, copy_seconds: float) -> str:
         """"[tierstore] KPI: replay X% of last N steps (avg Y missing pairs/step; cumulative Z% of M) ..." """
-        stats = self.snapshot(arena_hits, arena_misses)
+        stats = self.snapshot(arena_hits, arena_misses, copy_seconds)
         window = list(self.recent)[-last:] if last else list(self.recent)
         n = len(window)
         recent_rate = sum(r for r, _ in window) / n if n else 0.0
@@ -97,7 +106,8 @@ class StatsRecorder:
         line = (f"[tierstore] KPI: replay {100 * recent_rate:.1f}% of last {n} steps "
                 f"(avg {recent_misses:.2f} missing pairs/step; cumulative {100 * stats.replay_rate:.1f}% of "
                 f"{stats.steps}) - pool {stats.pool_slots} slots = {100 * stats.pool_coverage:.1f}% of experts | "
-                f"fetch {stats.fetched_rows} rows {stats.fetched_bytes / 2**20:.1f} MiB at {stats.fetch_gbps:.2f} GB/s | "
+                f"fetch {stats.fetched_rows} rows {stats.fetched_bytes / 2**20:.1f} MiB, host "
+                f"{stats.fetch_seconds:.3f} s, copies at {stats.copy_gbps:.2f} GB/s | "
                 f"step p50 {1e3 * stats.step_p50_s:.2f} ms p99 {1e3 * stats.step_p99_s:.2f} ms | "
                 f"arena hits {100 * stats.arena_hit_share:.1f}%")
         if stats.second_order_steps:

@@ -1,0 +1,127 @@
+"""Host cost of the miss path on CPU, old tree vs new tree in one run.
+
+The replay benchmark's tiered run at ds-v2-lite's routing shape (8 MoE layers x 64 experts, top-6,
+one token per step, Zipf 1.1 routing from `benchmarks/replay.py`), pool at 25% (128 slots), arena
+preloaded with every row (each miss is an arena hit, as in `--arena-preload`), driven through
+`replay_drive.drive` (step protocol, token folded into the pass-log read) on the CPU device, with
+tiny rows (hidden and expert width 128: 16 KiB slots) so that the copies (memcpys here) do not
+hide the Python around them. Timed by wrapping, in both trees alike: `TieredRuntime.fetch` (the
+host's time in a fetch), `Arena.fetch` and `DevicePool.install`; one fetch per steady step.
+
+The parent process alternates rounds between the trees (`--baseline REV`, checked out as a git
+worktree, and the working tree), each round a fresh subprocess importing that tree's tierstore.
+
+    python benchmarks/fetch_overhead.py --baseline 002dda0 --out benchmarks/results/fetch_overhead_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PARTS = ("fetch", "arena", "install")
+
+
+def timed(owner, name: str, part: str, calls: dict, runtime) -> None:
+    """Replace owner.name by a wrapper recording (step index, seconds) of every call in calls[part]."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            calls[part].append((runtime._stats.steps, time.perf_counter() - started))
+
+    setattr(owner, name, wrapper)
+
+
+def worker(steps: int, warmup: int) -> dict:
+    import torch
+    from replay import skewed_steps
+
+    from tierstore.geometry import get_preset
+    from tierstore.runtime import MemoryRowSource, RuntimeConfig, TieredRuntime
+    from tierstore.runtime.replay import preload_arena
+    from tierstore.runtime.replay_drive import drive
+    from tierstore.runtime.synthetic import tiled_rows
+
+    torch.set_num_threads(1)
+    g = dataclasses.replace(get_preset("ds-v2-lite").with_layers(8), hidden=128, expert_inter=128)
+    runtime = TieredRuntime(g, MemoryRowSource(tiled_rows(g, False)), pool_slots=g.total_routed_experts // 4,
+                            arena_slots=g.total_routed_experts, config=RuntimeConfig(kpi_every=0, force_pool=True),
+                            output_words=1)
+    with runtime:
+        preload_arena(runtime)
+        calls: dict[str, list] = {part: [] for part in PARTS}
+        for owner, name, part in ((runtime, "fetch", "fetch"), (runtime.arena, "fetch", "arena"),
+                                  (runtime.pool, "install", "install")):
+            timed(owner, name, part, calls, runtime)
+        drive(runtime, skewed_steps(g, steps), warmup=warmup, readback="folded")
+        rows = runtime.stats().fetched_rows
+    steady = {part: [s for step, s in values if step >= warmup] for part, values in calls.items()}
+    return {"steps": steps, "warmup": warmup, "fetches": len(steady["fetch"]),
+            "rows_per_fetch_call": rows / len(calls["fetch"]),
+            **{f"{part}_p50_us": 1e6 * statistics.median(values) for part, values in steady.items()},
+            **{f"{part}_mean_us": 1e6 * statistics.fmean(values) for part, values in steady.items()}}
+
+
+def run_rounds(trees: dict[str, Path], rounds: int, steps: int, warmup: int) -> dict[str, list]:
+    results: dict[str, list] = {name: [] for name in trees}
+    for _ in range(rounds):
+        for name, tree in trees.items():
+            env = dict(os.environ, PYTHONPATH=str(tree))
+            cmd = [sys.executable, __file__, "--worker", "--steps", str(steps), "--warmup", str(warmup)]
+            done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
+            results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--baseline", default="002dda0", help="git revision of the old tree")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.steps, args.warmup)))
+        return
+    repo = Path(__file__).resolve().parent.parent
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "tierstore"], cwd=repo, capture_output=True,
+                                text=True, check=True).stdout.strip())
+    with tempfile.TemporaryDirectory() as tmp:
+        old = Path(tmp) / "old"
+        subprocess.run(["git", "worktree", "add", "--detach", str(old), args.baseline], cwd=repo, check=True,
+                       capture_output=True)
+        try:
+            results = run_rounds({"old": old, "new": repo}, args.rounds, args.steps, args.warmup)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=repo, check=True)
+    medians = {f"{part}_p50_us": {name: statistics.median(r[f"{part}_p50_us"] for r in rows)
+                                  for name, rows in results.items()} for part in PARTS}
+    medians["rows_per_fetch_call"] = {name: rows[0]["rows_per_fetch_call"] for name, rows in results.items()}
+    report = dict(provenance=dict(old=args.baseline, new=head, new_tree_dirty=dirty, python=platform.python_version(),
+                                  machine=platform.machine(), cpus=os.cpu_count(), rounds=args.rounds,
+                                  note="CPU only: no GPU, copies are memcpys of 16 KiB rows"),
+                  results=results, medians=medians)
+    print(json.dumps(medians, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
