@@ -1,0 +1,158 @@
+"""Build a .cu file with nvcc into a fatbin and launch its kernels through the CUDA driver API (ctypes).
+
+No torch CUDA extension build: `nvcc -fatbin` (seconds), `cuModuleLoadData` on the context torch already
+made current, `cuLaunchKernel` on the caller's stream (capture-safe: a launch on a capturing stream is
+recorded into the graph like any other). The fatbin holds sm_90a SASS and compute_90a PTX, so a driver
+that cannot load the SASS can still JIT the PTX.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ARCH = "90a"
+_CU_FUNC_ATTRIBUTE = {"max_threads": 0, "shared_bytes": 1, "local_bytes": 3, "num_regs": 4}
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED = 8
+
+
+class CudaError(RuntimeError):
+    """A failed driver call or nvcc run (message carries the driver's error name or nvcc's output)."""
+
+
+def nvcc_path() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.exists() else None
+
+
+def nvcc_version() -> str | None:
+    nvcc = nvcc_path()
+    if nvcc is None:
+        return None
+    lines = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    release = [line for line in lines if "release" in line]
+    return (release or lines or [None])[-1]
+
+
+def nvcc_command(source: Path, output: Path, fmt: str = "fatbin", defines: dict | None = None,
+                 arch: str = ARCH) -> list[str]:
+    """fmt: fatbin (SASS + PTX, what `build` loads) or cubin (SASS only, for cuobjdump); defines: -DNAME=value."""
+    targets = f"[sm_{arch},compute_{arch}]" if fmt == "fatbin" else f"sm_{arch}"
+    flags = [f"-D{name}={value}" for name, value in sorted((defines or {}).items())]
+    return [nvcc_path() or "nvcc", f"-{fmt}", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code={targets}",
+            *flags, "-o", str(output), str(source)]
+
+
+def build(source: Path, defines: dict | None = None, fmt: str = "fatbin", cache_dir: Path | None = None) -> bytes:
+    """Compile `source` (cached by its bytes and the command) and return the image."""
+    text = Path(source).read_bytes()
+    cache_dir = Path(cache_dir or os.environ.get("TIERSTORE_CUDA_CACHE", Path(tempfile.gettempdir()) / "tierstore-cuda"))
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(text + " ".join(nvcc_command(Path("s"), Path("o"), fmt, defines)).encode()).hexdigest()[:16]
+    image = cache_dir / f"{Path(source).stem}-{key}.{fmt}"
+    if not image.exists():
+        if nvcc_path() is None:
+            raise CudaError("nvcc not found (PATH or /usr/local/cuda/bin)")
+        tmp = image.with_suffix(f".{os.getpid()}.tmp")
+        proc = subprocess.run(nvcc_command(Path(source), tmp, fmt, defines), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise CudaError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        os.replace(tmp, image)
+    return image.read_bytes()
+
+
+# Argument kinds of `pack_args`: pointer (uint64), int32, int64, float32.
+_ARG_TYPES = {"p": ctypes.c_uint64, "i": ctypes.c_int32, "q": ctypes.c_int64, "f": ctypes.c_float}
+
+
+def pack_args(kinds: str, values) -> tuple[ctypes.Array, list]:
+    """Kernel arguments -> (void*[n] for cuLaunchKernel, the ctypes objects it points to: keep them alive)."""
+    if len(kinds) != len(values):
+        raise ValueError(f"{len(kinds)} argument kinds for {len(values)} values")
+    held = []
+    for kind, value in zip(kinds, values):
+        if kind not in _ARG_TYPES:
+            raise ValueError(f"unknown argument kind {kind!r} (one of {''.join(_ARG_TYPES)})")
+        if kind in "piq" and not isinstance(value, int):
+            raise TypeError(f"argument kind {kind!r} needs an int, got {type(value).__name__}")
+        held.append(_ARG_TYPES[kind](value))
+    array = (ctypes.c_void_p * len(held))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in held])
+    return array, held
+
+
+class _Driver:
+    """The few libcuda entry points used here; every call is checked."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.check("cuInit", 0)
+
+    def check(self, name: str, *args) -> None:
+        status = getattr(self.lib, name)(*args)
+        if status != 0:
+            text = ctypes.c_char_p()
+            self.lib.cuGetErrorName(status, ctypes.byref(text))
+            raise CudaError(f"{name} failed: {text.value.decode() if text.value else status}")
+
+    def ensure_context(self, device: int) -> None:
+        """Make the device's primary context (torch's) current on this thread if none is."""
+        ctx = ctypes.c_void_p()
+        self.check("cuCtxGetCurrent", ctypes.byref(ctx))
+        if not ctx.value:
+            dev = ctypes.c_int()
+            self.check("cuDeviceGet", ctypes.byref(dev), device)
+            self.check("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+            self.check("cuCtxSetCurrent", ctx)
+
+
+_DRIVER: _Driver | None = None
+
+
+def driver() -> _Driver:
+    global _DRIVER
+    if _DRIVER is None:
+        _DRIVER = _Driver()
+    return _DRIVER
+
+
+@dataclass
+class Kernel:
+    """One loaded kernel: `launch(grid, block, shared_bytes, stream, kinds, values)`."""
+
+    module: ctypes.c_void_p
+    function: ctypes.c_void_p
+    name: str
+
+    def attribute(self, name: str) -> int:
+        value = ctypes.c_int()
+        driver().check("cuFuncGetAttribute", ctypes.byref(value), _CU_FUNC_ATTRIBUTE[name], self.function)
+        return value.value
+
+    def allow_shared(self, nbytes: int) -> None:
+        if nbytes > 48 * 1024:
+            driver().check("cuFuncSetAttribute", self.function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED, nbytes)
+
+    def launch(self, grid, block, shared_bytes: int, stream: int, kinds: str, values) -> None:
+        params, _held = pack_args(kinds, values)
+        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+        bx, by, bz = (tuple(block) + (1, 1))[:3]
+        driver().check("cuLaunchKernel", self.function, gx, gy, gz, bx, by, bz, shared_bytes,
+                       ctypes.c_void_p(stream), params, None)
+
+
+def load(image: bytes, name: str, device: int = 0) -> Kernel:
+    drv = driver()
+    drv.ensure_context(device)
+    module, function = ctypes.c_void_p(), ctypes.c_void_p()
+    drv.check("cuModuleLoadData", ctypes.byref(module), ctypes.c_char_p(image))
+    drv.check("cuModuleGetFunction", ctypes.byref(function), module, name.encode())
+    return Kernel(module, function, name)

@@ -1,0 +1,106 @@
+"""CUDA C++ W2 gate_up for decode (w2_gate_up.cu) and its plain-torch reference.
+
+`W2GateUpCuda()(hidden, top_k, w2, fp4, layer, workspace)` computes what `moe_gate_up` computes for the
+W2-resident pairs of a BT = 1 workspace (after `moe_route`): workspace.act[pair] = SwiGLU(W13_e x[token]),
+or into `out` [P, I] bf16 when given. Pairs of an FP4-resident expert and missing experts are left
+untouched. An experiment for issue #9 section 4 (benchmarks/cuda-w2-notes.md), not wired into moe_mm.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..layout import SlotLayout, unpack_matrix_ref
+from . import loader
+
+SOURCE = Path(__file__).with_name("w2_gate_up.cu")
+KERNEL = "w2_gate_up_mma"
+ROWS_PER_BLOCK = 32  # output rows per block: 4 warps x 8 (kWarps * kRowsPerWarp in the .cu)
+THREADS = 128
+K_MULTIPLE = 512  # hidden must fill whole 32-word tiles (kTileK)
+# x, stride_x, slots, slot_bytes, words_off, scales_off, words_per_row, blocks_per_row, w2_table, f4_table,
+# table_row, block_expert, block_pairs, num_blocks, top_k, act, stride_act, inter, hidden, limit, has_limit
+ARG_KINDS = "pqpqqqiippipppipqiifi"
+
+
+def check_geometry(layout: SlotLayout) -> None:
+    """The shapes the kernel supports: whole 512-K tiles (SlotLayout already makes inter a multiple of 32 =
+    ROWS_PER_BLOCK)."""
+    if layout.values_per_word != 16:
+        raise ValueError("the CUDA gate_up reads W2 slots only")
+    if layout.hidden % K_MULTIPLE:
+        raise ValueError(f"hidden must be a multiple of {K_MULTIPLE}, got {layout.hidden}")
+
+
+def launch_args(hidden, top_k, w2, fp4, layer: int, ws, out, swiglu_limit: float | None) -> list:
+    """The kernel's arguments in ARG_KINDS order (pointers as ints)."""
+    lay = w2.layout
+    m = lay.w13
+    return [hidden.data_ptr(), hidden.stride(0), w2.slots.data_ptr(), lay.slot_bytes, lay.w13_words_offset,
+            lay.w13_scales_offset, m.words_per_row, m.blocks_per_row, w2.table.data_ptr(), fp4.table.data_ptr(),
+            layer * w2.table.shape[1], ws.block_expert.data_ptr(), ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(),
+            top_k, out.data_ptr(), out.stride(0), lay.inter, lay.hidden,
+            0.0 if swiglu_limit is None else float(swiglu_limit), int(swiglu_limit is not None)]
+
+
+def _check_inputs(hidden, w2, fp4, ws, out) -> None:
+    check_geometry(w2.layout)
+    if ws.block_tokens != 1:
+        raise ValueError(f"the CUDA gate_up runs one pair per block (block_tokens 1), got {ws.block_tokens}")
+    if hidden.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or not hidden.is_cuda:
+        raise ValueError("hidden and out must be bfloat16 CUDA tensors")
+    if hidden.shape[1] != w2.layout.hidden or hidden.stride(1) != 1 or hidden.stride(0) % 8:
+        raise ValueError("hidden must be [T, H] with unit inner stride and 16-byte aligned rows")
+    if out.shape != ws.act.shape or out.stride(1) != 1:
+        raise ValueError(f"out must be [P, I] = {tuple(ws.act.shape)} with unit inner stride")
+    if fp4.table.shape != w2.table.shape:
+        raise ValueError("the W2 and FP4 tables must have the same shape")
+
+
+class W2GateUpCuda:
+    """Builds (nvcc, cached) and loads the kernel once; each call launches it on the current stream.
+
+    ahead: K tiles of weight loads in flight per lane while one tile is computed (W2_AHEAD in the .cu:
+    1 = 96 registers, 2 = 123 registers, both 4 blocks of 128 threads per SM).
+    """
+
+    def __init__(self, ahead: int = 1, device: int | None = None) -> None:
+        self.device = torch.cuda.current_device() if device is None else device
+        torch.cuda.init()
+        self.ahead = ahead
+        self.kernel = loader.load(loader.build(SOURCE, {"W2_AHEAD": ahead}), KERNEL, self.device)
+
+    def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, out=None, swiglu_limit: float | None = None):
+        out = ws.act if out is None else out
+        _check_inputs(hidden, w2, fp4, ws, out)
+        grid = (ws.block_expert.numel(), w2.layout.inter // ROWS_PER_BLOCK)
+        smem = 2 * w2.layout.hidden  # activation pairs: H / 2 x 4 bytes
+        self.kernel.allow_shared(smem)
+        self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream, ARG_KINDS,
+                           launch_args(hidden, top_k, w2, fp4, layer, ws, out, swiglu_limit))
+        return out
+
+    def attributes(self) -> dict:
+        return {name: self.kernel.attribute(name) for name in ("num_regs", "local_bytes", "shared_bytes", "max_threads")}
+
+
+def w2_gate_up_ref(hidden: torch.Tensor, topk_ids: torch.Tensor, w2, fp4, layer: int,
+                   swiglu_limit: float | None = None) -> torch.Tensor:
+    """Plain torch: float32 [P, I], row p = SwiGLU(W13_e x[p // k]) for W2-resident pairs (e = topk_ids.flat[p]
+    with no FP4 slot), NaN elsewhere. Weights from `unpack_matrix_ref`, float32 arithmetic."""
+    top_k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).tolist()
+    out = torch.full((len(ids), w2.layout.inter), float("nan"), dtype=torch.float32, device=hidden.device)
+    for p, e in enumerate(ids):
+        slot = int(w2.table[layer, e])
+        if slot < 0 or int(fp4.table[layer, e]) >= 0:
+            continue
+        w13 = unpack_matrix_ref(w2.slots[slot], w2.layout, "w13")  # [2I, H]
+        gate, up = (w13 @ hidden[p // top_k].float()).chunk(2)
+        if swiglu_limit is not None:
+            gate = gate.clamp(max=swiglu_limit)
+            up = up.clamp(-swiglu_limit, swiglu_limit)
+        out[p] = torch.nn.functional.silu(gate) * up
+    return out
