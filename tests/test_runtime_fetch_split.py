@@ -12,7 +12,7 @@ from tierstore.cache.policy import get_policy
 from tierstore.runtime import RuntimeConfig, TieredRuntime
 from tierstore.runtime.pools import DevicePool
 from tierstore.runtime.replay import run_replay, trace_steps
-from tierstore.runtime.replay_drive import PER_STEP_MS
+from tierstore.runtime.replay_drive import PER_STEP_MS, drive
 
 
 def test_per_step_split_adds_up_and_is_zero_without_a_fetch():
@@ -89,3 +89,20 @@ def test_an_overlapped_install_is_read_in_stream_order_on_cuda():
     p.wait()
     assert p.copy_seconds > collected and count * slot / (p.copy_seconds - collected) > 1e9
     p.check_coherent()
+
+
+def test_hits_applied_before_each_read_change_no_eviction():
+    """`_early_hits` (on by default where the device is CUDA and the pool can evict) moves the
+    replay of the deferred LRU hits before the pass-log read: same policy order, same slots."""
+    g = toy_geometry()
+    steps = trace_steps(skewed_routing(g, 40, seed=3), None, g.num_moe_layers, None)
+    finals = []
+    for early in (False, True):
+        runtime = TieredRuntime(g, memory_source(g), pool_slots=12, arena_slots=16,
+                                config=RuntimeConfig(kpi_every=0), output_words=1)
+        runtime._early_hits = early
+        with runtime:
+            out = drive(runtime, steps, warmup=0, readback="folded")
+            finals.append((out["tokens"], runtime.pool.mirror.copy(), list(runtime.pool.policy._order)))
+    assert finals[0][0] == finals[1][0] and np.array_equal(finals[0][1], finals[1][1])
+    assert finals[0][2] == finals[1][2]

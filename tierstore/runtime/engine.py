@@ -97,6 +97,9 @@ class TieredRuntime:
         # overlap: a fetch returns with its copies in flight; the next pass waits for them on the device
         self.pool = DevicePool(min(pool_slots, geometry.total_routed_experts), self.layout.slot_bytes, *shape,
                                self.device, get_policy(self.config.policy), overlap=True)
+        # the pool's deferred hits reach its policy before each pass-log read, while the forward runs on the
+        # device, not in a fetch after the sync; only where a fetch can evict and the device runs asynchronously
+        self._early_hits = self.device.type == "cuda" and self.pool.num_slots < geometry.total_routed_experts
         self.arena = Arena(source, arena_slots, heat_path=heat_path, pin=self.device.type == "cuda")
         self.source = source
         self.log = PassLog(*shape, geometry.top_k, capacity=shape[0] * shape[1], device=self.device,
@@ -287,7 +290,8 @@ class TieredRuntime:
 
     def _read_pass(self) -> PassReport:
         self.settle()
-        self.pool.apply_hits()  # while the forward runs on the device, not in a fetch after its sync
+        if self._early_hits:
+            self.pool.apply_hits()
         started = time.perf_counter()
         self.last_pass = self.log.read()
         self._stats.read_seconds += time.perf_counter() - started
