@@ -165,8 +165,10 @@ class TieredRuntime:
     # -- fetch --------------------------------------------------------------------------------
     def fetch(self, keys: Iterable[Key], protect: Iterable[Key], scan: bool = False, partial: bool = False) -> int:
         """Make `keys` resident in one batch (arena hits are zero-copy; misses read the source),
-        never evicting `protect`. Returns how many were installed. Fails closed: on a read error
-        nothing is mapped and the error propagates."""
+        never evicting `protect`. Returns how many were installed, on CUDA with their copies still
+        in flight: work launched after it on the current stream waits for them on the device
+        (`DevicePool` with `overlap`). Fails closed: on a read error nothing is mapped and the
+        error propagates."""
         self.settle()
         keys = [k for k in dict.fromkeys(keys) if not self.pool.is_resident(k)]
         if not keys:
