@@ -6,7 +6,8 @@ down, route + combine), fused FP4 (all in the FP4 pool; for BT = 1 also its gate
 torch._grouped_mm in bf16 on the same routing (GEMM + SwiGLU + GEMM, the routing sort precomputed),
 dequantize-then-_grouped_mm on the same W2 codes, and a streaming-read kernel over the same number
 of bytes (the ceiling). Bytes = the unique routed experts' packed codes + scales (bf16: their bf16
-weights; route + combine: none). Correctness against moe_mm_ref is checked at T = 1 and 8.
+weights; route + combine: none). New variants (v9): the down GEMM's candidates (DOWN_CANDIDATES), each as
+the whole op and as the down launch alone. Correctness against moe_mm_ref is checked at T = 1 and 8.
 
 Order and failures: the current kernels' checks, then every T's current kernels and baselines
 (BASELINE_VARIANTS, with the streaming ceilings), then the checks of the alternatives (FP4 "off"
@@ -169,8 +170,34 @@ def _fp4_mode_check(geo, w2, f4, inp, mode, device) -> dict:
             f"fp4_{mode}_repeat_identical": bool(torch.equal(o, o2)), "out": o}
 
 
+# v9 candidates for the down GEMM (kernel-notes v9): MoeWorkspace.allocate options; `exact`: designed to
+# give the default's bytes (same operations in the same order), so `<name>_equals_default` must be True.
+DOWN_CANDIDATES = {
+    "down4": (dict(down_batch4=True), True),
+    "downbn32w4": (dict(down_block_n=32, down_num_warps=4), False),
+    "down4bn32w8": (dict(down_batch4=True, down_block_n=32, down_num_warps=8), False),
+}
+
+
+def _down_check(geo, w2, f4, inp, options, device) -> dict:
+    """A down-GEMM candidate through the whole op on the default check's inputs: rel. error, NaN, repeat, bytes
+    equal to the default."""
+    x, ids, weights = inp["x"], inp["ids"], inp["weights"]
+    ws = MoeWorkspace.allocate(inp["tokens"], geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype,
+                               device, **options)
+    ws.act.fill_(float("nan"))
+    ws.y.fill_(float("nan"))
+    o = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, device), ws, out=torch.full_like(x, float("nan")))
+    o2 = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, device), ws, out=torch.empty_like(x))
+    return dict(rel_err=_rel_err(o, inp["ref"]), nan=bool(o.isnan().any()), repeat_identical=bool(torch.equal(o, o2)),
+                equals_default=bool(torch.equal(o, inp["out"])))
+
+
 def _check_group(variant: str) -> str | None:
     """Which correctness check covers a timed variant (None: not checked here, e.g. plain, MMA, baselines)."""
+    for name in DOWN_CANDIDATES:
+        if variant.endswith("_" + name):
+            return f"{variant.split('_')[0]}_{name}"
     return {"w2_fused": "w2_default", "w2_gate_up": "w2_default", "w2_down": "w2_default",
             "w2_route_combine": "w2_default", "fp4_fused": "fp4_default", "fp4_gate_up": "fp4_default"}.get(variant)
 
@@ -185,8 +212,10 @@ def _invalid_reasons(checks: list[dict]) -> dict[str, list[str]]:
 
     for row in checks:
         tier = row["tier"]
-        for group, err_key, rel_key, nan_key, rep_key, eq_key in (
-                (f"{tier}_default", "error", "rel_err", "nan", "repeat_identical", None),):
+        groups = [(f"{tier}_default", "error", "rel_err", "nan", "repeat_identical", None)]
+        groups += [(f"{tier}_{name}", f"{name}_error", f"{name}_rel_err", f"{name}_nan", f"{name}_repeat_identical",
+                    f"{name}_equals_default" if exact else None) for name, (_, exact) in DOWN_CANDIDATES.items()]
+        for group, err_key, rel_key, nan_key, rep_key, eq_key in groups:
             if err_key in row:
                 bad(group, row, f"check raised {row[err_key]['type']}: {row[err_key]['message'][:200]}")
             elif rel_key not in row:
@@ -240,6 +269,9 @@ def _check_variants(geo, w2, f4, rows, inputs, runner, device) -> None:
             return go
 
         label = f"check {inp['tier']} T={inp['tokens']}"
+        for name, (options, _) in DOWN_CANDIDATES.items():
+            got, err = runner.attempt(f"{label} {name}", resident(lambda: _down_check(geo, w2, f4, inp, options, device)))
+            row.update({f"{name}_{k}": v for k, v in got.items()} if got else {f"{name}_error": err})
         if fp4:
             outs = {}
             for mode in ("off", "triton"):
@@ -250,8 +282,8 @@ def _check_variants(geo, w2, f4, rows, inputs, runner, device) -> None:
                 row.update(got or {f"fp4_{mode}_error": err})
             if len(outs) == 2:
                 row["fp4_triton_equals_off"] = bool(torch.equal(outs["triton"], outs["off"]))
-        print(f"check {label[6:]} variants: " + json.dumps({k: v for k, v in row.items() if k.startswith("fp4_")},
-                                                           default=str), flush=True)
+        print(f"check {label[6:]} variants: " + json.dumps(
+            {k: v for k, v in row.items() if k.startswith(("fp4_",) + tuple(DOWN_CANDIDATES))}, default=str), flush=True)
 
 
 def _grouped_swiglu(x, w13, w2d, offs):
@@ -401,8 +433,9 @@ class Runner:
 # Timed first, for every T, so their rows exist even if a new variant breaks the process.
 BASELINE_VARIANTS = ("bf16_grouped_mm", "w2_fused", "w2_gate_up", "w2_down", "w2_route_combine", "w2_fused_plain",
                      "w2_gate_up_plain", "w2_fused_mma16", "dequant_grouped_mm", "fp4_fused", "fp4_gate_up")
-# Prepared, not yet measured (kernel-notes): their checks and timings come after every baseline.
-NEW_VARIANTS = ()
+# Prepared, not yet measured (kernel-notes v9): their checks and timings come after every baseline.
+NEW_VARIANTS = tuple(f"w2_{stage}_{name}" for name in DOWN_CANDIDATES for stage in ("fused", "down")) + (
+    "fp4_fused_downbn32w4", "fp4_fused_down4bn32w8")  # the launch changes reach the FP4 down GEMM too
 STREAMED = ("w2_fused", "w2_gate_up", "w2_down", "fp4_fused", "fp4_gate_up")  # the rest: the ceiling of the same bytes
 
 
@@ -438,6 +471,11 @@ def _variant_thunks(geo, state, routings, tokens, config) -> dict:
     out["fp4_fused"] = fused("all", fp4=True)
     if bt1:
         out["fp4_gate_up"] = fused("gate_up", fp4=True)
+        for name, (options, _) in DOWN_CANDIDATES.items():  # v9: the down GEMM's candidates
+            out[f"w2_fused_{name}"] = fused("all", **options)
+            out[f"w2_down_{name}"] = fused("down", **options)
+        for name in ("downbn32w4", "down4bn32w8"):
+            out[f"fp4_fused_{name}"] = fused("all", fp4=True, **DOWN_CANDIDATES[name][0])
     return out
 
 
@@ -458,7 +496,7 @@ def _case_row(preset, tokens, name, us, err, case, stream, bf16_us, invalid) -> 
     row.update(gb_per_s=nbytes / us / 1e3, pct_hbm=100 * nbytes / (us * 1e-6) / HBM_BYTES_PER_S,
                speedup_vs_bf16=bf16_us / us if bf16_us else None)
     same_bytes = ("fp4_gate_up" if name.startswith("fp4_gate_up") else "w2_gate_up" if "gate_up" in name
-                  else "w2_down" if "down" in name else "fp4_fused" if name.startswith("fp4") else "w2_fused")
+                  else "w2_down" if name.startswith("w2_down") else "fp4_fused" if name.startswith("fp4") else "w2_fused")
     ceiling = None if name == "bf16_grouped_mm" else stream.get(name, stream.get(same_bytes))
     if ceiling is not None:
         row["stream_us"] = ceiling
@@ -477,13 +515,13 @@ def _setup(geo, device) -> dict:
 
 
 def run(preset: str, token_counts: list[int], reps: int, sweep: bool, config: tuple[int, int] = (64, 8),
-        result: dict | None = None, emit=lambda result: None, device: str = "cuda") -> dict:
+        result: dict | None = None, emit=lambda result: None, device: str = "cuda", skip: tuple[str, ...] = ()) -> dict:
     """Fills `result` (checks, sweep, config, cases, errors, status) and calls emit(result) after each stage,
     so a kill leaves what was measured. Each variant and check runs isolated (Runner)."""
     result = {} if result is None else result
     runner = Runner(probe=_cuda_probe if device == "cuda" else None)
     result.update(status="running: setup", checks=[], sweep=[], config=dict(block_n=config[0], num_warps=config[1]),
-                  cases=[], errors=runner.errors)
+                  cases=[], errors=runner.errors, skipped_variants=list(skip))
     geo = get_preset(preset)
     state = _setup(geo, device)
     state["reps"] = reps
@@ -524,7 +562,7 @@ def run(preset: str, token_counts: list[int], reps: int, sweep: bool, config: tu
         if name not in per_expert:
             gate_up = "gate_up" in name
             per_expert[name] = ((f4_gate_up if gate_up else f4_expert) if name.startswith("fp4")
-                                else w2_gate_up if gate_up else w2_down if "down" in name else w2_expert)
+                                else w2_gate_up if gate_up else w2_down if name.startswith("w2_down") else w2_expert)
     invalid = {}
     cases = {}
 
@@ -532,7 +570,7 @@ def run(preset: str, token_counts: list[int], reps: int, sweep: bool, config: tu
         case = cases[tokens]
         thunks = _variant_thunks(geo, state, case["routings"], tokens, config)
         for name in names:
-            if name not in thunks:
+            if name not in thunks or name in skip:
                 continue
             us, err = runner.attempt(f"T={tokens} {name}", thunks[name])
             case["times"][name] = us
@@ -631,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="pick block_n/num_warps by W2 gate_up time at T=1 first")
     parser.add_argument("--config", default="64,8", help="block_n,num_warps when not sweeping")
     parser.add_argument("--commit", help="commit of the tree being measured, where it has no .git")
+    parser.add_argument("--skip", default="", help="comma-separated variants not to time (e.g. to shorten a run)")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the isolation tests
     args = parser.parse_args(argv)
     result: dict = dict(provenance=_provenance(args.commit))
@@ -639,7 +678,8 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         run(args.preset, [int(t) for t in args.tokens.split(",")], args.reps, args.sweep,
-            tuple(int(v) for v in args.config.split(",")), result=result, emit=emit, device=args.device)
+            tuple(int(v) for v in args.config.split(",")), result=result, emit=emit, device=args.device,
+            skip=tuple(v for v in args.skip.split(",") if v))
     except _Terminated:
         result["status"] = f"terminated by SIGTERM ({result.get('status', 'before start')}); rows so far are kept"
         code = 124

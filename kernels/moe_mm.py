@@ -79,11 +79,17 @@ class MoeWorkspace:
     # float16 decode. All three decode every scale byte the layout admits exactly (kernel-notes v8).
     # BT = 16 / 64 programs keep their own FP4 decode.
     fp4_bf16x2: str = "ptx"
+    # The down GEMM's launch (v9 candidates, kernel-notes): rows per program and warps (None: block_n and
+    # num_warps), and `down_batch4`: W2 words of four K tiles loaded before decoding (BT = 1 only).
+    down_block_n: int | None = None
+    down_num_warps: int | None = None
+    down_batch4: bool = False
 
     @classmethod
     def allocate(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype, device,
                  block_tokens: int | None = None, block_n: int = 64, num_warps: int | None = None,
-                 ptx_w2: bool = True, fp4_bf16x2: str = "ptx") -> MoeWorkspace:
+                 ptx_w2: bool = True, fp4_bf16x2: str = "ptx", down_block_n: int | None = None,
+                 down_num_warps: int | None = None, down_batch4: bool = False) -> MoeWorkspace:
         """block_tokens: 1 = one pair per program on CUDA-core FMAs (decode); 16 or 64 = tensor-core blocks.
 
         Default: 1 while pairs <= experts (measured crossover on the H200, benchmarks/kernel-notes.md),
@@ -98,6 +104,8 @@ class MoeWorkspace:
             raise ValueError(f"block_tokens must be 1, 16, 32 or 64, got {block_tokens}")
         if fp4_bf16x2 not in ("off", "ptx", "triton"):
             raise ValueError(f"fp4_bf16x2 must be 'off', 'ptx' or 'triton', got {fp4_bf16x2!r}")
+        if down_batch4 and block_tokens != 1:
+            raise ValueError(f"down_batch4 is a BT = 1 path, got block_tokens {block_tokens}")
         max_blocks = min(num_experts, pairs) + triton.cdiv(pairs, block_tokens)
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
@@ -112,6 +120,9 @@ class MoeWorkspace:
             y=torch.empty(pairs, hidden, dtype=torch.float32, device=device),
             ptx_w2=ptx_w2,
             fp4_bf16x2=fp4_bf16x2,
+            down_block_n=down_block_n,
+            down_num_warps=down_num_warps,
+            down_batch4=down_batch4,
         )
 
 
@@ -124,6 +135,10 @@ def _fp4_mode(ws: MoeWorkspace, a: torch.Tensor) -> int:
 
 def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: MoeWorkspace, n_out: int, k: int,
           top_k: int, gated: bool, limit: float | None, rows_are_tokens: bool) -> None:
+    """One GEMM launch: which = "w13" (gate_up, gated) or "w2" (down, with the workspace's down launch options)."""
+    down = which == "w2"
+    block_n = (ws.down_block_n or ws.block_n) if down else ws.block_n
+    num_warps = (ws.down_num_warps or ws.num_warps) if down else ws.num_warps
     m2 = w2.layout.w13 if which == "w13" else w2.layout.w2
     m4 = fp4.layout.w13 if which == "w13" else fp4.layout.w2
     def offsets(layout: SlotLayout):
@@ -132,7 +147,7 @@ def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: M
         return layout.w2_words_offset, layout.w2_scales_offset
     w2_words_off, w2_scales_off = offsets(w2.layout)
     f4_words_off, f4_scales_off = offsets(fp4.layout)
-    grid = (ws.block_expert.numel(), triton.cdiv(n_out, ws.block_n))
+    grid = (ws.block_expert.numel(), triton.cdiv(n_out, block_n))
     moe_gemm_kernel[grid](
         a, a.stride(0), out, out.stride(0),
         w2.slots.view(torch.int32), w2.slots, w2.layout.slot_bytes, w2_words_off, w2_scales_off,
@@ -143,11 +158,12 @@ def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: M
         ws.block_expert, ws.block_fill, ws.block_pairs, ws.num_blocks,
         n_out, k, top_k, 0.0 if limit is None else float(limit),
         GATED=gated, HAS_LIMIT=limit is not None, ROWS_ARE_TOKENS=rows_are_tokens,
-        W2_WPS=m2.wps, F4_WPS=m4.wps, BN=ws.block_n, BT=ws.block_tokens,
+        W2_WPS=m2.wps, F4_WPS=m4.wps, BN=block_n, BT=ws.block_tokens,
         PRECISION="ieee" if a.dtype == torch.float32 else None,
         PTX_W2=ws.ptx_w2 and a.is_cuda and a.dtype == torch.bfloat16,
         FP4_MODE=_fp4_mode(ws, a),
-        num_warps=ws.num_warps,
+        DOWN_BATCH4=down and ws.down_batch4,
+        num_warps=num_warps,
     )
 
 

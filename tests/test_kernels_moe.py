@@ -32,9 +32,9 @@ def _setup(hidden, inter, experts, layers, seed, w2_slots, fp4_slots):
     return gen, w2, f4
 
 
-def _run(x, ids, wts, w2, f4, layer, misses, limit=None, block_tokens=None):
+def _run(x, ids, wts, w2, f4, layer, misses, limit=None, block_tokens=None, **ws_kw):
     ws = MoeWorkspace.allocate(x.shape[0], ids.shape[1], w2.table.shape[1], x.shape[1], w2.layout.inter, x.dtype, DEVICE,
-                               block_tokens=block_tokens)
+                               block_tokens=block_tokens, **ws_kw)
     ws.act.fill_(float("nan"))
     ws.y.fill_(float("nan"))
     out = torch.full_like(x, float("nan"))
@@ -372,3 +372,46 @@ def test_fp4_bf16x2_options():
         MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE, block_tokens=2)
     with pytest.raises(ValueError):
         MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE, fp4_bf16x2="fast")
+
+
+# ---- v9: candidates for the down GEMM (`down_batch4`, `down_block_n`, `down_num_warps`) ----
+
+DOWN_OPTIONS = [dict(down_batch4=True), dict(down_block_n=32, down_num_warps=4),
+                dict(down_batch4=True, down_block_n=32, down_num_warps=8)]
+
+
+@pytest.mark.parametrize("inter", [96, 1280])  # down K: one padded tile (WPS 16); five tiles (two batches of four)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_down_candidates_give_the_default_bytes(dtype, inter):
+    """Each down-GEMM candidate through the fused op (W2, FP4 and missing experts, the SwiGLU clamp) gives the
+    default's bytes and miss log. On the GPU, where another block_n may change the reduction tree, candidates
+    that change the launch are held to the reference instead."""
+    hidden, experts, top_k, tokens = 256, 6, 2, 3
+    gen, w2, f4 = _setup(hidden, inter, experts, 1, 51, w2_slots=4, fp4_slots=1)
+    w2.table[0, :4] = torch.tensor([1, 3, 0, 2], dtype=torch.int32)
+    f4.table[0, 4] = 0  # expert 4 reads FP4, 5 is missing
+    ids = torch.tensor([[0, 1], [2, 4], [5, 0]], dtype=torch.int32, device=DEVICE)
+    wts = torch.rand(tokens, top_k, generator=gen).to(DEVICE)
+    x = (3 * torch.randn(tokens, hidden, generator=gen)).to(DEVICE, dtype)
+    misses = MissLog.allocate(4, DEVICE)
+    base = _run(x, ids, wts, w2, f4, 0, misses, limit=6.0, block_tokens=1)
+    ref, missing_pairs, missing = moe_mm_ref(x, ids, wts, w2, f4, 0, swiglu_limit=6.0, act_dtype=dtype)
+    assert misses.counts.tolist() == [missing_pairs, len(missing)] == [1, 1]
+    for options in DOWN_OPTIONS:
+        got = MissLog.allocate(4, DEVICE)
+        out = _run(x, ids, wts, w2, f4, 0, got, limit=6.0, block_tokens=1, **options)
+        assert not out.isnan().any() and got.counts.tolist() == [1, 1], options
+        if ON_GPU and "down_block_n" in options:
+            assert _rel_err(out, ref) < 1e-2, options
+        else:
+            assert torch.equal(out, base), options
+
+
+def test_down_options_apply_to_the_down_launch_only():
+    ws = MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE, block_n=64, num_warps=8, down_block_n=32,
+                               down_num_warps=4, down_batch4=True)
+    assert (ws.block_n, ws.num_warps, ws.down_block_n, ws.down_num_warps, ws.down_batch4) == (64, 8, 32, 4, True)
+    assert MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE).down_batch4 is False
+    with pytest.raises(ValueError):
+        MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE, block_tokens=16, down_batch4=True)
+
