@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The H200 measurements still pending on main, in three device calls of under 10 minutes each.
-# Run from the repository root on the GPU machine:
+# The H200 measurements of main, in device calls of under 10 minutes each (kernels, runtime and runtime2 ran
+# at 5d57fd6; kernels2 and runtime3 measure what followed). Run from the repository root on the GPU machine:
 #   TIERSTORE_COMMIT=<sha of the tree, taken on the dev machine> bash benchmarks/h200_session.sh kernels
 #   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime      (carry .whl for liburing)
 #   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime2     (carry .whl for liburing)
@@ -9,7 +9,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -65,6 +65,28 @@ case "$step" in
     stage generate-quality-gate 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --fp4-pool-frac 0.5 --gate --gate-tau 0.6 --verify-fp4 \
       --gate-dump "$work/gate_fires.jsonl"
+    ;;
+  kernels2)  # v8 with its scale bias, v9 down candidates, the CUDA C++ gate_up experiment (~5 min expected)
+    stage kernel-tests 120 python3 -m pytest tests/test_kernels_moe.py tests/test_kernels_gpu.py -q \
+      -k "down_ or bytes_0_and_1 or fp4 or plain_and_ptx or graph"
+    stage cuda-w2-tests 100 python3 -m pytest tests/test_cuda_w2.py -q
+    stage kernels 200 python3 benchmarks/kernels.py --tokens 1,8,32 --config 64,8 --commit "$commit" \
+      --skip w2_fused_plain,w2_gate_up_plain,w2_fused_mma16,dequant_grouped_mm --json "$work/kernels-deepseek-v3-v9.json"
+    stage cuda-w2 140 python3 benchmarks/cuda_w2.py --commit "$commit" --json "$work/cuda_w2.json"
+    ;;
+  runtime3)  # copies overlapping the step, the gate's captured signal (~3.5 min expected)
+    stage runtime-tests 150 python3 -m pytest tests/test_runtime_fetch_split.py tests/test_runtime_gpu.py \
+      tests/test_fp4_gpu.py tests/test_gate_signal.py -m gpu -q
+    stage replay-overlap 130 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 1,0.25 --arena-gb 4 --arena-preload --commit "$commit" \
+      --out "$work/replay_overlap.json"
+    stage gate-cost 130 python3 benchmarks/gate_cost.py --presets ds-v2-lite --layers 8 --steps 60 --warmup 20 \
+      --fp4-fractions 0.1,0.25,0.5,1 --gate-fraction 0.25 --fire-every 4 --repetitions 6 --commit "$commit" \
+      --out "$work/gate_cost_signal.json"
+    stage replay-qwen3 110 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+      --steps 220 --warmup 20 --coverages 0.25,1 --arena-gb 4 --commit "$commit" --out "$work/replay_qwen3.json"
+    stage generate-quality 50 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

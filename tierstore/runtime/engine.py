@@ -272,7 +272,7 @@ class TieredRuntime:
             first, gate=self.gate, logits_of=logits_of or (lambda r: r), rerun=rerun,
             force_promote=self.fp4.force_promote, record_need=self.fp4.record_need,
             is_fp4=self.fp4.pool.is_resident, budget=self._gate_budget, fp_max=self.config.gate_fp_max,
-            signal_of=lambda: float(self._gate_signal[0]))
+            signal_of=self._gate_signal.item)
         self._gate_stats.add(self._stats.steps, fire)
         if fire is not None:
             step_routed.update(first[1].last_pass.routed_keys)

@@ -221,6 +221,8 @@ def drive(runtime: TieredRuntime, steps: list[np.ndarray], *, warmup: int, naive
     if graphs is not None and not all(graphs.capture(r) for r in {tuple(r.shape): r for r in routes}.values()):
         graphs = None
     read = Readback(device, max((r.shape[0] for r in routes), default=1)) if readback == "separate" else None
+    # a decoder's logits sit at one address (its graph's output): the gate's captured signal needs that
+    step_logits = torch.empty_like(logits[0]) if logits is not None else None  # [T, V]
     times: list[float] = []
     tokens: list[int | None] = []
     marks = [_counters(runtime)]
@@ -228,6 +230,8 @@ def drive(runtime: TieredRuntime, steps: list[np.ndarray], *, warmup: int, naive
     for i, ids in enumerate(routes):
         if i == warmup:
             marks.append(_counters(runtime))
+        if step_logits is not None:
+            step_logits.copy_(logits[i])  # queued before the clock starts, like a decoder's own logits
         started = time.perf_counter()
         run = graphs.bind(ids) if graphs is not None else (lambda ids=ids: forward(ids))
         if plain:
@@ -235,7 +239,7 @@ def drive(runtime: TieredRuntime, steps: list[np.ndarray], *, warmup: int, naive
             if read is None and device.type == "cuda":
                 torch.cuda.synchronize(device)
         elif logits is not None:
-            (_, token), outcome = runtime.step(run, lambda: None, logits_of=lambda _, i=i: logits[i])
+            (_, token), outcome = runtime.step(run, lambda: None, logits_of=lambda _: step_logits)
         else:
             (_, token), outcome = runtime.step(run, lambda: None)
         if read is not None:
