@@ -11,6 +11,11 @@ in one runtime (`tierstore/runtime/replay_gate.py`); the live-manager runs' rati
     python benchmarks/gate_cost.py [--presets ds-v2-lite] [--layers 8] [--steps 80] [--warmup 20]
         [--fp4-fractions 0.1,0.25,0.5,1] [--gate-fraction 0.25] [--fire-every 4] [--repetitions 6]
         [--device cuda|cpu] [--hidden H --inter I] [--commit HASH]
+
+`--split` runs only the diagnostic of where an FP4-pool step's time goes (`runtime/fp4_split.py`):
+W2 forward, the same forward with the FP4 pool held, the held step, the live-manager step, in one
+run (pool of `--gate-fraction` of the experts; `--steps` per block, `--rounds` ABBA rounds, one run
+per `--split-dtypes` activation dtype); writes benchmarks/results/gate_split.json by default.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ import torch
 from replay import floats, provenance, skewed_steps
 
 from tierstore.geometry import get_preset
+from tierstore.runtime.fp4_split import fp4_step_split
 from tierstore.runtime.gate import GRAPH_AFTER, ConfidenceGate, row_signals
 from tierstore.runtime.replay_gate import confidence_logits, fire_schedule, gate_cost
+from tierstore.runtime.synthetic import tiled_rows
 
 
 FORWARD_CYCLES = 200_000  # a device sleep of about 0.1 ms stands for the forward in `_step_like`
@@ -106,15 +113,18 @@ def main() -> None:
     parser.add_argument("--inter", type=int, help="override the preset's expert intermediate size")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs of the forward")
     parser.add_argument("--commit", help="commit of the tree (when it runs without .git)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "gate_cost.json"))
+    parser.add_argument("--split", action="store_true", help="only the step-time split (see the module doc)")
+    parser.add_argument("--rounds", type=int, default=4, help="--split: ABBA rounds")
+    parser.add_argument("--split-dtypes", default="float32", help="--split: activation dtypes, e.g. float32,bfloat16")
+    parser.add_argument("--out", help="default benchmarks/results/gate_cost.json (gate_split.json with --split)")
     args = parser.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.split:
+        split_main(args, device)
+        return
     results = []
     for preset in args.presets.split(","):
-        geometry = get_preset(preset).with_layers(args.layers)
-        if args.hidden or args.inter:
-            geometry = dataclasses.replace(geometry, hidden=args.hidden or geometry.hidden,
-                                           expert_inter=args.inter or geometry.expert_inter)
+        geometry = _geometry(args, preset)
         steps = skewed_steps(geometry, args.steps)
         result = gate_cost(geometry, steps, fp4_fractions=tuple(floats(args.fp4_fractions)),
                            gate_fraction=args.gate_fraction, fire_every=args.fire_every, device=device,
@@ -145,8 +155,9 @@ def main() -> None:
         print(f"{preset}: armed-silent cost {100 * result['armed_cost']:+.1f}% (target <= 5%; live-manager runs "
               f"{100 * result['armed_cost_live']:+.1f}%, confounded), "
               f"{result['ms_per_fire']:.3f} ms per fire over {result['fires']} fires", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"provenance": provenance(args.commit), "method": {
+    out = Path(args.out or Path(__file__).parent / "results" / "gate_cost.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"provenance": provenance(args.commit), "method": {
         "steps": args.steps, "warmup": args.warmup, "layers": args.layers, "graph": not args.eager,
         "armed_cost": "median over --repetitions ABBA repetitions of (block step time, gate armed, confidence 0.99, "
                       "never fires) / (same block unarmed) - 1, one runtime, FP4 pool preloaded with the trace's "
@@ -159,7 +170,52 @@ def main() -> None:
                          "sync (graph: signal_tensor; eager: same kernels op by op; eager_min: with the min of the "
                          "signal before, one kernel more for one row); CUDA only"},
         "results": results}, indent=2))
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
+
+
+def _geometry(args, preset: str):
+    geometry = get_preset(preset).with_layers(args.layers)
+    if args.hidden or args.inter:
+        geometry = dataclasses.replace(geometry, hidden=args.hidden or geometry.hidden,
+                                       expert_inter=args.inter or geometry.expert_inter)
+    return geometry
+
+
+def split_main(args, device: torch.device) -> None:
+    results = []
+    for preset in args.presets.split(","):
+        geometry = _geometry(args, preset)
+        steps = skewed_steps(geometry, args.steps)
+        rows = (tiled_rows(geometry, fp4=False), tiled_rows(geometry, fp4=True))
+        slots = max(1, int(args.gate_fraction * geometry.total_routed_experts))
+        for name in args.split_dtypes.split(","):
+            started = time.perf_counter()
+            result = fp4_step_split(geometry, rows, steps, fp4_slots=slots, device=device, graph=not args.eager,
+                                    dtype=getattr(torch, name), rounds=args.rounds, warmup=args.warmup)
+            result.update(preset=preset, layers=args.layers, hidden=geometry.hidden, expert_inter=geometry.expert_inter,
+                          seconds=time.perf_counter() - started)
+            results.append(result)
+            for variant, v in result["variants"].items():
+                print(f"{preset} {name} {variant:>10}: mean {v['mean_ms']:.3f} ms  p50 {v['p50_ms']:.3f}  "
+                      f"p99 {v['p99_ms']:.3f}  ({v['steps']} steps)", flush=True)
+            for i, b in enumerate(result["live_blocks"]):
+                print(f"{preset} {name} live block {i}: mean {b['mean_ms']:.3f} ms  runner lock wait "
+                      f"{b['runner_lock_wait_ms']:.2f} ms  manager lock hold {b['manager_lock_hold_ms']:.2f} ms  "
+                      f"promoted {b['promoted_lazy']}  FP4 copies {b['fp4_copy_device_ms']:.2f} ms (device)  "
+                      f"FP4 share {100 * b['fp4_pair_share']:.1f}%  mapped {b['mapped']}", flush=True)
+            split = "  ".join(f"{k} {1e3 * v:+.1f} us" for k, v in result["split_ms"].items())
+            print(f"{preset} {name} split: {split}  (held FP4 share {100 * result['held']['fp4_pair_share']:.1f}%, "
+                  f"unchanged {result['held']['unchanged']}, graph {result['graph']}, {result['seconds']:.1f} s)",
+                  flush=True)
+    out = Path(args.out or Path(__file__).parent / "results" / "gate_split.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"provenance": provenance(args.commit), "method": {
+        "split": "runtime/fp4_split.py: w2_plain / w2_step / held_plain / held_step / live_plain interleaved step "
+                 "by step (rotating order, live manager paused), live_step in blocks, ABBA over rounds",
+        "steps_per_block": args.steps, "warmup": args.warmup, "rounds": args.rounds, "layers": args.layers,
+        "gate_fraction": args.gate_fraction, "graph": not args.eager, "device": str(device)},
+        "results": results}, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
