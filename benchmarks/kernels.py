@@ -6,12 +6,12 @@ down, route + combine), fused FP4 (all in the FP4 pool; for BT = 1 also its gate
 torch._grouped_mm in bf16 on the same routing (GEMM + SwiGLU + GEMM, the routing sort precomputed),
 dequantize-then-_grouped_mm on the same W2 codes, and a streaming-read kernel over the same number
 of bytes (the ceiling). Bytes = the unique routed experts' packed codes + scales (bf16: their bf16
-weights; route + combine: none). New variants (v9): the down GEMM's candidates (DOWN_CANDIDATES), each as
-the whole op and as the down launch alone. Correctness against moe_mm_ref is checked at T = 1 and 8.
+weights; route + combine: none). New variants: MoeWorkspace options (CANDIDATES), each timed as the whole op,
+W2 and FP4, with a check of its bytes against the default. Correctness against moe_mm_ref is checked at T = 1 and 8.
 
 Order and failures: the current kernels' checks, then every T's current kernels and baselines
 (BASELINE_VARIANTS, with the streaming ceilings), then the checks of the alternatives (FP4 "off"
-decode and plain twin), then every T's new variants (NEW_VARIANTS). Each check and timed variant runs isolated (Runner): an exception goes into its row
+decode and plain twin, CANDIDATES), then every T's new variants (NEW_VARIANTS). Each check and timed variant runs isolated (Runner): an exception goes into its row
 (`error`: type, message, traceback lines) and `errors`, and the run goes on; after a CUDA error (or
 any error after which a probe of the context fails) later GPU work is skipped (`error.type` Skipped)
 and `status` says why. A variant whose check failed (rel. error > REL_TOL, NaN, repeat or bytes not
@@ -170,18 +170,18 @@ def _fp4_mode_check(geo, w2, f4, inp, mode, device) -> dict:
             f"fp4_{mode}_repeat_identical": bool(torch.equal(o, o2)), "out": o}
 
 
-# v9 candidates for the down GEMM (kernel-notes v9): MoeWorkspace.allocate options; `exact`: designed to
-# give the default's bytes (same operations in the same order), so `<name>_equals_default` must be True.
-DOWN_CANDIDATES = {
-    "down4": (dict(down_batch4=True), True),
-    "downbn32w4": (dict(down_block_n=32, down_num_warps=4), False),
-    "down4bn32w8": (dict(down_batch4=True, down_block_n=32, down_num_warps=8), False),
+# MoeWorkspace.allocate options timed beside the default (BT = 1 only); `exact`: designed to give the default's
+# bytes, so `<name>_equals_default` must be True. down64w8: the down launch before v9's adoption (64 rows / 8 warps
+# at every T; the default is 32 rows / 4 warps from 64 pairs up): equal to the default at T = 1 (a repeat of the
+# same launch), the pre-adoption launch at T = 8 / 32, and the GPU check that the choice leaves the bytes alone.
+CANDIDATES = {
+    "down64w8": (dict(down_block_n=64, down_num_warps=8), True),
 }
 
 
-def _down_check(geo, w2, f4, inp, options, device) -> dict:
-    """A down-GEMM candidate through the whole op on the default check's inputs: rel. error, NaN, repeat, bytes
-    equal to the default."""
+def _candidate_check(geo, w2, f4, inp, options, device) -> dict:
+    """A candidate through the whole op on the default check's inputs: rel. error, NaN, repeat, bytes equal to
+    the default."""
     x, ids, weights = inp["x"], inp["ids"], inp["weights"]
     ws = MoeWorkspace.allocate(inp["tokens"], geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype,
                                device, **options)
@@ -195,7 +195,7 @@ def _down_check(geo, w2, f4, inp, options, device) -> dict:
 
 def _check_group(variant: str) -> str | None:
     """Which correctness check covers a timed variant (None: not checked here, e.g. plain, MMA, baselines)."""
-    for name in DOWN_CANDIDATES:
+    for name in CANDIDATES:
         if variant.endswith("_" + name):
             return f"{variant.split('_')[0]}_{name}"
     return {"w2_fused": "w2_default", "w2_gate_up": "w2_default", "w2_down": "w2_default",
@@ -214,7 +214,7 @@ def _invalid_reasons(checks: list[dict]) -> dict[str, list[str]]:
         tier = row["tier"]
         groups = [(f"{tier}_default", "error", "rel_err", "nan", "repeat_identical", None)]
         groups += [(f"{tier}_{name}", f"{name}_error", f"{name}_rel_err", f"{name}_nan", f"{name}_repeat_identical",
-                    f"{name}_equals_default" if exact else None) for name, (_, exact) in DOWN_CANDIDATES.items()]
+                    f"{name}_equals_default" if exact else None) for name, (_, exact) in CANDIDATES.items()]
         for group, err_key, rel_key, nan_key, rep_key, eq_key in groups:
             if err_key in row:
                 bad(group, row, f"check raised {row[err_key]['type']}: {row[err_key]['message'][:200]}")
@@ -269,8 +269,9 @@ def _check_variants(geo, w2, f4, rows, inputs, runner, device) -> None:
             return go
 
         label = f"check {inp['tier']} T={inp['tokens']}"
-        for name, (options, _) in DOWN_CANDIDATES.items():
-            got, err = runner.attempt(f"{label} {name}", resident(lambda: _down_check(geo, w2, f4, inp, options, device)))
+        for name, (options, _) in CANDIDATES.items():
+            got, err = runner.attempt(f"{label} {name}", resident(lambda: _candidate_check(geo, w2, f4, inp, options,
+                                                                                           device)))
             row.update({f"{name}_{k}": v for k, v in got.items()} if got else {f"{name}_error": err})
         if fp4:
             outs = {}
@@ -283,7 +284,7 @@ def _check_variants(geo, w2, f4, rows, inputs, runner, device) -> None:
             if len(outs) == 2:
                 row["fp4_triton_equals_off"] = bool(torch.equal(outs["triton"], outs["off"]))
         print(f"check {label[6:]} variants: " + json.dumps(
-            {k: v for k, v in row.items() if k.startswith(("fp4_",) + tuple(DOWN_CANDIDATES))}, default=str), flush=True)
+            {k: v for k, v in row.items() if k.startswith(("fp4_",) + tuple(CANDIDATES))}, default=str), flush=True)
 
 
 def _grouped_swiglu(x, w13, w2d, offs):
@@ -433,9 +434,8 @@ class Runner:
 # Timed first, for every T, so their rows exist even if a new variant breaks the process.
 BASELINE_VARIANTS = ("bf16_grouped_mm", "w2_fused", "w2_gate_up", "w2_down", "w2_route_combine", "w2_fused_plain",
                      "w2_gate_up_plain", "w2_fused_mma16", "dequant_grouped_mm", "fp4_fused", "fp4_gate_up")
-# Prepared, not yet measured (kernel-notes v9): their checks and timings come after every baseline.
-NEW_VARIANTS = tuple(f"w2_{stage}_{name}" for name in DOWN_CANDIDATES for stage in ("fused", "down")) + (
-    "fp4_fused_downbn32w4", "fp4_fused_down4bn32w8")  # the launch changes reach the FP4 down GEMM too
+# The candidates' rows: their checks and timings come after every baseline.
+NEW_VARIANTS = tuple(f"{tier}_fused_{name}" for name in CANDIDATES for tier in ("w2", "fp4"))
 STREAMED = ("w2_fused", "w2_gate_up", "w2_down", "fp4_fused", "fp4_gate_up")  # the rest: the ceiling of the same bytes
 
 
@@ -471,11 +471,9 @@ def _variant_thunks(geo, state, routings, tokens, config) -> dict:
     out["fp4_fused"] = fused("all", fp4=True)
     if bt1:
         out["fp4_gate_up"] = fused("gate_up", fp4=True)
-        for name, (options, _) in DOWN_CANDIDATES.items():  # v9: the down GEMM's candidates
+        for name, (options, _) in CANDIDATES.items():
             out[f"w2_fused_{name}"] = fused("all", **options)
-            out[f"w2_down_{name}"] = fused("down", **options)
-        for name in ("downbn32w4", "down4bn32w8"):
-            out[f"fp4_fused_{name}"] = fused("all", fp4=True, **DOWN_CANDIDATES[name][0])
+            out[f"fp4_fused_{name}"] = fused("all", fp4=True, **options)
     return out
 
 

@@ -79,21 +79,19 @@ class MoeWorkspace:
     # float16 decode. All three decode every scale byte the layout admits exactly (kernel-notes v8).
     # BT = 16 / 64 programs keep their own FP4 decode.
     fp4_bf16x2: str = "ptx"
-    # The down GEMM's launch (v9 candidates, kernel-notes): rows per program and warps (None: block_n and
-    # num_warps), and `down_batch4`: W2 words of four K tiles loaded before decoding (BT = 1 only).
-    down_block_n: int | None = None
-    down_num_warps: int | None = None
-    down_batch4: bool = False
+    # The down GEMM's launch: rows per program and warps (chosen in `allocate`; gate_up uses block_n / num_warps).
+    down_block_n: int = 64
+    down_num_warps: int = 8
 
     @classmethod
     def allocate(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype, device,
                  block_tokens: int | None = None, block_n: int = 64, num_warps: int | None = None,
                  ptx_w2: bool = True, fp4_bf16x2: str = "ptx", down_block_n: int | None = None,
-                 down_num_warps: int | None = None, down_batch4: bool = False) -> MoeWorkspace:
+                 down_num_warps: int | None = None) -> MoeWorkspace:
         """block_tokens: 1 = one pair per program on CUDA-core FMAs (decode); 16 or 64 = tensor-core blocks.
 
         Default: 1 while pairs <= experts (measured crossover on the H200, benchmarks/kernel-notes.md),
-        else 16, else 64 (prefill).
+        else 16, else 64 (prefill). down_block_n / down_num_warps: the down launch (None: the rule below).
         """
         pairs = num_tokens * top_k
         if block_tokens is None:
@@ -104,8 +102,19 @@ class MoeWorkspace:
             raise ValueError(f"block_tokens must be 1, 16, 32 or 64, got {block_tokens}")
         if fp4_bf16x2 not in ("off", "ptx", "triton"):
             raise ValueError(f"fp4_bf16x2 must be 'off', 'ptx' or 'triton', got {fp4_bf16x2!r}")
-        if down_batch4 and block_tokens != 1:
-            raise ValueError(f"down_batch4 is a BT = 1 path, got block_tokens {block_tokens}")
+        # Down launch (kernel-notes v9; kernels-deepseek-v3-v9-down.json, H200): at BT = 1 from 64 pairs up
+        # (DeepSeek-V3 T >= 8) 32 rows / 4 warps per program: 80 registers, 6 CTAs = 24 warps per SM against 2 CTAs /
+        # 16 warps at 64 rows / 8 warps, so more weight bytes in flight; the whole op measured 3.2 % / 4.5 % faster
+        # at T = 8 / 32 (FP4 2.7 % / 3.2 %), but not at T = 1 (8 pairs: 74.0 vs 73.2 us, the down launch alone
+        # 25.9 vs 25.8), so below 64 pairs, and at BT = 16 / 64 (not measured), down runs the gate_up's launch.
+        # Same operations in the same order and the same per-row reduction (2 rows per thread in both launches),
+        # so the output bytes do not depend on this choice (H200 check and tests/test_kernels_moe.py).
+        # Not measured: 9..63 pairs, and other presets (Qwen3-30B-A3B reaches 64 pairs at T = 8 too).
+        wide = block_tokens == 1 and pairs >= 64
+        if down_block_n is None:
+            down_block_n = 32 if wide else block_n
+        if down_num_warps is None:
+            down_num_warps = 4 if wide else num_warps
         max_blocks = min(num_experts, pairs) + triton.cdiv(pairs, block_tokens)
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
@@ -122,7 +131,6 @@ class MoeWorkspace:
             fp4_bf16x2=fp4_bf16x2,
             down_block_n=down_block_n,
             down_num_warps=down_num_warps,
-            down_batch4=down_batch4,
         )
 
 
@@ -135,10 +143,10 @@ def _fp4_mode(ws: MoeWorkspace, a: torch.Tensor) -> int:
 
 def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: MoeWorkspace, n_out: int, k: int,
           top_k: int, gated: bool, limit: float | None, rows_are_tokens: bool) -> None:
-    """One GEMM launch: which = "w13" (gate_up, gated) or "w2" (down, with the workspace's down launch options)."""
+    """One GEMM launch: which = "w13" (gate_up, gated) or "w2" (down, with the workspace's down launch)."""
     down = which == "w2"
-    block_n = (ws.down_block_n or ws.block_n) if down else ws.block_n
-    num_warps = (ws.down_num_warps or ws.num_warps) if down else ws.num_warps
+    block_n = ws.down_block_n if down else ws.block_n
+    num_warps = ws.down_num_warps if down else ws.num_warps
     m2 = w2.layout.w13 if which == "w13" else w2.layout.w2
     m4 = fp4.layout.w13 if which == "w13" else fp4.layout.w2
     def offsets(layout: SlotLayout):
@@ -162,7 +170,6 @@ def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: M
         PRECISION="ieee" if a.dtype == torch.float32 else None,
         PTX_W2=ws.ptx_w2 and a.is_cuda and a.dtype == torch.bfloat16,
         FP4_MODE=_fp4_mode(ws, a),
-        DOWN_BATCH4=down and ws.down_batch4,
         num_warps=num_warps,
     )
 

@@ -40,7 +40,7 @@ def kb(monkeypatch):
     monkeypatch.setattr(mod, "_fp4_mode_check", lambda geo, w2, f4, inp, mode, device: {
         f"fp4_{mode}_rel_err": 2e-3, f"fp4_{mode}_nan": False, f"fp4_{mode}_repeat_identical": True,
         "out": torch.zeros(2)})
-    monkeypatch.setattr(mod, "_down_check", lambda geo, w2, f4, inp, options, device: dict(
+    monkeypatch.setattr(mod, "_candidate_check", lambda geo, w2, f4, inp, options, device: dict(
         rel_err=6e-3, nan=False, repeat_identical=True, equals_default=True))
     return mod
 
@@ -65,22 +65,21 @@ def test_all_variants_measured_when_nothing_fails(kb, tmp_path):
     assert rows[(1, "w2_fused")]["stream_us"] == 5.0 and rows[(1, "w2_down")]["stream_us"] == 5.0
     assert rows[(1, "w2_down")]["bytes"] < rows[(1, "w2_fused")]["bytes"]
     assert rows[(1, "w2_route_combine")]["bytes"] == 0 and "gb_per_s" not in rows[(1, "w2_route_combine")]
-    assert rows[(1, "w2_down_down4")]["bytes"] == rows[(1, "w2_down")]["bytes"]
-    assert rows[(1, "w2_fused_down4")]["bytes"] == rows[(1, "w2_fused")]["bytes"]
+    assert rows[(1, "w2_fused_down64w8")]["bytes"] == rows[(1, "w2_fused")]["bytes"]
+    assert rows[(1, "fp4_fused_down64w8")]["bytes"] == rows[(1, "fp4_fused")]["bytes"]
     assert rows[(1, "w2_fused")]["speedup_vs_bf16"] == pytest.approx(10.0)
     # baselines of every T are timed before any new variant; FP4 variants run with the FP4 pool resident
     order = [(r["tokens"], r["variant"]) for r in result["cases"]]
     last_baseline = max(i for i, (t, v) in enumerate(order) if v in kb.BASELINE_VARIANTS)
     assert kb.NEW_VARIANTS and all(i > last_baseline for i, (t, v) in enumerate(order) if v in kb.NEW_VARIANTS)
-    assert {(c["stage"], c.get("down_batch4"), c.get("down_block_n")) for c in kb.calls if "down_num_warps" in c
-            or "down_batch4" in c} == {("all", True, None), ("down", True, None), ("all", None, 32), ("down", None, 32),
-                                       ("all", True, 32), ("down", True, 32)}
+    assert [(c["stage"], c["fp4"], c["down_block_n"], c["down_num_warps"]) for c in kb.calls if "down_block_n" in c
+            ] == [("all", False, 64, 8), ("all", True, 64, 8)]
     stages = {(c["stage"], c["fp4"]) for c in kb.calls}
     assert stages == {("all", False), ("gate_up", False), ("down", False), ("route_combine", False), ("all", True),
                       ("gate_up", True)}
     fp4_row = result["checks"][2]
     assert fp4_row["fp4_off_rel_err"] == 2e-3 and fp4_row["fp4_triton_equals_off"] is True
-    assert result["checks"][0]["down4_equals_default"] is True and "down4bn32w8_rel_err" in fp4_row
+    assert result["checks"][0]["down64w8_equals_default"] is True and "down64w8_rel_err" in fp4_row
 
 
 def test_a_failing_variant_is_recorded_and_the_rest_still_run(kb, tmp_path, monkeypatch):
@@ -164,22 +163,18 @@ def test_failed_checks_mark_their_timing_rows_invalid(kb, tmp_path, monkeypatch)
     assert "fp4_off_error" in result["checks"][2] and "fp4_triton_equals_off" not in result["checks"][2]
 
 
-def test_down_candidates_are_invalid_only_by_their_own_checks(kb, tmp_path, monkeypatch):
-    """A designed-exact candidate (down4) whose bytes differ is invalid; a candidate not designed exact
-    (downbn32w4) may differ in bytes but not exceed REL_TOL."""
-    monkeypatch.setattr(kb, "_down_check", lambda geo, w2, f4, inp, options, device: dict(
-        rel_err=0.5 if options.get("down_block_n") and options.get("down_batch4") else 6e-3, nan=False,
-        repeat_identical=True, equals_default=False))
+def test_candidates_are_invalid_only_by_their_own_checks(kb, tmp_path, monkeypatch):
+    """A designed-exact candidate whose bytes differ from the default's is invalid (W2 and FP4 rows); the
+    defaults stay valid."""
+    monkeypatch.setattr(kb, "_candidate_check", lambda geo, w2, f4, inp, options, device: dict(
+        rel_err=6e-3, nan=False, repeat_identical=True, equals_default=inp["tier"] == "w2"))
     code, result = _main(kb, tmp_path, tokens="1")
     rows = _rows(result)
-    for name in ("w2_fused_down4", "w2_down_down4", "w2_fused_down4bn32w8", "w2_down_down4bn32w8",
-                 "fp4_fused_down4bn32w8"):
-        assert rows[(1, name)]["us"] is None and rows[(1, name)]["invalid"], name
-    assert any("down4_equals_default is False" in why for why in rows[(1, "w2_down_down4")]["invalid"])
-    assert any("rel_err 0.5 > 0.01" in why for why in rows[(1, "w2_down_down4bn32w8")]["invalid"])
-    for name in ("w2_fused_downbn32w4", "w2_down_downbn32w4", "fp4_fused_downbn32w4", "w2_fused", "w2_down"):
+    assert rows[(1, "fp4_fused_down64w8")]["us"] is None
+    assert any("down64w8_equals_default is False" in why for why in rows[(1, "fp4_fused_down64w8")]["invalid"])
+    for name in ("w2_fused_down64w8", "w2_fused", "fp4_fused"):
         assert rows[(1, name)]["us"] is not None and "invalid" not in rows[(1, name)], name
-    assert set(result["invalid_checks"]) == {"w2_down4", "fp4_down4", "w2_down4bn32w8", "fp4_down4bn32w8"}
+    assert set(result["invalid_checks"]) == {"fp4_down64w8"}
 
 
 def test_skip_leaves_variants_untimed(kb, tmp_path):

@@ -374,18 +374,14 @@ def test_fp4_bf16x2_options():
         MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE, fp4_bf16x2="fast")
 
 
-# ---- v9: candidates for the down GEMM (`down_batch4`, `down_block_n`, `down_num_warps`) ----
-
-DOWN_OPTIONS = [dict(down_batch4=True), dict(down_block_n=32, down_num_warps=4),
-                dict(down_batch4=True, down_block_n=32, down_num_warps=8)]
+# ---- v9: the down launch (32 rows / 4 warps from 64 BT = 1 pairs up, else the gate_up's 64 / 8) ----
 
 
-@pytest.mark.parametrize("inter", [96, 1280])  # down K: one padded tile (WPS 16); five tiles (two batches of four)
+@pytest.mark.parametrize("inter", [96, 1280])  # down K: one padded tile (WPS 16); five tiles
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_down_candidates_give_the_default_bytes(dtype, inter):
-    """Each down-GEMM candidate through the fused op (W2, FP4 and missing experts, the SwiGLU clamp) gives the
-    default's bytes and miss log. On the GPU, where another block_n may change the reduction tree, candidates
-    that change the launch are held to the reference instead."""
+def test_down_launch_does_not_change_the_bytes(dtype, inter):
+    """The fused op (W2, FP4 and missing experts, the SwiGLU clamp) gives the same bytes and miss log with the
+    down GEMM launched as 64 rows / 8 warps and as 32 rows / 4 warps (the adopted choice from 64 pairs up)."""
     hidden, experts, top_k, tokens = 256, 6, 2, 3
     gen, w2, f4 = _setup(hidden, inter, experts, 1, 51, w2_slots=4, fp4_slots=1)
     w2.table[0, :4] = torch.tensor([1, 3, 0, 2], dtype=torch.int32)
@@ -393,25 +389,28 @@ def test_down_candidates_give_the_default_bytes(dtype, inter):
     ids = torch.tensor([[0, 1], [2, 4], [5, 0]], dtype=torch.int32, device=DEVICE)
     wts = torch.rand(tokens, top_k, generator=gen).to(DEVICE)
     x = (3 * torch.randn(tokens, hidden, generator=gen)).to(DEVICE, dtype)
-    misses = MissLog.allocate(4, DEVICE)
-    base = _run(x, ids, wts, w2, f4, 0, misses, limit=6.0, block_tokens=1)
     ref, missing_pairs, missing = moe_mm_ref(x, ids, wts, w2, f4, 0, swiglu_limit=6.0, act_dtype=dtype)
-    assert misses.counts.tolist() == [missing_pairs, len(missing)] == [1, 1]
-    for options in DOWN_OPTIONS:
-        got = MissLog.allocate(4, DEVICE)
-        out = _run(x, ids, wts, w2, f4, 0, got, limit=6.0, block_tokens=1, **options)
-        assert not out.isnan().any() and got.counts.tolist() == [1, 1], options
-        if ON_GPU and "down_block_n" in options:
-            assert _rel_err(out, ref) < 1e-2, options
-        else:
-            assert torch.equal(out, base), options
+    assert [missing_pairs, len(missing)] == [1, 1]
+    outs = []
+    for launch in (dict(down_block_n=64, down_num_warps=8), dict(down_block_n=32, down_num_warps=4)):
+        misses = MissLog.allocate(4, DEVICE)
+        outs.append(_run(x, ids, wts, w2, f4, 0, misses, limit=6.0, block_tokens=1, block_n=64, num_warps=8, **launch))
+        assert not outs[-1].isnan().any() and misses.counts.tolist() == [1, 1], launch
+        assert misses.entries[0].tolist() == [0, 5]
+        assert _rel_err(outs[-1], ref) < TOLERANCE[dtype], launch
+    assert torch.equal(outs[0], outs[1])
 
 
-def test_down_options_apply_to_the_down_launch_only():
-    ws = MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE, block_n=64, num_warps=8, down_block_n=32,
-                               down_num_warps=4, down_batch4=True)
-    assert (ws.block_n, ws.num_warps, ws.down_block_n, ws.down_num_warps, ws.down_batch4) == (64, 8, 32, 4, True)
-    assert MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE).down_batch4 is False
-    with pytest.raises(ValueError):
-        MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE, block_tokens=16, down_batch4=True)
+def test_down_launch_choice():
+    def launch(tokens, top_k, experts, **kw):
+        ws = MoeWorkspace.allocate(tokens, top_k, experts, 256, 64, torch.float32, DEVICE, **kw)
+        return ws.block_n, ws.num_warps, ws.down_block_n, ws.down_num_warps
 
+    assert launch(1, 8, 256) == (64, 8, 64, 8)  # DeepSeek-V3 T = 1: 8 pairs
+    assert launch(7, 8, 256) == (64, 8, 64, 8)  # 56 pairs
+    assert launch(8, 8, 256) == (64, 8, 32, 4)  # T = 8: 64 pairs
+    assert launch(32, 8, 256) == (64, 8, 32, 4)  # T = 32: 256 pairs, still BT = 1
+    assert launch(33, 8, 256) == (64, 4, 64, 4)  # BT = 16: the gate_up's launch
+    assert launch(8, 8, 256, block_tokens=16) == (64, 4, 64, 4)
+    assert launch(8, 8, 256, down_block_n=64, down_num_warps=8) == (64, 8, 64, 8)  # explicit wins
+    assert launch(1, 8, 256, block_n=128, num_warps=4) == (128, 4, 128, 4)

@@ -200,63 +200,6 @@ def _w2_tile_bf16x2(
 
 
 @triton.jit
-def _w2_tile_acc(acc, w, scales_ptr, rows, n_mask, blocks_per_row, num_blocks_k, a_row_ptr, K, t,
-                 WPS: tl.constexpr, BN: tl.constexpr, PTX: tl.constexpr):
-    """acc [BN, WPS] plus K tile t of a W2 matrix (its words w [BN, WPS]) times the activation row: the word dot
-    of `_w2_tile_bf16x2` (PTX) or the slot loop of `_tier_tile_fma` (plain). Same operations in the same order
-    as those, so a caller that runs the tiles in order reproduces their bits."""
-    TILE_K: tl.constexpr = 16 * WPS
-    u = tl.arange(0, WPS)
-    if PTX:
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x_pairs(a_row_ptr, t * TILE_K + u, K, WPS)
-        g0, g1, g2, g3, g4, g5, g6, g7 = _scale_pairs(scales_ptr, rows, n_mask, blocks_per_row, t, WPS)
-        acc += w2_word_dot_bf16x2(w, x0, x1, x2, x3, x4, x5, x6, x7, g0, g1, g2, g3, g4, g5, g6, g7)
-    else:
-        SLOTS_PER_BLOCK: tl.constexpr = 32 // WPS
-        for j in tl.static_range(16):
-            k = t * TILE_K + j * WPS + u  # [WPS]
-            x = tl.load(a_row_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]  # [1, WPS]
-            if j % SLOTS_PER_BLOCK == 0:
-                blk = (t * TILE_K + j * WPS) // 32
-                live = n_mask & (tl.zeros([BN], tl.int32) + blk < num_blocks_k)
-                s = tl.load(scales_ptr + rows * blocks_per_row + blk, mask=live, other=0).to(tl.int32)
-            acc += decode_w2_slot_scaled(w, j, ((s - 125) << 23)[:, None]) * x
-    return acc
-
-
-@triton.jit
-def _w2_down_batch4(
-    words_ptr, scales_ptr, rows, n_mask, a_row_ptr, K, num_blocks_k, words_per_row, blocks_per_row,
-    WPS: tl.constexpr, BN: tl.constexpr, PTX: tl.constexpr,
-):
-    """v9 candidate for the down GEMM (ungated W2, short K): the words of four K tiles are loaded before any
-    of them is decoded (all of K = 2048 at once; the default keeps one tile ahead), then decoded tile by tile
-    (`_w2_tile_acc`): the bytes equal the default path's. Returns [BN, 1]."""
-    u = tl.arange(0, WPS)
-    at = rows[:, None] * words_per_row + u[None, :]  # [BN, WPS]
-    acc = tl.zeros([BN, WPS], tl.float32)
-    tiles = words_per_row // WPS
-    for t in range(0, tiles, 4):
-        col = u[None, :] + t * WPS  # [1, WPS] word index of tile t in the row
-        wa = tl.load(words_ptr + at + t * WPS, mask=n_mask[:, None], other=0)
-        wb = tl.load(words_ptr + at + (t + 1) * WPS, mask=n_mask[:, None] & (col + WPS < words_per_row), other=0)
-        wc = tl.load(words_ptr + at + (t + 2) * WPS, mask=n_mask[:, None] & (col + 2 * WPS < words_per_row), other=0)
-        wd = tl.load(words_ptr + at + (t + 3) * WPS, mask=n_mask[:, None] & (col + 3 * WPS < words_per_row), other=0)
-        acc = _w2_tile_acc(acc, wa, scales_ptr, rows, n_mask, blocks_per_row, num_blocks_k, a_row_ptr, K, t,
-                           WPS, BN, PTX)
-        if t + 1 < tiles:
-            acc = _w2_tile_acc(acc, wb, scales_ptr, rows, n_mask, blocks_per_row, num_blocks_k, a_row_ptr, K, t + 1,
-                               WPS, BN, PTX)
-        if t + 2 < tiles:
-            acc = _w2_tile_acc(acc, wc, scales_ptr, rows, n_mask, blocks_per_row, num_blocks_k, a_row_ptr, K, t + 2,
-                               WPS, BN, PTX)
-        if t + 3 < tiles:
-            acc = _w2_tile_acc(acc, wd, scales_ptr, rows, n_mask, blocks_per_row, num_blocks_k, a_row_ptr, K, t + 3,
-                               WPS, BN, PTX)
-    return tl.sum(acc, axis=1)[:, None]
-
-
-@triton.jit
 def _fp4_scale_words(scales_ptr, rows, n_mask, blocks_per_row, t, WPS: tl.constexpr):
     """The scale words of FP4 K tile t for `rows` ([BN] each): 8 blocks (q0, q1) when WPS = 32, 4 (q0) when 16."""
     words = scales_ptr.to(tl.pointer_type(tl.int32)) + (rows * blocks_per_row) // 4 + t * (WPS // 16)
@@ -375,13 +318,12 @@ def _fma_one_pair(
     w2_words_ptr, w2_scales_ptr, w2_slot_bytes, w2_words_off, w2_scales_off, w2_words_per_row, w2_blocks_per_row,
     f4_words_ptr, f4_scales_ptr, f4_slot_bytes, f4_words_off, f4_scales_off, f4_words_per_row, f4_blocks_per_row,
     GATED: tl.constexpr, W2_WPS: tl.constexpr, F4_WPS: tl.constexpr, BN: tl.constexpr, PTX_W2: tl.constexpr,
-    FP4_MODE: tl.constexpr = 0, DOWN_BATCH4: tl.constexpr = False,
+    FP4_MODE: tl.constexpr = 0,
 ):
     """One pair on CUDA-core FMAs (the BT = 1 path): FP4 slot if present, else W2 (inline PTX when PTX_W2).
 
     FP4_MODE: 0 = nibble decode via float16 bits; 1 = v8 bf16x2 bit construction, plain-Triton twin;
     2 = v8 inline PTX (bf16 on CUDA, the default). All three decode every scale byte exactly.
-    DOWN_BATCH4 (ungated only): W2 runs `_w2_down_batch4` (v9 candidate) instead of one tile ahead.
     """
     if f4_slot >= 0:
         base = f4_slot.to(tl.int64) * f4_slot_bytes
@@ -403,13 +345,7 @@ def _fma_one_pair(
             )
     else:
         base = tl.load(w2_table_ptr + table_row + expert).to(tl.int64) * w2_slot_bytes
-        if DOWN_BATCH4:
-            acc_g = _w2_down_batch4(
-                w2_words_ptr + tl.multiple_of((base + w2_words_off) // 4, 4), w2_scales_ptr + base + w2_scales_off,
-                rows, n_mask, a_row_ptr, K, num_blocks_k, w2_words_per_row, w2_blocks_per_row, W2_WPS, BN, PTX_W2,
-            )
-            acc_u = acc_g
-        elif PTX_W2:
+        if PTX_W2:
             acc_g, acc_u = _w2_tile_bf16x2(
                 w2_words_ptr + tl.multiple_of((base + w2_words_off) // 4, 4), w2_scales_ptr + base + w2_scales_off,
                 rows, n_mask, a_row_ptr, K, w2_words_per_row, w2_blocks_per_row, N_OUT, GATED, W2_WPS, BN,
@@ -433,7 +369,7 @@ def moe_gemm_kernel(
     N_OUT, K, top_k, limit,
     GATED: tl.constexpr, HAS_LIMIT: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr,
     W2_WPS: tl.constexpr, F4_WPS: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
-    PTX_W2: tl.constexpr, FP4_MODE: tl.constexpr = 0, DOWN_BATCH4: tl.constexpr = False,
+    PTX_W2: tl.constexpr, FP4_MODE: tl.constexpr = 0,
 ):
     b = tl.program_id(0)
     if b >= tl.load(num_blocks_ptr):
@@ -456,7 +392,7 @@ def moe_gemm_kernel(
             a_row_ptr, rows, n_mask, K, num_blocks_k, N_OUT, f4_slot, expert, table_row, w2_table_ptr,
             w2_words_ptr, w2_scales_ptr, w2_slot_bytes, w2_words_off, w2_scales_off, w2_words_per_row, w2_blocks_per_row,
             f4_words_ptr, f4_scales_ptr, f4_slot_bytes, f4_words_off, f4_scales_off, f4_words_per_row, f4_blocks_per_row,
-            GATED, W2_WPS, F4_WPS, BN, PTX_W2, FP4_MODE, DOWN_BATCH4,
+            GATED, W2_WPS, F4_WPS, BN, PTX_W2, FP4_MODE,
         )
     elif f4_slot >= 0:
         base = f4_slot.to(tl.int64) * f4_slot_bytes
