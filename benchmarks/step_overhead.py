@@ -14,6 +14,8 @@ is timed is the protocol around the forward:
   pass of `--device-us` (500 us, about the H200's 8-layer ds-v2-lite step) and the pass log's
   read waits for it first, as its sync would. Host work between the launch and the read overlaps
   the device; what is left after it is exposed: `exposed_us` = step - device time.
+- `fp4_held`: `nomiss` with an FP4 pool (25% of the experts) preloaded and its manager paused:
+  what the FP4 tier adds to the host work of a step at held residency (compare with `nomiss`).
 - `fp4`: the same routing with an FP4 pool (25% of the experts, filled lazily by the manager from
   host RAM (`MemoryRowSource`, as in `benchmarks/gate_cost.py`) through an FP4 arena); the forward sleeps `--forward-ms` (a device forward during which
   the host waits, GIL released). Reports how long the runner waited for the FP4 tier's lock per
@@ -131,7 +133,7 @@ def worker(kind: str, steps: int, forward_ms: float, device_us: float = 0.0) -> 
     g = MoEGeometry("ds-v2-lite-routing", tuple(range(LAYERS)), EXPERTS, TOP_K, hidden, inter)
     base = TiledRows(random_experts(g, False, 4), LAYERS, EXPERTS)
     fp4 = dict(fp4_source=MemoryRowSource(tiled_rows(g, True)), fp4_slots=LAYERS * EXPERTS // 4,
-               fp4_arena_slots=LAYERS * EXPERTS // 2) if kind == "fp4" else {}
+               fp4_arena_slots=LAYERS * EXPERTS // 2) if kind in ("fp4", "fp4_held") else {}
     seen = torch.from_numpy(routing_sequence(steps, seed=1))
     folded = False
     if kind == "nomiss_token":
@@ -144,6 +146,9 @@ def worker(kind: str, steps: int, forward_ms: float, device_us: float = 0.0) -> 
     else:
         runtime = TieredRuntime(g, base, pool_slots=LAYERS * EXPERTS, config=RuntimeConfig(kpi_every=0), **fp4)
     runtime.preload()
+    if kind == "fp4_held":
+        runtime.preload_fp4([divmod(i, EXPERTS) for i in range(0, LAYERS * EXPERTS, 4)])
+        assert runtime.pause_fp4_manager(60)
     totals: dict = {}
     lock = None
     if kind == "fp4":
@@ -213,7 +218,7 @@ def summary(rows: list[dict], field: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", choices=("nomiss", "nomiss_token", "nomiss_async", "fp4"))
+    parser.add_argument("--worker", choices=("nomiss", "nomiss_token", "nomiss_async", "fp4_held", "fp4"))
     parser.add_argument("--skip-fp4", action="store_true", help="only the no-miss workloads")
     parser.add_argument("--device-us", type=float, default=500.0, help="emulated device pass of nomiss_async")
     parser.add_argument("--baseline", default="8cf37d1", help="git revision of the old tree")
@@ -239,6 +244,7 @@ def main() -> None:
             nomiss = run_rounds(trees, "nomiss", args.rounds, args.steps, 0.0)
             token = run_rounds(trees, "nomiss_token", args.rounds, args.steps, 0.0)
             emulated = run_rounds(trees, "nomiss_async", args.rounds, args.steps, 0.0, args.device_us)
+            held = run_rounds(trees, "fp4_held", args.rounds, args.steps, 0.0)
             fp4 = {} if args.skip_fp4 else run_rounds(trees, "fp4", args.rounds, args.fp4_steps, args.forward_ms)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=repo, check=True)
@@ -246,12 +252,13 @@ def main() -> None:
         provenance=dict(old=args.baseline, new=head, new_tree_dirty=dirty, python=platform.python_version(),
                         machine=platform.machine(), cpus=os.cpu_count(), rounds=args.rounds,
                         note="CPU only: no GPU; the forward is a pass-log write (+ sleep in fp4)"),
-        nomiss=nomiss, nomiss_token=token, nomiss_async=emulated, fp4=fp4,
+        nomiss=nomiss, nomiss_token=token, nomiss_async=emulated, fp4_held=held, fp4=fp4,
         medians=dict(
             nomiss_step_us={k: summary(v, "step_p50_us") for k, v in nomiss.items()},
             nomiss_token_step_us={k: summary(v, "step_p50_us") for k, v in token.items()},
             nomiss_token_readback={k: v[0]["readback"] for k, v in token.items()},
             nomiss_async_exposed_us={k: summary(v, "exposed_p50_us") for k, v in emulated.items()},
+            fp4_held_step_us={k: summary(v, "step_p50_us") for k, v in held.items()},
             fp4_step_mean_us={k: summary(v, "step_mean_us") for k, v in fp4.items()},
             fp4_runner_lock_wait_mean_us={k: summary(v, "runner_lock_wait_mean_us") for k, v in fp4.items()},
             fp4_manager_lock_hold_s={k: summary(v, "manager_lock_hold_s") for k, v in fp4.items()},
@@ -261,6 +268,7 @@ def main() -> None:
     m["nomiss_new_over_old"] = m["nomiss_step_us"]["new"] / m["nomiss_step_us"]["old"]
     m["nomiss_token_new_over_old"] = m["nomiss_token_step_us"]["new"] / m["nomiss_token_step_us"]["old"]
     m["nomiss_async_exposed_new_over_old"] = m["nomiss_async_exposed_us"]["new"] / m["nomiss_async_exposed_us"]["old"]
+    m["fp4_held_over_nomiss_us"] = {k: m["fp4_held_step_us"][k] - m["nomiss_step_us"][k] for k in trees}
     if token["old"][0]["token_sum"] != token["new"][0]["token_sum"]:
         raise SystemExit("the folded tokens differ from the separately read ones")
     text = json.dumps(report, indent=1)

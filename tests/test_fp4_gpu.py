@@ -51,7 +51,7 @@ def test_manager_on_its_stream_keeps_the_pool_coherent_under_a_storm():
             rt.step(lambda x=x: model.forward(rt, x), lambda: None)
         assert rt.wait_fp4_manager(30)
         assert_fp4_coherent(rt, ROWS[1])
-        assert rt._fp4_snapshot.host.is_pinned() and rt.fp4.pool._stream is not None
+        assert rt.fp4.pool._stream is not None
         assert rt.fp4_stats().promoted_lazy > 0 and rt._fp4_manager.error is None
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from fp4_fixtures import routing_counts, tier_rows
 from test_runtime_fixtures import toy_geometry
 
@@ -27,17 +26,20 @@ def test_heat_halves_every_half_life_in_seconds_whatever_the_window_cadence():
     assert heat.values(110.0)[0, 0] == pytest.approx(2.0)
 
 
-def test_snapshot_merges_windows_while_one_is_pending_and_loses_none():
-    snapshot = ChainedSnapshot(2, 3, "cpu")
-    assert snapshot.take() is None
-    windows = [torch.randint(0, 3, (2, 3), dtype=torch.int32) for _ in range(4)]
+def test_snapshot_merges_windows_until_taken_and_loses_none():
+    snapshot = ChainedSnapshot(2, 3)
+    assert snapshot.take() is None and not snapshot.pending
+    windows = [np.random.default_rng(i).integers(0, 3, (2, 3), dtype=np.int32) for i in range(4)]
     snapshot.push(windows[0])
-    snapshot.push(windows[1])  # the first is pending: merged into the accumulator
-    snapshot.push(windows[2])
-    assert np.array_equal(snapshot.take(), windows[0].numpy())
-    assert np.array_equal(snapshot.take(), (windows[1] + windows[2]).numpy())  # published on take
+    taken = snapshot.take()
+    assert np.array_equal(taken, windows[0]) and snapshot.take() is None
+    windows[0][:] = 7  # push read the counts: the caller's buffer is its own again
+    assert np.array_equal(taken, np.random.default_rng(0).integers(0, 3, (2, 3), dtype=np.int32))
+    snapshot.push(windows[1])
+    snapshot.push(windows[2])  # pending: merged
     snapshot.push(windows[3])
-    assert np.array_equal(snapshot.take(), windows[3].numpy())
+    assert snapshot.pending
+    assert np.array_equal(snapshot.take(), windows[1].astype(np.int64) + windows[2] + windows[3])
     assert snapshot.take() is None and (snapshot.windows, snapshot.merged) == (4, 2)
 
 
@@ -82,14 +84,14 @@ def test_hysteresis_keeps_a_hot_pool_from_churning():
 
 def test_manager_thread_consumes_every_window_and_stops_on_close():
     t = tier(4, fp4_policy="freq", fp4_promote=2)
-    snapshot = ChainedSnapshot(2, 8, "cpu")
+    snapshot = ChainedSnapshot(2, 8)
     manager = Fp4Manager(t, snapshot)
     try:
         assert manager.alive and manager._thread.name == THREAD_NAME and manager._thread.daemon
         for step in range(5):
             with t.lock:  # the runner's step: the manager cannot mutate meanwhile
                 t.close_step([(0, step)])
-            snapshot.push(torch.from_numpy(routing_counts((0, step), (1, step))))
+            snapshot.push(routing_counts((0, step), (1, step)))
             manager.wake()
         assert manager.wait_idle(10)
         assert t.routed_pairs == 10 and manager.error is None and t.promoted_lazy >= 2

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
+
 from fp4_fixtures import assert_fp4_coherent, decode_inputs, tier_rows, tiered
 from test_runtime_fixtures import ToyMoE, toy_geometry
 
@@ -102,3 +104,22 @@ def test_a_paused_manager_holds_residency_and_loses_no_window():
         stats = runtime.fp4_stats()
     assert stats.routed_pairs == steps * GEOMETRY.num_moe_layers * GEOMETRY.top_k  # the merged windows arrived
     assert stats.promoted_lazy > 0
+
+
+def test_the_manager_gets_each_steps_last_pass_counts_from_the_read_and_a_paused_one_is_not_woken():
+    model, xs = ToyMoE(GEOMETRY), decode_inputs(GEOMETRY, 6, seed=7)
+    with tiered(GEOMETRY, ROWS, pool_slots=4 * GEOMETRY.top_k * GEOMETRY.num_moe_layers, fp4_slots=8,
+                fp4_policy="freq", force_pool=True) as runtime:  # small base pool: steps miss and replay
+        assert runtime.pause_fp4_manager(10)
+        manager = runtime._fp4_manager
+        deliver, delivered = manager._wake.set, []
+        manager._wake.set = lambda: delivered.append(1)
+        want, replays = np.zeros((GEOMETRY.num_moe_layers, GEOMETRY.num_experts), np.int64), 0
+        for x in xs:
+            _, outcome = runtime.step(lambda x=x: model.forward(runtime, x), lambda: None)
+            replays += outcome.replays
+            want += runtime.log.seen.numpy()  # the device counts of the step's last pass
+        manager._wake.set = deliver
+        assert delivered == []  # paused: no step's wake was delivered
+        assert replays > 0  # earlier passes were not pushed
+        assert np.array_equal(runtime._fp4_snapshot.take(), want)

@@ -133,7 +133,7 @@ class TieredRuntime:
             if slots > 0:
                 self._gate_budget = check_fire_floor(g, slots, slot_bytes, config) if config.gate else None
                 self.fp4 = Fp4Tier(g, source, slots, self.device, config, arena_slots)
-                self._fp4_snapshot = ChainedSnapshot(g.num_moe_layers, g.num_experts, self.device)
+                self._fp4_snapshot = ChainedSnapshot(g.num_moe_layers, g.num_experts)
                 self._fp4_manager = Fp4Manager(self.fp4, self._fp4_snapshot)
                 log.info("FP4 pool: %d slots x %.2f MiB = %.3f GiB, policy %s", self.fp4.pool.num_slots,
                          slot_bytes / 2**20, self.fp4.pool.num_slots * slot_bytes / 2**30, config.fp4_policy)
@@ -230,10 +230,9 @@ class TieredRuntime:
             raise
         finally:
             self._scan = False
-        if self.device.type == "cuda" and (self.gate is not None or self.fp4 is not None):
-            # the gate and the FP4 tier may have queued work after the last read; without them the
-            # read's own sync is the last thing on the stream (a fetch syncs its copy stream itself)
-            torch.cuda.current_stream(self.device).synchronize()
+        # no sync of its own: the last pass-log read synchronised the forward, and nothing the gate or
+        # the FP4 tier does after it leaves work on the device (a forced promotion waits for its copies,
+        # the gate's decisions read host values, the snapshot push below is host counts)
         if self.fp4 is None:
             # the pool's policy hears of this step's routed experts when the next pass is read (its
             # forward is then running on the device) or when anything uses the pool first: off the
@@ -243,7 +242,7 @@ class TieredRuntime:
             self.pool.touch_ids(self.last_pass.routed_ids, time.monotonic())
         if self.fp4 is not None:
             self.fp4.close_step(step_routed if outcome.gate is not None else self.last_pass.routed_ids)
-            self._fp4_snapshot.push(self.log.seen)
+            self._fp4_snapshot.push(self.log.host_seen())  # the last read's counts: no device work
             self._fp4_manager.wake()
         self._stats.add_step(outcome.replays, outcome.first_pass_missing_pairs, time.perf_counter() - started,
                              outcome.tolerated, outcome.residue_pairs)

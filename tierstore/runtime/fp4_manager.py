@@ -1,17 +1,16 @@
 """The FP4 manager: one named daemon thread that promotes and evicts in the background.
 
 It sleeps on a coalescing wake event set by the runner at step end (no polling, no idle timer: a
-spontaneous mutation could race the next forward). A pass takes every available window from the
-chained snapshot, feeds the tier's frequencies and policy, and promotes lazily in one batch. A
-window whose device-to-host copy has not landed yet is retried after `RETRY_S` by waking itself
-(never blocking the runner, never dropping the window). Mutations take the tier's lock, which the
+spontaneous mutation could race the next forward). A pass takes the windows pushed to the
+snapshot since the last take (host counts, merged), feeds the tier's frequencies and policy, and
+promotes lazily in one batch, until nothing is pending. Mutations take the tier's lock, which the
 runner holds across each step, so they happen only between steps; the rows they install are read
 from host RAM or the pack before the lock is taken (`Fp4Tier.promote_lazy`), and the window's
 bookkeeping takes only the tier's `state_lock`.
 
 `pause()` holds the pool's residency still (benchmarks that compare two configurations at the same
 FP4 residency): a paused manager takes no window (they keep merging in the snapshot, none is
-lost) and mutates nothing until `resume()`.
+lost) and mutates nothing until `resume()`; the runner's wakes are not delivered meanwhile.
 """
 
 from __future__ import annotations
@@ -21,11 +20,10 @@ import threading
 import time
 
 from tierstore.runtime.fp4_tier import Fp4Tier
-from tierstore.runtime.seen_snapshot import NOT_READY, ChainedSnapshot
+from tierstore.runtime.seen_snapshot import ChainedSnapshot
 
 log = logging.getLogger("tierstore.runtime")
 
-RETRY_S = 0.0005
 THREAD_NAME = "tierstore-fp4-manager"
 
 
@@ -37,13 +35,16 @@ class Fp4Manager:
         self._busy = False
         self._stop = False
         self._paused = False
-        self.passes = self.windows = self.retries = 0
+        self.passes = self.windows = 0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
     def wake(self) -> None:
-        self._wake.set()
+        """A step ended (the runner). Not delivered while paused (`resume` wakes the manager): a
+        paused manager would only take the GIL to go back to sleep."""
+        if not self._paused:
+            self._wake.set()
 
     def pause(self, timeout: float | None = None) -> bool:
         """Stop taking windows after the current pass; returns once no pass runs (False on timeout)."""
@@ -91,14 +92,10 @@ class Fp4Manager:
             if self._stop:
                 break
             try:
-                retry = self._pass()
+                self._pass()
             except BaseException as exc:  # keep serving on W2; report through stats and the log
                 self.error = exc
                 log.exception("FP4 manager pass failed")
-                retry = False
-            if retry:
-                time.sleep(RETRY_S)
-                self._wake.set()
             with self._idle:
                 self._busy = False
                 self._idle.notify_all()
@@ -106,16 +103,13 @@ class Fp4Manager:
             self._busy = False
             self._idle.notify_all()
 
-    def _pass(self) -> bool:
-        """One pass; True when a window was not ready yet (retry)."""
+    def _pass(self) -> None:
+        """One pass: windows until none is pending (steps that end meanwhile add one more)."""
         self.passes += 1
         while True:
             counts = self.snapshot.take()
             if counts is None:
-                return False
-            if counts is NOT_READY:
-                self.retries += 1
-                return True
+                return
             self.windows += 1
             window = self.tier.observe_window(counts)
             self.tier.promote_lazy(window)

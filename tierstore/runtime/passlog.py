@@ -87,6 +87,11 @@ class PassLog:
             raise ValueError(f"{flat.numel()} values do not fit {self.outputs.numel()} output words")
         self.outputs[:flat.numel()].copy_(flat)
 
+    def host_seen(self) -> np.ndarray:
+        """int32 [L, E]: the routed pairs per expert of the last `read()` (a view of its host copy,
+        rewritten by the next read)."""
+        return self._host_seen.reshape(self.seen.shape)
+
     def read(self) -> PassReport:
         self._host.copy_(self.buffer, non_blocking=True)
         if self.device.type == "cuda":

@@ -1,11 +1,12 @@
-"""The chained snapshot that carries per-step routing counts from the runner to the FP4 manager.
+"""The snapshot that carries per-step routing counts from the runner to the FP4 manager.
 
-The runner `push`es the device `seen [L, E]` counts at the end of every step; they are added to a
-device accumulator. When no snapshot is pending, the accumulator is copied to one pinned host
-buffer (on a side stream, with an event) and zeroed. A pending snapshot is never overwritten:
-later windows keep accumulating and are published as soon as the manager `take`s the pending
-one, so windows merge and none is lost. One lock serialises every use of the shared buffer (a
-torn snapshot once evicted an in-flight expert in the reference system).
+The step protocol's pass-log read already brings every pass's `seen [L, E]` routed counts to the
+host (its one device-to-host copy and sync). At step end the runner `push`es the last pass's host
+counts, which are added into a host accumulator; the manager `take`s everything pushed since its
+last take (windows merge while it is busy: none is lost, none overwritten) and the accumulator
+restarts at zero. One lock guards the accumulator (a torn snapshot once evicted an in-flight
+expert in the reference system). No device work, no copy or event of its own: a window is ready
+for the manager as soon as it is pushed.
 """
 
 from __future__ import annotations
@@ -13,70 +14,34 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import torch
-
-NOT_READY = "not-ready"
 
 
 class ChainedSnapshot:
-    def __init__(self, num_layers: int, num_experts: int, device: torch.device | str):
-        self.device = torch.device(device)
-        cuda = self.device.type == "cuda"
-        self.accumulator = torch.zeros(num_layers, num_experts, dtype=torch.int32, device=self.device)  # [L, E]
-        self.host = torch.zeros(num_layers, num_experts, dtype=torch.int32, pin_memory=cuda)  # [L, E]
-        self.stream = torch.cuda.Stream(self.device) if cuda else None
+    def __init__(self, num_layers: int, num_experts: int):
+        self.counts = np.zeros((num_layers, num_experts), dtype=np.int64)  # [L, E] windows not taken yet
         self.lock = threading.Lock()
-        self._event: torch.cuda.Event | None = None
-        self._pending = False  # `host` holds a window the manager has not taken
-        self._unpublished = False  # `accumulator` holds windows added while one was pending
+        self._pending = False  # `counts` holds at least one window the manager has not taken
         self.windows = 0  # windows pushed
-        self.merged = 0  # windows that waited behind a pending snapshot
+        self.merged = 0  # windows pushed while another was pending (taken together with it)
 
     @property
     def pending(self) -> bool:
         return self._pending
 
-    def push(self, seen: torch.Tensor) -> None:
-        """Add one step's routed counts (int32 [L, E] on the device); the caller's stream must not
-        rewrite `seen` before this call returns (it waits for the side stream's read)."""
+    def push(self, seen: np.ndarray) -> None:
+        """Add one step's routed counts (int [L, E] on the host; read here, not kept)."""
         with self.lock:
             self.windows += 1
-            if self.stream is None:
-                self.accumulator += seen
-            else:
-                main = torch.cuda.current_stream(self.device)
-                self.stream.wait_stream(main)
-                with torch.cuda.stream(self.stream):
-                    self.accumulator += seen
-                main.wait_stream(self.stream)  # the next pass zeroes `seen` only after it was read
-            if self._pending:
-                self.merged += 1
-                self._unpublished = True
-                return
-            self._publish()
+            self.merged += self._pending
+            self.counts += seen
+            self._pending = True
 
-    def _publish(self) -> None:
-        if self.stream is None:
-            self.host.copy_(self.accumulator)
-            self.accumulator.zero_()
-        else:
-            with torch.cuda.stream(self.stream):
-                self.host.copy_(self.accumulator, non_blocking=True)
-                self.accumulator.zero_()
-                self._event = torch.cuda.Event()
-                self._event.record(self.stream)
-        self._pending, self._unpublished = True, False
-
-    def take(self) -> np.ndarray | str | None:
-        """The pending window's counts (int32 [L, E] copy), NOT_READY when its copy has not landed
-        yet (never blocks), or None when nothing is pending. Publishes windows that merged behind it."""
+    def take(self) -> np.ndarray | None:
+        """The counts of every window pushed since the last take (int64 [L, E], the caller's to
+        keep), or None when nothing was pushed. Never blocks on the device."""
         with self.lock:
             if not self._pending:
                 return None
-            if self._event is not None and not self._event.query():
-                return NOT_READY
-            counts = self.host.numpy().copy()
+            counts, self.counts = self.counts, np.zeros_like(self.counts)
             self._pending = False
-            if self._unpublished:
-                self._publish()
             return counts
