@@ -8,17 +8,19 @@ with the state both promotion paths share.
   that are not FP4, within a budget, never gated; victims never routed in the current step,
   preferring cold ones.
 
-Every mutation goes through `DevicePool.install` (victims unmapped before their bytes are reused,
-copies on the pool's own stream, synchronised before the host state changes) and happens under
-`lock`, which the runner holds for the whole of a step: no mutation overlaps a forward. The
-manager reads its lazy rows from host RAM or the pack before it takes `lock` (`promote_lazy`),
-straight into its staging in one reader batch, so a step waits at most for a device copy and a
-table update, never for a host read.
+Every change of the pool's tables happens under `lock`, which the runner holds for the whole of a
+step: no table change overlaps a forward. Forced promotions go through `DevicePool.install`
+(victims unmapped before their bytes are reused, copies on the pool's own stream, waited for
+before the lock is released). The manager reads its lazy rows from host RAM or the pack before it
+takes `lock` (`promote_lazy`), straight into its staging in one reader batch, and copies them to
+the device into reserved slots (unmapped, so no kernel reads them) with no lock held; under `lock`
+it only unmaps its victims and maps the new slots (`DevicePool.reserve` / `map_reserved`), so a
+step waits at most for those table updates, never for a host read or a row's device copy.
 
 Two locks, always taken in this order: `lock` (the safe point: pool contents and tables) and
 `state_lock` (host state: heat, policy, coldness, counters). The manager's bookkeeping of a window
 (`observe_window`, choosing what to promote) takes only `state_lock`, so the runner's safe point
-waits for the manager only while an install is in progress. The runner closes a step without a
+waits for the manager only while it reserves or maps slots. The runner closes a step without a
 lock (`close_step` queues it; whoever next reads coldness applies it under `state_lock`).
 """
 
@@ -182,11 +184,13 @@ class Fp4Tier:
         """Promote the window's hottest non-FP4 experts (at most `fp4_promote`), evicting only cold
         experts outside the window. Returns how many were promoted.
 
-        Three phases, so a step never waits for host reads: choose the keys (tier lock, host state
-        only), read their rows into the manager's own staging buffer (arena lock only: the runner
-        may step meanwhile), then install (tier lock: keys a forced promotion installed meanwhile
-        are dropped, victims are chosen afresh; the device copy and table update happen here).
-        Choosing takes only `state_lock`, so the runner's safe point waits only for the install."""
+        Phases, so a step never waits for host reads or for the rows' device copies: choose the
+        keys (`state_lock` only, host state), read their rows into the manager's own staging buffer
+        (arena lock only: the runner may step meanwhile), reserve slots (tier lock: keys a forced
+        promotion installed meanwhile are dropped, victims are chosen afresh and unmapped, a table
+        copy), copy the rows into the reserved slots (no lock: no kernel reads them), then map them
+        (tier lock, a table copy; keys a forced promotion installed meanwhile give their slots back).
+        The runner's safe point waits only for the two table updates and their host bookkeeping."""
         if not self.lazy or not self.config.fp4_promote:
             return 0
         with self.state_lock:
@@ -199,15 +203,27 @@ class Fp4Tier:
             self.failed_reads += 1
             log.warning("FP4 manager: lazy promotion of %d experts dropped: %s", len(take), exc)
             return 0
-        with self.lock, self.state_lock:
+        with self.lock, self.state_lock:  # reserve: victims unmapped (a table copy), slots taken
             exclude = set(window) | self._warm_keys()
             kept = [i for i, k in enumerate(take) if not self.pool.is_resident(k)]
             kept = kept[:self.pool.capacity_for(exclude, enough=len(kept))]
             if not kept:
                 return 0
-            self._install_rows([take[i] for i in kept], [rows[i] for i in kept], exclude)
-            self.promoted_lazy += len(kept)
-            return len(kept)
+            mapped_before = self.pool.num_mapped
+            slots = self.pool.reserve(len(kept), exclude)
+            self.evicted += mapped_before - self.pool.num_mapped
+        try:  # the rows' device copies, with neither lock held: steps run meanwhile (no kernel reads these slots)
+            self.pool.write_reserved([rows[i] for i in kept], slots)
+        except BaseException:
+            with self.lock, self.state_lock:
+                self.pool.release_reserved(slots)
+            raise
+        with self.lock, self.state_lock:  # map what a forced promotion did not install meanwhile
+            fresh = [j for j, i in enumerate(kept) if not self.pool.is_resident(take[i])]
+            self.pool.release_reserved([slots[j] for j in range(len(kept)) if j not in set(fresh)])
+            self.pool.map_reserved([take[kept[j]] for j in fresh], [slots[j] for j in fresh])
+            self.promoted_lazy += len(fresh)
+            return len(fresh)
 
     def _lazy_choice(self, window: list[Key]) -> list[Key]:
         heat = self.heat.values(time.monotonic())

@@ -11,6 +11,13 @@ at once: the compute stream then waits for them on the device (an event), so not
 after `install` reads a slot before its bytes land, and the host rows and the staging tables
 must stay untouched until `wait()` (the next `install` waits first).
 
+A background filler (the FP4 manager) can keep its copies out of the safe point: `reserve` takes
+slots (free ones, then victims, unmapped at once) that are then neither free nor mapped, so no
+install takes them and no kernel reads them; `write_reserved` copies rows into them on a stream of
+their own, with nothing held, and `map_reserved` maps them (or `release_reserved` frees them).
+`reserve`, `map_reserved` and `release_reserved` change the tables and must run between forwards,
+serialised with `install`; each waits for its table copy before returning.
+
 One install costs few copies: the table goes to the device whole from a host staging table (at
 most two copies: victims unmapped, then the final mapping; no per-index kernels), and rows whose
 host bytes and destination slots are both contiguous (an arena or staging buffer filled in
@@ -56,7 +63,12 @@ class DevicePool:
         self.owner = np.full((num_slots, 2), -1, dtype=np.int32)  # [S, (layer, expert)]
         self.generation = np.zeros(num_slots, dtype=np.int64)  # bumped whenever a slot's bytes change
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._reserved: set[int] = set()  # slots taken by `reserve`, not mapped yet
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # `write_reserved`'s copies: their own stream and timing events (they run outside the safe point)
+        self._reserve_stream = torch.cuda.Stream(self.device) if self._stream is not None else None
+        self._reserve_marks = ([torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                               if self._stream is not None else None)
         pin = self.device.type == "cuda"
         # host staging of the table: [0] victims unmapped, [1] final; reused once the copies are done
         self._staged = [torch.empty(num_layers, num_experts, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
@@ -76,7 +88,7 @@ class DevicePool:
 
     @property
     def num_mapped(self) -> int:
-        return self.num_slots - len(self._free)
+        return self.num_slots - len(self._free) - len(self._reserved)
 
     def key_id(self, key: Key) -> int:
         return key[0] * self.num_experts + key[1]
@@ -164,6 +176,91 @@ class DevicePool:
         if not self.overlap:
             self.wait()
 
+    def reserve(self, count: int, exclude: Iterable[Key]) -> list[int]:
+        """Take `count` slots for `write_reserved`: free ones first, then victims from the policy
+        outside `exclude`, unmapped now (their table copy done on return, so a forward launched
+        after this reads none of them). Raises CapacityError, changing nothing, when that is not
+        enough. Between forwards, serialised with `install`."""
+        if count <= 0:
+            return []
+        self.wait()  # no install copy may still write a victim's slot
+        victims = self._victims(count - self.num_free, exclude, [])
+        victim_slots = self.mirror.reshape(-1)[victims].tolist()
+        take = min(count, self.num_free)
+        slots = self._free[len(self._free) - take:][::-1] + victim_slots  # pop() order, then victims
+        del self._free[len(self._free) - take:]
+        self._reserved.update(slots)
+        if self._reserve_stream is not None:  # the rows' copies come after anything launched so far
+            self._reserve_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if victims:
+            self.mirror.reshape(-1)[victims] = -1
+            self.owner[victim_slots] = -1
+            for victim in victims:
+                self.policy.on_evict(victim)
+            self._push_table()
+        return slots
+
+    def write_reserved(self, rows: Sequence[torch.Tensor], slots: Sequence[int]) -> None:
+        """Copy host rows (uint8 [<= slot_bytes], pinned on CUDA) into reserved slots; returns when
+        the copies are done. Needs no safe point (see the module doc); one caller at a time."""
+        if len(rows) != len(slots) or not set(slots) <= self._reserved:
+            raise ValueError("write_reserved() takes one row per slot, every slot reserved")
+        for row in rows:
+            if row.numel() > self.slot_bytes:
+                raise CapacityError(f"row of {row.numel()} bytes does not fit a {self.slot_bytes}-byte slot")
+        if self._reserve_stream is None:
+            started = time.perf_counter()
+            self._copy_rows(rows, slots)
+            self.copy_seconds += time.perf_counter() - started
+            return
+        start, end = self._reserve_marks
+        with torch.cuda.stream(self._reserve_stream):
+            start.record()
+            self._copy_rows(rows, slots)
+            end.record()
+        started = time.perf_counter()
+        end.synchronize()
+        self.wait_seconds += time.perf_counter() - started
+        self.copy_seconds += start.elapsed_time(end) / 1e3
+
+    def map_reserved(self, keys: Sequence[Key], slots: Sequence[int]) -> None:
+        """Map `keys` (distinct, not resident) to reserved slots holding their rows; the table copy
+        is done on return. Between forwards, serialised with `install`."""
+        ids = self.key_ids(keys)
+        if len(ids) != len(slots) or len(set(ids)) != len(ids) or (self.mirror.reshape(-1)[ids] >= 0).any():
+            raise ValueError("map_reserved() takes one distinct non-resident key per slot")
+        if not set(slots) <= self._reserved:
+            raise ValueError("map_reserved() maps reserved slots only")
+        if not ids:
+            return
+        self.wait()  # the staging tables may still be read by the last install's copies
+        self._reserved.difference_update(slots)
+        self.mirror.reshape(-1)[ids] = slots
+        self.owner[list(slots)] = keys
+        self.generation[list(slots)] += 1
+        for key_id in ids:
+            self.policy.on_insert(key_id)
+        self._push_table()
+
+    def release_reserved(self, slots: Sequence[int]) -> None:
+        """Give reserved slots back to the free list (their bytes are left as they are)."""
+        if not set(slots) <= self._reserved:
+            raise ValueError("release_reserved() takes reserved slots only")
+        self._reserved.difference_update(slots)
+        self._free.extend(slots)
+
+    def _push_table(self) -> None:
+        """The device table := the mirror, done on return (a table-only change between forwards)."""
+        final, final_ids = self._staged[1], self._staged_ids[1]
+        final_ids[:] = self.mirror.reshape(-1)
+        if self._stream is None:
+            self.table.copy_(final)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            self.table.copy_(final, non_blocking=True)
+        self._stream.synchronize()
+
     def _victims(self, needed: int, exclude: Iterable[Key], ids: list[int]) -> list[int]:
         if needed <= 0:
             return []
@@ -233,6 +330,10 @@ class DevicePool:
     def _copy(self, rows, slots, unmapped: torch.Tensor | None, final: torch.Tensor) -> None:
         if unmapped is not None:
             self.table.copy_(unmapped, non_blocking=True)  # unmap before the bytes are reused
+        self._copy_rows(rows, slots)
+        self.table.copy_(final, non_blocking=True)
+
+    def _copy_rows(self, rows, slots) -> None:
         for first, count, nbytes in self._runs(rows, slots):
             if count == 1:
                 dest = self._slot_rows[slots[first]]
@@ -241,7 +342,6 @@ class DevicePool:
                 source = rows[first].as_strided((count * nbytes,), (1,))
                 self.slots[slots[first]:slots[first] + count].view(-1).copy_(source, non_blocking=True)
             self.copies += 1
-        self.table.copy_(final, non_blocking=True)
 
     def _runs(self, rows, slots) -> list[tuple[int, int, int]]:
         """(first index, rows, row bytes) per copy: consecutive rows merge when each is a full slot,
@@ -267,6 +367,7 @@ class DevicePool:
         self.mirror.fill(-1)
         self.owner.fill(-1)
         self._free = list(range(self.num_slots - 1, -1, -1))
+        self._reserved.clear()
 
     # -- invariants -----------------------------------------------------------------------------
     def check_coherent(self) -> None:
@@ -280,6 +381,8 @@ class DevicePool:
             assert tuple(self.owner[slot]) == (layer, expert), f"slot {slot} owner disagrees with the table"
         owned = int((self.owner[:, 0] >= 0).sum())
         assert owned == len(slots), "an owned slot is not in the table"
-        assert sorted(self._free) == sorted(np.flatnonzero(self.owner[:, 0] < 0).tolist()), "free list is stale"
+        assert not self._reserved.intersection(self._free), "a reserved slot is on the free list"
+        assert sorted(self._free + sorted(self._reserved)) == np.flatnonzero(self.owner[:, 0] < 0).tolist(), \
+            "free list is stale"
         assert set(self.policy.sizes) == {int(l) * self.num_experts + int(e) for l, e in mapped}, \
             "policy keys differ from the mapped keys"
