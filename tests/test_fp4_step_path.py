@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import torch
 
 from fp4_fixtures import assert_fp4_coherent, decode_inputs, tier_rows, tiered
 from test_runtime_fixtures import ToyMoE, toy_geometry
@@ -123,3 +124,28 @@ def test_the_manager_gets_each_steps_last_pass_counts_from_the_read_and_a_paused
         assert delivered == []  # paused: no step's wake was delivered
         assert replays > 0  # earlier passes were not pushed
         assert np.array_equal(runtime._fp4_snapshot.take(), want)
+
+
+def test_with_an_fp4_tier_the_base_pool_policy_still_hears_of_a_step_at_the_next_read_in_the_same_order():
+    model, xs = ToyMoE(GEOMETRY), decode_inputs(GEOMETRY, 20, seed=8)
+    orders, outputs = [], []
+    for eager in (False, True):
+        with tiered(GEOMETRY, ROWS, pool_slots=3 * GEOMETRY.top_k * GEOMETRY.num_moe_layers, fp4_slots=6,
+                    fp4_policy="freq", force_pool=True) as runtime:  # base misses: fetches evict
+            runtime.preload_fp4([(0, 1), (1, 2), (2, 3)])
+            assert runtime.pause_fp4_manager(10)  # the same FP4 residency in both runs
+            outs = []
+            for x in xs:
+                out, _ = runtime.step(lambda x=x: model.forward(runtime, x), lambda: None)
+                outs.append(out)
+                if eager:
+                    runtime.settle()
+                else:
+                    assert runtime._untouched is not None  # deferred until something needs the policy
+            runtime.settle()
+            orders.append(list(runtime.pool.policy.eviction_order()))
+            outputs.append(outs)
+            runtime.pool.check_coherent()
+            assert runtime.stats().replayed_steps > 0
+    assert orders[0] == orders[1]
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))

@@ -233,13 +233,10 @@ class TieredRuntime:
         # no sync of its own: the last pass-log read synchronised the forward, and nothing the gate or
         # the FP4 tier does after it leaves work on the device (a forced promotion waits for its copies,
         # the gate's decisions read host values, the snapshot push below is host counts)
-        if self.fp4 is None:
-            # the pool's policy hears of this step's routed experts when the next pass is read (its
-            # forward is then running on the device) or when anything uses the pool first: off the
-            # host path between a no-miss step's sync and its return
-            self._untouched = self.last_pass.routed_ids, time.monotonic()
-        else:
-            self.pool.touch_ids(self.last_pass.routed_ids, time.monotonic())
+        # the pool's policy hears of this step's routed experts when the next pass is read (its
+        # forward is then running on the device) or when anything uses the pool first: off the
+        # host path between a no-miss step's sync and its return (the FP4 tier never uses this pool)
+        self._untouched = self.last_pass.routed_ids, time.monotonic()
         if self.fp4 is not None:
             self.fp4.close_step(step_routed if outcome.gate is not None else self.last_pass.routed_ids)
             self._fp4_snapshot.push(self.log.host_seen())  # the last read's counts: no device work
