@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, help="override the preset's hidden size (small CPU runs)")
     parser.add_argument("--inter", type=int, help="override the preset's expert intermediate size")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs of the forward")
+    parser.add_argument("--dtype", default="float32", help="activation dtype of the runs (earlier runs: float32)")
     parser.add_argument("--commit", help="commit of the tree (when it runs without .git)")
     parser.add_argument("--split", action="store_true", help="only the step-time split (see the module doc)")
     parser.add_argument("--rounds", type=int, default=4, help="--split: ABBA rounds")
@@ -128,7 +129,8 @@ def main() -> None:
         steps = skewed_steps(geometry, args.steps)
         result = gate_cost(geometry, steps, fp4_fractions=tuple(floats(args.fp4_fractions)),
                            gate_fraction=args.gate_fraction, fire_every=args.fire_every, device=device,
-                           warmup=args.warmup, graph=not args.eager, repetitions=args.repetitions)
+                           warmup=args.warmup, graph=not args.eager, repetitions=args.repetitions,
+                           dtype=getattr(torch, args.dtype))
         result.update(preset=preset, hidden=geometry.hidden, expert_inter=geometry.expert_inter)
         if device.type == "cuda":
             result["signal_timing"] = signal_timing(steps[0].shape[0], result["vocab"])
@@ -158,7 +160,7 @@ def main() -> None:
     out = Path(args.out or Path(__file__).parent / "results" / "gate_cost.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"provenance": provenance(args.commit), "method": {
-        "steps": args.steps, "warmup": args.warmup, "layers": args.layers, "graph": not args.eager,
+        "steps": args.steps, "warmup": args.warmup, "layers": args.layers, "graph": not args.eager, "dtype": args.dtype,
         "armed_cost": "median over --repetitions ABBA repetitions of (block step time, gate armed, confidence 0.99, "
                       "never fires) / (same block unarmed) - 1, one runtime, FP4 pool preloaded with the trace's "
                       "hottest experts and the manager paused (residency held; see results[].held.residency)",

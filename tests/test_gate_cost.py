@@ -76,3 +76,22 @@ def test_hottest_keys_counts_every_routed_pair():
     steps = [np.array([[[1, 2]] * g.num_moe_layers]), np.array([[[1, 3]] * g.num_moe_layers])]  # [1, L, k]
     assert hottest_keys(g, steps, 2)[:1] == [(0, 1)] and set(hottest_keys(g, steps, g.num_moe_layers)) == {
         (layer, 1) for layer in range(g.num_moe_layers)}
+
+
+def test_gate_cost_runs_its_forward_in_the_given_activation_dtype(monkeypatch):
+    import tierstore.runtime.replay_gate as replay_gate
+    seen = []
+    drive = replay_gate.drive
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["dtype"])
+        return drive(*args, **kwargs)
+    monkeypatch.setattr(replay_gate, "drive", recording)
+    g = toy_geometry()
+    rng = np.random.default_rng(2)
+    routing = np.stack([[rng.choice(g.num_experts, g.top_k, replace=False) for _ in range(g.num_moe_layers)]
+                        for _ in range(4)])
+    steps = trace_steps(routing, None, g.num_moe_layers, None)
+    result = gate_cost(g, steps, fp4_fractions=(), gate_fraction=0.5, fire_every=2, device="cpu", warmup=1,
+                       repetitions=1, dtype=torch.bfloat16)
+    assert result["dtype"] == "bfloat16" and seen and set(seen) == {torch.bfloat16}

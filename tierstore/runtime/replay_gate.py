@@ -48,7 +48,7 @@ def fire_schedule(steps: int, every: int, low: float = 0.30, high: float = 0.99)
 
 
 def _timed(geometry, rows, steps, *, fp4_slots: int, gate: bool, confidence, device, warmup: int, graph: bool,
-           vocab: int, tau: float) -> dict:
+           vocab: int, tau: float, dtype: torch.dtype) -> dict:
     w2, fp4 = rows
     config = RuntimeConfig(kpi_every=0, force_pool=True, force_fp4_pool=True, gate=gate, gate_tau=tau if gate else None)
     everything = geometry.total_routed_experts
@@ -58,7 +58,7 @@ def _timed(geometry, rows, steps, *, fp4_slots: int, gate: bool, confidence, dev
         runtime.preload()
         logits = (confidence_logits(confidence, steps[0].shape[0], vocab, runtime.device)
                   if confidence is not None else None)
-        out = drive(runtime, steps, warmup=warmup, graph=graph, logits=logits)
+        out = drive(runtime, steps, warmup=warmup, graph=graph, logits=logits, dtype=dtype)
         fp4_share = runtime.fp4_stats().fp4_pair_share if fp4_slots else 0.0
     return {"fp4_slots": fp4_slots, "gate": gate, "graph": out["graph"], "fp4_pair_share": fp4_share,
             "cold": out["cold"].as_dict(), "steady": out["steady"].as_dict()}
@@ -76,7 +76,7 @@ def hottest_keys(geometry: MoEGeometry, steps: list[np.ndarray], count: int) -> 
 
 
 def armed_cost_held(geometry: MoEGeometry, rows, steps: list[np.ndarray], *, fp4_slots: int, device, graph: bool,
-                    vocab: int, tau: float, repetitions: int, warmup: int) -> dict:
+                    vocab: int, tau: float, repetitions: int, warmup: int, dtype: torch.dtype = torch.float32) -> dict:
     """Armed vs unarmed at the same FP4 residency, in one runtime (see the module doc)."""
     w2, fp4 = rows
     config = RuntimeConfig(kpi_every=0, force_pool=True, force_fp4_pool=True, gate=True, gate_tau=tau)
@@ -92,14 +92,14 @@ def armed_cost_held(geometry: MoEGeometry, rows, steps: list[np.ndarray], *, fp4
         table_before = runtime.fp4.pool.mirror.copy()
         logits = confidence_logits(silent, steps[0].shape[0], vocab, runtime.device)
         gate = runtime.gate
-        drive(runtime, steps[:max(warmup, 1)], warmup=0, graph=graph, logits=logits)  # kernels, graphs, arena
+        drive(runtime, steps[:max(warmup, 1)], warmup=0, graph=graph, logits=logits, dtype=dtype)  # kernels, graphs, arena
         reps = []
         for rep in range(repetitions):
             order = ("unarmed", "armed") if rep % 2 == 0 else ("armed", "unarmed")
             times = {}
             for mode in order:
                 runtime.gate = gate if mode == "armed" else None
-                out = drive(runtime, steps, warmup=0, graph=graph, logits=logits)
+                out = drive(runtime, steps, warmup=0, graph=graph, logits=logits, dtype=dtype)
                 times[mode] = out["steady"].as_dict()
             runtime.gate = gate
             reps.append({"order": list(order), **{m: {k: times[m][k] for k in ("step_ms", "p50_ms", "p99_ms",
@@ -132,15 +132,16 @@ def armed_cost_held(geometry: MoEGeometry, rows, steps: list[np.ndarray], *, fp4
 
 def gate_cost(geometry: MoEGeometry, steps: list[np.ndarray], *, fp4_fractions: tuple[float, ...],
               gate_fraction: float, fire_every: int, device, warmup: int = 0, graph: bool = True,
-              vocab: int = 32000, tau: float = 0.60, repetitions: int = 0) -> dict:
+              vocab: int = 32000, tau: float = 0.60, repetitions: int = 0, dtype: torch.dtype = torch.float32) -> dict:
     """Runs `w2`, `fp4@f` for each f, `armed` (gate on, never fires) and `firing` (fires on every
     `fire_every`-th step), the last two with an FP4 pool of `gate_fraction` of the experts; plus
     the derived costs on the steady windows. `repetitions` > 0 adds the armed cost at held
-    residency (`armed_cost_held`), which then is `armed_cost`."""
+    residency (`armed_cost_held`), which then is `armed_cost`. `dtype`: the forward's activations
+    (float32 by default, as every earlier run; the kernels' bf16 paths differ)."""
     device = torch.device(device)
     rows = (tiled_rows(geometry, fp4=False), tiled_rows(geometry, fp4=True))
     slots = {f: max(1, math.floor(f * geometry.total_routed_experts)) for f in (*fp4_fractions, gate_fraction)}
-    common = dict(device=device, warmup=warmup, graph=graph, vocab=vocab, tau=tau)
+    common = dict(device=device, warmup=warmup, graph=graph, vocab=vocab, tau=tau, dtype=dtype)
     runs = {"w2": _timed(geometry, rows, steps, fp4_slots=0, gate=False, confidence=None, **common)}
     for f in fp4_fractions:
         runs[f"fp4@{f:g}"] = _timed(geometry, rows, steps, fp4_slots=slots[f], gate=False, confidence=None, **common)
@@ -153,10 +154,12 @@ def gate_cost(geometry: MoEGeometry, steps: list[np.ndarray], *, fp4_fractions: 
     fires = fired["gate_fired"]
     live_cost = armed["step_ms"] / unarmed["step_ms"] - 1 if unarmed["step_ms"] else 0.0
     held = (armed_cost_held(geometry, rows, steps[warmup:] or steps, fp4_slots=gate_slots, device=device, graph=graph,
-                            vocab=vocab, tau=tau, repetitions=repetitions, warmup=warmup) if repetitions else None)
+                            vocab=vocab, tau=tau, repetitions=repetitions, warmup=warmup, dtype=dtype)
+            if repetitions else None)
     return {
         "geometry": geometry.name, "layers": geometry.num_moe_layers, "steps": len(steps), "warmup": warmup,
-        "device": str(device), "vocab": vocab, "tau": tau, "gate_fraction": gate_fraction, "fire_every": fire_every,
+        "device": str(device), "dtype": str(dtype).removeprefix("torch."), "vocab": vocab, "tau": tau,
+        "gate_fraction": gate_fraction, "fire_every": fire_every,
         "armed_cost": held["armed_cost_median"] if held else live_cost,
         "armed_cost_live": live_cost,  # confounded: the live manager's residency differs between the two runs
         "held": held,
