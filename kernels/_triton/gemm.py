@@ -380,7 +380,7 @@ def _resident_pairs(t, topk_ids_ptr, w2_table_ptr, f4_table_ptr, table_row, TOP_
 
 @triton.jit
 def _combine_if_last(y_ptr, stride_y, rows, n_mask, t, placed, n_tile, topk_ids_ptr, topk_weights_ptr, w2_table_ptr,
-                     f4_table_ptr, table_row, out_ptr, stride_out, counters_ptr, TOP_K: tl.constexpr):
+                     f4_table_ptr, table_row, out_ptr, stride_out, counters_ptr, TOP_K: tl.constexpr, BN: tl.constexpr):
     """COMBINE, after this program stored its y rows: the program that completes token t's count (`placed` resident
     pairs) for this n-tile writes out[t, rows] = combine.py's sum and resets the counter for the next launch."""
     # bar.sync: every thread's y stores come before the counter's release (one thread runs the scalar atomic),
@@ -390,7 +390,7 @@ def _combine_if_last(y_ptr, stride_y, rows, n_mask, t, placed, n_tile, topk_ids_
     done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if done == placed - 1:
         acc = combine_rows(y_ptr, stride_y, topk_ids_ptr, topk_weights_ptr, w2_table_ptr, f4_table_ptr, table_row, t,
-                           rows, n_mask, TOP_K, ".cg")
+                           rows, n_mask, TOP_K, BN, ".cg")
         tl.store(out_ptr + t.to(tl.int64) * stride_out + rows, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
         tl.store(counter, 0)
 
@@ -408,8 +408,8 @@ def moe_gemm_kernel(
     W2_WPS: tl.constexpr, F4_WPS: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
     PTX_W2: tl.constexpr, FP4_MODE: tl.constexpr = 0, COMBINE: tl.constexpr = False, TOP_K: tl.constexpr = 0,
 ):
-    """topk_ids_ptr ... num_tokens and TOP_K: the combine's inputs and output, read only when COMBINE."""
-    tl.static_assert(not COMBINE or (BT == 1 and not GATED), "COMBINE is the BT = 1 down GEMM's")
+    """topk_ids_ptr ... num_tokens and TOP_K: the combine's inputs and output, read only when COMBINE (the BT = 1
+    down GEMM only: moe_mm.moe_down)."""
     b = tl.program_id(0)
     if COMBINE:
         t0 = tl.num_programs(0) - num_tokens  # programs t0 + t: token t's rows if no pair of t is resident
@@ -472,4 +472,4 @@ def moe_gemm_kernel(
     tl.store(out, result.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & lane_ok[None, :])
     if COMBINE:
         _combine_if_last(out_ptr, stride_out, rows, n_mask, token, placed, n_tile, topk_ids_ptr, topk_weights_ptr,
-                         w2_table_ptr, f4_table_ptr, table_row, comb_out_ptr, stride_comb, counters_ptr, TOP_K)
+                         w2_table_ptr, f4_table_ptr, table_row, comb_out_ptr, stride_comb, counters_ptr, TOP_K, BN)
