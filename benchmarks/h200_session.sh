@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 measurements of main, in device calls of under 10 minutes each (kernels, runtime and runtime2 ran
-# at 5d57fd6; kernels2 and runtime3 measure what followed). Run from the repository root on the GPU machine:
+# at 5d57fd6; kernels2 and runtime3 at 79126e2; final measures what followed). Run from the repository root on the GPU machine:
 #   TIERSTORE_COMMIT=<sha of the tree, taken on the dev machine> bash benchmarks/h200_session.sh kernels
 #   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime      (carry .whl for liburing)
 #   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime2     (carry .whl for liburing)
@@ -9,7 +9,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -87,6 +87,25 @@ case "$step" in
       --steps 220 --warmup 20 --coverages 0.25,1 --arena-gb 4 --commit "$commit" --out "$work/replay_qwen3.json"
     stage generate-quality 50 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    ;;
+  final)  # v10 combine-in-down, the FP4 step split after its fixes, bf16 runs (~5 min expected)
+    stage runtime-tests 80 python3 -m pytest tests/test_fp4_gpu.py tests/test_runtime_gpu.py \
+      tests/test_runtime_fetch_split.py -m gpu -q
+    stage kernel-tests 80 python3 -m pytest tests/test_kernels_moe.py tests/test_kernels_gpu.py -q \
+      -k "combine_in_down or down_launch"
+    stage kernels 120 python3 benchmarks/kernels.py --tokens 1,8,32 --config 64,8 --commit "$commit" \
+      --skip w2_gate_up,w2_down,w2_fused_plain,w2_gate_up_plain,w2_fused_mma16,dequant_grouped_mm,fp4_gate_up,w2_fused_down64w8,fp4_fused_down64w8 \
+      --json "$work/kernels-deepseek-v3-v10.json"
+    stage gate-split 70 python3 benchmarks/gate_cost.py --split --presets ds-v2-lite --layers 8 --steps 60 --warmup 10 \
+      --rounds 4 --split-dtypes float32,bfloat16 --commit "$commit" --out "$work/gate_split.json"
+    stage gate-cost-bf16 60 python3 benchmarks/gate_cost.py --presets ds-v2-lite --layers 8 --steps 60 --warmup 20 \
+      --fp4-fractions 0.1,0.25,0.5,1 --gate-fraction 0.25 --fire-every 4 --repetitions 8 --dtype bfloat16 \
+      --commit "$commit" --out "$work/gate_cost_bf16.json"
+    stage replay-bf16 100 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 1,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 --commit "$commit" \
+      --out "$work/replay_bf16.json"
+    stage generate-quality-gate 50 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --fp4-pool-frac 0.5 --gate --gate-tau 0.6 --verify-fp4
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--coverages", default=COVERAGES)
     parser.add_argument("--arena-gb", default=ARENA_GB)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs of the forward")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="activation dtype (a decoder's: bfloat16; earlier runs: float32)")
     parser.add_argument("--arena-preload", action="store_true",
                         help="fill the tiered and naive arenas before the clock starts (no compulsory pack reads)")
     parser.add_argument("--trace", action="append", default=[], help="a recorded trace to replay too (repeatable)")
@@ -98,7 +100,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results: list[dict] = []
     head = {"provenance": provenance(args.commit), "method": {
-        "steps": args.steps, "warmup": args.warmup, "layers": args.layers, "graph": not args.eager,
+        "steps": args.steps, "warmup": args.warmup, "layers": args.layers, "graph": not args.eager, "dtype": args.dtype,
         "arena_preload": args.arena_preload, "traces": args.trace, "trace_layers": args.trace_layers,
         "trace_top_k": args.trace_top_k, "synthetic": not args.no_synthetic,
         "floor": "plain all-resident steady step + steady arena-hit bytes / pinned H2D + arena-miss bytes / source read"}}
@@ -130,7 +132,7 @@ def main() -> None:
                     result = run_replay(run_geometry, lambda: open_synthetic_rows(spec, args.pack_dir), steps,
                                         pool_slots=pool, arena_slots=int(arena_gb * 2**30) // spec.stride,
                                         device=device, warmup=args.warmup, graph=not args.eager,
-                                        arena_preload=args.arena_preload)
+                                        arena_preload=args.arena_preload, dtype=getattr(torch, args.dtype))
                     result.update(preset=preset, workload=name, arena_gb=arena_gb, trace_mapping=mapping)
                     results.append(result)
                     Path(args.out).write_text(json.dumps({**head, "results": results}, indent=2))  # after every run

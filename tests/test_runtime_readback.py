@@ -168,3 +168,20 @@ def test_generation_reads_the_next_token_from_the_pass_log_with_the_same_result(
     assert replayed > 0
     assert folded.new_ids == separate.new_ids
     assert all(torch.equal(a, b) for a, b in zip(folded.step_logits, separate.step_logits))
+
+
+def test_replay_runs_every_variant_at_the_requested_activation_dtype(monkeypatch):
+    import tierstore.runtime.replay as replay_module
+
+    seen = []
+    real_drive, real_overhead = replay_module.drive, replay_module.nomiss_overhead
+    monkeypatch.setattr(replay_module, "drive", lambda *a, **kw: seen.append(kw["dtype"]) or real_drive(*a, **kw))
+    monkeypatch.setattr(replay_module, "nomiss_overhead",
+                        lambda *a, **kw: seen.append(kw["dtype"]) or real_overhead(*a, **kw))
+    g = toy_geometry()
+    steps = trace_steps(skewed_routing(g, 6), None, g.num_moe_layers, None)
+    everything = g.total_routed_experts
+    result = run_replay(g, lambda: memory_source(g), steps, pool_slots=everything, arena_slots=0, device="cpu",
+                        warmup=2, dtype=torch.float16)
+    assert result["dtype"] == "float16" and result["tokens_match_resident"]
+    assert seen == [torch.float16] * 5  # resident, resident_readback, tiered, naive, the no-miss variants

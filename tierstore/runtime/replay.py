@@ -201,17 +201,18 @@ def _run(geometry, source_factory, steps, *, pool_slots: int, arena_slots: int, 
             "cold": out["cold"].as_dict(), "steady": out["steady"].as_dict()}
 
 
-def _overhead(geometry, source_factory, steps, *, device, config, graph: bool, warmup: int) -> dict:
+def _overhead(geometry, source_factory, steps, *, device, config, graph: bool, warmup: int, dtype) -> dict:
     tokens = max((len(s) for s in steps), default=1)
     with TieredRuntime(geometry, source_factory(), pool_slots=geometry.total_routed_experts, arena_slots=0,
                        device=device, config=config, output_words=tokens) as runtime:
         runtime.preload()
-        return nomiss_overhead(runtime, steps, graph=graph, warmup=min(warmup, len(steps) // 2))
+        return nomiss_overhead(runtime, steps, graph=graph, warmup=min(warmup, len(steps) // 2), dtype=dtype)
 
 
 def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *, pool_slots: int, arena_slots: int,
                device: torch.device | str, config: RuntimeConfig | None = None, warmup: int = 0,
-               graph: bool = True, arena_preload: bool = False, overhead: bool = True) -> dict:
+               graph: bool = True, arena_preload: bool = False, overhead: bool = True,
+               dtype: torch.dtype = torch.float32) -> dict:
     """A plain all-resident run (preloaded, forward + sync, no step protocol), the same with the
     decoder's token readback (forward + copy + sync), the tiered run (token folded into the pass-log
     read) and the naive on-demand baseline (eager, token read back), of the same steps, each with a
@@ -226,11 +227,13 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
     `overhead` with a pool that holds every expert: also `nomiss_overhead` (variants interleaved).
     `source_factory()` returns a fresh row source per run (e.g. PackRows over the pack); `graph`:
     CUDA-graph forwards on CUDA (the naive baseline is eager by definition). `touched_keys`: the
-    distinct (layer, expert) keys the steps route; `pool_over_touched`: the pool over that number."""
+    distinct (layer, expert) keys the steps route; `pool_over_touched`: the pool over that number.
+    `dtype`: the activations' dtype (a decoder's is bfloat16; the default float32 keeps earlier runs
+    comparable, and the kernels' inline-PTX paths run only for bfloat16)."""
     device = torch.device(device)
     config = config or RuntimeConfig(kpi_every=0, force_pool=True)
     everything = geometry.total_routed_experts
-    common = dict(device=device, config=config, warmup=warmup)
+    common = dict(device=device, config=config, warmup=warmup, dtype=dtype)
     full = pool_slots >= everything
     runs = {
         "resident": _run(geometry, source_factory, steps, pool_slots=everything, arena_slots=0, preload=True,
@@ -261,7 +264,7 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
     touched = touched_keys(steps, geometry.num_experts)
     out = {
         "geometry": geometry.name, "top_k": geometry.top_k, "layers": geometry.num_moe_layers, "steps": len(steps), "warmup": warmup,
-        "device": str(device), "pool_slots": pool_slots, "coverage": pool_slots / everything,
+        "device": str(device), "dtype": str(dtype).removeprefix("torch."), "pool_slots": pool_slots, "coverage": pool_slots / everything,
         "touched_keys": touched, "pool_over_touched": ratio(pool_slots, touched),
         "arena_slots": arena_slots, "arena_preload": arena_preload, "h2d_gbps": h2d, "source_read_gbps": disk,
         "floor_fetch_ms": fetch_ms, "floor_step_ms": floor_ms, "floor_readback_step_ms": floor_readback_ms,
@@ -274,5 +277,5 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
     }
     if overhead and full:
         out["nomiss_overhead"] = _overhead(geometry, source_factory, steps, device=device, config=config, graph=graph,
-                                           warmup=warmup)
+                                           warmup=warmup, dtype=dtype)
     return out
