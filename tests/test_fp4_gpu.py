@@ -1,6 +1,6 @@
-"""The precision tier on CUDA (run on the GPU machine; not yet run): Triton kernels reading the
-FP4 pool, the manager's own stream with a pinned chained snapshot, `auto` sizing, and a CUDA-graph
-decode whose gate replays reproduce the all-FP4 run bit for bit."""
+"""The precision tier on CUDA (run on the GPU machine): Triton kernels reading the FP4 pool, the
+manager's own stream copying into reserved slots, `auto` sizing, and a CUDA-graph decode whose gate
+replays reproduce the all-FP4 run bit for bit."""
 
 import warnings
 

@@ -7,8 +7,8 @@ and `live` (FP4 pool filled by its live manager). Variants, timed per step:
 - `w2_plain`: the W2-only forward (a CUDA graph replay) + device sync, no step protocol;
 - `w2_step`: the same forward through `TieredRuntime.step` (pass-log read, no FP4 tier);
 - `held_plain`: the held runtime's forward + sync: the kernels with that FP4 residency, no step;
-- `held_step`: the held runtime's full step (lock, read, end sync, close_step, snapshot push, wake
-  of a paused manager);
+- `held_step`: the held runtime's full step (tier lock, pass-log read, close_step, the routing
+  window handed to the paused manager's host snapshot);
 - `live_plain`: the live runtime's forward + sync at the residency its manager reached so far
   (manager paused for these steps): its kernels' own cost;
 - `live_step`: the live runtime's full step with its manager running.
