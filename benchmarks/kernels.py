@@ -174,10 +174,8 @@ def _fp4_mode_check(geo, w2, f4, inp, mode, device) -> dict:
 # bytes, so `<name>_equals_default` must be True. down64w8: the down launch before v9's adoption (64 rows / 8 warps
 # at every T; the default is 32 rows / 4 warps from 64 pairs up): equal to the default at T = 1 (a repeat of the
 # same launch), the pre-adoption launch at T = 8 / 32, and the GPU check that the choice leaves the bytes alone.
-# downcombine (v10): the combine folded into the down launch (three launches instead of four).
 CANDIDATES = {
     "down64w8": (dict(down_block_n=64, down_num_warps=8), True),
-    "downcombine": (dict(combine_in_down=True), True),
 }
 
 

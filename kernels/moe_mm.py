@@ -4,9 +4,8 @@
 
 Launch sequence (all shapes static, all buffers preallocated: capture-safe, no host sync):
 route (tiers, expert blocks, miss log) -> gate_up GEMM + SwiGLU -> down GEMM -> fixed-order
-combine (or, with `MoeWorkspace.allocate(combine_in_down=True)`, the combine inside the down launch: three
-launches; v10 candidate, same bytes). No atomics touch numbers, so repeated launches give identical bytes,
-and a pair's result does not depend on which other pairs share its batch. `moe_mm_ref` is the plain-torch reference.
+combine. No atomics touch numbers, so repeated launches give identical bytes, and a pair's result
+does not depend on which other pairs share its batch. `moe_mm_ref` is the plain-torch reference.
 """
 
 from __future__ import annotations
@@ -83,16 +82,12 @@ class MoeWorkspace:
     # The down GEMM's launch: rows per program and warps (chosen in `allocate`; gate_up uses block_n / num_warps).
     down_block_n: int = 64
     down_num_warps: int = 8
-    # v10 candidate (kernel-notes): the combine runs in the down launch (BT = 1); counters: int32 [T * down n-tiles],
-    # zero between launches (the last program of each (token, n-tile) resets its own).
-    combine_in_down: bool = False
-    counters: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype, device,
                  block_tokens: int | None = None, block_n: int = 64, num_warps: int | None = None,
                  ptx_w2: bool = True, fp4_bf16x2: str = "ptx", down_block_n: int | None = None,
-                 down_num_warps: int | None = None, combine_in_down: bool = False) -> MoeWorkspace:
+                 down_num_warps: int | None = None) -> MoeWorkspace:
         """block_tokens: 1 = one pair per program on CUDA-core FMAs (decode); 16 or 64 = tensor-core blocks.
 
         Default: 1 while pairs <= experts (measured crossover on the H200, benchmarks/kernel-notes.md),
@@ -120,8 +115,6 @@ class MoeWorkspace:
             down_block_n = 32 if wide else block_n
         if down_num_warps is None:
             down_num_warps = 4 if wide else num_warps
-        if combine_in_down and block_tokens != 1:
-            raise ValueError(f"combine_in_down is a BT = 1 path, got block_tokens {block_tokens}")
         max_blocks = min(num_experts, pairs) + triton.cdiv(pairs, block_tokens)
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
@@ -138,8 +131,6 @@ class MoeWorkspace:
             fp4_bf16x2=fp4_bf16x2,
             down_block_n=down_block_n,
             down_num_warps=down_num_warps,
-            combine_in_down=combine_in_down,
-            counters=torch.zeros(num_tokens * triton.cdiv(hidden, down_block_n), **i32) if combine_in_down else None,
         )
 
 
@@ -151,9 +142,8 @@ def _fp4_mode(ws: MoeWorkspace, a: torch.Tensor) -> int:
 
 
 def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: MoeWorkspace, n_out: int, k: int,
-          top_k: int, gated: bool, limit: float | None, rows_are_tokens: bool, combine: tuple | None = None) -> None:
-    """One GEMM launch: which = "w13" (gate_up, gated) or "w2" (down, with the workspace's down launch).
-    combine = (topk_ids, topk_weights, out): the down launch also writes out (`combine_in_down`)."""
+          top_k: int, gated: bool, limit: float | None, rows_are_tokens: bool) -> None:
+    """One GEMM launch: which = "w13" (gate_up, gated) or "w2" (down, with the workspace's down launch)."""
     down = which == "w2"
     block_n = ws.down_block_n if down else ws.block_n
     num_warps = ws.down_num_warps if down else ws.num_warps
@@ -165,13 +155,7 @@ def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: M
         return layout.w2_words_offset, layout.w2_scales_offset
     w2_words_off, w2_scales_off = offsets(w2.layout)
     f4_words_off, f4_scales_off = offsets(fp4.layout)
-    if combine is None:  # placeholders, never read (COMBINE=False)
-        topk_ids, topk_weights, comb_out, num_tokens = ws.num_blocks, ws.y, ws.y, 0
-    else:
-        topk_ids, topk_weights, comb_out = combine
-        num_tokens = topk_ids.shape[0]
-    # COMBINE: one more program per token (zero rows of tokens with no resident pair)
-    grid = (ws.block_expert.numel() + num_tokens, triton.cdiv(n_out, block_n))
+    grid = (ws.block_expert.numel(), triton.cdiv(n_out, block_n))
     moe_gemm_kernel[grid](
         a, a.stride(0), out, out.stride(0),
         w2.slots.view(torch.int32), w2.slots, w2.layout.slot_bytes, w2_words_off, w2_scales_off,
@@ -181,14 +165,11 @@ def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: M
         w2.table, fp4.table, table_row,
         ws.block_expert, ws.block_fill, ws.block_pairs, ws.num_blocks,
         n_out, k, top_k, 0.0 if limit is None else float(limit),
-        topk_ids, topk_weights, comb_out, comb_out.stride(0), ws.num_blocks if combine is None else ws.counters,
-        num_tokens,
         GATED=gated, HAS_LIMIT=limit is not None, ROWS_ARE_TOKENS=rows_are_tokens,
         W2_WPS=m2.wps, F4_WPS=m4.wps, BN=block_n, BT=ws.block_tokens,
         PRECISION="ieee" if a.dtype == torch.float32 else None,
         PTX_W2=ws.ptx_w2 and a.is_cuda and a.dtype == torch.bfloat16,
         FP4_MODE=_fp4_mode(ws, a),
-        COMBINE=combine is not None, TOP_K=top_k if combine is not None else 0,
         num_warps=num_warps,
     )
 
@@ -205,8 +186,6 @@ def _check(hidden, topk_ids, w2: TierPool, fp4: TierPool, workspace: MoeWorkspac
                          f"need ({pairs}, {inter}) {hidden.dtype}")
     if not (hidden.is_contiguous() and topk_ids.is_contiguous()):
         raise ValueError("hidden and topk_ids must be contiguous")
-    if workspace.combine_in_down and workspace.counters.numel() != topk_ids.shape[0] * triton.cdiv(h, workspace.down_block_n):
-        raise ValueError(f"workspace counters were sized for {workspace.counters.numel()} (token, n-tile) pairs")
 
 
 def moe_route(topk_ids: torch.Tensor, w2: TierPool, fp4: TierPool, layer: int, misses: MissLog, workspace: MoeWorkspace) -> None:
@@ -228,15 +207,11 @@ def moe_gate_up(hidden: torch.Tensor, top_k: int, w2: TierPool, fp4: TierPool, l
           True, swiglu_limit, True)
 
 
-def moe_down(top_k: int, w2: TierPool, fp4: TierPool, layer: int, workspace: MoeWorkspace,
-             combine: tuple | None = None) -> None:
-    """Stage 3: workspace.y[pair] = W2_e act[pair] (float32) for every placed pair. With `combine_in_down`,
-    combine = (topk_ids, topk_weights, out) and the launch also does stage 4 (out as `moe_combine` writes it)."""
-    if workspace.combine_in_down != (combine is not None):
-        raise ValueError("combine=(topk_ids, topk_weights, out) is given exactly when the workspace has combine_in_down")
+def moe_down(top_k: int, w2: TierPool, fp4: TierPool, layer: int, workspace: MoeWorkspace) -> None:
+    """Stage 3: workspace.y[pair] = W2_e act[pair] (float32) for every placed pair."""
     table_row = layer * w2.table.shape[1]
     _gemm(workspace.act, workspace.y, w2, fp4, "w2", table_row, workspace, w2.layout.hidden, w2.layout.inter, top_k,
-          False, None, False, combine)
+          False, None, False)
 
 
 def moe_combine(topk_ids, topk_weights, w2: TierPool, fp4: TierPool, layer: int, workspace: MoeWorkspace, out) -> None:
@@ -254,7 +229,7 @@ def moe_mm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
            swiglu_limit: float | None = None) -> torch.Tensor:
     """hidden [T, H] (bf16 on GPU; fp32/fp16 in the interpreter), topk_ids/topk_weights [T, k] -> out [T, H].
 
-    Capture-safe when `out` is given: four launches (three with `combine_in_down`), no allocation, no host sync.
+    Capture-safe when `out` is given: four launches, no allocation, no host sync.
     """
     _check(hidden, topk_ids, w2, fp4, workspace)
     if out is None:
@@ -262,11 +237,8 @@ def moe_mm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     top_k = topk_ids.shape[1]
     moe_route(topk_ids, w2, fp4, layer, misses, workspace)
     moe_gate_up(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit)
-    if workspace.combine_in_down:
-        moe_down(top_k, w2, fp4, layer, workspace, (topk_ids, topk_weights, out))
-    else:
-        moe_down(top_k, w2, fp4, layer, workspace)
-        moe_combine(topk_ids, topk_weights, w2, fp4, layer, workspace, out)
+    moe_down(top_k, w2, fp4, layer, workspace)
+    moe_combine(topk_ids, topk_weights, w2, fp4, layer, workspace, out)
     return out
 
 

@@ -74,7 +74,6 @@ def test_all_variants_measured_when_nothing_fails(kb, tmp_path):
     assert kb.NEW_VARIANTS and all(i > last_baseline for i, (t, v) in enumerate(order) if v in kb.NEW_VARIANTS)
     assert [(c["stage"], c["fp4"], c["down_block_n"], c["down_num_warps"]) for c in kb.calls if "down_block_n" in c
             ] == [("all", False, 64, 8), ("all", True, 64, 8)]
-    assert [(c["stage"], c["fp4"]) for c in kb.calls if c.get("combine_in_down")] == [("all", False), ("all", True)]
     stages = {(c["stage"], c["fp4"]) for c in kb.calls}
     assert stages == {("all", False), ("gate_up", False), ("down", False), ("route_combine", False), ("all", True),
                       ("gate_up", True)}
@@ -165,18 +164,17 @@ def test_failed_checks_mark_their_timing_rows_invalid(kb, tmp_path, monkeypatch)
 
 
 def test_candidates_are_invalid_only_by_their_own_checks(kb, tmp_path, monkeypatch):
-    """A designed-exact candidate whose bytes differ from the default's is invalid (that tier's row only); other
-    candidates and the defaults stay valid."""
+    """A designed-exact candidate whose bytes differ from the default's is invalid (W2 and FP4 rows); the
+    defaults stay valid."""
     monkeypatch.setattr(kb, "_candidate_check", lambda geo, w2, f4, inp, options, device: dict(
-        rel_err=6e-3, nan=False, repeat_identical=True,
-        equals_default=inp["tier"] == "w2" or "combine_in_down" not in options))
+        rel_err=6e-3, nan=False, repeat_identical=True, equals_default=inp["tier"] == "w2"))
     code, result = _main(kb, tmp_path, tokens="1")
     rows = _rows(result)
-    assert rows[(1, "fp4_fused_downcombine")]["us"] is None
-    assert any("downcombine_equals_default is False" in why for why in rows[(1, "fp4_fused_downcombine")]["invalid"])
-    for name in ("w2_fused_downcombine", "w2_fused_down64w8", "fp4_fused_down64w8", "w2_fused", "fp4_fused"):
+    assert rows[(1, "fp4_fused_down64w8")]["us"] is None
+    assert any("down64w8_equals_default is False" in why for why in rows[(1, "fp4_fused_down64w8")]["invalid"])
+    for name in ("w2_fused_down64w8", "w2_fused", "fp4_fused"):
         assert rows[(1, name)]["us"] is not None and "invalid" not in rows[(1, name)], name
-    assert set(result["invalid_checks"]) == {"fp4_downcombine"}
+    assert set(result["invalid_checks"]) == {"fp4_down64w8"}
 
 
 def test_skip_leaves_variants_untimed(kb, tmp_path):

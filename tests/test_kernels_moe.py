@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from tests.kernel_fixtures import fill_pool, random_routing  # noqa: E402
-from tierstore.kernels import MissLog, MoeWorkspace, fp4_tier, moe_down, moe_mm, moe_mm_ref, w2_tier  # noqa: E402
+from tierstore.kernels import MissLog, MoeWorkspace, fp4_tier, moe_mm, moe_mm_ref, w2_tier  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -414,58 +414,3 @@ def test_down_launch_choice():
     assert launch(8, 8, 256, block_tokens=16) == (64, 4, 64, 4)
     assert launch(8, 8, 256, down_block_n=64, down_num_warps=8) == (64, 8, 64, 8)  # explicit wins
     assert launch(1, 8, 256, block_n=128, num_warps=4) == (128, 4, 128, 4)
-
-
-# ---- v10 candidate: the combine inside the down launch (`combine_in_down`) ----
-
-
-@pytest.mark.parametrize("launch", [dict(down_block_n=64, down_num_warps=8), dict(down_block_n=32, down_num_warps=4)])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_combine_in_down_gives_the_default_bytes(dtype, launch):
-    """W2 and FP4 pairs, missing experts, a token with no resident pair (zero rows), the clamp: the down launch
-    with the combine folded in writes the bytes of the separate combine, counts the same misses, leaves its
-    counters at zero, and a second launch on the same workspace repeats the bytes."""
-    hidden, inter, experts, top_k = 256, 96, 6, 2
-    gen, w2, f4 = _setup(hidden, inter, experts, 1, 61, w2_slots=4, fp4_slots=1)
-    w2.table[0, :4] = torch.tensor([1, 3, 0, 2], dtype=torch.int32)
-    f4.table[0, 4] = 0  # expert 4 reads FP4 (FP4 before W2: also expert 1 below), 5 is missing
-    f4.table[0, 1] = 0
-    ids = torch.tensor([[0, 1], [5, 5], [2, 4], [3, 5]], dtype=torch.int32, device=DEVICE)  # token 1: no resident pair
-    tokens = ids.shape[0]
-    wts = torch.rand(tokens, top_k, generator=gen).to(DEVICE)
-    x = (3 * torch.randn(tokens, hidden, generator=gen)).to(DEVICE, dtype)
-    ref, missing_pairs, missing = moe_mm_ref(x, ids, wts, w2, f4, 0, swiglu_limit=6.0, act_dtype=dtype)
-    assert [missing_pairs, len(missing)] == [3, 1]
-    outs = {}
-    for fold in (False, True):
-        ws = MoeWorkspace.allocate(tokens, top_k, experts, hidden, inter, dtype, DEVICE, block_tokens=1,
-                                   combine_in_down=fold, **launch)
-        for run in range(2):
-            ws.y.fill_(float("nan"))
-            misses = MissLog.allocate(4, DEVICE)
-            out = torch.full_like(x, float("nan"))
-            moe_mm(x, ids, wts, w2, f4, 0, misses, ws, out=out, swiglu_limit=6.0)
-            assert misses.counts.tolist() == [3, 1] and misses.entries[0].tolist() == [0, 5]
-            outs[fold, run] = out
-        if fold:
-            assert ws.counters.numel() == tokens * triton.cdiv(hidden, launch["down_block_n"])
-            assert not ws.counters.any()
-    assert not outs[True, 0].isnan().any() and not outs[True, 0][1].any()
-    assert _rel_err(outs[True, 0], ref) < (1e-2 if ON_GPU else TOLERANCE[dtype])
-    assert torch.equal(outs[True, 0], outs[False, 0]) and torch.equal(outs[True, 1], outs[True, 0])
-
-
-def test_combine_in_down_options():
-    ws = MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE)
-    assert ws.combine_in_down is False and ws.counters is None
-    with pytest.raises(ValueError):
-        MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE, block_tokens=16, combine_in_down=True)
-    folded = MoeWorkspace.allocate(2, 2, 4, 256, 64, torch.float32, DEVICE, combine_in_down=True)
-    w2, f4 = w2_tier(256, 64, 1, 1, 4, DEVICE), fp4_tier(256, 64, 1, 1, 4, DEVICE)
-    with pytest.raises(ValueError):  # the folded launch needs the combine's inputs and output
-        moe_down(2, w2, f4, 0, folded)
-    ids = torch.zeros(4, 1, dtype=torch.int32, device=DEVICE)  # 4 pairs fit act [4, 64]; counters are for 2 tokens
-    with pytest.raises(ValueError, match="counters"):
-        moe_mm(torch.zeros(4, 256, device=DEVICE), ids, torch.ones(4, 1, device=DEVICE), w2, f4, 0,
-               MissLog.allocate(2, DEVICE), folded)
-

@@ -1,29 +1,11 @@
 """Weighted combine over the top-k in a fixed order: out[t] = sum_j w[t, j] * y[t * k + j].
 
 A pair whose expert is in neither pool contributes exactly zero (its y row is never read).
-Grid (token, h-tile); fp32 accumulation in the order j = 0, 1, ..., k-1. The same sum (`combine_rows`) also
-runs inside the down GEMM when the workspace folds the combine into it (gemm.py, `COMBINE`).
+Grid (token, h-tile); fp32 accumulation in the order j = 0, 1, ..., k-1.
 """
 
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def combine_rows(y_ptr, stride_y, topk_ids_ptr, topk_weights_ptr, w2_table_ptr, f4_table_ptr, table_row, t, h, h_ok,
-                 TOP_K: tl.constexpr, BH: tl.constexpr, Y_CACHE: tl.constexpr):
-    """sum_j w[t, j] * y[t * k + j, h] over token t's resident pairs, j = 0, 1, ..., k-1, in float32 (h: [BH]);
-    Y_CACHE: the y loads' cache modifier ("" = default)."""
-    acc = tl.zeros([BH], tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = t * TOP_K + j
-        expert = tl.load(topk_ids_ptr + pair)
-        resident = (tl.load(w2_table_ptr + table_row + expert) >= 0) | (tl.load(f4_table_ptr + table_row + expert) >= 0)
-        weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
-        read = h_ok & (tl.zeros([BH], tl.int32) + resident.to(tl.int32) > 0)
-        y = tl.load(y_ptr + pair.to(tl.int64) * stride_y + h, mask=read, other=0.0, cache_modifier=Y_CACHE)
-        acc += tl.where(resident, weight * y, 0.0)
-    return acc
 
 
 @triton.jit
@@ -35,6 +17,13 @@ def combine_kernel(
     t = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     h_ok = h < H
-    acc = combine_rows(y_ptr, stride_y, topk_ids_ptr, topk_weights_ptr, w2_table_ptr, f4_table_ptr, table_row, t, h,
-                       h_ok, TOP_K, BH, "")
+    acc = tl.zeros([BH], tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = t * TOP_K + j
+        expert = tl.load(topk_ids_ptr + pair)
+        resident = (tl.load(w2_table_ptr + table_row + expert) >= 0) | (tl.load(f4_table_ptr + table_row + expert) >= 0)
+        weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
+        read = h_ok & (tl.zeros([BH], tl.int32) + resident.to(tl.int32) > 0)
+        y = tl.load(y_ptr + pair.to(tl.int64) * stride_y + h, mask=read, other=0.0)
+        acc += tl.where(resident, weight * y, 0.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_out + h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)

@@ -13,19 +13,11 @@ SwiGLU(gate, up) (gate clamped to <= limit, up to [-limit, limit] when HAS_LIMIT
 accumulator is written as fp32. Rows are written only for the block's pairs: no atomics.
 
 BT = 1 does not use tensor cores: one pair per program on CUDA-core / packed bf16x2 FMAs.
-
-COMBINE (BT = 1 down GEMM, v10 candidate): the combine runs in this launch. After a program has written its
-rows of y, it counts itself done on its (token, n-tile) counter; the program that completes the count (the
-token's last resident pair to finish that tile, whatever the order) sums the token's y rows over j = 0..k-1
-exactly as combine.py does, writes out[t] for the tile and resets the counter. Programs past the route's
-blocks (one per token) write the zero rows of tokens with no resident pair. The counter is the only atomic:
-no number depends on arrival order, so the bytes equal the separate combine's.
 """
 
 import triton
 import triton.language as tl
 
-from .combine import combine_rows
 from .decode import (FP4_SCALE_UNBIAS, bf16x2_halves, decode_fp4_slot, decode_w2_slot, decode_w2_slot_scaled, fp4_scale_pairs,
                      fp4_scale_pairs_ref, fp4_word_dot_bf16x2, fp4_word_pairs, scale_from_bytes, w2_scale_pairs,
                      w2_word_dot_bf16x2)
@@ -368,34 +360,6 @@ def _fma_one_pair(
 
 
 @triton.jit
-def _resident_pairs(t, topk_ids_ptr, w2_table_ptr, f4_table_ptr, table_row, TOP_K: tl.constexpr):
-    """How many of token t's top-k pairs have their expert in a pool (each such pair has one route block)."""
-    count = 0
-    for j in tl.static_range(TOP_K):
-        expert = tl.load(topk_ids_ptr + t * TOP_K + j)
-        resident = (tl.load(w2_table_ptr + table_row + expert) >= 0) | (tl.load(f4_table_ptr + table_row + expert) >= 0)
-        count += resident.to(tl.int32)
-    return count
-
-
-@triton.jit
-def _combine_if_last(y_ptr, stride_y, rows, n_mask, t, placed, n_tile, topk_ids_ptr, topk_weights_ptr, w2_table_ptr,
-                     f4_table_ptr, table_row, out_ptr, stride_out, counters_ptr, TOP_K: tl.constexpr, BN: tl.constexpr):
-    """COMBINE, after this program stored its y rows: the program that completes token t's count (`placed` resident
-    pairs) for this n-tile writes out[t, rows] = combine.py's sum and resets the counter for the next launch."""
-    # bar.sync: every thread's y stores come before the counter's release (one thread runs the scalar atomic),
-    # and its acquire comes before any thread of the last program reads the others' rows (from L2: ".cg").
-    tl.debug_barrier()
-    counter = counters_ptr + t * tl.num_programs(1) + n_tile
-    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if done == placed - 1:
-        acc = combine_rows(y_ptr, stride_y, topk_ids_ptr, topk_weights_ptr, w2_table_ptr, f4_table_ptr, table_row, t,
-                           rows, n_mask, TOP_K, BN, ".cg")
-        tl.store(out_ptr + t.to(tl.int64) * stride_out + rows, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
-        tl.store(counter, 0)
-
-
-@triton.jit
 def moe_gemm_kernel(
     a_ptr, stride_a, out_ptr, stride_out,
     w2_words_ptr, w2_scales_ptr, w2_slot_bytes, w2_words_off, w2_scales_off, w2_words_per_row, w2_blocks_per_row,
@@ -403,22 +367,11 @@ def moe_gemm_kernel(
     w2_table_ptr, f4_table_ptr, table_row,
     block_expert_ptr, block_fill_ptr, block_pairs_ptr, num_blocks_ptr,
     N_OUT, K, top_k, limit,
-    topk_ids_ptr, topk_weights_ptr, comb_out_ptr, stride_comb, counters_ptr, num_tokens,
     GATED: tl.constexpr, HAS_LIMIT: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr,
     W2_WPS: tl.constexpr, F4_WPS: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
-    PTX_W2: tl.constexpr, FP4_MODE: tl.constexpr = 0, COMBINE: tl.constexpr = False, TOP_K: tl.constexpr = 0,
+    PTX_W2: tl.constexpr, FP4_MODE: tl.constexpr = 0,
 ):
-    """topk_ids_ptr ... num_tokens and TOP_K: the combine's inputs and output, read only when COMBINE (the BT = 1
-    down GEMM only: moe_mm.moe_down)."""
     b = tl.program_id(0)
-    if COMBINE:
-        t0 = tl.num_programs(0) - num_tokens  # programs t0 + t: token t's rows if no pair of t is resident
-        if b >= t0:
-            rows = tl.program_id(1) * BN + tl.arange(0, BN)
-            if _resident_pairs(b - t0, topk_ids_ptr, w2_table_ptr, f4_table_ptr, table_row, TOP_K) == 0:
-                tl.store(comb_out_ptr + (b - t0).to(tl.int64) * stride_comb + rows,
-                         tl.zeros([BN], tl.float32).to(comb_out_ptr.dtype.element_ty), mask=rows < N_OUT)
-            return
     if b >= tl.load(num_blocks_ptr):
         return
     n_tile = tl.program_id(1)
@@ -433,9 +386,6 @@ def moe_gemm_kernel(
     num_blocks_k = K // 32
 
     f4_slot = tl.load(f4_table_ptr + table_row + expert)
-    if COMBINE:  # loaded before the GEMM, so their latency is not added to the program's end
-        token = tl.sum(pairs, axis=0) // TOP_K
-        placed = _resident_pairs(token, topk_ids_ptr, w2_table_ptr, f4_table_ptr, table_row, TOP_K)
     if BT == 1:
         a_row_ptr = a_ptr + tl.sum(a_rows, axis=0).to(tl.int64) * stride_a
         acc_g, acc_u = _fma_one_pair(
@@ -470,6 +420,3 @@ def moe_gemm_kernel(
         result = acc_g
     out = out_ptr + pairs[None, :].to(tl.int64) * stride_out + rows[:, None]  # [BN, BT]
     tl.store(out, result.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & lane_ok[None, :])
-    if COMBINE:
-        _combine_if_last(out_ptr, stride_out, rows, n_mask, token, placed, n_tile, topk_ids_ptr, topk_weights_ptr,
-                         w2_table_ptr, f4_table_ptr, table_row, comb_out_ptr, stride_comb, counters_ptr, TOP_K, BN)
