@@ -88,11 +88,11 @@ case "$step" in
     stage generate-quality 50 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     ;;
-  final)  # v10 combine-in-down, the FP4 step split after its fixes, bf16 runs (~5 min expected)
+  final)  # v10 combine-in-down (since removed), the FP4 step split after its fixes, bf16 runs (~5 min expected)
     stage runtime-tests 80 python3 -m pytest tests/test_fp4_gpu.py tests/test_runtime_gpu.py \
       tests/test_runtime_fetch_split.py -m gpu -q
     stage kernel-tests 80 python3 -m pytest tests/test_kernels_moe.py tests/test_kernels_gpu.py -q \
-      -k "combine_in_down or down_launch"
+      -k "down_launch"
     stage kernels 120 python3 benchmarks/kernels.py --tokens 1,8,32 --config 64,8 --commit "$commit" \
       --skip w2_gate_up,w2_down,w2_fused_plain,w2_gate_up_plain,w2_fused_mma16,dequant_grouped_mm,fp4_gate_up,w2_fused_down64w8,fp4_fused_down64w8 \
       --json "$work/kernels-deepseek-v3-v10.json"
