@@ -32,7 +32,7 @@ from replay import floats, provenance, skewed_steps
 
 from tierstore.geometry import get_preset
 from tierstore.runtime.fp4_split import fp4_step_split
-from tierstore.runtime.gate import GRAPH_AFTER, ConfidenceGate, row_signals
+from tierstore.runtime.gate import GRAPH_AFTER, ConfidenceGate, SignalGraphs, aggregate_tensor, row_signals
 from tierstore.runtime.replay_gate import confidence_logits, fire_schedule, gate_cost
 from tierstore.runtime.synthetic import tiled_rows
 
@@ -78,13 +78,18 @@ def signal_timing(tokens: int, vocab: int, calls: int = 100, trials: int = 300) 
     """Per step, the armed gate's signal work after the forward (signal + its copy into pinned host
     memory), max_prob / min on logits [tokens, vocab] at a fixed address: `_throughput`'s host and
     device microseconds, and `added_us`: what it adds to a step-like sequence (`_step_like`, median,
-    minus the same without it). Variants: `graph` (signal_tensor: a captured graph), `eager` (the
-    same kernels op by op), `eager_min` (eager plus the min over one row that the signal ran before)."""
+    minus the same without it). Variants: `graph` (signal_tensor: a captured graph of the gate's
+    kernels, on CUDA the Triton signal), `eager` (the same kernels launched one by one), `softmax_graph`
+    / `softmax_eager` (the torch definition the gate ran before the Triton signal: softmax().amax(),
+    captured / op by op), `eager_min` (softmax_eager plus the min over one row that it ran before)."""
     gate = ConfidenceGate("max_prob")
     logits = confidence_logits(fire_schedule(1, 0), tokens, vocab, "cuda")[0]  # [T, V]
     host = torch.empty(1, pin_memory=True)
-    variants = {"graph": gate.signal_tensor, "eager": gate.eager_signal,
-                "eager_min": lambda x: row_signals(x, "max_prob").min().reshape(1)}
+    def softmax(x: torch.Tensor) -> torch.Tensor:
+        return aggregate_tensor(row_signals(x, "max_prob"), None)
+    softmax_graph = SignalGraphs(softmax)
+    variants = {"graph": gate.signal_tensor, "eager": gate.eager_signal, "softmax_graph": softmax_graph,
+                "softmax_eager": softmax, "eager_min": lambda x: row_signals(x, "max_prob").min().reshape(1)}
     out, bare = {}, None
     for name, signal in variants.items():
         for _ in range(GRAPH_AFTER + 2):  # warm-up; the graph is captured here
@@ -94,6 +99,7 @@ def signal_timing(tokens: int, vocab: int, calls: int = 100, trials: int = 300) 
         out[name] = {**_throughput(signal, logits, host, calls),
                      "added_us": 1e6 * (_step_like(signal, logits, host, trials) - bare)}
     out["graph"]["captured"] = gate.signal_graphed(logits)
+    out["softmax_graph"]["captured"] = softmax_graph.graphed(logits)
     out["bare_step_us"] = 1e6 * bare
     return out
 
@@ -151,7 +157,7 @@ def main() -> None:
                   f"(residency unchanged: {held['residency']['unchanged']})", flush=True)
         for name, t in result.get("signal_timing", {}).items():
             if isinstance(t, dict):
-                print(f"{preset} gate signal {name:>9}: adds {t['added_us']:.1f} us to a step-like sequence; host "
+                print(f"{preset} gate signal {name:>13}: adds {t['added_us']:.1f} us to a step-like sequence; host "
                       f"{t['host_us']:.1f} us  device {t['device_us']:.1f} us per call (covered {t['covered']}"
                       f"{', captured %s' % t['captured'] if 'captured' in t else ''})", flush=True)
         print(f"{preset}: armed-silent cost {100 * result['armed_cost']:+.1f}% (target <= 5%; live-manager runs "
@@ -169,8 +175,10 @@ def main() -> None:
         "ms_per_fire": "(steady seconds firing run - armed run) / steady fires",
         "signal_timing": "the gate signal + its host copy, max_prob / min, per call: host enqueue and device time "
                          "(queued behind a sleep kernel), and added_us: median added to sleep 0.1 ms + 4-byte copy + "
-                         "sync (graph: signal_tensor; eager: same kernels op by op; eager_min: with the min of the "
-                         "signal before, one kernel more for one row); CUDA only"},
+                         "sync (graph: signal_tensor, a captured graph of the Triton signal; eager: the same launches one by "
+                         "one; softmax_graph / softmax_eager: the earlier torch softmax().amax() signal captured / op "
+                         "by op; eager_min: softmax_eager with the min of the signal before, one kernel more for one "
+                         "row); CUDA only"},
         "results": results}, indent=2))
     print(f"wrote {out}")
 

@@ -9,6 +9,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 __all__ = ["ABI_TAG", "HAS_TRITON", "SlotLayout", "fp4_slot_layout", "pack_slot", "unpack_matrix_ref", "w2_slot_layout"]
 
 if HAS_TRITON:
+    from .confidence import confidence, confidence_ref  # noqa: F401  (the gate's signal on the device)
     from .moe_mm import (MissLog, MoeWorkspace, TierPool, fp4_tier, moe_combine, moe_down,
                          moe_gate_up, moe_mm, moe_mm_ref, moe_route, w2_tier)
 

@@ -12,6 +12,12 @@ synchronisation covers it: a step under an armed gate that does not fire makes n
 its own (`decide_value` on the host copy). `decide` (signal + sync) remains for callers without
 that path. On CUDA, logits that stay at one address get their signal from a captured graph of the
 same kernels (`SignalGraphs`): one launch per step instead of one per kernel; tau stays on the host.
+
+On CUDA (with triton) the signal and the min over rows run as two Triton launches that split each row over up
+to 64 programs (`tierstore.kernels.confidence`; softmax runs one program per row): max_prob there is
+1 / sum_i exp(x_i - max), the same number summed in another order (within 1e-5 relative of
+softmax().amax() in float32; margin and NaN rows are exact). A quantile takes torch.quantile of the kernel's
+row signals. Off CUDA, and for logits the kernel does not take, `row_signals` / `aggregate_tensor`.
 """
 
 from __future__ import annotations
@@ -25,7 +31,11 @@ from pathlib import Path
 import torch
 
 from tierstore.errors import ConfigError
+from tierstore.kernels import HAS_TRITON
 from tierstore.runtime.config import GATE_SIGNALS, RuntimeConfig, parse_gate_agg
+
+if HAS_TRITON:
+    from tierstore.kernels.confidence import confidence, supported
 
 log = logging.getLogger("tierstore.runtime")
 
@@ -55,6 +65,11 @@ def aggregate_tensor(signals: torch.Tensor, quantile: float | None) -> torch.Ten
 def aggregate(signals: torch.Tensor, quantile: float | None) -> float:
     """min over rows (quantile None) or that quantile, on the host (a sync)."""
     return float(aggregate_tensor(signals, quantile))
+
+
+def _on_kernel(logits: torch.Tensor) -> bool:
+    """Whether the Triton signal takes these logits (CUDA, triton, a dtype and row length it supports)."""
+    return logits.is_cuda and HAS_TRITON and supported(logits)
 
 
 def _graphable(logits: torch.Tensor) -> bool:
@@ -185,7 +200,12 @@ class ConfidenceGate:
             log.warning("gate tau file %s ignored (%s); tau stays %s", self.tau_file, exc, self._tau)
 
     def eager_signal(self, logits: torch.Tensor) -> torch.Tensor:
-        """The aggregated signal of logits [R, V] as float32 [1] on their device, op by op; no host sync."""
+        """The aggregated signal of logits [R, V] as float32 [1] on their device, op by op; no host sync.
+        On CUDA the Triton signal where it takes the logits (module doc), else `row_signals` and `aggregate_tensor`."""
+        if _on_kernel(logits):
+            if self.quantile is None:
+                return confidence(logits, self.signal, reduce_min=True)
+            return torch.quantile(confidence(logits, self.signal, reduce_min=False), self.quantile).reshape(1)
         return aggregate_tensor(row_signals(logits, self.signal), self.quantile)
 
     def signal_tensor(self, logits: torch.Tensor) -> torch.Tensor:
@@ -203,4 +223,4 @@ class ConfidenceGate:
         return GateDecision(value, tau, value <= tau)
 
     def decide(self, logits: torch.Tensor) -> GateDecision:
-        return self.decide_value(aggregate(row_signals(logits, self.signal), self.quantile))
+        return self.decide_value(float(self.eager_signal(logits)))
