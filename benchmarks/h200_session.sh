@@ -9,7 +9,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -105,6 +105,14 @@ case "$step" in
       --steps 220 --warmup 20 --coverages 1,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 --commit "$commit" \
       --out "$work/replay_bf16.json"
     stage generate-quality-gate 50 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --fp4-pool-frac 0.5 --gate --gate-tau 0.6 --verify-fp4
+    ;;
+  signal)  # the gate's Triton confidence kernel: GPU tests, armed cost in bf16, gated generate (~2 min expected)
+    stage signal-tests 100 python3 -m pytest tests/test_gate_signal.py tests/test_confidence_kernel.py -q
+    stage gate-cost-bf16 120 python3 benchmarks/gate_cost.py --presets ds-v2-lite --layers 8 --steps 60 --warmup 20 \
+      --fp4-fractions 0.25 --gate-fraction 0.25 --fire-every 4 --repetitions 8 --dtype bfloat16 --commit "$commit" \
+      --out "$work/gate_cost_signal_kernel.json"
+    stage generate-quality-gate 60 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --fp4-pool-frac 0.5 --gate --gate-tau 0.6 --verify-fp4
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
