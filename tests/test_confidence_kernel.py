@@ -108,7 +108,7 @@ def test_repeated_calls_give_identical_bytes_and_views_are_read_in_place():
         first = run(view, signal, False).cpu()
         for _ in range(2):
             assert torch.equal(run(view, signal, False).cpu().view(torch.int32), first.view(torch.int32))
-        check(first, confidence_ref(view.contiguous(), signal, False), signal)
+        check(first, confidence_ref(view.contiguous(), signal, False).cpu(), signal)  # `first` came to the host
 
 
 def test_what_the_kernel_does_not_take():
