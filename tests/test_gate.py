@@ -43,6 +43,16 @@ def test_defaults_per_signal_and_a_tau_that_never_fires():
         gate.set_tau(float("nan"))
 
 
+@pytest.mark.parametrize("signal", ["max_prob", "margin"])
+def test_a_nan_row_fires_an_armed_gate_and_not_one_turned_off(signal):
+    logits = torch.tensor([[9.0, 0.0], [float("nan"), 0.0]])  # one confident row, one NaN row
+    armed = ConfidenceGate(signal)
+    assert armed.decide(logits[:1]).fires is False and armed.decide(logits).fires is True
+    assert armed.decide_value(float("nan")).fires is True
+    assert ConfidenceGate(signal, tau=0.0).decide_value(float("nan")).fires is True
+    assert ConfidenceGate(signal, tau=-1.0).decide(logits).fires is False
+
+
 def test_tau_file_is_reread_when_it_changes_and_bad_values_are_ignored(tmp_path):
     path = tmp_path / "tau"
     gate = ConfidenceGate("max_prob", tau_file=path)

@@ -2,9 +2,10 @@
 
 Signal per logits row: `max_prob` = top-1 softmax probability, or `margin` = top1 - top2 logit
 (nats). Rows aggregate by `min` (any doubtful row fires the whole batch) or a quantile. The gate
-fires when the aggregate is <= tau. tau changes at runtime through `set_tau` or a watched file
-(re-read when its mtime changes; a bad value is logged and ignored); a tau that can never be
-reached (e.g. -1) turns the gate off.
+fires when the aggregate is <= tau, or is NaN while tau >= 0 (logits with a NaN row are the most
+doubtful of all: an armed gate must not read them as confident). tau changes at runtime through
+`set_tau` or a watched file (re-read when its mtime changes; a bad value is logged and ignored); a
+tau that can never be reached (e.g. -1) turns the gate off, NaN signals included.
 
 In the runtime the signal is computed on the device right after each forward (`signal_tensor`)
 and copied asynchronously to pinned host memory ahead of the pass log's read, whose
@@ -23,6 +24,7 @@ row signals. Off CUDA, and for logits the kernel does not take, `row_signals` / 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -220,7 +222,7 @@ class ConfidenceGate:
     def decide_value(self, value: float) -> GateDecision:
         """Decide on an aggregated signal already on the host."""
         tau = self.tau
-        return GateDecision(value, tau, value <= tau)
+        return GateDecision(value, tau, value <= tau or (math.isnan(value) and tau >= 0))
 
     def decide(self, logits: torch.Tensor) -> GateDecision:
         return self.decide_value(float(self.eager_signal(logits)))
