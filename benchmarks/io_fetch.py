@@ -23,16 +23,9 @@ import json
 import platform
 from pathlib import Path
 
-from tierstore.bench import provenance as _provenance
-from tierstore.bench.io import (baseline_direct, disk_section, gpu_section, make_pack, open_reader,  # noqa: F401
-                                ops_for, read_then_verify, run_io)
+from tierstore.bench.io import run_io
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def provenance() -> dict:
-    """Provenance of a run from this checkout (io_verify_placement.py uses it too)."""
-    return _provenance.provenance()
 
 
 def main() -> None:

@@ -19,19 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import io_fetch  # noqa: E402  (provenance, pack and baseline of the fetch benchmark)
-from tierstore.cache.arena import Arena  # noqa: E402
-from tierstore.errors import PackFormatError  # noqa: E402
-from tierstore.io.checksum import row_checksum  # noqa: E402
-from tierstore.io.pack_rows import PackRows  # noqa: E402
-from tierstore.io.readers import PreadvPoolReader, ReadOp  # noqa: E402
+from tierstore.bench.io import baseline_direct, make_pack  # the fetch benchmark's pack and baseline
+from tierstore.bench.provenance import provenance as run_provenance
+from tierstore.cache.arena import Arena
+from tierstore.errors import PackFormatError
+from tierstore.io.checksum import row_checksum
+from tierstore.io.pack_rows import PackRows
+from tierstore.io.readers import PreadvPoolReader, ReadOp
 
 
 class VerifyInWorkerRows(PackRows):
@@ -59,7 +57,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--note", default=None, help="recorded in the provenance (e.g. which machine this is)")
     args = parser.parse_args()
-    pack = io_fetch.make_pack(Path(args.dir), 2 * args.rows)
+    pack = make_pack(Path(args.dir), 2 * args.rows)
     spec, rows = pack.spec, args.rows
     batches = [[(i // 8, i % 8) for i in range(start, start + rows)] for start in (0, rows)]
     batch_bytes = rows * spec.stride
@@ -74,7 +72,7 @@ def main() -> None:
             keys = batches[r % 2]
             offsets = [spec.row_offset(*key) for key in keys]
             for name, arena in arenas.items():
-                base_s = io_fetch.baseline_direct(fd, pool, offsets, arena.slot_memory(), spec.stride)
+                base_s = baseline_direct(fd, pool, offsets, arena.slot_memory(), spec.stride)
                 started = time.perf_counter()
                 arena.fetch(keys)
                 fetch_s = time.perf_counter() - started
@@ -93,7 +91,7 @@ def main() -> None:
                   f"(baseline {batch_bytes / base_s / 1e9:6.2f} GB/s, {100 * base_s / best:5.1f}%)", flush=True)
         pool.shutdown()
     os.close(fd)
-    provenance = io_fetch.provenance()
+    provenance = run_provenance()
     if args.note:
         provenance["note"] = args.note
     Path(args.out).write_text(json.dumps({"provenance": provenance, "row_bytes": spec.row_bytes,
