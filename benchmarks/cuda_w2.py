@@ -1,11 +1,16 @@
-"""CUDA C++ W2 gate_up (kernels/cuda) against the Triton gate_up and the streaming-read ceiling (issue #9 s. 4).
+"""CUDA C++ W2 stages (kernels/cuda) against Triton and bf16 (issue #9 s. 4, DeepSeek-V3 shapes).
 
-DeepSeek-V3 shapes, pools, routings, CUDA-graph timing with rotating routings (L2 defeated) and the
-streaming-read ceiling all come from benchmarks/kernels.py. Order: build (nvcc -> fatbin, driver API
-load), checks at T = 1 and 8 (outputs poisoned with NaN: CUDA vs the plain-torch reference, vs Triton,
-repeat launches byte-identical), then for each T: CUDA, Triton, CUDA, Triton (two rounds, to see drift)
-and the ceiling. Each step is isolated (benchmarks/kernels.py Runner): a build, launch or check failure is
-recorded in the JSON and the rest runs; a failed check marks the CUDA rows invalid (time kept aside).
+Three stages per T (default 1, 8, 32): the gate_up kernel (two prefetch depths) vs Triton's gate_up, the down
+kernel (two row groupings) vs Triton's down, and the whole op (route -> CUDA gate_up -> CUDA down -> combine,
+`moe_mm(..., cuda_w2=W2MoeCuda(...))`) vs Triton's whole op (`moe_mm`) and bf16 `torch._grouped_mm`.
+Pools, routings, CUDA-graph timing with rotating routings (L2 defeated) and the streaming-read ceiling come
+from benchmarks/kernels.py; the pools hold no FP4-resident expert (the CUDA path's restriction).
+
+Order: build (nvcc -> fatbin, driver API load), checks for every T (outputs poisoned with NaN: CUDA vs the
+plain-torch references incl. `moe_mm_ref` for the whole op, vs Triton, repeat launches byte-identical, variants
+byte-identical to each other), then for each T and stage: CUDA variants and Triton (two rounds, alternating),
+the stage's ceiling or bf16. Each step is isolated (benchmarks/kernels.py Runner): a build, launch or check
+failure is recorded in the JSON and the rest runs; a failed check marks that CUDA row invalid (time kept aside).
 
     python3 benchmarks/cuda_w2.py --commit <sha> --json cuda_w2.json
 """
@@ -26,7 +31,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 REL_TOL = 1e-2
 ROUNDS = 2
-AHEAD = {"cuda_mma": 1, "cuda_mma_ahead2": 2}  # variant -> W2_AHEAD (K tiles of loads in flight per lane)
+AHEAD = {"cuda_mma": 1, "cuda_mma_ahead2": 2}  # gate_up variant -> W2_AHEAD (K tiles of loads in flight per lane)
+DOWN = {"cuda_down": dict(ahead=2, groups=1), "cuda_down_g2": dict(ahead=2, groups=2)}  # down variant -> W2DownCuda
+# whole-op variant -> W2MoeCuda arguments (gate_up: ahead 2, the measured faster one; the down variants above)
+WHOLE = {"cuda_whole": dict(gate_ahead=2, down_ahead=2, down_groups=1),
+         "cuda_whole_g2": dict(gate_ahead=2, down_ahead=2, down_groups=2)}
+TRITON = {"gate_up": "triton_gate_up", "down": "triton_down", "whole": "triton_whole"}  # each stage's baseline
+FIRST = {"gate_up": "cuda_mma", "down": "cuda_down", "whole": "cuda_whole"}  # the variant the others must equal
 DEVICE = "cuda"  # the CPU test of this script's bookkeeping sets "cpu"
 
 
@@ -54,12 +65,20 @@ def _provenance(commit: str | None) -> dict:
                 python=sys.version.split()[0])
 
 
-def _build(ahead: int) -> tuple[object, dict]:
+def _build(stage: str, options: dict) -> tuple[object, dict]:
+    """One CUDA variant of `stage` (gate_up: options {ahead}; down: {ahead, groups}; whole: W2MoeCuda's)."""
+    from tierstore.kernels.cuda.w2_down import W2DownCuda
     from tierstore.kernels.cuda.w2_gate_up import W2GateUpCuda
+    from tierstore.kernels.cuda.w2_moe import W2MoeCuda
 
     started = time.perf_counter()
-    cuda = W2GateUpCuda(ahead=ahead)
-    return cuda, dict(ahead=ahead, seconds=round(time.perf_counter() - started, 2), **cuda.attributes())
+    built = {"gate_up": W2GateUpCuda, "down": W2DownCuda, "whole": W2MoeCuda}[stage](**options)
+    if stage == "whole":
+        attrs = {f"gate_up_{k}": v for k, v in built.gate_up.attributes().items()}
+        attrs.update({f"down_{k}": v for k, v in built.down.attributes().items()})
+    else:
+        attrs = built.attributes()
+    return built, dict(stage=stage, **options, seconds=round(time.perf_counter() - started, 2), **attrs)
 
 
 def _workspace(geo, tokens, routing, w2, f4, dtype=torch.bfloat16):
@@ -75,11 +94,19 @@ def _workspace(geo, tokens, routing, w2, f4, dtype=torch.bfloat16):
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
+    view = torch.int16 if a.element_size() == 2 else torch.int32
+    return bool(torch.equal(a.view(view), b.view(view)))
 
 
-def _check(kb, geo, state, kernels: dict, tokens) -> dict:
-    """Every built CUDA variant against the reference and Triton, on NaN-poisoned outputs, launched twice."""
+def _variant_row(kb, first, second, ref, tri, same_as_first) -> dict:
+    cu = first.float()
+    return dict(rel_err=kb._rel_err(cu, ref), rel_err_vs_triton=float((cu - tri).norm() / tri.norm()),
+                max_abs_err=float((cu - ref).abs().max()), nan=bool(cu.isnan().any()),
+                repeat_identical=_same_bytes(first, second), same_bytes_as_first=same_as_first)
+
+
+def _check_gate_up(kb, geo, state, kernels: dict, tokens) -> dict:
+    """Every gate_up variant against the reference and Triton, on NaN-poisoned outputs, launched twice."""
     from tierstore.kernels import moe_gate_up
     from tierstore.kernels.cuda.w2_gate_up import w2_gate_up_ref
 
@@ -95,65 +122,148 @@ def _check(kb, geo, state, kernels: dict, tokens) -> dict:
             cuda(x, geo.top_k, w2, f4, 0, ws, out=out)
     ref = w2_gate_up_ref(x, routing[0], w2, f4, 0)
     tri = ws.act.float()
-    row = dict(tokens=tokens, pairs=ref.shape[0], rel_err_triton=kb._rel_err(tri, ref), variants={})
-    for name, (first, second) in outs.items():
-        cu = first.float()
-        row["variants"][name] = dict(rel_err=kb._rel_err(cu, ref), rel_err_vs_triton=float((cu - tri).norm() / tri.norm()),
-                                     max_abs_err=float((cu - ref).abs().max()), nan=bool(cu.isnan().any()),
-                                     repeat_identical=_same_bytes(first, second),
-                                     equals_cuda_mma=_same_bytes(first, outs["cuda_mma"][0]) if "cuda_mma" in outs else None)
-    return row
+    first = outs.get(FIRST["gate_up"], [None])[0]
+    return dict(tokens=tokens, stage="gate_up", pairs=ref.shape[0], rel_err_triton=kb._rel_err(tri, ref),
+                variants={name: _variant_row(kb, a, b, ref, tri, None if first is None else _same_bytes(a, first))
+                          for name, (a, b) in outs.items()})
 
 
-def _invalid(check: dict | None, name: str) -> list[str]:
-    v = (check or {}).get("variants", {}).get(name)
-    if v is None:
+def _check_down(kb, geo, state, kernels: dict, tokens) -> dict:
+    """Every down variant on Triton's act against the reference and Triton's y, NaN-poisoned, launched twice."""
+    from tierstore.kernels import moe_down, moe_gate_up
+    from tierstore.kernels.cuda.w2_down import w2_down_ref
+
+    w2, f4 = state["w2"], state["f4"]
+    routing = kb._routings(tokens, geo.top_k, geo.num_experts, 1, state["gen"], DEVICE)[0]
+    x, ws = _workspace(geo, tokens, routing, w2, f4)
+    moe_gate_up(x, geo.top_k, w2, f4, 0, ws)
+    ws.y.fill_(float("nan"))
+    moe_down(geo.top_k, w2, f4, 0, ws)
+    outs = {}
+    for name, cuda in kernels.items():
+        outs[name] = [torch.full_like(ws.y, float("nan")) for _ in range(2)]
+        for out in outs[name]:
+            cuda(w2, f4, 0, ws, out=out)
+    ref = w2_down_ref(ws.act, routing[0], w2, f4, 0)
+    tri = ws.y.clone()
+    first = outs.get(FIRST["down"], [None])[0]
+    return dict(tokens=tokens, stage="down", pairs=ref.shape[0], rel_err_triton=kb._rel_err(tri, ref),
+                variants={name: _variant_row(kb, a, b, ref, tri, None if first is None else _same_bytes(a, first))
+                          for name, (a, b) in outs.items()})
+
+
+def _check_whole(kb, geo, state, kernels: dict, tokens) -> dict:
+    """Every whole-op variant (moe_mm with cuda_w2) against moe_mm_ref and Triton's moe_mm; misses counted."""
+    from tierstore.kernels import MissLog, MoeWorkspace, moe_mm, moe_mm_ref
+
+    w2, f4 = state["w2"], state["f4"]
+    ids, weights = kb._routings(tokens, geo.top_k, geo.num_experts, 1, state["gen"], DEVICE)[0]
+    x = torch.randn(tokens, geo.hidden, device=DEVICE, dtype=torch.bfloat16)
+
+    def run(cuda_w2):
+        ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype, DEVICE,
+                                   block_tokens=1)
+        ws.act.fill_(float("nan"))
+        ws.y.fill_(float("nan"))
+        misses = MissLog.allocate(16, DEVICE)
+        out = torch.full_like(x, float("nan"))
+        moe_mm(x, ids, weights, w2, f4, 0, misses, ws, out=out, cuda_w2=cuda_w2)
+        return out, misses.counts.tolist()
+
+    tri, tri_misses = run(None)
+    ref, missing_pairs, _ = moe_mm_ref(x, ids, weights, w2, f4, 0, act_dtype=torch.bfloat16)
+    outs = {name: [run(cuda) for _ in range(2)] for name, cuda in kernels.items()}
+    first = outs.get(FIRST["whole"], [(None, None)])[0][0]
+    variants = {}
+    for name, ((a, misses_a), (b, _)) in outs.items():
+        variants[name] = _variant_row(kb, a, b, ref, tri.float(), None if first is None else _same_bytes(a, first))
+        variants[name]["misses_equal_triton"] = misses_a == tri_misses
+    return dict(tokens=tokens, stage="whole", pairs=ids.numel(), missing_pairs=missing_pairs,
+                rel_err_triton=kb._rel_err(tri, ref), variants=variants)
+
+
+def _invalid(checks: list[dict], name: str) -> list[str]:
+    """Why variant `name`'s rows must not be read (empty: valid), from its T's check rows."""
+    found = [c["variants"][name] for c in checks if name in c.get("variants", {})]
+    if not found:
         return ["check did not run or raised"]
-    why = []
+    v, why = found[0], []
     if not v["rel_err"] <= REL_TOL:
         why.append(f"rel_err {v['rel_err']:.3g} > {REL_TOL:g}")
+    if not v["rel_err_vs_triton"] <= REL_TOL:
+        why.append(f"rel_err_vs_triton {v['rel_err_vs_triton']:.3g} > {REL_TOL:g}")
     if v["nan"]:
         why.append("NaN in the output (a row not written)")
     if not v["repeat_identical"]:
         why.append("repeat launches not byte-identical")
-    if v["equals_cuda_mma"] is False:
-        why.append("bytes differ from cuda_mma (the prefetch depth must not change arithmetic)")
+    if v["same_bytes_as_first"] is False:
+        why.append("bytes differ from the stage's first variant (prefetch depth / row grouping must not change "
+                   "arithmetic)")
+    if v.get("misses_equal_triton") is False:
+        why.append("miss counts differ from the Triton op's")
     return why
 
 
+def _timed(runner, label, calls, reps, kb, tokens, stage, variant, rnd, nbytes, unique, rotations) -> dict:
+    us, err = runner.attempt(label, lambda: kb._graph_time_us(calls, reps))
+    return dict(tokens=tokens, stage=stage, variant=variant, round=rnd, us=us, bytes=nbytes, unique_experts=unique,
+                rotations=rotations, **({"error": err} if err else {}))
+
+
 def _time_case(kb, geo, state, kernels: dict, tokens, runner) -> list[dict]:
-    """Rows for one T: each CUDA variant and Triton (ROUNDS each, alternating), the streaming ceiling."""
-    from tierstore.kernels import moe_gate_up
+    """Rows for one T: per stage the CUDA variants and Triton (ROUNDS each, alternating), then the stage's
+    streaming ceiling (gate_up, down) or bf16 `_grouped_mm` (whole)."""
+    from tierstore.kernels import MissLog, moe_down, moe_gate_up, moe_mm
 
     w2, f4, reps = state["w2"], state["f4"], state["reps"]
     lay = w2.layout
-    m = lay.w13
-    expert_bytes = m.word_bytes + m.scale_bytes + lay.w2.word_bytes + lay.w2.scale_bytes
-    count = max(4, min(32, int(8 * 2**20 * 60 / (tokens * geo.top_k * expert_bytes) + 1)))  # as benchmarks/kernels.py
+    stage_bytes = {"gate_up": lay.w13.word_bytes + lay.w13.scale_bytes, "down": lay.w2.word_bytes + lay.w2.scale_bytes}
+    stage_bytes["whole"] = stage_bytes["gate_up"] + stage_bytes["down"]
+    count = max(4, min(32, int(8 * 2**20 * 60 / (tokens * geo.top_k * stage_bytes["whole"]) + 1)))  # as kernels.py
     routings = kb._routings(tokens, geo.top_k, geo.num_experts, count, state["gen"], DEVICE)
     unique = kb._unique_experts(routings)
-    nbytes = unique * (m.word_bytes + m.scale_bytes)
     cases = [_workspace(geo, tokens, r, w2, f4) for r in routings]
-    outs = [torch.empty_like(ws.act) for _, ws in cases]
-    fns = {name: [lambda x=x, ws=ws, o=o, k=cuda: k(x, geo.top_k, w2, f4, 0, ws, out=o) for (x, ws), o in zip(cases, outs)]
-           for name, cuda in kernels.items()}
-    fns["triton_gate_up"] = [lambda x=x, ws=ws: moe_gate_up(x, geo.top_k, w2, f4, 0, ws) for x, ws in cases]
+    for x, ws in cases:
+        ws.act.copy_(torch.randn_like(ws.act))  # the down stage alone reads act
+    acts = [torch.empty_like(ws.act) for _, ws in cases]
+    ys = [torch.empty_like(ws.y) for _, ws in cases]
+    outs = [torch.empty_like(x) for x, _ in cases]
+    misses = MissLog.allocate(16, DEVICE)
+    fns = {"gate_up": {name: [lambda x=x, ws=ws, o=o, k=k: k(x, geo.top_k, w2, f4, 0, ws, out=o)
+                              for (x, ws), o in zip(cases, acts)] for name, k in kernels["gate_up"].items()},
+           "down": {name: [lambda ws=ws, o=o, k=k: k(w2, f4, 0, ws, out=o) for (_, ws), o in zip(cases, ys)]
+                    for name, k in kernels["down"].items()},
+           "whole": {name: [lambda x=x, ws=ws, o=o, r=r, k=k: moe_mm(x, r[0], r[1], w2, f4, 0, misses, ws, out=o,
+                                                                     cuda_w2=k)
+                            for (x, ws), o, r in zip(cases, outs, routings)] for name, k in kernels["whole"].items()}}
+    fns["gate_up"]["triton_gate_up"] = [lambda x=x, ws=ws: moe_gate_up(x, geo.top_k, w2, f4, 0, ws) for x, ws in cases]
+    fns["down"]["triton_down"] = [lambda ws=ws: moe_down(geo.top_k, w2, f4, 0, ws) for _, ws in cases]
+    fns["whole"]["triton_whole"] = [lambda x=x, ws=ws, o=o, r=r: moe_mm(x, r[0], r[1], w2, f4, 0, misses, ws, out=o)
+                                    for (x, ws), o, r in zip(cases, outs, routings)]
     rows = []
-    for rnd in range(ROUNDS):
-        for name, calls in fns.items():
-            us, err = runner.attempt(f"T={tokens} {name} round {rnd}", lambda: kb._graph_time_us(calls, reps))
-            rows.append(dict(tokens=tokens, variant=name, round=rnd, us=us, bytes=nbytes, unique_experts=unique,
+    for stage, variants in fns.items():
+        nbytes = unique * stage_bytes[stage]
+        for rnd in range(ROUNDS):
+            for name, calls in variants.items():
+                rows.append(_timed(runner, f"T={tokens} {name} round {rnd}", calls, reps, kb, tokens, stage, name, rnd,
+                                   nbytes, unique, count))
+        if stage == "whole":
+            us, err = runner.attempt(f"T={tokens} bf16", lambda: kb._bf16_case(geo, state["w13_bf16"], state["w2_bf16"],
+                                                                              routings, reps))
+            rows.append(dict(tokens=tokens, stage=stage, variant="bf16_grouped_mm", round=0, us=us,
+                             bytes=unique * 2 * 3 * geo.hidden * geo.expert_inter, unique_experts=unique,
                              rotations=count, **({"error": err} if err else {})))
-    copies = 4 if nbytes > 256e6 else max(4, int(4 * 64e6 / nbytes) + 1)
-    us, err = runner.attempt(f"T={tokens} stream", lambda: kb._stream_us(int(nbytes), copies, reps, DEVICE))
-    rows.append(dict(tokens=tokens, variant="stream_read", round=0, us=us, bytes=nbytes, unique_experts=unique,
-                     rotations=copies, **({"error": err} if err else {})))
+        else:
+            copies = 4 if nbytes > 256e6 else max(4, int(4 * 64e6 / nbytes) + 1)
+            us, err = runner.attempt(f"T={tokens} {stage} stream", lambda: kb._stream_us(int(nbytes), copies, reps, DEVICE))
+            rows.append(dict(tokens=tokens, stage=stage, variant=f"stream_read_{stage}", round=0, us=us, bytes=nbytes,
+                             unique_experts=unique, rotations=copies, **({"error": err} if err else {})))
     return rows
 
 
 def _derive(rows: list[dict], invalid: dict[str, list[str]], hbm: float) -> None:
     """One T's rows: a CUDA row whose check failed keeps its time as `invalid_us`; every timed row gets GB/s,
-    %HBM, % of the ceiling and Triton's best round over this row's time."""
+    %HBM, % of its stage's ceiling, its stage's Triton best round over this row's time and (whole op) bf16's."""
     best = {}
     for r in rows:
         if invalid.get(r["variant"]) and r.get("us") is not None:
@@ -163,11 +273,14 @@ def _derive(rows: list[dict], invalid: dict[str, list[str]], hbm: float) -> None
     for r in rows:
         if r.get("us") is None:
             continue
+        stage = r["stage"]
         r.update(gb_per_s=r["bytes"] / r["us"] / 1e3, pct_hbm=100 * r["bytes"] / (r["us"] * 1e-6) / hbm)
-        if "stream_read" in best:
-            r["pct_of_stream"] = 100 * best["stream_read"] / r["us"]
-        if "triton_gate_up" in best:
-            r["triton_over_this"] = best["triton_gate_up"] / r["us"]
+        if f"stream_read_{stage}" in best:
+            r["pct_of_stream"] = 100 * best[f"stream_read_{stage}"] / r["us"]
+        if TRITON[stage] in best:
+            r["triton_over_this"] = best[TRITON[stage]] / r["us"]
+        if stage == "whole" and "bf16_grouped_mm" in best:
+            r["bf16_over_this"] = best["bf16_grouped_mm"] / r["us"]
 
 
 def _print(result: dict) -> None:
@@ -175,19 +288,21 @@ def _print(result: dict) -> None:
     for name, b in result.get("build", {}).items():
         print(f"build {name}: " + (fmt(b) if "error" not in b else f"ERROR {b['error']['type']}: {b['error']['message'][:300]}"))
     for c in result.get("checks", []):
-        print(f"check T={c['tokens']}: " + fmt({k: v for k, v in c.items() if k not in ("tokens", "variants")}))
+        print(f"check T={c['tokens']} {c.get('stage')}: "
+              + fmt({k: v for k, v in c.items() if k not in ("tokens", "stage", "variants")}))
         for name, v in c.get("variants", {}).items():
             print(f"  {name}: {fmt(v)}")
-    print(f"\n{'T':>3} {'variant':<16} {'rnd':>3} {'us':>8} {'GB/s':>6} {'%HBM':>5} {'%strm':>6} {'triton/x':>8}")
+    print(f"\n{'T':>3} {'stage':<7} {'variant':<18} {'rnd':>3} {'us':>8} {'GB/s':>6} {'%HBM':>5} {'%strm':>6} "
+          f"{'triton/x':>8} {'bf16/x':>6}")
     for r in result.get("cases", []):
-        head = f"{r['tokens']:>3} {r['variant']:<16} {r['round']:>3} "
+        head = f"{r['tokens']:>3} {r.get('stage', ''):<7} {r['variant']:<18} {r['round']:>3} "
         if r.get("error"):
             print(head + f"ERROR {r['error']['type']}: {(r['error']['message'].splitlines() or [''])[0][:100]}")
         elif r.get("invalid"):
             print(head + f"INVALID ({r['invalid_us']:.1f} us not to be read): {'; '.join(r['invalid'])}")
         else:
             print(head + f"{r['us']:>8.1f} {r['gb_per_s']:>6.0f} {r['pct_hbm']:>5.1f} {r.get('pct_of_stream', 0):>6.1f} "
-                  f"{r.get('triton_over_this', 0):>8.2f}")
+                  f"{r.get('triton_over_this', 0):>8.2f} {r.get('bf16_over_this', 0):>6.2f}")
     print(f"\nstatus: {result['status']}")
 
 
@@ -196,29 +311,39 @@ def run(kb, args, result: dict, emit) -> None:
 
     runner = kb.Runner(probe=kb._cuda_probe if DEVICE == "cuda" else None)
     result.update(status="running: build", errors=runner.errors, checks=[], cases=[], build={})
-    kernels = {}
-    for name, ahead in AHEAD.items():
-        built, err = runner.attempt(f"build and load {name}", lambda: _build(ahead))
+    kernels = {"gate_up": {}, "down": {}, "whole": {}}
+    variants = ([("gate_up", name, dict(ahead=ahead)) for name, ahead in AHEAD.items()]
+                + [("down", name, opts) for name, opts in DOWN.items()] + [("whole", name, opts) for name, opts in WHOLE.items()])
+    for stage, name, opts in variants:
+        built, err = runner.attempt(f"build and load {name}", lambda: _build(stage, opts))
         result["build"][name] = built[1] if built else {"error": err}
         if built:
-            kernels[name] = built[0]
+            kernels[stage][name] = built[0]
     emit(result)
     geo = get_preset(args.preset)
     state = kb._setup(geo, DEVICE)
     state["reps"] = args.reps
     tokens_list = [int(t) for t in args.tokens.split(",")]
+    checkers = {"gate_up": _check_gate_up, "down": _check_down, "whole": _check_whole}
     invalid = {}
     for tokens in tokens_list:
-        result["status"] = f"running: check T={tokens}"
-        check, err = (runner.attempt(f"check T={tokens}", lambda: _check(kb, geo, state, kernels, tokens)) if kernels
-                      else (None, None))
-        result["checks"].append(check or dict(tokens=tokens, error=err or "no CUDA variant built"))
-        invalid[tokens] = {name: _invalid(check, name) for name in kernels}
-        emit(result)
+        rows = []
+        for stage, checker in checkers.items():
+            result["status"] = f"running: check T={tokens} {stage}"
+            check, err = (runner.attempt(f"check T={tokens} {stage}", lambda: checker(kb, geo, state, kernels[stage],
+                                                                                      tokens))
+                          if kernels[stage] else (None, None))
+            rows.append(check or dict(tokens=tokens, stage=stage, error=err or f"no CUDA {stage} variant built"))
+            result["checks"].append(rows[-1])
+            emit(result)
+        invalid[tokens] = {name: _invalid(rows, name) for stage in kernels for name in kernels[stage]}
+    state["w13_bf16"] = torch.randn(geo.num_experts, 2 * geo.expert_inter, geo.hidden, device=DEVICE,
+                                    dtype=torch.bfloat16)
+    state["w2_bf16"] = torch.randn(geo.num_experts, geo.hidden, geo.expert_inter, device=DEVICE, dtype=torch.bfloat16)
     for tokens in tokens_list:
         result["status"] = f"running: timing T={tokens}"
         rows, err = runner.attempt(f"timing T={tokens}", lambda: _time_case(kb, geo, state, kernels, tokens, runner))
-        rows = rows or [dict(tokens=tokens, variant="all", round=0, us=None, error=err)]
+        rows = rows or [dict(tokens=tokens, stage="all", variant="all", round=0, us=None, error=err)]
         _derive(rows, invalid[tokens], kb.HBM_BYTES_PER_S)
         result["cases"] += rows
         emit(result)
@@ -229,7 +354,7 @@ def run(kb, args, result: dict, emit) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="deepseek-v3")
-    parser.add_argument("--tokens", default="1,8")
+    parser.add_argument("--tokens", default="1,8,32")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", required=True)
     parser.add_argument("--commit", help="commit of the tree being measured (the device copy may have no .git)")

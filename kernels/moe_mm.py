@@ -226,18 +226,23 @@ def moe_combine(topk_ids, topk_weights, w2: TierPool, fp4: TierPool, layer: int,
 
 def moe_mm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w2: TierPool, fp4: TierPool,
            layer: int, misses: MissLog, workspace: MoeWorkspace, out: torch.Tensor | None = None,
-           swiglu_limit: float | None = None) -> torch.Tensor:
+           swiglu_limit: float | None = None, cuda_w2=None) -> torch.Tensor:
     """hidden [T, H] (bf16 on GPU; fp32/fp16 in the interpreter), topk_ids/topk_weights [T, k] -> out [T, H].
 
-    Capture-safe when `out` is given: four launches, no allocation, no host sync.
+    Capture-safe when `out` is given: four launches, no allocation, no host sync. cuda_w2: None (default) or a
+    `tierstore.kernels.cuda.w2_moe.W2MoeCuda`, which then runs gate_up and down (CUDA C++, W2 pairs only: for
+    layers without FP4-resident experts, see its docstring) between the same route and combine.
     """
     _check(hidden, topk_ids, w2, fp4, workspace)
     if out is None:
         out = torch.empty_like(hidden)
     top_k = topk_ids.shape[1]
     moe_route(topk_ids, w2, fp4, layer, misses, workspace)
-    moe_gate_up(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit)
-    moe_down(top_k, w2, fp4, layer, workspace)
+    if cuda_w2 is None:
+        moe_gate_up(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit)
+        moe_down(top_k, w2, fp4, layer, workspace)
+    else:
+        cuda_w2(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit)
     moe_combine(topk_ids, topk_weights, w2, fp4, layer, workspace, out)
     return out
 

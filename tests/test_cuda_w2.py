@@ -1,9 +1,11 @@
-"""kernels/cuda: the CUDA C++ W2 gate_up (w2_gate_up.cu), its loader and a numpy model of the kernel.
+"""kernels/cuda: the CUDA C++ W2 gate_up (w2_gate_up.cu) and down (w2_down.cu), their loader, the opt-in
+`moe_mm(..., cuda_w2=W2MoeCuda())` and a numpy model of the kernels.
 
-CPU: argument packing and the kernel signature, the kernel compiling without spills (where nvcc exists),
-and a numpy model that follows the .cu step by step (lane loads, LOP3/LEA.HI decode, scale pairs, the
-shared-memory activation pairs, mma.m16n8k16 fragments as the PTX ISA defines them) against the reference.
-The model checks the index and bit arithmetic, not the hardware; the GPU tests run the kernel itself.
+CPU: argument packing and the kernel signatures, the kernels compiling without spills (where nvcc exists),
+a numpy model that follows the .cu files step by step (lane loads, LOP3/LEA.HI decode, scale pairs, the
+shared-memory activation pairs, mma.m16n8k16 fragments as the PTX ISA defines them) against the references,
+and the moe_mm switch with a stand-in in the Triton interpreter. The model checks the index and bit
+arithmetic, not the hardware; the GPU tests run the kernels themselves.
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ import numpy as np
 import pytest
 import torch
 
-from tierstore.kernels import MissLog, MoeWorkspace, fp4_tier, moe_gate_up, moe_route, w2_tier
-from tierstore.kernels.cuda import loader
+from tierstore.kernels import (MissLog, MoeWorkspace, fp4_tier, moe_down, moe_gate_up, moe_mm, moe_mm_ref, moe_route,
+                               w2_tier)
+from tierstore.kernels.cuda import loader, w2_down
+from tierstore.kernels.cuda.w2_down import W2DownCuda, w2_down_ref
 from tierstore.kernels.cuda.w2_gate_up import (ARG_KINDS, SOURCE, W2GateUpCuda, check_geometry, launch_args,
                                                w2_gate_up_ref)
+from tierstore.kernels.cuda.w2_moe import W2MoeCuda
 from tierstore.kernels.layout import unpack_matrix_ref, w2_slot_layout
 
 HIDDEN, INTER, EXPERTS, TOP_K = 1024, 64, 8, 2
+DOWN_INTER = 1024  # the down kernel's K: two 512-K tiles, so the ring crosses tile and group boundaries
 M32 = 0xFFFFFFFF
 
 
@@ -37,8 +43,8 @@ def _random_pool(pool, gen, lo=110, hi=131):
 
 # ---- host side -------------------------------------------------------------------------------------------
 
-def _signature_kinds(source: str) -> str:
-    params = re.search(r"w2_gate_up_mma\((.*?)\)\s*\{", source, re.S).group(1)
+def _signature_kinds(source: str, kernel: str = "w2_gate_up_mma") -> str:
+    params = re.search(kernel + r"\((.*?)\)\s*\{", source, re.S).group(1)
     params = re.sub(r"//[^\n]*", "", params)
     kinds = ""
     for p in params.split(","):
@@ -71,10 +77,27 @@ def test_pack_args_points_at_each_value():
         loader.pack_args("pi", [1])
 
 
+def test_down_arg_kinds_match_the_kernel_signature_and_launch_args():
+    assert _signature_kinds(w2_down.SOURCE.read_text(), w2_down.KERNEL) == w2_down.ARG_KINDS
+    w2 = w2_tier(HIDDEN, DOWN_INTER, 2, 1, EXPERTS, "cpu")
+    f4 = fp4_tier(HIDDEN, DOWN_INTER, 1, 1, EXPERTS, "cpu")
+    ws = MoeWorkspace.allocate(1, TOP_K, EXPERTS, HIDDEN, DOWN_INTER, torch.bfloat16, "cpu", block_tokens=1)
+    args = w2_down.launch_args(w2, f4, 0, ws, ws.y)
+    assert len(args) == len(w2_down.ARG_KINDS) and all(isinstance(v, int) for v in args)
+    assert args[4:8] == [w2.layout.w2_words_offset, w2.layout.w2_scales_offset, DOWN_INTER // 16, DOWN_INTER // 32]
+    assert args[-3:] == [ws.y.data_ptr(), HIDDEN, DOWN_INTER]
+
+
 def test_geometry_limits():
     check_geometry(w2_slot_layout(7168, 2048))
     with pytest.raises(ValueError, match="multiple of 512"):
         check_geometry(w2_slot_layout(1280, 64))
+    for groups in (1, 2):
+        w2_down.check_geometry(w2_slot_layout(7168, 2048), groups)  # DeepSeek-V3
+    with pytest.raises(ValueError, match="inter must be a multiple of 512"):
+        w2_down.check_geometry(w2_slot_layout(7168, 768))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        w2_down.check_geometry(w2_slot_layout(1088, 512), 2)
 
 
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc")
@@ -85,6 +108,16 @@ def test_kernel_compiles_without_spills(tmp_path, ahead):
     assert proc.returncode == 0, proc.stderr
     regs = int(re.search(r"Used (\d+) registers", proc.stderr).group(1))
     assert "0 bytes spill stores" in proc.stderr and regs <= 128  # 4 blocks of 128 threads per SM
+
+
+@pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("ahead,groups", [(2, 1), (2, 2)])
+def test_down_kernel_compiles_without_spills(tmp_path, ahead, groups):
+    cmd = loader.nvcc_command(w2_down.SOURCE, tmp_path / "k.cubin", "cubin", {"W2_AHEAD": ahead, "W2_GROUPS": groups})
+    proc = subprocess.run(cmd + ["-Xptxas", "-v"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    regs = int(re.search(r"Used (\d+) registers", proc.stderr).group(1))
+    assert "0 bytes spill stores" in proc.stderr and regs <= 128
 
 
 # ---- numpy model of w2_gate_up.cu ------------------------------------------------------------------------
@@ -114,9 +147,9 @@ def bf16_halves(p: int) -> tuple[float, float]:
     return as_f32((p & 0xFFFF) << 16), as_f32(p & 0xFFFF0000)
 
 
-def build_pairs(x_bits: list[int], hidden: int) -> list[int]:
-    xp = [0] * (hidden // 2)
-    for q in range(hidden // 16):
+def build_pairs(x_bits: list[int], k_len: int) -> list[int]:
+    xp = [0] * (k_len // 2)
+    for q in range(k_len // 16):
         ti, c = q >> 2, q & 3
         k = (ti >> 3) * 512 + (ti & 7) * 64 + 4 * c
         for m in range(4):
@@ -125,35 +158,61 @@ def build_pairs(x_bits: list[int], hidden: int) -> list[int]:
     return xp
 
 
+def _rows(slot: torch.Tensor, layout, which: str) -> tuple[list[list[int]], list[list[int]]]:
+    """A matrix's words [N][words_per_row] and scale words [N][blocks_per_row / 4] as unsigned ints."""
+    m = getattr(layout, which)
+    w_off, s_off = getattr(layout, f"{which}_words_offset"), getattr(layout, f"{which}_scales_offset")
+    words = (slot[w_off: w_off + m.word_bytes].view(torch.int32).to(torch.int64) & M32).view(m.n, m.words_per_row)
+    scales = (slot[s_off: s_off + m.scale_bytes].view(torch.int32).to(torch.int64) & M32).view(m.n, -1)
+    return words.tolist(), scales.tolist()
+
+
+def warp_mma(lo, hi, lo_scales, hi_scales, xp, tiles) -> tuple[np.ndarray, np.ndarray]:
+    """One warp's K loop as both .cu files run it: A rows 0..7 = `lo` (8 rows), 8..15 = `hi`; returns the D
+    columns the storing lanes read: rows g (lane (g, 0), d0 = column 0) and g + 8 (d2 of lane (g, 0) in
+    w2_gate_up.cu, of lane (g, 1) = column 2 in w2_down.cu: the columns are equal)."""
+    acc = np.zeros((2, 16, 8))
+    for t in range(tiles):
+        for i in range(8):
+            for mm in range(4):
+                a_mat, b_mat = np.zeros((16, 16)), np.zeros((16, 8))
+                for lane in range(32):
+                    g, c = lane >> 2, lane & 3
+                    sl, sh = scale_pair(lo_scales[g][4 * t: 4 * t + 4], i), scale_pair(hi_scales[g][4 * t: 4 * t + 4], i)
+                    a = (w2_pair(lo[g][32 * t + 4 * c + mm], i, sl), w2_pair(hi[g][32 * t + 4 * c + mm], i, sh),
+                         w2_pair(lo[g][32 * t + 16 + 4 * c + mm], i, sl), w2_pair(hi[g][32 * t + 16 + 4 * c + mm], i, sh))
+                    b = xp[t * 256 + i * 32 + 8 * c + 2 * mm: t * 256 + i * 32 + 8 * c + 2 * mm + 2]
+                    for reg, (row, col) in enumerate(((g, 2 * c), (g + 8, 2 * c), (g, 2 * c + 8), (g + 8, 2 * c + 8))):
+                        a_mat[row, col: col + 2] = bf16_halves(a[reg])  # PTX ISA: A fragment of m16n8k16
+                    for reg in range(2):
+                        b_mat[2 * c + 8 * reg: 2 * c + 8 * reg + 2, g] = bf16_halves(b[reg])
+                acc[mm & 1] += a_mat @ b_mat
+    assert np.all(acc[:, :, 0] == acc[:, :, 2])  # B is the same in every column
+    return acc[:, :8, 0].sum(0), acc[:, 8:, 2].sum(0)
+
+
+def _pairs(v: torch.Tensor) -> list[int]:
+    return build_pairs((v.view(torch.int16).to(torch.int64) & 0xFFFF).tolist(), v.numel())
+
+
 def model_gate_up(slot: torch.Tensor, layout, x: torch.Tensor) -> np.ndarray:
     """float64 [I]: what w2_gate_up_mma writes (before bf16 rounding) for one pair, lane by lane."""
-    m = layout.w13
-    words = slot[layout.w13_words_offset: layout.w13_words_offset + m.word_bytes].view(torch.int32)
-    words = (words.to(torch.int64) & M32).view(m.n, m.words_per_row).tolist()
-    scales = slot[layout.w13_scales_offset: layout.w13_scales_offset + m.scale_bytes].view(torch.int32)
-    scales = (scales.to(torch.int64) & M32).view(m.n, m.blocks_per_row // 4).tolist()
-    xp = build_pairs((x.view(torch.int16).to(torch.int64) & 0xFFFF).tolist(), layout.hidden)
-    inter, out = layout.inter, np.zeros(layout.inter)
-    for n0 in range(0, inter, 8):  # one warp
-        acc = np.zeros((2, 16, 8))
-        for t in range(m.words_per_row // 32):
-            for i in range(8):
-                for mm in range(4):
-                    a_mat, b_mat = np.zeros((16, 16)), np.zeros((16, 8))
-                    for lane in range(32):
-                        g, c = lane >> 2, lane & 3
-                        gate, up = words[n0 + g], words[n0 + g + inter]
-                        sg, su = scale_pair(scales[n0 + g][4 * t: 4 * t + 4], i), scale_pair(scales[n0 + g + inter][4 * t: 4 * t + 4], i)
-                        a = (w2_pair(gate[32 * t + 4 * c + mm], i, sg), w2_pair(up[32 * t + 4 * c + mm], i, su),
-                             w2_pair(gate[32 * t + 16 + 4 * c + mm], i, sg), w2_pair(up[32 * t + 16 + 4 * c + mm], i, su))
-                        b = xp[t * 256 + i * 32 + 8 * c + 2 * mm: t * 256 + i * 32 + 8 * c + 2 * mm + 2]
-                        for reg, (row, col) in enumerate(((g, 2 * c), (g + 8, 2 * c), (g, 2 * c + 8), (g + 8, 2 * c + 8))):
-                            a_mat[row, col: col + 2] = bf16_halves(a[reg])  # PTX ISA: A fragment of m16n8k16
-                        for reg in range(2):
-                            b_mat[2 * c + 8 * reg: 2 * c + 8 * reg + 2, g] = bf16_halves(b[reg])
-                    acc[mm & 1] += a_mat @ b_mat
-        gate_v, up_v = acc[:, :8, 0].sum(0), acc[:, 8:, 0].sum(0)  # lane (g, 0): d0 and d2
+    words, scales = _rows(slot, layout, "w13")
+    xp, inter, out = _pairs(x), layout.inter, np.zeros(layout.inter)
+    for n0 in range(0, inter, 8):  # one warp: gate rows n0.., up rows n0 + I..
+        gate_v, up_v = warp_mma(words[n0: n0 + 8], words[inter + n0: inter + n0 + 8], scales[n0: n0 + 8],
+                                scales[inter + n0: inter + n0 + 8], xp, layout.w13.words_per_row // 32)
         out[n0: n0 + 8] = gate_v / (1 + np.exp(-gate_v)) * up_v
+    return out
+
+
+def model_down(slot: torch.Tensor, layout, act: torch.Tensor) -> np.ndarray:
+    """float64 [H]: what w2_down_mma writes for one pair, lane by lane (a row group of 16 = one mma A tile)."""
+    words, scales = _rows(slot, layout, "w2")
+    xp, out = _pairs(act), np.zeros(layout.hidden)
+    for n0 in range(0, layout.hidden, 16):
+        out[n0: n0 + 8], out[n0 + 8: n0 + 16] = warp_mma(words[n0: n0 + 8], words[n0 + 8: n0 + 16], scales[n0: n0 + 8],
+                                                          scales[n0 + 8: n0 + 16], xp, layout.w2.words_per_row // 32)
     return out
 
 
@@ -183,7 +242,80 @@ def test_model_of_the_kernel_matches_the_reference():
     assert np.abs(got - ref).max() <= 1e-9 * np.abs(ref).max()
 
 
-# ---- the kernel on a GPU ---------------------------------------------------------------------------------
+def test_model_of_the_down_kernel_matches_the_reference():
+    gen = torch.Generator().manual_seed(4)
+    w2 = w2_tier(128, DOWN_INTER, 1, 1, EXPERTS, "cpu")
+    _random_pool(w2, gen)
+    act = torch.randn(DOWN_INTER, generator=gen).to(torch.bfloat16)
+    ref = (unpack_matrix_ref(w2.slots[0], w2.layout, "w2").double() @ act.double()).numpy()
+    got = model_down(w2.slots[0], w2.layout, act)
+    assert np.abs(got - ref).max() <= 1e-9 * np.abs(ref).max()
+
+
+# ---- the moe_mm switch (CPU, Triton interpreter, a stand-in for W2MoeCuda) -----------------------------------
+
+class _ReferenceStages:
+    """Stands in for W2MoeCuda: act and y of the W2 pairs from the route output (plain torch), NaN y rows for
+    FP4 pairs, as the CUDA kernels write them."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, hidden, top_k, w2, fp4, layer, ws, swiglu_limit=None):
+        self.calls += 1
+        for b in range(int(ws.num_blocks[0])):
+            expert, pair = int(ws.block_expert[b]), int(ws.block_pairs[b])
+            if int(fp4.table[layer, expert]) >= 0:
+                ws.y[pair] = float("nan")
+                continue
+            slot = w2.slots[int(w2.table[layer, expert])]
+            gate, up = (unpack_matrix_ref(slot, w2.layout, "w13") @ hidden[pair // top_k].float()).chunk(2)
+            if swiglu_limit is not None:
+                gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+            ws.act[pair] = (torch.nn.functional.silu(gate) * up).to(ws.act.dtype)
+            ws.y[pair] = unpack_matrix_ref(slot, w2.layout, "w2") @ ws.act[pair].float()
+
+
+def _switch_case(gen, fp4_expert=None):
+    w2 = w2_tier(HIDDEN, INTER, EXPERTS, 1, EXPERTS, "cpu")
+    _random_pool(w2, gen)
+    w2.table[0] = torch.arange(EXPERTS, dtype=torch.int32)
+    w2.table[0, 5] = -1  # expert 5 missing: its pairs are misses
+    f4 = fp4_tier(HIDDEN, INTER, 1, 1, EXPERTS, "cpu")
+    if fp4_expert is not None:
+        f4.table[0, fp4_expert] = 0
+    ids = torch.tensor([[5, 1], [2, 5], [0, 7]], dtype=torch.int32)
+    weights = torch.rand(3, TOP_K, generator=gen) + 0.05
+    x = torch.randn(3, HIDDEN, generator=gen)
+    return w2, f4, ids, weights, x
+
+
+def test_moe_mm_cuda_w2_switch_runs_the_stand_in_between_route_and_combine():
+    gen = torch.Generator().manual_seed(6)
+    w2, f4, ids, weights, x = _switch_case(gen)
+    outs, counts = [], []
+    for cuda_w2 in (None, _ReferenceStages()):
+        ws = MoeWorkspace.allocate(3, TOP_K, EXPERTS, HIDDEN, INTER, x.dtype, "cpu", block_tokens=1)
+        misses = MissLog.allocate(4, "cpu")
+        outs.append(moe_mm(x, ids, weights, w2, f4, 0, misses, ws, cuda_w2=cuda_w2))
+        counts.append((misses.counts.tolist(), misses.entries[:1].tolist()))
+        if cuda_w2 is not None:
+            assert cuda_w2.calls == 1
+    ref, missing_pairs, missing = moe_mm_ref(x, ids, weights, w2, f4, 0, act_dtype=x.dtype)
+    assert counts[0] == counts[1] == ([missing_pairs, len(missing)], [[0, 5]])  # misses counted once, by the route
+    for out in outs:
+        assert float((out - ref).norm() / ref.norm()) <= 1e-5
+
+
+def test_moe_mm_cuda_w2_marks_an_fp4_pair_with_nan():
+    gen = torch.Generator().manual_seed(7)
+    w2, f4, ids, weights, x = _switch_case(gen, fp4_expert=7)
+    ws = MoeWorkspace.allocate(3, TOP_K, EXPERTS, HIDDEN, INTER, x.dtype, "cpu", block_tokens=1)
+    out = moe_mm(x, ids, weights, w2, f4, 0, MissLog.allocate(4, "cpu"), ws, cuda_w2=_ReferenceStages())
+    assert out[2].isnan().all() and not out[:2].isnan().any()  # token 2 routes to expert 7 (FP4)
+
+
+# ---- the kernels on a GPU ---------------------------------------------------------------------------------
 
 needs_nvcc = pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc")
 
@@ -265,6 +397,162 @@ def test_cuda_gate_up_replays_in_a_cuda_graph(gpu_case):
     assert _same_bytes(out, eager)
 
 
+@pytest.fixture(scope="module")
+def down_case():
+    """HIDDEN x DOWN_INTER pools: expert 3 FP4-resident (f4_with), expert 6 missing; kernels and whole-op paths."""
+    gen = torch.Generator().manual_seed(8)
+    w2 = w2_tier(HIDDEN, DOWN_INTER, EXPERTS, 1, EXPERTS, "cpu")
+    _random_pool(w2, gen, 112, 124)
+    w2.table[0] = torch.arange(EXPERTS, dtype=torch.int32)
+    w2.table[0, 6] = -1
+    f4_with = fp4_tier(HIDDEN, DOWN_INTER, 1, 1, EXPERTS, "cpu")
+    f4_with.table[0, 3] = 0
+    f4_none = fp4_tier(HIDDEN, DOWN_INTER, 1, 1, EXPERTS, "cpu")
+    to = lambda pool: type(pool)(pool.slots.cuda(), pool.table.cuda(), pool.layout)
+    return dict(w2=to(w2), f4_with=to(f4_with), f4_none=to(f4_none), gen=gen,
+                down={(a, g): W2DownCuda(ahead=a, groups=g) for a, g in ((2, 1), (2, 2), (1, 1))},
+                whole={g: W2MoeCuda(down_groups=g) for g in (1, 2)})
+
+
+def _ids(case, tokens, first=None, last=None):
+    ids = torch.stack([torch.randperm(EXPERTS, generator=case["gen"])[:TOP_K] for _ in range(tokens)]).to(torch.int32)
+    if first is not None:
+        ids[0, 0] = first
+    if last is not None:
+        ids[-1, -1] = last
+    return ids.contiguous().cuda()
+
+
+@pytest.mark.gpu
+@needs_nvcc
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_cuda_down_matches_reference_and_triton(down_case, tokens):
+    w2, f4 = down_case["w2"], down_case["f4_with"]
+    ids = _ids(down_case, tokens, first=3, last=6)  # an FP4 pair and a missing pair
+    ws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, DOWN_INTER, torch.bfloat16, "cuda", block_tokens=1)
+    moe_route(ids, w2, f4, 0, MissLog.allocate(4, "cuda"), ws)
+    ws.act.copy_(torch.randn(ws.act.shape, generator=down_case["gen"]).to(torch.bfloat16))
+    outs = {}
+    for key, kernel in down_case["down"].items():
+        outs[key] = [torch.full_like(ws.y, -7.0) for _ in range(2)]
+        for out in outs[key]:
+            kernel(w2, f4, 0, ws, out=out)
+    torch.cuda.synchronize()
+    ref = w2_down_ref(ws.act, ids, w2, f4, 0)
+    flat = ids.reshape(-1).cpu()
+    fp4_rows, missing_rows = flat == 3, flat == 6
+    w2_rows = ~(fp4_rows | missing_rows)
+    first = outs[(2, 1)][0]
+    assert first[fp4_rows.cuda()].isnan().all() and (first[missing_rows.cuda()] == -7.0).all()
+    got = first[w2_rows.cuda()]
+    assert not got.isnan().any()
+    assert float((got - ref[w2_rows.cuda()]).norm() / ref[w2_rows.cuda()].norm()) <= 1e-5  # fp32 sums of exact products
+    for a, b in outs.values():
+        assert _same_bytes(a, first) and _same_bytes(b, first)  # repeats, prefetch depth and row grouping
+    ws.y.fill_(float("nan"))
+    moe_down(TOP_K, w2, f4, 0, ws)  # Triton computes the FP4 pair too: compare the W2 rows
+    tri = ws.y[w2_rows.cuda()]
+    assert float((got - tri).norm() / tri.norm()) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_nvcc
+def test_cuda_down_replays_in_a_cuda_graph(down_case):
+    w2, f4 = down_case["w2"], down_case["f4_none"]
+    ids = _ids(down_case, 4)
+    ws = MoeWorkspace.allocate(4, TOP_K, EXPERTS, HIDDEN, DOWN_INTER, torch.bfloat16, "cuda", block_tokens=1)
+    moe_route(ids, w2, f4, 0, MissLog.allocate(4, "cuda"), ws)
+    ws.act.copy_(torch.randn(ws.act.shape, generator=down_case["gen"]).to(torch.bfloat16))
+    kernel = down_case["down"][(2, 2)]
+    eager = torch.full_like(ws.y, float("nan"))
+    kernel(w2, f4, 0, ws, out=eager)
+    out = torch.full_like(ws.y, float("nan"))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        kernel(w2, f4, 0, ws, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _same_bytes(out, eager)
+
+
+def _whole(case, f4, ids, x, cuda_w2, out=None, limit=None):
+    tokens = ids.shape[0]
+    ws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, DOWN_INTER, torch.bfloat16, "cuda", block_tokens=1)
+    ws.act.fill_(float("nan"))
+    ws.y.fill_(float("nan"))
+    misses = MissLog.allocate(4, "cuda")
+    out = torch.full_like(x, float("nan")) if out is None else out
+    moe_mm(x, ids, case["weights"][:tokens], case["w2"], f4, 0, misses, ws, out=out, swiglu_limit=limit, cuda_w2=cuda_w2)
+    torch.cuda.synchronize()
+    return out, misses.counts.tolist(), misses.entries.tolist()
+
+
+@pytest.mark.gpu
+@needs_nvcc
+@pytest.mark.parametrize("tokens,limit", [(1, None), (4, None), (8, None), (4, 0.75)])
+def test_moe_mm_cuda_w2_matches_reference_with_misses(down_case, tokens, limit):
+    f4 = down_case["f4_none"]
+    down_case["weights"] = (torch.rand(8, TOP_K, generator=down_case["gen"]) + 0.05).cuda()
+    ids = _ids(down_case, tokens, last=6)  # expert 6 is missing
+    x = torch.randn(tokens, HIDDEN, generator=down_case["gen"]).to(torch.bfloat16).cuda()
+    ref, missing_pairs, missing = moe_mm_ref(x, ids, down_case["weights"][:tokens], down_case["w2"], f4, 0,
+                                             swiglu_limit=limit, act_dtype=torch.bfloat16)
+    out, counts, entries = _whole(down_case, f4, ids, x, down_case["whole"][1], limit=limit)
+    assert not out.isnan().any()
+    assert float((out.float() - ref).norm() / ref.norm()) <= 1e-2
+    assert counts == [missing_pairs, len(missing)] and [tuple(e) for e in entries[: len(missing)]] == missing
+    again, counts2, _ = _whole(down_case, f4, ids, x, down_case["whole"][1], limit=limit)
+    grouped, _, _ = _whole(down_case, f4, ids, x, down_case["whole"][2], limit=limit)
+    assert _same_bytes(out, again) and _same_bytes(out, grouped) and counts2 == counts
+    tri, tri_counts, _ = _whole(down_case, f4, ids, x, None, limit=limit)
+    assert tri_counts == counts and float((out.float() - tri.float()).norm() / tri.float().norm()) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_nvcc
+def test_moe_mm_cuda_w2_replays_in_a_cuda_graph(down_case):
+    f4, tokens = down_case["f4_none"], 4
+    down_case["weights"] = (torch.rand(8, TOP_K, generator=down_case["gen"]) + 0.05).cuda()
+    ids = _ids(down_case, tokens, last=6)
+    x = torch.randn(tokens, HIDDEN, generator=down_case["gen"]).to(torch.bfloat16).cuda()
+    eager, counts, _ = _whole(down_case, f4, ids, x, down_case["whole"][2])
+    ws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, DOWN_INTER, torch.bfloat16, "cuda", block_tokens=1)
+    misses = MissLog.allocate(4, "cuda")
+    out = torch.full_like(x, float("nan"))
+    call = lambda: moe_mm(x, ids, down_case["weights"][:tokens], down_case["w2"], f4, 0, misses, ws, out=out,
+                          cuda_w2=down_case["whole"][2])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # Triton compiles outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    misses.reset()
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _same_bytes(out, eager) and misses.counts.tolist() == counts  # one replay counts the misses once
+
+
+@pytest.mark.gpu
+@needs_nvcc
+def test_moe_mm_cuda_w2_gives_nan_rows_for_fp4_pairs(down_case):
+    f4, tokens = down_case["f4_with"], 3
+    down_case["weights"] = (torch.rand(8, TOP_K, generator=down_case["gen"]) + 0.05).cuda()
+    ids = _ids(down_case, tokens, first=3)
+    ids[1:][ids[1:] == 3] = 6  # only token 0 routes to the FP4 expert
+    x = torch.randn(tokens, HIDDEN, generator=down_case["gen"]).to(torch.bfloat16).cuda()
+    out, _, _ = _whole(down_case, f4, ids, x, down_case["whole"][1])
+    assert out[0].isnan().all() and not out[1:].isnan().any()
+    ref, _, _ = moe_mm_ref(x, ids, down_case["weights"][:tokens], down_case["w2"], f4, 0, act_dtype=torch.bfloat16)
+    assert float((out[1:].float() - ref[1:]).norm() / ref[1:].norm()) <= 1e-2
+
+
 # ---- benchmarks/cuda_w2.py bookkeeping (no GPU) ----------------------------------------------------------
 
 def _bench_module():
@@ -280,21 +568,30 @@ def _bench_module():
 
 def test_bench_marks_failed_checks_invalid_and_derives_ratios(capsys):
     bench = _bench_module()
-    good = dict(rel_err=3e-3, nan=False, repeat_identical=True, equals_cuda_mma=True)
-    check = dict(tokens=1, variants=dict(cuda_mma=good, cuda_mma_ahead2=dict(good, equals_cuda_mma=False)))
-    invalid = {name: bench._invalid(check, name) for name in ("cuda_mma", "cuda_mma_ahead2", "missing")}
-    assert invalid["cuda_mma"] == [] and "bytes differ" in invalid["cuda_mma_ahead2"][0]
+    good = dict(rel_err=3e-3, rel_err_vs_triton=5e-3, nan=False, repeat_identical=True, same_bytes_as_first=True)
+    checks = [dict(tokens=1, stage="gate_up", variants=dict(cuda_mma=good, cuda_mma_ahead2=dict(good, same_bytes_as_first=False))),
+              dict(tokens=1, stage="whole", variants=dict(cuda_whole=dict(good, misses_equal_triton=True),
+                                                           cuda_whole_g2=dict(good, misses_equal_triton=False)))]
+    names = ("cuda_mma", "cuda_mma_ahead2", "cuda_whole", "cuda_whole_g2", "missing")
+    invalid = {name: bench._invalid(checks, name) for name in names}
+    assert invalid["cuda_mma"] == [] and invalid["cuda_whole"] == []
+    assert "bytes differ" in invalid["cuda_mma_ahead2"][0] and "miss counts" in invalid["cuda_whole_g2"][0]
     assert invalid["missing"] == ["check did not run or raised"]
-    assert bench._invalid(dict(variants=dict(cuda_mma=dict(good, rel_err=float("nan")))), "cuda_mma")
-    row = lambda variant, us, rnd=0: dict(tokens=1, variant=variant, round=rnd, us=us, bytes=66e6)
-    rows = [row("cuda_mma", 25.0), row("cuda_mma", 24.0, 1), row("cuda_mma_ahead2", 20.0), row("triton_gate_up", 38.0),
-            row("triton_gate_up", 40.0, 1), row("stream_read", 18.0)]
+    assert bench._invalid([dict(variants=dict(cuda_mma=dict(good, rel_err=float("nan"))))], "cuda_mma")
+    assert bench._invalid([dict(variants=dict(cuda_mma=dict(good, rel_err_vs_triton=0.02)))], "cuda_mma")
+    row = lambda stage, variant, us, rnd=0: dict(tokens=1, stage=stage, variant=variant, round=rnd, us=us, bytes=66e6)
+    rows = [row("gate_up", "cuda_mma", 25.0), row("gate_up", "cuda_mma", 24.0, 1), row("gate_up", "cuda_mma_ahead2", 20.0),
+            row("gate_up", "triton_gate_up", 38.0), row("gate_up", "triton_gate_up", 40.0, 1),
+            row("gate_up", "stream_read_gate_up", 18.0), row("whole", "cuda_whole", 60.0), row("whole", "triton_whole", 75.0),
+            row("whole", "bf16_grouped_mm", 300.0)]
     bench._derive(rows, invalid, 4.8e12)
     assert rows[1]["triton_over_this"] == pytest.approx(38 / 24) and rows[1]["pct_of_stream"] == pytest.approx(75)
     assert rows[0]["pct_hbm"] == pytest.approx(100 * 66e6 / 25e-6 / 4.8e12)
     assert rows[2]["us"] is None and rows[2]["invalid_us"] == 20.0  # its check failed: time kept aside
-    rows.append(dict(row("cuda_mma", None, 1), error=dict(type="CudaError", message="cuLaunchKernel failed")))
-    bench._print(dict(build={"cuda_mma": dict(ahead=1, num_regs=96)}, checks=[check], cases=rows, status="complete"))
+    assert rows[6]["triton_over_this"] == pytest.approx(1.25) and rows[6]["bf16_over_this"] == pytest.approx(5.0)
+    assert "pct_of_stream" not in rows[6] and "bf16_over_this" not in rows[0]
+    rows.append(dict(row("gate_up", "cuda_mma", None, 1), error=dict(type="CudaError", message="cuLaunchKernel failed")))
+    bench._print(dict(build={"cuda_mma": dict(ahead=1, num_regs=96)}, checks=checks, cases=rows, status="complete"))
     printed = capsys.readouterr().out
     assert "INVALID (20.0 us" in printed and "ERROR CudaError" in printed and "status: complete" in printed
 
@@ -311,8 +608,18 @@ class _ReferenceKernel:
                 out[pair] = (torch.nn.functional.silu(gate) * up).to(out.dtype)
 
 
+class _ReferenceDown:
+    """Stands in for W2DownCuda in the CPU run of the benchmark."""
+
+    def __call__(self, w2, f4, layer, ws, out):
+        for b in range(int(ws.num_blocks[0])):
+            expert, pair = int(ws.block_expert[b]), int(ws.block_pairs[b])
+            slot = w2.slots[int(w2.table[layer, expert])]
+            out[pair] = unpack_matrix_ref(slot, w2.layout, "w2") @ ws.act[pair].float()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernels in the CPU interpreter (set without CUDA)")
-def test_bench_runs_end_to_end_on_cpu_with_a_stand_in_kernel(monkeypatch):
+def test_bench_runs_end_to_end_on_cpu_with_stand_in_kernels(monkeypatch):
     import argparse
 
     import tierstore.geometry
@@ -320,18 +627,23 @@ def test_bench_runs_end_to_end_on_cpu_with_a_stand_in_kernel(monkeypatch):
 
     bench = _bench_module()
     kb = bench._bench_kernels()
+    stand_in = {"gate_up": _ReferenceKernel, "down": _ReferenceDown, "whole": _ReferenceStages}
     monkeypatch.setattr(bench, "DEVICE", "cpu")
-    monkeypatch.setattr(bench, "_build", lambda ahead: (_ReferenceKernel(), dict(ahead=ahead)))
+    monkeypatch.setattr(bench, "_build", lambda stage, opts: (stand_in[stage](), dict(stage=stage, **opts)))
     monkeypatch.setattr(tierstore.geometry, "get_preset", lambda name: _preset("tiny", 1, EXPERTS, TOP_K, HIDDEN, INTER))
-    monkeypatch.setattr(kb, "_graph_time_us", lambda fns, reps: fns[0]() or 10.0)  # one launch of each variant
+    monkeypatch.setattr(kb, "_graph_time_us", lambda fns, reps: (fns[0](), 10.0)[1])  # one launch of each variant
     monkeypatch.setattr(kb, "_stream_us", lambda nbytes, copies, reps, device: 5.0)
+    monkeypatch.setattr(kb, "_bf16_case", lambda geo, w13, w2d, routings, reps: 50.0)
     result, emitted = {}, []
-    bench.run(kb, argparse.Namespace(preset="tiny", tokens="1,8", reps=1), result, lambda r: emitted.append(r["status"]))
+    bench.run(kb, argparse.Namespace(preset="tiny", tokens="1,2", reps=1), result, lambda r: emitted.append(r["status"]))
     assert result["status"] == "complete" and not result["errors"], result["errors"]
+    assert [(c["tokens"], c["stage"]) for c in result["checks"]] == [(t, s) for t in (1, 2) for s in ("gate_up", "down", "whole")]
     for check in result["checks"]:
-        for v in check["variants"].values():
-            assert v["rel_err"] < 1e-2 and v["repeat_identical"] and v["equals_cuda_mma"] and not v["nan"]
+        for name, v in check["variants"].items():
+            assert bench._invalid([check], name) == [], (check["stage"], name, v)
     timed = {(r["tokens"], r["variant"], r["round"]): r for r in result["cases"]}
-    assert len(timed) == 2 * (3 * bench.ROUNDS + 1)
-    assert timed[(8, "cuda_mma_ahead2", 1)]["triton_over_this"] == 1.0
-    assert timed[(1, "stream_read", 0)]["pct_of_stream"] == 100.0
+    assert len(timed) == 2 * 3 * (3 * bench.ROUNDS + 1)
+    assert timed[(2, "cuda_mma_ahead2", 1)]["triton_over_this"] == 1.0
+    assert timed[(2, "cuda_down_g2", 0)]["pct_of_stream"] == 50.0
+    assert timed[(1, "cuda_whole", 1)]["bf16_over_this"] == 5.0
+    assert timed[(1, "stream_read_gate_up", 0)]["pct_of_stream"] == 100.0

@@ -1,0 +1,103 @@
+"""CUDA C++ W2 down GEMM for decode (w2_down.cu) and its plain-torch reference.
+
+`W2DownCuda()(w2, fp4, layer, ws)` computes what `moe_down` computes for the W2-resident pairs of a BT = 1
+workspace (after `moe_route` and a gate_up stage): ws.y[pair] = W2_e ws.act[pair] (float32), or into `out`
+[P, H] float32 when given. The y rows of an FP4-resident expert's pairs are written as NaN (the CUDA path
+computes no FP4 pair: kernels/cuda/w2_moe.py); missing experts' rows are left untouched (the combine does not
+read them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..layout import SlotLayout, unpack_matrix_ref
+from . import loader
+
+SOURCE = Path(__file__).with_name("w2_down.cu")
+KERNEL = "w2_down_mma"
+THREADS = 128
+K_MULTIPLE = 512  # inter must fill whole 32-word tiles (kTileK)
+ROWS_PER_GROUP = 16  # one mma A tile per warp and group
+# act, stride_act, slots, slot_bytes, words_off, scales_off, words_per_row, blocks_per_row, w2_table, f4_table,
+# table_row, block_expert, block_pairs, num_blocks, y, stride_y, inter
+ARG_KINDS = "pqpqqqiippippppqi"
+
+
+def rows_per_block(groups: int) -> int:
+    return 4 * groups * ROWS_PER_GROUP  # kWarps * kGroups * kRowsPerGroup in the .cu
+
+
+def check_geometry(layout: SlotLayout, groups: int = 1) -> None:
+    if layout.values_per_word != 16:
+        raise ValueError("the CUDA down reads W2 slots only")
+    if layout.inter % K_MULTIPLE:
+        raise ValueError(f"inter must be a multiple of {K_MULTIPLE}, got {layout.inter}")
+    if layout.hidden % rows_per_block(groups):
+        raise ValueError(f"hidden must be a multiple of {rows_per_block(groups)} ({groups} row group(s)), "
+                         f"got {layout.hidden}")
+
+
+def launch_args(w2, fp4, layer: int, ws, out) -> list:
+    """The kernel's arguments in ARG_KINDS order (pointers as ints)."""
+    lay = w2.layout
+    m = lay.w2
+    return [ws.act.data_ptr(), ws.act.stride(0), w2.slots.data_ptr(), lay.slot_bytes, lay.w2_words_offset,
+            lay.w2_scales_offset, m.words_per_row, m.blocks_per_row, w2.table.data_ptr(), fp4.table.data_ptr(),
+            layer * w2.table.shape[1], ws.block_expert.data_ptr(), ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(),
+            out.data_ptr(), out.stride(0), lay.inter]
+
+
+def _check_inputs(w2, fp4, ws, out, groups: int) -> None:
+    check_geometry(w2.layout, groups)
+    if ws.block_tokens != 1:
+        raise ValueError(f"the CUDA down runs one pair per block (block_tokens 1), got {ws.block_tokens}")
+    if ws.act.dtype != torch.bfloat16 or not ws.act.is_cuda or ws.act.stride(1) != 1 or ws.act.stride(0) % 8:
+        raise ValueError("act must be a bfloat16 CUDA tensor [P, I] with unit inner stride, 16-byte aligned rows")
+    if out.dtype != torch.float32 or out.shape != ws.y.shape or out.stride(1) != 1:
+        raise ValueError(f"out must be float32 [P, H] = {tuple(ws.y.shape)} with unit inner stride")
+    if fp4.table.shape != w2.table.shape:
+        raise ValueError("the W2 and FP4 tables must have the same shape")
+
+
+class W2DownCuda:
+    """Builds (nvcc, cached) and loads the kernel once; each call launches it on the current stream.
+
+    ahead: K tiles of weight loads in flight per lane while one is computed (W2_AHEAD); groups: 16-row groups
+    per warp (W2_GROUPS; rows per block = 64 * groups). Neither changes the arithmetic (same bytes).
+    """
+
+    def __init__(self, ahead: int = 2, groups: int = 1, device: int | None = None) -> None:
+        self.device = torch.cuda.current_device() if device is None else device
+        torch.cuda.init()
+        self.ahead, self.groups = ahead, groups
+        image = loader.build(SOURCE, {"W2_AHEAD": ahead, "W2_GROUPS": groups})
+        self.kernel = loader.load(image, KERNEL, self.device)
+
+    def __call__(self, w2, fp4, layer: int, ws, out=None):
+        out = ws.y if out is None else out
+        _check_inputs(w2, fp4, ws, out, self.groups)
+        grid = (ws.block_expert.numel(), w2.layout.hidden // rows_per_block(self.groups))
+        smem = 2 * w2.layout.inter  # activation pairs: I / 2 x 4 bytes
+        self.kernel.allow_shared(smem)
+        self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream, ARG_KINDS,
+                           launch_args(w2, fp4, layer, ws, out))
+        return out
+
+    def attributes(self) -> dict:
+        return {name: self.kernel.attribute(name) for name in ("num_regs", "local_bytes", "shared_bytes", "max_threads")}
+
+
+def w2_down_ref(act: torch.Tensor, topk_ids: torch.Tensor, w2, fp4, layer: int) -> torch.Tensor:
+    """Plain torch: float32 [P, H], row p = W2_e act[p] for W2-resident pairs (e = topk_ids.flat[p] with no FP4
+    slot), NaN elsewhere. Weights from `unpack_matrix_ref`, float32 arithmetic on act's values."""
+    ids = topk_ids.reshape(-1).tolist()
+    out = torch.full((len(ids), w2.layout.hidden), float("nan"), dtype=torch.float32, device=act.device)
+    for p, e in enumerate(ids):
+        slot = int(w2.table[layer, e])
+        if slot < 0 or int(fp4.table[layer, e]) >= 0:
+            continue
+        out[p] = unpack_matrix_ref(w2.slots[slot], w2.layout, "w2") @ act[p].float()  # [H, I] @ [I]
+    return out

@@ -1,0 +1,31 @@
+"""The CUDA C++ gate_up and down stages together: `moe_mm(..., cuda_w2=W2MoeCuda())` (opt-in, default off).
+
+`W2MoeCuda()(hidden, top_k, w2, fp4, layer, ws, swiglu_limit)` replaces `moe_gate_up` + `moe_down` between
+`moe_route` and `moe_combine`: ws.act then ws.y for every W2-resident pair, on the current stream (capture-safe:
+two launches, no allocation, no host sync). Route and combine stay the Triton launches, so misses are counted
+once, by the route, and the combine reads y exactly as on the default path.
+
+Restriction: the Triton stages compute W2 and FP4 pairs in one launch (per block, by the expert's tier); they
+have no switch to leave W2 pairs out, and running them whole beside the CUDA kernels would do the W2 work twice.
+So this path computes no FP4 pair: use it for layers without FP4-resident experts. An FP4 pair that reaches it
+anyway gets NaN y rows (written by the down kernel), hence a NaN output row for its token, never stale data.
+Requires BT = 1, bfloat16, hidden a multiple of 512 (gate_up's K) and of 64 * groups, inter a multiple of 512.
+"""
+
+from __future__ import annotations
+
+from .w2_down import W2DownCuda
+from .w2_gate_up import W2GateUpCuda
+
+
+class W2MoeCuda:
+    """gate_ahead: W2_AHEAD of the gate_up kernel (2: the measured faster one); down_ahead / down_groups: the
+    down kernel's (w2_down.py)."""
+
+    def __init__(self, gate_ahead: int = 2, down_ahead: int = 2, down_groups: int = 1, device: int | None = None):
+        self.gate_up = W2GateUpCuda(ahead=gate_ahead, device=device)
+        self.down = W2DownCuda(ahead=down_ahead, groups=down_groups, device=device)
+
+    def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None) -> None:
+        self.gate_up(hidden, top_k, w2, fp4, layer, ws, swiglu_limit=swiglu_limit)
+        self.down(w2, fp4, layer, ws)
