@@ -415,17 +415,22 @@ def down_case():
 
 
 def _ids(case, tokens, first=None, last=None):
-    ids = torch.stack([torch.randperm(EXPERTS, generator=case["gen"])[:TOP_K] for _ in range(tokens)]).to(torch.int32)
-    if first is not None:
-        ids[0, 0] = first
-    if last is not None:
-        ids[-1, -1] = last
-    return ids.contiguous().cuda()
+    """Random distinct experts per token; `first` placed at [0, 0], `last` at [-1, -1] (still distinct per row:
+    drawn from a permutation and moved into place)."""
+    rows = []
+    for t in range(tokens):
+        perm = torch.randperm(EXPERTS, generator=case["gen"]).tolist()
+        for value, at in ((first, 0 if t == 0 else None), (last, TOP_K - 1 if t == tokens - 1 else None)):
+            if value is not None and at is not None:
+                j = perm.index(value)
+                perm[at], perm[j] = perm[j], perm[at]
+        rows.append(perm[:TOP_K])
+    return torch.tensor(rows, dtype=torch.int32).cuda()
 
 
 @pytest.mark.gpu
 @needs_nvcc
-@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("tokens", [3, 5, 8])
 def test_cuda_down_matches_reference_and_triton(down_case, tokens):
     w2, f4 = down_case["w2"], down_case["f4_with"]
     ids = _ids(down_case, tokens, first=3, last=6)  # an FP4 pair and a missing pair
@@ -442,6 +447,7 @@ def test_cuda_down_matches_reference_and_triton(down_case, tokens):
     flat = ids.reshape(-1).cpu()
     fp4_rows, missing_rows = flat == 3, flat == 6
     w2_rows = ~(fp4_rows | missing_rows)
+    assert w2_rows.any() and fp4_rows.any() and missing_rows.any()
     first = outs[(2, 1)][0]
     assert first[fp4_rows.cuda()].isnan().all() and (first[missing_rows.cuda()] == -7.0).all()
     got = first[w2_rows.cuda()]
@@ -544,8 +550,7 @@ def test_moe_mm_cuda_w2_replays_in_a_cuda_graph(down_case):
 def test_moe_mm_cuda_w2_gives_nan_rows_for_fp4_pairs(down_case):
     f4, tokens = down_case["f4_with"], 3
     down_case["weights"] = (torch.rand(8, TOP_K, generator=down_case["gen"]) + 0.05).cuda()
-    ids = _ids(down_case, tokens, first=3)
-    ids[1:][ids[1:] == 3] = 6  # only token 0 routes to the FP4 expert
+    ids = torch.tensor([[3, 0], [1, 2], [4, 5]], dtype=torch.int32).cuda()  # only token 0 routes to the FP4 expert
     x = torch.randn(tokens, HIDDEN, generator=down_case["gen"]).to(torch.bfloat16).cuda()
     out, _, _ = _whole(down_case, f4, ids, x, down_case["whole"][1])
     assert out[0].isnan().all() and not out[1:].isnan().any()
