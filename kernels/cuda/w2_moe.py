@@ -14,6 +14,7 @@ Requires BT = 1, bfloat16, hidden a multiple of 512 (gate_up's K) and of 64 * gr
 
 from __future__ import annotations
 
+from . import w2_down, w2_gate_up
 from .w2_down import W2DownCuda
 from .w2_gate_up import W2GateUpCuda
 
@@ -27,5 +28,7 @@ class W2MoeCuda:
         self.down = W2DownCuda(ahead=down_ahead, groups=down_groups, device=device)
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None) -> None:
+        w2_gate_up._check_inputs(hidden, w2, fp4, ws, ws.act)  # both stages' inputs before either launches
+        w2_down._check_inputs(w2, fp4, ws, ws.y, self.down.groups)
         self.gate_up(hidden, top_k, w2, fp4, layer, ws, swiglu_limit=swiglu_limit)
         self.down(w2, fp4, layer, ws)
