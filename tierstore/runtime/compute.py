@@ -7,22 +7,71 @@ the top-k combine runs in a fixed order, so a token's result does not depend on 
 
 - `TorchExperts`: plain torch (float32) decoding the same slot bytes with the kernels' reference
   decoder; the CPU variant of the runtime (no sync-free guarantee: it reads the table on the host).
-- `TritonExperts`: `tierstore.kernels.moe_mm` (route, gate_up, down, combine), capture-safe.
+- `TritonExperts`: `tierstore.kernels.moe_mm` (route, gate_up, down, combine), capture-safe. With config
+  `cuda_w2` it hands `moe_mm` the CUDA C++ W2 whole op (`load_cuda_w2`, built once at boot) for one-pair-per-block
+  workspaces (decode); other workspaces run the Triton gate_up and down.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from tierstore.errors import ConfigError
 from tierstore.kernels.layout import SlotLayout, unpack_matrix_ref
 from tierstore.reference_moe import swiglu
 from tierstore.runtime.passlog import PassLog
 from tierstore.runtime.pools import DevicePool
 
+log = logging.getLogger("tierstore.runtime")
+KNOB = "TIERSTORE_CUDA_W2 (config cuda_w2)"
+
+
+def check_cuda_w2(layout: SlotLayout, fp4_pool: DevicePool | None, device: torch.device, backend: str) -> None:
+    """The conditions of config `cuda_w2` that need no CUDA: ConfigError naming the first one unmet."""
+    if fp4_pool is not None:
+        raise ConfigError(f"{KNOB} is on but this runtime has an FP4 pool: the CUDA W2 path cannot serve FP4-resident "
+                          "pairs (it computes W2 pairs only); run without an FP4 pool (fp4_pool_gb 0, no FP4 row "
+                          "source) or turn the knob off")
+    from tierstore.kernels.cuda import loader, w2_down, w2_gate_up
+
+    try:
+        w2_gate_up.check_geometry(layout)
+        w2_down.check_geometry(layout)
+    except ValueError as error:
+        raise ConfigError(f"{KNOB} is on but the expert shapes (hidden {layout.hidden}, expert inter {layout.inter}) "
+                          f"do not fit the CUDA W2 kernels: {error}; turn the knob off") from None
+    if backend != "triton" or device.type != "cuda":
+        raise ConfigError(f"{KNOB} needs the triton backend on a CUDA device; this runtime runs the {backend} backend "
+                          f"on {device}")
+    if loader.nvcc_path() is None:
+        raise ConfigError(f"{KNOB} needs nvcc on PATH or in /usr/local/cuda/bin (the CUDA toolkit) to build the "
+                          "CUDA W2 kernels; install it or turn the knob off")
+
+
+def load_cuda_w2(layout: SlotLayout, fp4_pool: DevicePool | None, device: torch.device):
+    """The CUDA W2 whole op for config `cuda_w2` (`W2MoeCuda`: nvcc build, cached on disk, loaded into torch's
+    context), after `check_cuda_w2`; a failed build or load is a ConfigError. One object serves every layer and
+    batch size: the kernels take the shapes and buffers as launch arguments."""
+    check_cuda_w2(layout, fp4_pool, device, "triton")
+    from tierstore.kernels.cuda.loader import CudaError
+    from tierstore.kernels.cuda.w2_moe import W2MoeCuda
+
+    try:
+        kernels = W2MoeCuda(device=device.index)
+    except (CudaError, OSError) as error:
+        raise ConfigError(f"{KNOB}: the CUDA W2 kernels did not build or load ({error}); they need nvcc and an "
+                          "sm_90a (Hopper) GPU, or turn the knob off") from None
+    log.info("CUDA W2 whole op on: gate_up and down of decode batches (one pair per block) on CUDA C++ kernels")
+    return kernels
+
 
 class TorchExperts:
     def __init__(self, pool: DevicePool, layout: SlotLayout, log: PassLog, swiglu_limit: float | None,
-                 fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None):
+                 fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None, cuda_w2: bool = False):
+        if cuda_w2:  # raises: the knob needs the triton backend (after naming any other unmet condition)
+            check_cuda_w2(layout, fp4_pool, pool.device, "torch")
         self.pool, self.layout, self.log, self.swiglu_limit = pool, layout, log, swiglu_limit
         self.tiers = [(pool, layout)] + ([(fp4_pool, fp4_layout)] if fp4_pool is not None else [])
         self._decoded: dict[tuple[int, int], tuple[int, torch.Tensor, torch.Tensor]] = {}  # (tier, slot) -> (gen, w13, w2)
@@ -82,9 +131,11 @@ class TorchExperts:
 
 class TritonExperts:
     def __init__(self, pool: DevicePool, layout: SlotLayout, log: PassLog, swiglu_limit: float | None,
-                 fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None):
+                 fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None, cuda_w2: bool = False):
         from tierstore.kernels.moe_mm import MissLog, TierPool, fp4_tier
 
+        # config cuda_w2: the CUDA C++ gate_up + down, built here once (boot), or None (Triton stages)
+        self.cuda_w2 = load_cuda_w2(layout, fp4_pool, pool.device) if cuda_w2 else None
         self.log, self.swiglu_limit = log, swiglu_limit
         self.w2_pool = TierPool(pool.slots, pool.table, layout)
         if fp4_pool is None:  # the kernels always take an FP4 tier: an empty one
@@ -111,5 +162,9 @@ class TritonExperts:
         ids = topk_ids.to(torch.int32).contiguous()  # [T, k]
         self.log.record(layer, ids)
         workspace = self._workspace(ids.shape[0], ids.shape[1], hidden.dtype)
+        # the CUDA kernels run one pair per block: larger batches' workspaces (prefill) keep the Triton stages
+        cuda_w2 = self.cuda_w2 if workspace.block_tokens == 1 else None
+        if cuda_w2 is not None and hidden.dtype != torch.bfloat16:
+            raise ConfigError(f"{KNOB} needs bfloat16 hidden states, got {hidden.dtype}; turn the knob off")
         return moe_mm(hidden.contiguous(), ids, topk_weights.to(torch.float32).contiguous(), self.w2_pool,
-                      self.fp4_pool, layer, self.misses, workspace, swiglu_limit=self.swiglu_limit)
+                      self.fp4_pool, layer, self.misses, workspace, swiglu_limit=self.swiglu_limit, cuda_w2=cuda_w2)

@@ -54,6 +54,17 @@ class RuntimeConfig:
       promotions per step, shared by its iterations (0 = unlimited, refused on a sub-floor pool).
     - `force_fp4_pool`: start with an FP4 pool below the gate's fire floor.
     - `gate_dump`: append one JSON line per fire to this file ("" = off).
+
+    Kernels:
+
+    - `cuda_w2` (default off): the triton backend runs gate_up and down with the CUDA C++ W2 whole op
+      (`tierstore.kernels.cuda.w2_moe.W2MoeCuda`, benchmarks/cuda-w2-notes.md) between the Triton route and
+      combine, for batches the kernels place one pair per block (decode: pairs <= routed experts); larger
+      batches (prefill) keep the Triton tensor-core launch. Other kernels, other summation order: logits may
+      differ in the last bits from a run with the knob off. Checked at boot, each unmet condition a
+      ConfigError: no FP4 pool (the path computes no FP4 pair), hidden and expert inter multiples of 512, the
+      triton backend on a CUDA device, nvcc (PATH or /usr/local/cuda/bin) and a build that loads (sm_90a);
+      hidden states must be bfloat16 (checked at the first call).
     """
 
     replay_mode: str = "strict"
@@ -83,6 +94,7 @@ class RuntimeConfig:
     gate_budget: int = 64
     force_fp4_pool: bool = False
     gate_dump: str = ""
+    cuda_w2: bool = False
 
     def __post_init__(self) -> None:
         if self.replay_mode not in REPLAY_MODES:

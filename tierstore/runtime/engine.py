@@ -110,7 +110,14 @@ class TieredRuntime:
         experts_class = TritonExperts if self.backend == "triton" else TorchExperts
         fp4_pool = self.fp4.pool if self.fp4 is not None else None
         fp4_layout = self.fp4.layout if self.fp4 is not None else None
-        self.experts = experts_class(self.pool, self.layout, self.log, geometry.swiglu_limit, fp4_pool, fp4_layout)
+        try:  # a refused compute (e.g. config cuda_w2 beside an FP4 pool) must not leave the FP4 manager running
+            self.experts = experts_class(self.pool, self.layout, self.log, geometry.swiglu_limit, fp4_pool, fp4_layout,
+                                         cuda_w2=self.config.cuda_w2)
+        except BaseException:
+            if self._fp4_manager is not None:
+                self._fp4_manager.close()
+                self.fp4.close()
+            raise
         self._gate_stats = GateRecorder(self.config.gate_dump or None)
         self._stats = StatsRecorder(self.pool.num_slots, geometry.total_routed_experts)
         self._scan = False

@@ -1,0 +1,181 @@
+"""Config `cuda_w2` (TIERSTORE_CUDA_W2): the runtime hands moe_mm the CUDA C++ W2 whole op.
+
+CPU: the knob parses; each unmet condition is a ConfigError at boot that names it (FP4 pool, shapes, backend /
+device, nvcc, build); with a stand-in kernel object the triton backend passes it to moe_mm only with the knob on,
+only for one-pair-per-block workspaces, built once. GPU (marker gpu, needs nvcc too): a tiny model with the knob
+generates the tokens it generates without it, and its quarter-pool run is bit-identical to its all-resident run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+
+import pytest
+import torch
+from fp4_fixtures import tier_rows
+from test_runtime_fixtures import ToyMoE, memory_source, toy_geometry
+
+from tierstore.errors import ConfigError
+from tierstore.kernels.cuda import loader
+from tierstore.kernels.layout import w2_slot_layout
+from tierstore.runtime import MemoryRowSource, RuntimeConfig, TieredRuntime
+from tierstore.runtime import compute
+from tierstore.runtime.fp4_manager import THREAD_NAME
+
+FITS = dict(layers=1, experts=4, top_k=2, hidden=512, inter=512)  # meets the CUDA kernels' shape rules
+
+
+def test_knob_parses_from_env_and_config_and_defaults_off():
+    assert RuntimeConfig().cuda_w2 is False
+    assert RuntimeConfig.from_env({}).cuda_w2 is False
+    assert RuntimeConfig.from_env({"TIERSTORE_CUDA_W2": "1"}).cuda_w2 is True
+    assert RuntimeConfig.from_env({"TIERSTORE_CUDA_W2": "false"}).cuda_w2 is False
+    assert RuntimeConfig.from_env({}, cuda_w2=True).cuda_w2 is True
+    with pytest.raises(ConfigError, match="TIERSTORE_CUDA_W2='on' is not a valid bool"):
+        RuntimeConfig.from_env({"TIERSTORE_CUDA_W2": "on"})
+
+
+def test_runtime_with_an_fp4_pool_refuses_the_knob():
+    g = toy_geometry(**FITS)
+    w2_rows, fp4_rows = tier_rows(g)
+    with pytest.raises(ConfigError, match="has an FP4 pool: the CUDA W2 path cannot serve FP4-resident pairs"):
+        TieredRuntime(g, MemoryRowSource(w2_rows), pool_slots=4, fp4_source=MemoryRowSource(fp4_rows), fp4_slots=2,
+                      config=RuntimeConfig(cuda_w2=True, kpi_every=0))
+    assert THREAD_NAME not in [t.name for t in threading.enumerate()]  # the refused boot stopped its FP4 manager
+
+
+@pytest.mark.parametrize("hidden, inter, message", [(64, 512, "hidden must be a multiple of 512, got 64"),
+                                                     (512, 96, "inter must be a multiple of 512, got 96")])
+def test_shapes_off_the_kernels_rules_are_refused(hidden, inter, message):
+    g = toy_geometry(**{**FITS, "hidden": hidden, "inter": inter})
+    with pytest.raises(ConfigError, match=f"TIERSTORE_CUDA_W2.*do not fit the CUDA W2 kernels: {message}"):
+        TieredRuntime(g, memory_source(g), pool_slots=4, config=RuntimeConfig(cuda_w2=True, kpi_every=0))
+
+
+def test_torch_backend_on_cpu_refuses_the_knob_and_runs_without_it():
+    g = toy_geometry(**FITS)
+    with pytest.raises(ConfigError, match="needs the triton backend on a CUDA device; this runtime runs the torch "
+                                          "backend on cpu"):
+        TieredRuntime(g, memory_source(g), pool_slots=4, config=RuntimeConfig(cuda_w2=True, kpi_every=0))
+    with TieredRuntime(g, memory_source(g), pool_slots=4, config=RuntimeConfig(kpi_every=0)):
+        pass
+
+
+def test_missing_nvcc_is_named(monkeypatch):
+    monkeypatch.setattr(loader, "nvcc_path", lambda: None)
+    layout = w2_slot_layout(512, 512)
+    with pytest.raises(ConfigError, match="TIERSTORE_CUDA_W2 .* needs nvcc on PATH or in /usr/local/cuda/bin"):
+        compute.load_cuda_w2(layout, None, torch.device("cuda"))
+
+
+def test_a_failed_build_or_load_is_a_config_error(monkeypatch):
+    from tierstore.kernels.cuda import w2_moe
+
+    def fail(**_):
+        raise loader.CudaError("cuModuleLoadData failed: CUDA_ERROR_NO_BINARY_FOR_GPU")
+
+    monkeypatch.setattr(loader, "nvcc_path", lambda: "/usr/local/cuda/bin/nvcc")
+    monkeypatch.setattr(w2_moe, "W2MoeCuda", fail)
+    with pytest.raises(ConfigError, match="did not build or load .*CUDA_ERROR_NO_BINARY_FOR_GPU"):
+        compute.load_cuda_w2(w2_slot_layout(512, 512), None, torch.device("cuda"))
+
+
+class _Calls:
+    """Stand-ins: the built kernel object (counted builds) and moe_mm (records its cuda_w2 argument)."""
+
+    def __init__(self, monkeypatch):
+        moe_mm_module = importlib.import_module("tierstore.kernels.moe_mm")  # the package's `moe_mm` is the function
+
+        self.builds, self.passed = 0, []
+        self.kernels = object()
+
+        def build(layout, fp4_pool, device):
+            self.builds += 1
+            return self.kernels
+
+        def moe_mm(hidden, ids, weights, w2, fp4, layer, misses, workspace, swiglu_limit=None, cuda_w2=None):
+            self.passed.append((workspace.block_tokens, cuda_w2))
+            return torch.zeros_like(hidden)
+
+        monkeypatch.setattr(compute, "load_cuda_w2", build)
+        monkeypatch.setattr(moe_mm_module, "moe_mm", moe_mm)
+
+
+@pytest.mark.parametrize("knob", [False, True])
+def test_triton_backend_passes_the_kernels_to_moe_mm_only_with_the_knob(monkeypatch, knob):
+    pytest.importorskip("triton")
+    calls = _Calls(monkeypatch)
+    g = toy_geometry(**FITS)
+    model = ToyMoE(g)
+    with TieredRuntime(g, memory_source(g), pool_slots=4, backend="triton",
+                       config=RuntimeConfig(cuda_w2=knob, kpi_every=0)) as runtime:
+        runtime.preload()
+        for tokens in (1, 2, 1):  # 2 / 4 pairs <= 4 experts: one pair per block
+            x = torch.randn(tokens, g.hidden).to(torch.bfloat16)
+            runtime.moe(0, x, *model.route(0, x.float()))
+        x = torch.randn(3, g.hidden).to(torch.bfloat16)  # 6 pairs > 4 experts: a 16-pair block workspace
+        runtime.moe(0, x, *model.route(0, x.float()))
+    assert calls.builds == int(knob)  # once per runtime, at boot
+    want = calls.kernels if knob else None
+    assert calls.passed == [(1, want)] * 3 + [(16, None)]
+
+
+def test_the_knob_refuses_hidden_states_other_than_bfloat16(monkeypatch):
+    pytest.importorskip("triton")
+    calls = _Calls(monkeypatch)
+    g = toy_geometry(**FITS)
+    with TieredRuntime(g, memory_source(g), pool_slots=4, backend="triton",
+                       config=RuntimeConfig(cuda_w2=True, kpi_every=0)) as runtime:
+        x = torch.randn(1, g.hidden)
+        with pytest.raises(ConfigError, match="needs bfloat16 hidden states, got torch.float32"):
+            runtime.moe(0, x, *ToyMoE(g).route(0, x))
+    assert calls.passed == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc to build the CUDA W2 kernels")
+def test_generation_with_the_knob_matches_without_and_tiered_is_bit_identical(tmp_path, monkeypatch):
+    from checkpoint_fixtures import save_hf_checkpoint
+    from test_runtime_fixtures import runtime_hf_model
+
+    from tierstore.checkpoint import open_checkpoint
+    from tierstore.kernels.cuda.w2_moe import W2MoeCuda
+    from tierstore.runtime.generation import TieredGenerator
+    from tierstore.runtime.hf import install_tiered_experts, load_model
+    from tierstore.runtime.packs import ensure_base_pack, open_base_rows
+
+    launches = []
+    call = W2MoeCuda.__call__
+    monkeypatch.setattr(W2MoeCuda, "__call__", lambda self, *a, **k: (launches.append(1), call(self, *a, **k))[1])
+    hf = runtime_hf_model("qwen3_moe", seed=3, hidden_size=512, moe_intermediate_size=512, intermediate_size=512)
+    ckpt = save_hf_checkpoint(hf, tmp_path / "ckpt")
+    ensure_base_pack(ckpt, tmp_path / "packs", device="cuda")
+    with open_checkpoint(ckpt) as c:
+        g = c.geometry
+    assert (g.hidden, g.expert_inter) == (512, 512)
+    prompt = [5, 17, 33, 8, 60, 12]
+    results = {}
+    for knob, fraction in ((False, 1.0), (True, 1.0), (True, 0.25)):
+        runtime = TieredRuntime(g, open_base_rows(ckpt, tmp_path / "packs"), device="cuda", arena_slots=16,
+                                pool_slots=round(fraction * g.total_routed_experts),
+                                config=RuntimeConfig(kpi_every=0, cuda_w2=knob))
+        assert (runtime.experts.cuda_w2 is not None) == knob
+        model = load_model(ckpt, torch.bfloat16, "cuda")
+        install_tiered_experts(model, runtime)
+        before = len(launches)
+        with runtime:
+            if fraction == 1.0:
+                runtime.preload()
+            out = TieredGenerator(model, runtime, max_length=64).generate(prompt, 32, keep_logits=True)
+            results[knob, fraction] = (out, runtime.stats())
+        assert (len(launches) > before) == knob  # the CUDA path ran (prefill and the captured decode)
+    off, _ = results[False, 1.0]
+    resident, _ = results[True, 1.0]
+    small, stats = results[True, 0.25]
+    assert resident.cuda_graph and small.cuda_graph
+    assert resident.new_ids == off.new_ids
+    assert small.new_ids == resident.new_ids
+    for step, (a, b) in enumerate(zip(small.step_logits, resident.step_logits)):
+        assert torch.equal(a, b), f"step {step}"
+    assert stats.replayed_steps > 0
