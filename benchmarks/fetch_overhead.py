@@ -22,27 +22,17 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
+
+from _cpu_bench import baseline_worktree, emit, git_out, run_rounds, wrap_timed
 
 PARTS = ("fetch", "arena", "install")
 
 
 def timed(owner, name: str, part: str, calls: dict, runtime) -> None:
     """Replace owner.name by a wrapper recording (step index, seconds) of every call in calls[part]."""
-    inner = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            calls[part].append((runtime._stats.steps, time.perf_counter() - started))
-
-    setattr(owner, name, wrapper)
+    wrap_timed(owner, name, lambda started: calls[part].append((runtime._stats.steps, time.perf_counter() - started)))
 
 
 def worker(steps: int, warmup: int) -> dict:
@@ -75,17 +65,6 @@ def worker(steps: int, warmup: int) -> dict:
             **{f"{part}_mean_us": 1e6 * statistics.fmean(values) for part, values in steady.items()}}
 
 
-def run_rounds(trees: dict[str, Path], rounds: int, steps: int, warmup: int) -> dict[str, list]:
-    results: dict[str, list] = {name: [] for name in trees}
-    for _ in range(rounds):
-        for name, tree in trees.items():
-            env = dict(os.environ, PYTHONPATH=str(tree))
-            cmd = [sys.executable, __file__, "--worker", "--steps", str(steps), "--warmup", str(warmup)]
-            done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
-            results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return results
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true")
@@ -99,18 +78,11 @@ def main() -> None:
         print(json.dumps(worker(args.steps, args.warmup)))
         return
     repo = Path(__file__).resolve().parent.parent
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                          check=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "tierstore"], cwd=repo, capture_output=True,
-                                text=True, check=True).stdout.strip())
-    with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp) / "old"
-        subprocess.run(["git", "worktree", "add", "--detach", str(old), args.baseline], cwd=repo, check=True,
-                       capture_output=True)
-        try:
-            results = run_rounds({"old": old, "new": repo}, args.rounds, args.steps, args.warmup)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=repo, check=True)
+    head = git_out(repo, "rev-parse", "HEAD").strip()
+    dirty = bool(git_out(repo, "status", "--porcelain", "tierstore").strip())
+    with baseline_worktree(repo, args.baseline) as old:
+        results = run_rounds(__file__, {"old": old, "new": repo}, args.rounds,
+                             ["--steps", str(args.steps), "--warmup", str(args.warmup)])
     medians = {f"{part}_p50_us": {name: statistics.median(r[f"{part}_p50_us"] for r in rows)
                                   for name, rows in results.items()} for part in PARTS}
     medians["rows_per_fetch_call"] = {name: rows[0]["rows_per_fetch_call"] for name, rows in results.items()}
@@ -118,9 +90,7 @@ def main() -> None:
                                   machine=platform.machine(), cpus=os.cpu_count(), rounds=args.rounds,
                                   note="CPU only: no GPU, copies are memcpys of 16 KiB rows"),
                   results=results, medians=medians)
-    print(json.dumps(medians, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    emit(medians, report, args.out)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
+
+from _cpu_bench import baseline_worktree, emit, git_out, run_rounds
 
 
 def worker(steps: int, reps: int) -> dict:
@@ -106,25 +105,11 @@ def main() -> None:
         print(json.dumps(worker(args.steps, args.reps)))
         return
     repo = Path(__file__).resolve().parent.parent
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
-                          check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "tierstore"], cwd=repo, capture_output=True, text=True,
-                           check=True).stdout.split("\n")
-    results: dict[str, list] = {"old": [], "new": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp) / "old"
-        subprocess.run(["git", "worktree", "add", "--detach", str(old), args.baseline], cwd=repo, check=True,
-                       capture_output=True)
-        try:
-            for _ in range(args.rounds):
-                for name, tree in (("old", old), ("new", repo)):
-                    env = dict(os.environ, PYTHONPATH=str(tree))
-                    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--steps", str(args.steps),
-                           "--reps", str(args.reps)]
-                    done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
-                    results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=repo, check=True)
+    head = git_out(repo, "rev-parse", "--short", "HEAD").strip()
+    dirty = git_out(repo, "status", "--porcelain", "tierstore").split("\n")
+    with baseline_worktree(repo, args.baseline) as old:
+        results = run_rounds(Path(__file__).resolve(), {"old": old, "new": repo}, args.rounds,
+                             ["--steps", str(args.steps), "--reps", str(args.reps)])
     medians = {}
     for name, rows in results.items():
         unarmed = statistics.median(v for r in rows for v in r["unarmed_ms"])
@@ -142,9 +127,7 @@ def main() -> None:
                                   rounds=args.rounds, reps=args.reps, steps=args.steps,
                                   note="CPU only (no GPU): TorchExperts forward, no CUDA graphs, no device syncs"),
                   results=results, medians=medians)
-    print(json.dumps(medians, indent=1))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    emit(medians, report, args.out)
 
 
 if __name__ == "__main__":

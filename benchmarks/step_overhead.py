@@ -35,12 +35,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
+
+from _cpu_bench import baseline_worktree, emit, git_out, run_rounds as run_tree_rounds, wrap_timed
 
 LAYERS, EXPERTS, TOP_K = 8, 64, 6
 
@@ -107,18 +106,12 @@ class TimedLock:
 
 def timed(owner, name: str, totals: dict, lock: TimedLock):
     """Wrap owner.name: seconds spent in it by the manager thread, split by whether the lock was held."""
-    inner = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            if threading.current_thread() is not threading.main_thread():
-                held = getattr(lock._depth, "n", 0) > 0
-                key = f"manager_{name}_{'locked' if held else 'unlocked'}_s"
-                totals[key] = totals.get(key, 0.0) + time.perf_counter() - started
-    setattr(owner, name, wrapper)
+    def record(started: float) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            held = getattr(lock._depth, "n", 0) > 0
+            key = f"manager_{name}_{'locked' if held else 'unlocked'}_s"
+            totals[key] = totals.get(key, 0.0) + time.perf_counter() - started
+    wrap_timed(owner, name, record)
 
 
 def worker(kind: str, steps: int, forward_ms: float, device_us: float = 0.0) -> dict:
@@ -201,15 +194,8 @@ def worker(kind: str, steps: int, forward_ms: float, device_us: float = 0.0) -> 
 
 def run_rounds(trees: dict[str, Path], kind: str, rounds: int, steps: int, forward_ms: float,
                device_us: float = 0.0) -> dict:
-    results: dict[str, list] = {name: [] for name in trees}
-    for _ in range(rounds):
-        for name, tree in trees.items():
-            env = dict(os.environ, PYTHONPATH=str(tree))
-            cmd = [sys.executable, __file__, "--worker", kind, "--steps", str(steps), "--forward-ms", str(forward_ms),
-                   "--device-us", str(device_us)]
-            done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
-            results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return results
+    return run_tree_rounds(__file__, trees, rounds, [kind, "--steps", str(steps), "--forward-ms", str(forward_ms),
+                                                     "--device-us", str(device_us)])
 
 
 def summary(rows: list[dict], field: str) -> float:
@@ -232,22 +218,15 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.steps, args.forward_ms, args.device_us)))
         return
     repo = Path(__file__).resolve().parent.parent
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "tierstore"], cwd=repo, capture_output=True,
-                                text=True, check=True).stdout.strip())
-    with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp) / "old"
-        subprocess.run(["git", "worktree", "add", "--detach", str(old), args.baseline], cwd=repo, check=True,
-                       capture_output=True)
-        try:
-            trees = {"old": old, "new": repo}
-            nomiss = run_rounds(trees, "nomiss", args.rounds, args.steps, 0.0)
-            token = run_rounds(trees, "nomiss_token", args.rounds, args.steps, 0.0)
-            emulated = run_rounds(trees, "nomiss_async", args.rounds, args.steps, 0.0, args.device_us)
-            held = run_rounds(trees, "fp4_held", args.rounds, args.steps, 0.0)
-            fp4 = {} if args.skip_fp4 else run_rounds(trees, "fp4", args.rounds, args.fp4_steps, args.forward_ms)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=repo, check=True)
+    head = git_out(repo, "rev-parse", "HEAD").strip()
+    dirty = bool(git_out(repo, "status", "--porcelain", "tierstore").strip())
+    with baseline_worktree(repo, args.baseline) as old:
+        trees = {"old": old, "new": repo}
+        nomiss = run_rounds(trees, "nomiss", args.rounds, args.steps, 0.0)
+        token = run_rounds(trees, "nomiss_token", args.rounds, args.steps, 0.0)
+        emulated = run_rounds(trees, "nomiss_async", args.rounds, args.steps, 0.0, args.device_us)
+        held = run_rounds(trees, "fp4_held", args.rounds, args.steps, 0.0)
+        fp4 = {} if args.skip_fp4 else run_rounds(trees, "fp4", args.rounds, args.fp4_steps, args.forward_ms)
     report = dict(
         provenance=dict(old=args.baseline, new=head, new_tree_dirty=dirty, python=platform.python_version(),
                         machine=platform.machine(), cpus=os.cpu_count(), rounds=args.rounds,
@@ -271,10 +250,7 @@ def main() -> None:
     m["fp4_held_over_nomiss_us"] = {k: m["fp4_held_step_us"][k] - m["nomiss_step_us"][k] for k in trees}
     if token["old"][0]["token_sum"] != token["new"][0]["token_sum"]:
         raise SystemExit("the folded tokens differ from the separately read ones")
-    text = json.dumps(report, indent=1)
-    print(json.dumps(m, indent=1))
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(m, report, args.out)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,14 @@ from tierstore.runtime.replay_gate import confidence_logits, fire_schedule, gate
 from tierstore.runtime.synthetic import tiled_rows
 
 
+def random_steps(g, count: int, seed: int) -> list:
+    """trace_steps of count one-token steps, each layer routed to top_k distinct experts drawn uniformly."""
+    rng = np.random.default_rng(seed)
+    routing = np.stack([[rng.choice(g.num_experts, g.top_k, replace=False) for _ in range(g.num_moe_layers)]
+                        for _ in range(count)])  # [steps, L, k]
+    return trace_steps(routing, None, g.num_moe_layers, None)
+
+
 def test_confidence_logits_put_exactly_the_confidence_on_top():
     confidence = np.array([0.3, 0.59, 0.61, 0.99])
     logits = confidence_logits(confidence, tokens=2, vocab=1000, device="cpu")  # [4, 2, 1000]
@@ -35,10 +43,7 @@ def test_tiled_rows_repeat_a_few_experts():
 
 def test_gate_cost_runs_and_counts_fires():
     g = toy_geometry()
-    rng = np.random.default_rng(0)
-    routing = np.stack([[rng.choice(g.num_experts, g.top_k, replace=False) for _ in range(g.num_moe_layers)]
-                        for _ in range(12)])[:, None]  # [steps, 1, L, k]
-    steps = trace_steps(routing.reshape(12, g.num_moe_layers, g.top_k), None, g.num_moe_layers, None)
+    steps = random_steps(g, 12, seed=0)
     result = gate_cost(g, steps, fp4_fractions=(0.25, 1.0), gate_fraction=0.5, fire_every=4, device="cpu", warmup=4)
     runs = result["runs"]
     assert set(runs) == {"w2", "fp4@0.25", "fp4@1", "unarmed", "armed", "firing"}
@@ -53,10 +58,7 @@ def test_gate_cost_runs_and_counts_fires():
 
 def test_armed_cost_is_measured_at_held_residency():
     g = toy_geometry()
-    rng = np.random.default_rng(1)
-    routing = np.stack([[rng.choice(g.num_experts, g.top_k, replace=False) for _ in range(g.num_moe_layers)]
-                        for _ in range(8)])
-    steps = trace_steps(routing, None, g.num_moe_layers, None)
+    steps = random_steps(g, 8, seed=1)
     result = gate_cost(g, steps, fp4_fractions=(), gate_fraction=0.5, fire_every=4, device="cpu", warmup=2,
                        repetitions=3)
     held = result["held"]
@@ -88,10 +90,7 @@ def test_gate_cost_runs_its_forward_in_the_given_activation_dtype(monkeypatch):
         return drive(*args, **kwargs)
     monkeypatch.setattr(replay_gate, "drive", recording)
     g = toy_geometry()
-    rng = np.random.default_rng(2)
-    routing = np.stack([[rng.choice(g.num_experts, g.top_k, replace=False) for _ in range(g.num_moe_layers)]
-                        for _ in range(4)])
-    steps = trace_steps(routing, None, g.num_moe_layers, None)
+    steps = random_steps(g, 4, seed=2)
     result = gate_cost(g, steps, fp4_fractions=(), gate_fraction=0.5, fire_every=2, device="cpu", warmup=1,
                        repetitions=1, dtype=torch.bfloat16)
     assert result["dtype"] == "bfloat16" and seen and set(seen) == {torch.bfloat16}
