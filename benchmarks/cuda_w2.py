@@ -105,6 +105,25 @@ def _variant_row(kb, first, second, ref, tri, same_as_first) -> dict:
                 repeat_identical=_same_bytes(first, second), same_bytes_as_first=same_as_first)
 
 
+def _launch_twice(kernels: dict, like: torch.Tensor, launch) -> dict:
+    """Each variant launched twice by `launch(kernel, out)`, into two NaN-poisoned tensors shaped as `like`:
+    {name: [first, second]}."""
+    outs = {}
+    for name, cuda in kernels.items():
+        outs[name] = [torch.full_like(like, float("nan")) for _ in range(2)]
+        for out in outs[name]:
+            launch(cuda, out)
+    return outs
+
+
+def _stage_check(kb, stage: str, tokens, outs: dict, ref, tri) -> dict:
+    """A gate_up or down check row: Triton's output `tri` and every variant's `outs` against `ref`."""
+    first = outs.get(FIRST[stage], [None])[0]
+    return dict(tokens=tokens, stage=stage, pairs=ref.shape[0], rel_err_triton=kb._rel_err(tri, ref),
+                variants={name: _variant_row(kb, a, b, ref, tri, None if first is None else _same_bytes(a, first))
+                          for name, (a, b) in outs.items()})
+
+
 def _check_gate_up(kb, geo, state, kernels: dict, tokens) -> dict:
     """Every gate_up variant against the reference and Triton, on NaN-poisoned outputs, launched twice."""
     from tierstore.kernels import moe_gate_up
@@ -115,17 +134,9 @@ def _check_gate_up(kb, geo, state, kernels: dict, tokens) -> dict:
     x, ws = _workspace(geo, tokens, routing, w2, f4)
     ws.act.fill_(float("nan"))
     moe_gate_up(x, geo.top_k, w2, f4, 0, ws)
-    outs = {}
-    for name, cuda in kernels.items():
-        outs[name] = [torch.full_like(ws.act, float("nan")) for _ in range(2)]
-        for out in outs[name]:
-            cuda(x, geo.top_k, w2, f4, 0, ws, out=out)
+    outs = _launch_twice(kernels, ws.act, lambda cuda, out: cuda(x, geo.top_k, w2, f4, 0, ws, out=out))
     ref = w2_gate_up_ref(x, routing[0], w2, f4, 0)
-    tri = ws.act.float()
-    first = outs.get(FIRST["gate_up"], [None])[0]
-    return dict(tokens=tokens, stage="gate_up", pairs=ref.shape[0], rel_err_triton=kb._rel_err(tri, ref),
-                variants={name: _variant_row(kb, a, b, ref, tri, None if first is None else _same_bytes(a, first))
-                          for name, (a, b) in outs.items()})
+    return _stage_check(kb, "gate_up", tokens, outs, ref, ws.act.float())
 
 
 def _check_down(kb, geo, state, kernels: dict, tokens) -> dict:
@@ -139,17 +150,9 @@ def _check_down(kb, geo, state, kernels: dict, tokens) -> dict:
     moe_gate_up(x, geo.top_k, w2, f4, 0, ws)
     ws.y.fill_(float("nan"))
     moe_down(geo.top_k, w2, f4, 0, ws)
-    outs = {}
-    for name, cuda in kernels.items():
-        outs[name] = [torch.full_like(ws.y, float("nan")) for _ in range(2)]
-        for out in outs[name]:
-            cuda(w2, f4, 0, ws, out=out)
+    outs = _launch_twice(kernels, ws.y, lambda cuda, out: cuda(w2, f4, 0, ws, out=out))
     ref = w2_down_ref(ws.act, routing[0], w2, f4, 0)
-    tri = ws.y.clone()
-    first = outs.get(FIRST["down"], [None])[0]
-    return dict(tokens=tokens, stage="down", pairs=ref.shape[0], rel_err_triton=kb._rel_err(tri, ref),
-                variants={name: _variant_row(kb, a, b, ref, tri, None if first is None else _same_bytes(a, first))
-                          for name, (a, b) in outs.items()})
+    return _stage_check(kb, "down", tokens, outs, ref, ws.y.clone())
 
 
 def _check_whole(kb, geo, state, kernels: dict, tokens) -> dict:

@@ -45,16 +45,25 @@ def nvcc_version() -> str | None:
 
 def nvcc_command(source: Path, output: Path, fmt: str = "fatbin", defines: dict | None = None,
                  arch: str = ARCH) -> list[str]:
-    """fmt: fatbin (SASS + PTX, what `build` loads) or cubin (SASS only, for cuobjdump); defines: -DNAME=value."""
+    """fmt: fatbin (SASS + PTX, what `build` loads) or cubin (SASS only, for cuobjdump); defines: -DNAME=value.
+    The source's folder is on the include path (its .cuh headers)."""
     targets = f"[sm_{arch},compute_{arch}]" if fmt == "fatbin" else f"sm_{arch}"
     flags = [f"-D{name}={value}" for name, value in sorted((defines or {}).items())]
     return [nvcc_path() or "nvcc", f"-{fmt}", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code={targets}",
-            *flags, "-o", str(output), str(source)]
+            f"-I{Path(source).parent}", *flags, "-o", str(output), str(source)]
+
+
+def source_bytes(source: Path) -> bytes:
+    """What a build depends on besides the command: the source's bytes and every .cuh header beside it (name and
+    bytes, sorted by name), so an edited header rebuilds."""
+    source = Path(source)
+    headers = sorted(source.parent.glob("*.cuh"))
+    return source.read_bytes() + b"".join(b"\0" + h.name.encode() + b"\0" + h.read_bytes() for h in headers)
 
 
 def build(source: Path, defines: dict | None = None, fmt: str = "fatbin", cache_dir: Path | None = None) -> bytes:
-    """Compile `source` (cached by its bytes and the command) and return the image."""
-    text = Path(source).read_bytes()
+    """Compile `source` (cached by its bytes, its folder's headers' and the command) and return the image."""
+    text = source_bytes(source)
     cache_dir = Path(cache_dir or os.environ.get("TIERSTORE_CUDA_CACHE", Path(tempfile.gettempdir()) / "tierstore-cuda"))
     cache_dir.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256(text + " ".join(nvcc_command(Path("s"), Path("o"), fmt, defines)).encode()).hexdigest()[:16]

@@ -11,12 +11,12 @@
 // y rows are written as NaN, so a layer with FP4 pairs run through the CUDA path shows up in the output
 // instead of reading stale rows (kernels/cuda/w2_moe.py).
 //
-// Same decode and fragment mapping as w2_gate_up.cu, ungated: one warp owns 16 output rows = one
-// mma.m16n8k16 A tile; lane (g = lane / 4, c = lane % 4) loads words 4c..4c+3 and 16+4c..16+4c+3 of each
-// K tile of rows g and g + 8 (16-byte loads): a0 (row g) / a1 (row g+8) carry word 4c+m, a2 / a3 word
-// 16+4c+m, slot pair i; B carries the matching activation pairs of act[pair], identical in all columns,
-// so lane (g, 0) finds row g in d0 and lane (g, 1) row g + 8 in d2. fp32 accumulation, two accumulators
-// alternating; no atomics, fixed order: repeated launches give identical bytes.
+// Same decode and fragment mapping as w2_gate_up.cu (both: w2_fragments.cuh), ungated: one warp owns 16
+// output rows = one mma.m16n8k16 A tile; lane (g = lane / 4, c = lane % 4) loads words 4c..4c+3 and
+// 16+4c..16+4c+3 of each K tile of rows g and g + 8 (16-byte loads): a0 (row g) / a1 (row g+8) carry word
+// 4c+m, a2 / a3 word 16+4c+m, slot pair i; B carries the matching activation pairs of act[pair], identical in
+// all columns, so lane (g, 0) finds row g in d0 and lane (g, 1) row g + 8 in d2. fp32 accumulation, two
+// accumulators alternating; no atomics, fixed order: repeated launches give identical bytes.
 //
 // Each warp runs GROUPS row groups of 16 one after another; the register ring of weight loads runs across
 // group boundaries (W2_AHEAD tiles in flight while one is computed), so the next group's first loads are
@@ -24,6 +24,8 @@
 
 #include <cstdint>
 #include <cuda_bf16.h>
+
+#include "w2_fragments.cuh"
 
 #ifndef W2_AHEAD
 #define W2_AHEAD 2  // K tiles whose loads are in flight while one is computed
@@ -39,89 +41,11 @@ constexpr int kGroups = W2_GROUPS;
 constexpr int kWarps = 4;
 constexpr int kRowsPerGroup = 16;
 constexpr int kRowsPerBlock = kWarps * kGroups * kRowsPerGroup;
-constexpr int kWps = 32;                     // words per bit slot
-constexpr int kTileK = 16 * kWps;            // 512 K values per word tile
-constexpr int kPairWordsPerTile = 8 * kWps;  // 256 activation pairs per tile in shared memory
 
-struct Tile {    // one lane's share of one K tile
-  uint4 a0, a1;  // row g words 4c..4c+3, 16+4c..16+4c+3
-  uint4 b0, b1;  // row g + 8, same words
-  uint4 sa, sb;  // the tile's 16 scale bytes of row g, of row g + 8
-};
-
-__device__ __forceinline__ uint32_t part(const uint4& v, int m) {
-  return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w;
-}
-
-// Scale bytes 2i and 2i+1 of a tile -> (byte 2i << 7) | (byte 2i+1 << 23): both bf16 exponent fields.
-__device__ __forceinline__ uint32_t scale_pair(const uint4& q, int i) {
-  return __byte_perm(part(q, i >> 1), 0u, (i & 1) ? 0x4342u : 0x4140u) << 7;
-}
-
-// Slot pair i of word w as bf16x2 (slot 2i low), scaled: mask, rotate by 8 - 2i, add the exponents.
-__device__ __forceinline__ uint32_t w2_pair(uint32_t w, int i, uint32_t scale) {
-  const uint32_t rot = (8u - 2u * i) & 31u;
-  const uint32_t mask = rot ? (0x81008100u >> rot) | (0x81008100u << (32u - rot)) : 0x81008100u;
-  const uint32_t m = w & mask;
-  return __funnelshift_l(m, m, rot) + scale;
-}
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// lo / hi: rows g and g + 8 as uint4 [words_per_row / 4] at K tile t; sl / sh: their scales as uint4 [tiles].
-__device__ __forceinline__ Tile load_tile(const uint4* lo, const uint4* hi, const uint4* sl, const uint4* sh,
-                                          int t, int c) {
-  Tile r;
-  r.a0 = __ldg(lo + 8 * t + c);
-  r.a1 = __ldg(lo + 8 * t + 4 + c);
-  r.b0 = __ldg(hi + 8 * t + c);
-  r.b1 = __ldg(hi + 8 * t + 4 + c);
-  r.sa = __ldg(sl + t);
-  r.sb = __ldg(sh + t);
-  return r;
-}
-
-// a: bf16 bits [K] -> xp [K / 2], ordered as the lanes read B (as w2_gate_up.cu's build_pairs): for tile t,
-// slot pair i, lane column c, mma m: xp[t*256 + i*32 + 8c + 2m + h] = pair of word u = 16h + 4c + m, where
-// the pair of word u is a[t*512 + 64i + u] | a[t*512 + 64i + 32 + u] << 16.
+// a: bf16 bits [K] -> xp [K / 2], ordered as the lanes read B (w2_fragments.cuh: `load_unit`, `store_unit`).
 __device__ void build_pairs(const uint16_t* __restrict__ a, uint32_t* xp, int k_len) {
   const int units = k_len / 16;  // unit q = (t * 8 + i) * 4 + c: 8 pairs
-  for (int q = threadIdx.x; q < units; q += blockDim.x) {
-    const int k = (q >> 5) * kTileK + ((q >> 2) & 7) * 64 + 4 * (q & 3);
-    const uint2 la = *reinterpret_cast<const uint2*>(a + k);       // slot 2i, words 4c..4c+3
-    const uint2 lb = *reinterpret_cast<const uint2*>(a + k + 16);  // slot 2i, words 16+4c..
-    const uint2 ha = *reinterpret_cast<const uint2*>(a + k + 32);  // slot 2i+1, words 4c..
-    const uint2 hb = *reinterpret_cast<const uint2*>(a + k + 48);  // slot 2i+1, words 16+4c..
-    uint4 p, r;
-    p.x = __byte_perm(la.x, ha.x, 0x5410); p.y = __byte_perm(lb.x, hb.x, 0x5410);  // m 0, h 0/1
-    p.z = __byte_perm(la.x, ha.x, 0x7632); p.w = __byte_perm(lb.x, hb.x, 0x7632);  // m 1
-    r.x = __byte_perm(la.y, ha.y, 0x5410); r.y = __byte_perm(lb.y, hb.y, 0x5410);  // m 2
-    r.z = __byte_perm(la.y, ha.y, 0x7632); r.w = __byte_perm(lb.y, hb.y, 0x7632);  // m 3
-    *reinterpret_cast<uint4*>(xp + q * 8) = p;
-    *reinterpret_cast<uint4*>(xp + q * 8 + 4) = r;
-  }
-}
-
-// One K tile: 8 slot pairs x 4 words = 32 mmas (16 rows x 16 K each).
-__device__ __forceinline__ void tile_mma(const Tile& w, const uint32_t* xp_tile, int c, float (&acc)[2][4]) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint32_t sa = scale_pair(w.sa, i), sb = scale_pair(w.sb, i);
-    const uint4 b01 = *reinterpret_cast<const uint4*>(xp_tile + i * 32 + 8 * c);      // B of m = 0, 1
-    const uint4 b23 = *reinterpret_cast<const uint4*>(xp_tile + i * 32 + 8 * c + 4);  // B of m = 2, 3
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const uint4& bq = m < 2 ? b01 : b23;
-      mma_bf16(acc[m & 1], w2_pair(part(w.a0, m), i, sa), w2_pair(part(w.b0, m), i, sb),
-               w2_pair(part(w.a1, m), i, sa), w2_pair(part(w.b1, m), i, sb),
-               part(bq, 2 * (m & 1)), part(bq, 2 * (m & 1) + 1));
-    }
-  }
+  for (int q = threadIdx.x; q < units; q += blockDim.x) store_unit(xp, q, load_unit(a, q));
 }
 
 }  // namespace

@@ -7,10 +7,8 @@
 // output (block b -> expert, pair). K (= hidden) must be a multiple of 512, so every bit slot of a word
 // tile (WPS = 32 words) is exactly one 32-value scale block.
 //
-// Decode: slot pair i of a word (slots 2i, 2i+1) becomes one bf16x2 register in two instructions:
-// LOP3 (mask the pair's four bits where they lie) and LEA.HI (rotate left by 8 - 2i and add the pair's
-// scale bytes, placed in both exponent fields). The magnitude bit lands on exponent bit 1 and the sign on
-// bit 15/31, so the register is +-{1, 4} * 2^(byte - 127) for each half, exact.
+// Decode (slot pair -> bf16x2 in LOP3 + LEA.HI), tile loads, the K tile's mmas and the activation pair units:
+// w2_fragments.cuh, shared with w2_down.cu.
 //
 // MMA: one warp owns 8 output rows; mma.m16n8k16 rows 0..7 are their gate rows, rows 8..15 their up rows.
 // Lane (g = lane / 4, c = lane % 4) loads words 4c..4c+3 and 16+4c..16+4c+3 of each K tile of gate row g
@@ -27,6 +25,8 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 
+#include "w2_fragments.cuh"
+
 #ifndef W2_AHEAD
 #define W2_AHEAD 1  // K tiles whose loads are in flight while one is computed (build with -DW2_AHEAD=2: 2)
 #endif
@@ -37,99 +37,19 @@ constexpr int kAhead = W2_AHEAD;
 constexpr int kWarps = 4;
 constexpr int kRowsPerWarp = 8;                      // output rows per warp (the gate half of one m16 tile)
 constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;  // 32
-constexpr int kWps = 32;                             // words per bit slot
-constexpr int kTileK = 16 * kWps;                    // 512 K values per word tile
-constexpr int kPairWordsPerTile = 8 * kWps;          // 256 activation pairs per tile in shared memory
 
-struct Tile {   // one lane's share of one K tile
-  uint4 g0, g1;  // gate row words 4c..4c+3, 16+4c..16+4c+3
-  uint4 u0, u1;  // up row, same words
-  uint4 sg, su;  // the tile's 16 scale bytes of the gate row, of the up row
-};
-
-__device__ __forceinline__ uint32_t part(const uint4& v, int m) {
-  return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w;
-}
-
-// Scale bytes 2i and 2i+1 of a tile -> (byte 2i << 7) | (byte 2i+1 << 23): both bf16 exponent fields.
-__device__ __forceinline__ uint32_t scale_pair(const uint4& q, int i) {
-  return __byte_perm(part(q, i >> 1), 0u, (i & 1) ? 0x4342u : 0x4140u) << 7;
-}
-
-// Slot pair i of word w as bf16x2 (slot 2i low), scaled: mask, rotate by 8 - 2i, add the exponents.
-__device__ __forceinline__ uint32_t w2_pair(uint32_t w, int i, uint32_t scale) {
-  const uint32_t rot = (8u - 2u * i) & 31u;
-  const uint32_t mask = rot ? (0x81008100u >> rot) | (0x81008100u << (32u - rot)) : 0x81008100u;
-  const uint32_t m = w & mask;
-  return __funnelshift_l(m, m, rot) + scale;
-}
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// gate/up: the rows' words as uint4 [words_per_row / 4]; gs/us: their scales as uint4 [blocks_per_row / 16].
-__device__ __forceinline__ Tile load_tile(const uint4* gate, const uint4* up, const uint4* gs, const uint4* us,
-                                          int t, int c) {
-  Tile r;
-  r.g0 = __ldg(gate + 8 * t + c);
-  r.g1 = __ldg(gate + 8 * t + 4 + c);
-  r.u0 = __ldg(up + 8 * t + c);
-  r.u1 = __ldg(up + 8 * t + 4 + c);
-  r.sg = __ldg(gs + t);
-  r.su = __ldg(us + t);
-  return r;
-}
-
-// x: bf16 bits [H] -> xp [H / 2], ordered as the lanes read B: for tile t, slot pair i, lane column c,
-// mma m: xp[t*256 + i*32 + 8c + 2m + h] = pair of word u = 16h + 4c + m, where the pair of word u is
-// x[t*512 + 64i + u] | x[t*512 + 64i + 32 + u] << 16 (slots 2i, 2i+1). One LDS.128 then holds two mmas' B.
+// x: bf16 bits [H] -> xp [H / 2], ordered as the lanes read B (w2_fragments.cuh: `load_unit`, `store_unit`).
 __device__ void build_pairs(const uint16_t* __restrict__ x, uint32_t* xp, int hidden) {
   constexpr int kUnroll = 4;  // units per thread per round: all their loads are issued before any store
   const int units = hidden / 16;  // unit q = (t * 8 + i) * 4 + c: 8 pairs
   for (int q0 = threadIdx.x; q0 < units; q0 += kUnroll * blockDim.x) {
-    uint2 la[kUnroll], lb[kUnroll], ha[kUnroll], hb[kUnroll];
+    Unit u[kUnroll];
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int q = min(q0 + j * static_cast<int>(blockDim.x), units - 1);
-      const int k = (q >> 5) * kTileK + ((q >> 2) & 7) * 64 + 4 * (q & 3);
-      la[j] = *reinterpret_cast<const uint2*>(x + k);       // slot 2i, words 4c..4c+3
-      lb[j] = *reinterpret_cast<const uint2*>(x + k + 16);  // slot 2i, words 16+4c..
-      ha[j] = *reinterpret_cast<const uint2*>(x + k + 32);  // slot 2i+1, words 4c..
-      hb[j] = *reinterpret_cast<const uint2*>(x + k + 48);  // slot 2i+1, words 16+4c..
-    }
+    for (int j = 0; j < kUnroll; ++j) u[j] = load_unit(x, min(q0 + j * static_cast<int>(blockDim.x), units - 1));
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
       const int q = q0 + j * static_cast<int>(blockDim.x);
-      if (q < units) {
-        uint4 p, r;
-        p.x = __byte_perm(la[j].x, ha[j].x, 0x5410); p.y = __byte_perm(lb[j].x, hb[j].x, 0x5410);  // m 0, h 0/1
-        p.z = __byte_perm(la[j].x, ha[j].x, 0x7632); p.w = __byte_perm(lb[j].x, hb[j].x, 0x7632);  // m 1
-        r.x = __byte_perm(la[j].y, ha[j].y, 0x5410); r.y = __byte_perm(lb[j].y, hb[j].y, 0x5410);  // m 2
-        r.z = __byte_perm(la[j].y, ha[j].y, 0x7632); r.w = __byte_perm(lb[j].y, hb[j].y, 0x7632);  // m 3
-        *reinterpret_cast<uint4*>(xp + q * 8) = p;
-        *reinterpret_cast<uint4*>(xp + q * 8 + 4) = r;
-      }
-    }
-  }
-}
-
-// One K tile: 8 slot pairs x 4 words = 32 mmas (16 rows x 16 K each).
-__device__ __forceinline__ void tile_mma(const Tile& w, const uint32_t* xp_tile, int c, float (&acc)[2][4]) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint32_t sg = scale_pair(w.sg, i), su = scale_pair(w.su, i);
-    const uint4 b01 = *reinterpret_cast<const uint4*>(xp_tile + i * 32 + 8 * c);      // B of m = 0, 1
-    const uint4 b23 = *reinterpret_cast<const uint4*>(xp_tile + i * 32 + 8 * c + 4);  // B of m = 2, 3
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const uint4& bq = m < 2 ? b01 : b23;
-      mma_bf16(acc[m & 1], w2_pair(part(w.g0, m), i, sg), w2_pair(part(w.u0, m), i, su),
-               w2_pair(part(w.g1, m), i, sg), w2_pair(part(w.u1, m), i, su),
-               part(bq, 2 * (m & 1)), part(bq, 2 * (m & 1) + 1));
+      if (q < units) store_unit(xp, q, u[j]);
     }
   }
 }

@@ -1,0 +1,116 @@
+// Device code shared by w2_gate_up.cu and w2_down.cu: the W2 word tile (WPS = 32 words per bit slot, 512 K
+// values, each bit slot one 32-value scale block), the decode of a word's slot pairs into bf16x2, the
+// 16-byte tile loads of one lane and the 32 mma.m16n8k16 of one K tile.
+//
+// Decode: slot pair i of a word (slots 2i, 2i+1) becomes one bf16x2 register in two instructions:
+// LOP3 (mask the pair's four bits where they lie) and LEA.HI (rotate left by 8 - 2i and add the pair's
+// scale bytes, placed in both exponent fields). The magnitude bit lands on exponent bit 1 and the sign on
+// bit 15/31, so the register is +-{1, 4} * 2^(byte - 127) for each half, exact.
+//
+// Fragments: a warp's mma A tile is two 8-row halves, `a` (A rows 0..7) and `b` (rows 8..15); lane
+// (g = lane / 4, c = lane % 4) loads words 4c..4c+3 and 16+4c..16+4c+3 of each K tile of row g of each half
+// (16-byte loads). A register a0 (row g) / a1 (row g+8) carries word 4c+m, a2 / a3 word 16+4c+m, slot pair i;
+// B carries the matching activation pairs (`build_pairs` in each .cu: xp[t*256 + i*32 + 8c + 2m + h] = pair
+// of word 16h + 4c + m), the same in all eight columns, so all columns of D are equal.
+
+#pragma once
+
+#include <cstdint>
+
+namespace {
+
+constexpr int kWps = 32;                     // words per bit slot
+constexpr int kTileK = 16 * kWps;            // 512 K values per word tile
+constexpr int kPairWordsPerTile = 8 * kWps;  // 256 activation pairs per tile in shared memory
+
+struct Tile {    // one lane's share of one K tile
+  uint4 a0, a1;  // A rows 0..7 (row g): words 4c..4c+3, 16+4c..16+4c+3
+  uint4 b0, b1;  // A rows 8..15 (row g of the second half), same words
+  uint4 sa, sb;  // the tile's 16 scale bytes of each of the two rows
+};
+
+__device__ __forceinline__ uint32_t part(const uint4& v, int m) {
+  return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w;
+}
+
+// Scale bytes 2i and 2i+1 of a tile -> (byte 2i << 7) | (byte 2i+1 << 23): both bf16 exponent fields.
+__device__ __forceinline__ uint32_t scale_pair(const uint4& q, int i) {
+  return __byte_perm(part(q, i >> 1), 0u, (i & 1) ? 0x4342u : 0x4140u) << 7;
+}
+
+// Slot pair i of word w as bf16x2 (slot 2i low), scaled: mask, rotate by 8 - 2i, add the exponents.
+__device__ __forceinline__ uint32_t w2_pair(uint32_t w, int i, uint32_t scale) {
+  const uint32_t rot = (8u - 2u * i) & 31u;
+  const uint32_t mask = rot ? (0x81008100u >> rot) | (0x81008100u << (32u - rot)) : 0x81008100u;
+  const uint32_t m = w & mask;
+  return __funnelshift_l(m, m, rot) + scale;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// ra / rb: the two rows' words as uint4 [words_per_row / 4]; sa / sb: their scales as uint4 [blocks_per_row / 16].
+__device__ __forceinline__ Tile load_tile(const uint4* ra, const uint4* rb, const uint4* sa, const uint4* sb,
+                                          int t, int c) {
+  Tile r;
+  r.a0 = __ldg(ra + 8 * t + c);
+  r.a1 = __ldg(ra + 8 * t + 4 + c);
+  r.b0 = __ldg(rb + 8 * t + c);
+  r.b1 = __ldg(rb + 8 * t + 4 + c);
+  r.sa = __ldg(sa + t);
+  r.sb = __ldg(sb + t);
+  return r;
+}
+
+// build_pairs (in each .cu) turns an activation row a [K] bf16 into xp [K / 2] in B register order, in units
+// of 8 pairs: unit q = (t * 8 + i) * 4 + c is xp[8q .. 8q+7], the pairs of words 4c..4c+3 and 16+4c..16+4c+3
+// of slot pair i of tile t, where the pair of word u is a[t*512 + 64i + u] | a[t*512 + 64i + 32 + u] << 16.
+struct Unit {       // one unit's 16 activations
+  uint2 la, lb;     // slot 2i: words 4c..4c+3, 16+4c..16+4c+3
+  uint2 ha, hb;     // slot 2i+1: same words
+};
+
+__device__ __forceinline__ Unit load_unit(const uint16_t* __restrict__ a, int q) {
+  const int k = (q >> 5) * kTileK + ((q >> 2) & 7) * 64 + 4 * (q & 3);
+  Unit u;
+  u.la = *reinterpret_cast<const uint2*>(a + k);
+  u.lb = *reinterpret_cast<const uint2*>(a + k + 16);
+  u.ha = *reinterpret_cast<const uint2*>(a + k + 32);
+  u.hb = *reinterpret_cast<const uint2*>(a + k + 48);
+  return u;
+}
+
+// Unit q's pairs into xp[8q .. 8q+7]: xp[8q + 2m + h] = pair of word 16h + 4c + m. One LDS.128 then holds two
+// mmas' B (`tile_mma`).
+__device__ __forceinline__ void store_unit(uint32_t* xp, int q, const Unit& u) {
+  uint4 p, r;
+  p.x = __byte_perm(u.la.x, u.ha.x, 0x5410); p.y = __byte_perm(u.lb.x, u.hb.x, 0x5410);  // m 0, h 0/1
+  p.z = __byte_perm(u.la.x, u.ha.x, 0x7632); p.w = __byte_perm(u.lb.x, u.hb.x, 0x7632);  // m 1
+  r.x = __byte_perm(u.la.y, u.ha.y, 0x5410); r.y = __byte_perm(u.lb.y, u.hb.y, 0x5410);  // m 2
+  r.z = __byte_perm(u.la.y, u.ha.y, 0x7632); r.w = __byte_perm(u.lb.y, u.hb.y, 0x7632);  // m 3
+  *reinterpret_cast<uint4*>(xp + q * 8) = p;
+  *reinterpret_cast<uint4*>(xp + q * 8 + 4) = r;
+}
+
+// One K tile: 8 slot pairs x 4 words = 32 mmas (16 rows x 16 K each).
+__device__ __forceinline__ void tile_mma(const Tile& w, const uint32_t* xp_tile, int c, float (&acc)[2][4]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t sa = scale_pair(w.sa, i), sb = scale_pair(w.sb, i);
+    const uint4 b01 = *reinterpret_cast<const uint4*>(xp_tile + i * 32 + 8 * c);      // B of m = 0, 1
+    const uint4 b23 = *reinterpret_cast<const uint4*>(xp_tile + i * 32 + 8 * c + 4);  // B of m = 2, 3
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const uint4& bq = m < 2 ? b01 : b23;
+      mma_bf16(acc[m & 1], w2_pair(part(w.a0, m), i, sa), w2_pair(part(w.b0, m), i, sb),
+               w2_pair(part(w.a1, m), i, sa), w2_pair(part(w.b1, m), i, sb),
+               part(bq, 2 * (m & 1)), part(bq, 2 * (m & 1) + 1));
+    }
+  }
+}
+
+}  // namespace
