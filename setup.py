@@ -20,5 +20,5 @@ def _packages_under(import_name: str, folder: str) -> list[str]:
 setup(
     packages=[p for name, folder in SOURCE_ROOTS.items() for p in _packages_under(name, folder)],
     package_dir=SOURCE_ROOTS,
-    package_data={"tierstore.kernels.cuda": ["*.cu"]},  # the CUDA C++ sources nvcc builds at run time
+    package_data={"tierstore.kernels.cuda": ["*.cu", "*.cuh"]},  # the CUDA C++ sources and header nvcc builds at run time
 )
