@@ -66,6 +66,10 @@ def scale_from_bytes(byte, EXP_OFFSET: tl.constexpr):
     return ((byte.to(tl.int32) + EXP_OFFSET) << 23).to(tl.float32, bitcast=True)
 
 
+# Shared epilogue of the word-dot PTX: the bf16x2 sum `acc` -> $0 = low + high as float32, block closed.
+_BF16X2_SUM_TO_F32 = ["shl.b32 lo, acc, 16;", "and.b32 hi, acc, 0xffff0000;", "add.f32 $0, lo, hi;", "}"]
+
+
 def _w2_word_dot_asm() -> str:
     """PTX for `w2_word_dot_bf16x2` (built once at import; GPU path only)."""
     lines = ["{", ".reg .b32 r, d, acc, lo, hi;"]
@@ -80,7 +84,7 @@ def _w2_word_dot_asm() -> str:
             lines.append("mul.rn.bf16x2 acc, d, $2;")
         else:
             lines.append(f"fma.rn.bf16x2 acc, d, ${2 + i}, acc;")
-    lines += ["shl.b32 lo, acc, 16;", "and.b32 hi, acc, 0xffff0000;", "add.f32 $0, lo, hi;", "}"]
+    lines += _BF16X2_SUM_TO_F32
     return "\n".join(lines)
 
 
@@ -194,7 +198,7 @@ def _fp4_word_dot_asm() -> str:
             lines.append("mul.rn.bf16x2 acc, p0, $2;")
         else:
             lines.append(f"fma.rn.bf16x2 acc, p{i}, ${2 + i}, acc;")
-    lines += ["shl.b32 lo, acc, 16;", "and.b32 hi, acc, 0xffff0000;", "add.f32 $0, lo, hi;", "}"]
+    lines += _BF16X2_SUM_TO_F32
     return "\n".join(lines)
 
 

@@ -32,6 +32,24 @@ def _decode(words, SLOT: tl.constexpr, IS_W2: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_offsets(rows, u, words_per_row, up_row_offset):
+    """Word offsets [BN, WPS] of lanes u in the gate rows `rows` and in their up rows (rows + up_row_offset)."""
+    gate_rows = rows[:, None] * words_per_row + u[None, :]
+    up_rows = (rows[:, None] + up_row_offset) * words_per_row + u[None, :]
+    return gate_rows, up_rows
+
+
+@triton.jit
+def _gate_up_words(words_ptr, gate_rows, up_rows, off, mask, GATED: tl.constexpr):
+    """One K tile's words [BN, WPS] int32 at word offset `off`: gate, and up when GATED (else the gate words again)."""
+    w_g = tl.load(words_ptr + gate_rows + off, mask=mask, other=0)
+    w_u = w_g
+    if GATED:
+        w_u = tl.load(words_ptr + up_rows + off, mask=mask, other=0)
+    return w_g, w_u
+
+
+@triton.jit
 def _tier_tile(
     words_ptr, scales_ptr, rows, n_mask, a_ptr, a_rows, stride_a, K, num_blocks_k, words_per_row, blocks_per_row,
     up_row_offset,
@@ -43,14 +61,11 @@ def _tier_tile(
     SLOTS_PER_BLOCK: tl.constexpr = 32 // WPS
     TILE_K: tl.constexpr = VPW * WPS
     u = tl.arange(0, WPS)
-    gate_rows = rows[:, None] * words_per_row + u[None, :]  # [BN, WPS]
-    up_rows = (rows[:, None] + up_row_offset) * words_per_row + u[None, :]
+    gate_rows, up_rows = _gate_up_offsets(rows, u, words_per_row, up_row_offset)  # [BN, WPS]
     acc_g = tl.zeros([BN, BT], tl.float32)
     acc_u = tl.zeros([BN, BT], tl.float32)
     for t in range(0, words_per_row // WPS):
-        w_g = tl.load(words_ptr + gate_rows + t * WPS, mask=n_mask[:, None], other=0)  # [BN, WPS] int32
-        if GATED:
-            w_u = tl.load(words_ptr + up_rows + t * WPS, mask=n_mask[:, None], other=0)
+        w_g, w_u = _gate_up_words(words_ptr, gate_rows, up_rows, t * WPS, n_mask[:, None], GATED)  # [BN, WPS] int32
         for j in tl.static_range(VPW):
             k = t * TILE_K + j * WPS + u  # [WPS]
             a_t = tl.load(a_ptr + a_rows[None, :] * stride_a + k[:, None], mask=(k < K)[:, None], other=0.0)  # [WPS, BT]
@@ -90,14 +105,11 @@ def _tier_tile_fma(
     SLOTS_PER_BLOCK: tl.constexpr = 32 // WPS
     TILE_K: tl.constexpr = VPW * WPS
     u = tl.arange(0, WPS)
-    gate_rows = rows[:, None] * words_per_row + u[None, :]  # [BN, WPS]
-    up_rows = (rows[:, None] + up_row_offset) * words_per_row + u[None, :]
+    gate_rows, up_rows = _gate_up_offsets(rows, u, words_per_row, up_row_offset)  # [BN, WPS]
     acc_g = tl.zeros([BN, WPS], tl.float32)
     acc_u = tl.zeros([BN, WPS], tl.float32)
     for t in range(0, words_per_row // WPS):
-        w_g = tl.load(words_ptr + gate_rows + t * WPS, mask=n_mask[:, None], other=0)  # [BN, WPS] int32
-        if GATED:
-            w_u = tl.load(words_ptr + up_rows + t * WPS, mask=n_mask[:, None], other=0)
+        w_g, w_u = _gate_up_words(words_ptr, gate_rows, up_rows, t * WPS, n_mask[:, None], GATED)  # [BN, WPS] int32
         for j in tl.static_range(VPW):
             k = t * TILE_K + j * WPS + u  # [WPS]
             x = tl.load(a_row_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]  # [1, WPS]
@@ -117,6 +129,27 @@ def _tier_tile_fma(
                 if GATED:
                     acc_u += decode_fp4_slot(w_u, j) * tl.where(live, scale_from_bytes(s_u, 14), 0.0)[:, None] * x
     return tl.sum(acc_g, axis=1)[:, None], tl.sum(acc_u, axis=1)[:, None]
+
+
+@triton.jit
+def _prefetch_start(words_ptr, rows, n_mask, words_per_row, up_row_offset, GATED: tl.constexpr, WPS: tl.constexpr,
+                    BN: tl.constexpr):
+    """Set-up of a BT = 1 K loop that prefetches (`_next_tile_words`): lanes u, gate / up word offsets [BN, WPS],
+    zero float32 accumulators [BN, WPS] (gate, up), the tile count and tile 0's words."""
+    u = tl.arange(0, WPS)
+    gate_rows, up_rows = _gate_up_offsets(rows, u, words_per_row, up_row_offset)
+    acc_g = tl.zeros([BN, WPS], tl.float32)
+    acc_u = tl.zeros([BN, WPS], tl.float32)
+    tiles = words_per_row // WPS
+    w_g, w_u = _gate_up_words(words_ptr, gate_rows, up_rows, 0, n_mask[:, None], GATED)
+    return u, gate_rows, up_rows, acc_g, acc_u, tiles, w_g, w_u
+
+
+@triton.jit
+def _next_tile_words(words_ptr, gate_rows, up_rows, n_mask, t, tiles, GATED: tl.constexpr, WPS: tl.constexpr):
+    """Tile t + 1's gate / up words (zeros past the last tile), loaded before tile t is decoded."""
+    more = n_mask[:, None] & (t + 1 < tiles)
+    return _gate_up_words(words_ptr, gate_rows, up_rows, (t + 1) * WPS, more, GATED)
 
 
 @triton.jit
@@ -170,22 +203,10 @@ def _w2_tile_bf16x2(
     loaded before the current one is decoded (two tiles in flight per thread).
     """
     TILE_K: tl.constexpr = 16 * WPS
-    u = tl.arange(0, WPS)
-    gate_rows = rows[:, None] * words_per_row + u[None, :]  # [BN, WPS]
-    up_rows = (rows[:, None] + up_row_offset) * words_per_row + u[None, :]
-    acc_g = tl.zeros([BN, WPS], tl.float32)
-    acc_u = tl.zeros([BN, WPS], tl.float32)
-    tiles = words_per_row // WPS
-    w_g = tl.load(words_ptr + gate_rows, mask=n_mask[:, None], other=0)
-    w_u = w_g
-    if GATED:
-        w_u = tl.load(words_ptr + up_rows, mask=n_mask[:, None], other=0)
+    u, gate_rows, up_rows, acc_g, acc_u, tiles, w_g, w_u = _prefetch_start(
+        words_ptr, rows, n_mask, words_per_row, up_row_offset, GATED, WPS, BN)
     for t in range(0, tiles):
-        more = n_mask[:, None] & (t + 1 < tiles)
-        w_g_next = tl.load(words_ptr + gate_rows + (t + 1) * WPS, mask=more, other=0)
-        w_u_next = w_g_next
-        if GATED:
-            w_u_next = tl.load(words_ptr + up_rows + (t + 1) * WPS, mask=more, other=0)
+        w_g_next, w_u_next = _next_tile_words(words_ptr, gate_rows, up_rows, n_mask, t, tiles, GATED, WPS)
         k0 = t * TILE_K + u
         x0, x1, x2, x3, x4, x5, x6, x7 = _x_pairs(a_row_ptr, k0, K, WPS)
         g0, g1, g2, g3, g4, g5, g6, g7 = _scale_pairs(scales_ptr, rows, n_mask, blocks_per_row, t, WPS)
@@ -224,22 +245,10 @@ def _fp4_tile_bf16x2(
     one or two word loads per row and tile; next tile's words prefetched (as `_w2_tile_bf16x2`).
     """
     TILE_K: tl.constexpr = 8 * WPS
-    u = tl.arange(0, WPS)
-    gate_rows = rows[:, None] * words_per_row + u[None, :]  # [BN, WPS]
-    up_rows = (rows[:, None] + up_row_offset) * words_per_row + u[None, :]
-    acc_g = tl.zeros([BN, WPS], tl.float32)
-    acc_u = tl.zeros([BN, WPS], tl.float32)
-    tiles = words_per_row // WPS
-    w_g = tl.load(words_ptr + gate_rows, mask=n_mask[:, None], other=0)
-    w_u = w_g
-    if GATED:
-        w_u = tl.load(words_ptr + up_rows, mask=n_mask[:, None], other=0)
+    u, gate_rows, up_rows, acc_g, acc_u, tiles, w_g, w_u = _prefetch_start(
+        words_ptr, rows, n_mask, words_per_row, up_row_offset, GATED, WPS, BN)
     for t in range(0, tiles):
-        more = n_mask[:, None] & (t + 1 < tiles)
-        w_g_next = tl.load(words_ptr + gate_rows + (t + 1) * WPS, mask=more, other=0)
-        w_u_next = w_g_next
-        if GATED:
-            w_u_next = tl.load(words_ptr + up_rows + (t + 1) * WPS, mask=more, other=0)
+        w_g_next, w_u_next = _next_tile_words(words_ptr, gate_rows, up_rows, n_mask, t, tiles, GATED, WPS)
         k0 = t * TILE_K + u
         x0, x1, x2, x3 = _x_pairs4(a_row_ptr, k0, K, WPS)
         q0, q1 = _fp4_scale_words(scales_ptr, rows, n_mask, blocks_per_row, t, WPS)
@@ -294,8 +303,7 @@ def _fp4_tile_pairs(
     a product or sum falls below float32's normal range."""
     TILE_K: tl.constexpr = 8 * WPS
     u = tl.arange(0, WPS)
-    gate_rows = rows[:, None] * words_per_row + u[None, :]  # [BN, WPS]
-    up_rows = (rows[:, None] + up_row_offset) * words_per_row + u[None, :]
+    gate_rows, up_rows = _gate_up_offsets(rows, u, words_per_row, up_row_offset)  # [BN, WPS]
     acc_g = tl.zeros([BN, WPS], tl.float32)
     acc_u = tl.zeros([BN, WPS], tl.float32)
     for t in range(0, words_per_row // WPS):
