@@ -9,7 +9,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -114,6 +114,17 @@ case "$step" in
       --out "$work/gate_cost_signal_kernel.json"
     stage generate-quality-gate 60 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --fp4-pool-frac 0.5 --gate --gate-tau 0.6 --verify-fp4
+    ;;
+  layers)  # per-layer copy waits (config layer_waits) on and off, the CUDA W2 knob in the runtime (~6 min expected)
+    stage runtime-tests 150 python3 -m pytest tests/test_runtime_layer_waits.py tests/test_runtime_gpu.py \
+      tests/test_runtime_fetch_split.py tests/test_runtime_cuda_w2.py -m gpu -q
+    for round in 1 2; do
+      stage "replay-waits-$round" 150 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+        --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+        --compare-layer-waits --commit "$commit" --out "$work/replay_waits_$round.json"
+    done
+    stage generate-quality 50 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -94,6 +94,8 @@ def main() -> None:
                         help="a trace top-k below the preset's: the preset's shapes at the trace's top-k (trace) "
                              "or refuse; a larger one is always refused")
     parser.add_argument("--no-synthetic", action="store_true", help="replay the --trace files only")
+    parser.add_argument("--compare-layer-waits", action="store_true",
+                        help="also run the tiered steps with config layer_waits off (whole-fetch waits), side by side")
     parser.add_argument("--commit", help="commit of the tree (when it runs without .git)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "replay.json"))
     args = parser.parse_args()
@@ -101,7 +103,7 @@ def main() -> None:
     results: list[dict] = []
     head = {"provenance": provenance(args.commit), "method": {
         "steps": args.steps, "warmup": args.warmup, "layers": args.layers, "graph": not args.eager, "dtype": args.dtype,
-        "arena_preload": args.arena_preload, "traces": args.trace, "trace_layers": args.trace_layers,
+        "arena_preload": args.arena_preload, "compare_layer_waits": args.compare_layer_waits, "traces": args.trace, "trace_layers": args.trace_layers,
         "trace_top_k": args.trace_top_k, "synthetic": not args.no_synthetic,
         "floor": "plain all-resident steady step + steady arena-hit bytes / pinned H2D + arena-miss bytes / source read"}}
     if args.no_synthetic and not args.trace:
@@ -132,7 +134,8 @@ def main() -> None:
                     result = run_replay(run_geometry, lambda: open_synthetic_rows(spec, args.pack_dir), steps,
                                         pool_slots=pool, arena_slots=int(arena_gb * 2**30) // spec.stride,
                                         device=device, warmup=args.warmup, graph=not args.eager,
-                                        arena_preload=args.arena_preload, dtype=getattr(torch, args.dtype))
+                                        arena_preload=args.arena_preload, dtype=getattr(torch, args.dtype),
+                                        compare_layer_waits=args.compare_layer_waits)
                     result.update(preset=preset, workload=name, arena_gb=arena_gb, trace_mapping=mapping)
                     results.append(result)
                     Path(args.out).write_text(json.dumps({**head, "results": results}, indent=2))  # after every run
@@ -152,6 +155,12 @@ def main() -> None:
                           f"steady steps reading the pack {b.get('disk_steps', 0)} ({b.get('disk_step_ms', 0):.3f} ms "
                           f"vs {b.get('no_disk_step_ms', 0):.3f} ms), multi-replay steps {b.get('multi_replay_steps', 0)}",
                           flush=True)
+                    if "tiered_flipped" in runs:
+                        f = runs["tiered_flipped"]["steady"]
+                        print(f"  layer_waits {result['layer_waits']}: {t['steady']['step_ms']:.3f} ms vs flipped "
+                              f"{f['step_ms']:.3f} ms ({result['tiered_over_flipped']:.3f}x; flipped "
+                              f"{result['flipped_over_floor']:.2f}x the floor, tokens match resident: "
+                              f"{result['flipped_tokens_match_resident']})", flush=True)
                     split = b.get("fetch_step_median_ms")
                     if b.get("fetch_steps"):
                         print(f"  steady steps that fetched {b['fetch_steps']}, medians: step {split['ms']:.3f} ms, "

@@ -68,3 +68,17 @@ def test_a_warmup_past_the_end_leaves_an_empty_steady_window():
     tiered = result["runs"]["tiered"]
     assert tiered["cold"]["steps"] == 4 and tiered["cold"]["fetched_bytes"] > 0
     assert tiered["steady"]["steps"] == 0 and tiered["steady"]["fetched_bytes"] == 0
+
+
+def test_compare_layer_waits_adds_the_flipped_tiered_run(tmp_path):
+    g = toy_geometry()
+    spec = ensure_synthetic_pack(g, tmp_path)
+    steps = trace_steps(skewed_routing(g, 16), None, g.num_moe_layers, None)
+    result = run_replay(g, lambda: open_synthetic_rows(spec, tmp_path), steps, pool_slots=12, arena_slots=16,
+                        device="cpu", warmup=4, compare_layer_waits=True)
+    flipped, tiered = result["runs"]["tiered_flipped"], result["runs"]["tiered"]
+    assert result["layer_waits"] is True  # the default config
+    assert flipped["steady"]["steps"] == tiered["steady"]["steps"] == 12
+    assert flipped["steady"]["replay_rate"] > 0  # the same misses, the same protocol
+    assert result["flipped_tokens_match_resident"] and result["tokens_match_resident"]
+    assert result["tiered_over_flipped"] == pytest.approx(tiered["steady"]["step_ms"] / flipped["steady"]["step_ms"])

@@ -55,6 +55,11 @@ class RuntimeConfig:
     - `force_fp4_pool`: start with an FP4 pool below the gate's fire floor.
     - `gate_dump`: append one JSON line per fire to this file ("" = off).
 
+    - `layer_waits` (default on; CUDA): a replay after a fetch starts at once and each MoE layer waits on
+      the device only for its own layer's rows (`DevicePool` with `layer_waits`), so the early layers run
+      while the later layers' rows are still copied; off: the replay waits for the whole fetch first.
+      Same bytes either way (the same slots and kernels), only when each layer may start.
+
     Kernels:
 
     - `cuda_w2` (default off): the triton backend runs gate_up and down with the CUDA C++ W2 whole op
@@ -94,6 +99,7 @@ class RuntimeConfig:
     gate_budget: int = 64
     force_fp4_pool: bool = False
     gate_dump: str = ""
+    layer_waits: bool = True
     cuda_w2: bool = False
 
     def __post_init__(self) -> None:

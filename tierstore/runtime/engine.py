@@ -94,9 +94,11 @@ class TieredRuntime:
         shape = (geometry.num_moe_layers, geometry.num_experts)
         check_row_source(source, geometry, self.layout.slot_bytes, "base")
         check_working_set(geometry, pool_slots, self.layout.slot_bytes, self.config)
-        # overlap: a fetch returns with its copies in flight; the next pass waits for them on the device
+        # overlap: a fetch returns with its copies in flight; the next pass waits for them on the device, per
+        # layer with config layer_waits (each MoE layer waits for its own rows: `moe`)
         self.pool = DevicePool(min(pool_slots, geometry.total_routed_experts), self.layout.slot_bytes, *shape,
-                               self.device, get_policy(self.config.policy), overlap=True)
+                               self.device, get_policy(self.config.policy), overlap=True,
+                               layer_waits=self.config.layer_waits)
         # the pool's deferred hits reach its policy before each pass-log read, while the forward runs on the
         # device, not in a fetch after the sync; only where a fetch can evict and the device runs asynchronously
         self._early_hits = self.device.type == "cuda" and self.pool.num_slots < geometry.total_routed_experts
@@ -161,6 +163,7 @@ class TieredRuntime:
             if self.fp4 is not None and self.config.fp4_prefill:
                 self.fp4.force_promote(keys, keys, None, prefill=True)  # KV written at FP4 where the pool allows
             self.fetch(keys, keys, scan=True)
+        self.pool.wait_layer(layer)  # this layer's rows of the last fetch (the only readers of the pool are here)
         return self.experts(layer, hidden, topk_ids, topk_weights)
 
     def publish(self, values: torch.Tensor) -> None:

@@ -11,6 +11,15 @@ at once: the compute stream then waits for them on the device (an event), so not
 after `install` reads a slot before its bytes land, and the host rows and the staging tables
 must stay untouched until `wait()` (the next `install` waits first).
 
+With `layer_waits` (CUDA, implies `overlap`) the compute stream does not wait for a whole install:
+each layer's reader calls `wait_layer(layer)` first, a wait on that layer's event, which an install
+records after the new table and that layer's rows. The table goes first (one copy, final mapping),
+then the rows in layer order, so a replay launched right after `install` runs its early layers while
+the later layers' rows are still on the bus. The contract: every launch that reads the pool for a
+layer follows `wait_layer(layer)` on its stream (`TieredRuntime.moe` does it; a CUDA graph captures
+the waits as external event-wait nodes, so a replayed graph waits on the latest records). Layers an
+install leaves alone (no new row, no victim) keep their last, completed record.
+
 A background filler (the FP4 manager) can keep its copies out of the safe point: `reserve` takes
 slots (free ones, then victims, unmapped at once) that are then neither free nor mapped, so no
 install takes them and no kernel reads them; `write_reserved` copies rows into them on a stream of
@@ -42,7 +51,7 @@ Key = tuple[int, int]
 
 class DevicePool:
     def __init__(self, num_slots: int, slot_bytes: int, num_layers: int, num_experts: int,
-                 device: torch.device | str, policy: EvictionPolicy, overlap: bool = False):
+                 device: torch.device | str, policy: EvictionPolicy, overlap: bool = False, layer_waits: bool = False):
         if num_slots < 1:
             raise CapacityError(f"a device pool needs at least one slot, got {num_slots}")
         self.device = torch.device(device)
@@ -73,7 +82,13 @@ class DevicePool:
         # host staging of the table: [0] victims unmapped, [1] final; reused once the copies are done
         self._staged = [torch.empty(num_layers, num_experts, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._staged_ids = [t.numpy().reshape(-1) for t in self._staged]  # [L * E] views by key id
-        self.overlap = overlap
+        self.layer_waits = layer_waits and self._stream is not None
+        self.overlap = overlap or self.layer_waits
+        # per layer: the last install's rows of that layer (and the table) landed; recorded once here, because
+        # a wait on a never-recorded torch event is a no-op and would not be captured into a graph
+        self._layer_ready = [torch.cuda.Event(external=True) for _ in range(num_layers)] if self.layer_waits else None
+        for event in self._layer_ready or ():
+            event.record(torch.cuda.current_stream(self.device))
         # the last install's copies on the copy stream, timed on the device; in flight until wait()
         self._marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self._stream is not None else None
         self._in_flight = False
@@ -147,6 +162,12 @@ class DevicePool:
         self._policy.observe(ids.tolist())
         for key_id in hits.tolist():
             self._policy.on_access(key_id)
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the current stream wait until `layer`'s rows of the last install are in place (with
+        `layer_waits`; otherwise nothing to do: the stream already waits for whole installs)."""
+        if self._layer_ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._layer_ready[layer])
 
     # -- mutation -------------------------------------------------------------------------------
     def install(self, keys: Sequence[Key], rows: Sequence[torch.Tensor], exclude: Iterable[Key]) -> None:
@@ -304,11 +325,28 @@ class DevicePool:
         start, end = self._marks
         with torch.cuda.stream(self._stream):
             start.record()
-            self._copy(rows, slots, unmapped if victims else None, final)
+            if self.layer_waits:
+                self._copy_by_layer(rows, slots, ids, victims, final)
+            else:
+                self._copy(rows, slots, unmapped if victims else None, final)
             end.record()
-        if self.overlap:  # otherwise install waits on the host before anything else is launched
+        if self.overlap and not self.layer_waits:  # otherwise install waits on the host first
             compute.wait_event(end)
         self._in_flight = True
+
+    def _copy_by_layer(self, rows, slots: list[int], ids: list[int], victims: list[int], final: torch.Tensor) -> None:
+        """`layer_waits` order on the copy stream: the final table, the events of layers that only lost
+        victims, then each layer's rows followed by its event, in layer order."""
+        self.table.copy_(final, non_blocking=True)  # no reader of a touched layer runs before its event
+        experts = self.num_experts
+        by_layer: dict[int, list[int]] = {}
+        for index in sorted(range(len(ids)), key=ids.__getitem__):
+            by_layer.setdefault(ids[index] // experts, []).append(index)
+        for layer in sorted({victim // experts for victim in victims} - by_layer.keys()):
+            self._layer_ready[layer].record()
+        for layer, indices in sorted(by_layer.items()):
+            self._copy_rows([rows[i] for i in indices], [slots[i] for i in indices])
+            self._layer_ready[layer].record()
 
     def wait(self) -> None:
         """Block until the last install's copies are done (its host rows and the staging tables
@@ -372,6 +410,7 @@ class DevicePool:
     # -- invariants -----------------------------------------------------------------------------
     def check_coherent(self) -> None:
         """Raise AssertionError unless table == mirror == owners == policy (see module doc)."""
+        self.wait()  # the table copy of an install may still be in flight
         table = self.table.cpu().numpy()
         assert np.array_equal(table, self.mirror), "device slot table differs from its CPU mirror"
         mapped = np.argwhere(self.mirror >= 0)

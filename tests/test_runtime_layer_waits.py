@@ -1,0 +1,111 @@
+"""Per-layer copy waits (config `layer_waits`, CUDA): a replay launched while a fetch's rows are still
+on the bus must read each layer only after that layer's rows landed, eager and inside a CUDA graph.
+
+The rows of every install are held back on the copy stream by a sleep placed after the table copy and
+before the rows (the window in which a reader that does not wait sees the new mapping over stale
+bytes). With the waits, every step equals the all-resident run bit for bit; the negative control
+(the waits switched off, the whole-install wait too) must differ, so the test can fail.
+The CPU part checks the knob and that a CPU pool has nothing to wait on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_runtime_fixtures import ToyMoE, memory_source, toy_geometry
+
+from tierstore.runtime import RuntimeConfig, TieredRuntime
+from tierstore.runtime.pools import DevicePool
+
+STEPS = 12
+HOLD_CYCLES = 20_000_000  # ~10 ms at the H200's clock: far longer than a toy forward
+
+
+def test_layer_waits_is_a_config_knob_on_by_default():
+    assert RuntimeConfig().layer_waits is True
+    assert RuntimeConfig.from_env({"TIERSTORE_LAYER_WAITS": "0"}).layer_waits is False
+
+
+def test_a_cpu_pool_has_no_layer_events():
+    g = toy_geometry()
+    rt = TieredRuntime(g, memory_source(g), pool_slots=g.total_routed_experts, device="cpu",
+                       config=RuntimeConfig(kpi_every=0))
+    with rt:
+        assert not rt.pool.layer_waits
+        rt.pool.wait_layer(0)  # nothing to wait on: returns at once
+
+
+def _runtime(g, fraction, layer_waits):
+    return TieredRuntime(g, memory_source(g, 0), pool_slots=round(fraction * g.total_routed_experts), arena_slots=16,
+                         device="cuda", backend="triton", config=RuntimeConfig(kpi_every=0, layer_waits=layer_waits))
+
+
+def _hold_rows(pool: DevicePool) -> None:
+    """Delay every install's row copies (not its table copy) by a device sleep on the copy stream."""
+    copy_rows = pool._copy_rows
+
+    def held(rows, slots):
+        torch.cuda._sleep(HOLD_CYCLES)  # on the current stream: the pool's copy stream
+        copy_rows(rows, slots)
+
+    pool._copy_rows = held
+
+
+def _steps(small: TieredRuntime, model: ToyMoE, g, graph: bool) -> list[torch.Tensor]:
+    x = torch.zeros(1, g.hidden, device="cuda")
+    forward = lambda: model.forward(small, x)  # noqa: E731
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()  # compile and warm up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            out = model.forward(small, x)
+        forward = lambda: (cuda_graph.replay(), out)[1]  # noqa: E731
+    outputs = []
+    for step in range(STEPS):
+        x.copy_(torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)).cuda())
+        got, _ = small.step(forward, lambda: None)
+        outputs.append(got.clone())
+    return outputs
+
+
+def _resident_outputs(g, model) -> list[torch.Tensor]:
+    with _runtime(g, 1.0, True) as resident:
+        resident.preload()
+        return _steps(resident, model, g, graph=False)
+
+
+@pytest.fixture
+def case():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = toy_geometry(hidden=128, inter=64)
+    model = ToyMoE(g)
+    model.routers = model.routers.cuda()
+    return g, model, _resident_outputs(g, model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_replay_with_rows_held_back_equals_the_resident_run(case, graph):
+    g, model, want = case
+    with _runtime(g, 0.25, True) as small:
+        _hold_rows(small.pool)
+        got = _steps(small, model, g, graph)
+        assert small.stats().replayed_steps > 0
+        small.pool.check_coherent()
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step} differs from the all-resident run"
+
+
+@pytest.mark.gpu
+def test_negative_control_without_any_wait_reads_stale_rows(case):
+    g, model, want = case
+    with _runtime(g, 0.25, True) as small:
+        _hold_rows(small.pool)
+        small.pool.wait_layer = lambda layer: None  # with layer_waits nothing else makes the compute stream wait
+        got = _steps(small, model, g, graph=True)
+        torch.cuda.synchronize()
+    assert any(not torch.equal(a, b) for a, b in zip(got, want)), "no step read a stale row: the test cannot fail"
