@@ -147,14 +147,20 @@ def bf16_halves(p: int) -> tuple[float, float]:
     return as_f32((p & 0xFFFF) << 16), as_f32(p & 0xFFFF0000)
 
 
+def unit_pairs(x_bits: list[int], q: int) -> list[int]:
+    """`store_unit(load_unit(x, q))`: the 8 pairs of unit q, in the order they land at xp[8q ..]."""
+    ti, c = q >> 2, q & 3
+    k = (ti >> 3) * 512 + (ti & 7) * 64 + 4 * c
+    out = []
+    for m in range(4):
+        out += [x_bits[k + m] | (x_bits[k + 32 + m] << 16), x_bits[k + 16 + m] | (x_bits[k + 48 + m] << 16)]
+    return out
+
+
 def build_pairs(x_bits: list[int], k_len: int) -> list[int]:
     xp = [0] * (k_len // 2)
     for q in range(k_len // 16):
-        ti, c = q >> 2, q & 3
-        k = (ti >> 3) * 512 + (ti & 7) * 64 + 4 * c
-        for m in range(4):
-            xp[q * 8 + 2 * m] = x_bits[k + m] | (x_bits[k + 32 + m] << 16)
-            xp[q * 8 + 2 * m + 1] = x_bits[k + 16 + m] | (x_bits[k + 48 + m] << 16)
+        xp[q * 8: q * 8 + 8] = unit_pairs(x_bits, q)
     return xp
 
 

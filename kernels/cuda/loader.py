@@ -20,6 +20,7 @@ from pathlib import Path
 ARCH = "90a"
 _CU_FUNC_ATTRIBUTE = {"max_threads": 0, "shared_bytes": 1, "local_bytes": 3, "num_regs": 4}
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED = 8
+_CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_CARVEOUT = 9
 
 
 class CudaError(RuntimeError):
@@ -149,6 +150,18 @@ class Kernel:
     def allow_shared(self, nbytes: int) -> None:
         if nbytes > 48 * 1024:
             driver().check("cuFuncSetAttribute", self.function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED, nbytes)
+
+    def prefer_max_shared(self) -> None:
+        """Ask for the largest shared-memory carveout (a hint; the driver's default may size the carveout for
+        fewer resident blocks than a kernel with large dynamic shared memory could have)."""
+        driver().check("cuFuncSetAttribute", self.function, _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_CARVEOUT, 100)
+
+    def blocks_per_sm(self, threads: int, shared_bytes: int) -> int:
+        """The driver's occupancy: resident blocks per SM at this block size and dynamic shared memory."""
+        value = ctypes.c_int()
+        driver().check("cuOccupancyMaxActiveBlocksPerMultiprocessor", ctypes.byref(value), self.function, threads,
+                       ctypes.c_size_t(shared_bytes))
+        return value.value
 
     def launch(self, grid, block, shared_bytes: int, stream: int, kinds: str, values) -> None:
         params, _held = pack_args(kinds, values)

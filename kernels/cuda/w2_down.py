@@ -54,6 +54,11 @@ def _check_inputs(w2, fp4, ws, out, groups: int) -> None:
     check_geometry(w2.layout, groups)
     if ws.block_tokens != 1:
         raise ValueError(f"the CUDA down runs one pair per block (block_tokens 1), got {ws.block_tokens}")
+    check_tensors(w2, fp4, ws, out)
+
+
+def check_tensors(w2, fp4, ws, out) -> None:
+    """dtypes, shapes and strides of ws.act and `out` (shared with the multi-token kernel, w2_multi.py)."""
     if ws.act.dtype != torch.bfloat16 or not ws.act.is_cuda or ws.act.stride(1) != 1 or ws.act.stride(0) % 8:
         raise ValueError("act must be a bfloat16 CUDA tensor [P, I] with unit inner stride, 16-byte aligned rows")
     if out.dtype != torch.float32 or out.shape != ws.y.shape or out.stride(1) != 1:

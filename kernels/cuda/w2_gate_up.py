@@ -49,6 +49,11 @@ def _check_inputs(hidden, w2, fp4, ws, out) -> None:
     check_geometry(w2.layout)
     if ws.block_tokens != 1:
         raise ValueError(f"the CUDA gate_up runs one pair per block (block_tokens 1), got {ws.block_tokens}")
+    check_tensors(hidden, w2, fp4, ws, out)
+
+
+def check_tensors(hidden, w2, fp4, ws, out) -> None:
+    """dtypes, shapes and strides of the inputs and `out` (shared with the multi-token kernel, w2_multi.py)."""
     if hidden.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or not hidden.is_cuda:
         raise ValueError("hidden and out must be bfloat16 CUDA tensors")
     if hidden.shape[1] != w2.layout.hidden or hidden.stride(1) != 1 or hidden.stride(0) % 8:

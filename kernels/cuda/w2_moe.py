@@ -5,30 +5,43 @@
 two launches, no allocation, no host sync). Route and combine stay the Triton launches, so misses are counted
 once, by the route, and the combine reads y exactly as on the default path.
 
+The kernels follow the workspace's block size: block_tokens 1 runs the single-token kernels (one routed pair per
+CUDA block: w2_gate_up.cu, w2_down.cu); a multiple of 8 (16, 32, 64) runs the multi-token kernels (one expert's
+weights decoded once for up to 8 of its pairs: w2_multi.py). Same outputs per pair either way.
+
 Restriction: the Triton stages compute W2 and FP4 pairs in one launch (per block, by the expert's tier); they
 have no switch to leave W2 pairs out, and running them whole beside the CUDA kernels would do the W2 work twice.
 So this path computes no FP4 pair: use it for layers without FP4-resident experts. An FP4 pair that reaches it
 anyway gets NaN y rows (written by the down kernel), hence a NaN output row for its token, never stale data.
-Requires BT = 1, bfloat16, hidden a multiple of 512 (gate_up's K) and of 64 * groups, inter a multiple of 512.
+Requires bfloat16, hidden a multiple of 512 (gate_up's K) and of 64 * groups, inter a multiple of 512.
 """
 
 from __future__ import annotations
 
-from . import w2_down, w2_gate_up
+from . import w2_down, w2_gate_up, w2_multi
 from .w2_down import W2DownCuda
 from .w2_gate_up import W2GateUpCuda
+from .w2_multi import W2DownMultiCuda, W2GateUpMultiCuda
 
 
 class W2MoeCuda:
-    """gate_ahead: W2_AHEAD of the gate_up kernel (2: the measured faster one); down_ahead / down_groups: the
-    down kernel's (w2_down.py)."""
+    """gate_ahead: W2_AHEAD of both gate_up kernels (2: the measured faster one); down_ahead / down_groups: both
+    down kernels' (w2_down.py)."""
 
     def __init__(self, gate_ahead: int = 2, down_ahead: int = 2, down_groups: int = 1, device: int | None = None):
         self.gate_up = W2GateUpCuda(ahead=gate_ahead, device=device)
         self.down = W2DownCuda(ahead=down_ahead, groups=down_groups, device=device)
+        self.gate_up_multi = W2GateUpMultiCuda(ahead=gate_ahead, device=device)
+        self.down_multi = W2DownMultiCuda(ahead=down_ahead, groups=down_groups, device=device)
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None) -> None:
-        w2_gate_up._check_inputs(hidden, w2, fp4, ws, ws.act)  # both stages' inputs before either launches
-        w2_down._check_inputs(w2, fp4, ws, ws.y, self.down.groups)
-        self.gate_up(hidden, top_k, w2, fp4, layer, ws, swiglu_limit=swiglu_limit)
-        self.down(w2, fp4, layer, ws)
+        if ws.block_tokens == 1:
+            w2_gate_up._check_inputs(hidden, w2, fp4, ws, ws.act)  # both stages' inputs before either launches
+            w2_down._check_inputs(w2, fp4, ws, ws.y, self.down.groups)
+            gate_up, down = self.gate_up, self.down
+        else:
+            w2_multi.gate_check_inputs(hidden, w2, fp4, ws, ws.act)
+            w2_multi.down_check_inputs(w2, fp4, ws, ws.y, self.down.groups)
+            gate_up, down = self.gate_up_multi, self.down_multi
+        gate_up(hidden, top_k, w2, fp4, layer, ws, swiglu_limit=swiglu_limit)
+        down(w2, fp4, layer, ws)

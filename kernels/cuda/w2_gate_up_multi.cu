@@ -1,0 +1,93 @@
+// W2 gate_up stage, multi-token: one CUDA block = one expert's 64 output rows for up to 8 routed pairs of that
+// expert (a column group of a route block of block_tokens = 8, 16, 32 or 64 pairs; w2_multi.cuh), so the expert's
+// bytes are loaded and decoded once per row tile whatever its pair count.
+//
+//   act[pair, n] = SwiGLU(gate, up),  gate = W13_e[n] . x[token],  up = W13_e[n + I] . x[token]
+//
+// Same inputs as w2_gate_up.cu plus block_fill and block_tokens; the same loads, decode and tile_mma
+// (w2_fragments.cuh), with B column g = the activation pairs of the group's pair g instead of one pair replicated:
+// lane (g, c) finds gate in d0 / d1 and up in d2 / d3 of columns 2c / 2c + 1 and stores both of its pairs' act for
+// row n. Each column's arithmetic is the single-token kernel's (same A, same K order, same accumulators), so a
+// pair's bytes should not depend on which kernel ran it or on the other pairs of its group.
+//
+// 8 warps x 8 rows = 64 rows per block; shared memory 8 columns x (H / 2 + 4) words (114.8 KB at H = 7168), so 2
+// blocks (16 warps) per SM, the single-token kernel's 4 x 4 warps. FP4-resident experts' pairs: skipped. No
+// atomics, fixed order: repeats are byte-identical.
+
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#include "w2_multi.cuh"
+
+#ifndef W2_AHEAD
+#define W2_AHEAD 2  // K tiles whose loads are in flight while one is computed
+#endif
+
+namespace {
+
+constexpr int kAhead = W2_AHEAD;
+constexpr int kWarps = 8;
+constexpr int kRowsPerWarp = 8;                       // the gate half of one m16 tile
+constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;  // 64
+
+}  // namespace
+
+// Grid (route blocks x block_tokens / 8, I / 64), 256 threads; dynamic shared memory 8 * (2 * H + 16) bytes.
+extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) w2_gate_up_multi(
+    const uint16_t* __restrict__ x, long long stride_x,              // activations bf16 [T, H]
+    const uint8_t* __restrict__ slots, long long slot_bytes,         // W2 pool uint8 [S, slot_bytes]
+    long long words_off, long long scales_off, int words_per_row, int blocks_per_row,
+    const int* __restrict__ w2_table, const int* __restrict__ f4_table, int table_row,  // [layers * E]
+    const int* __restrict__ block_expert, const int* __restrict__ block_fill,           // route, BT = block_tokens
+    const int* __restrict__ block_pairs, const int* __restrict__ num_blocks, int block_tokens, int top_k,
+    __nv_bfloat16* __restrict__ act, long long stride_act, int inter, int hidden,       // act bf16 [P, I]
+    float limit, int has_limit) {
+  extern __shared__ uint4 smem[];
+  uint32_t* xp = reinterpret_cast<uint32_t*>(smem);  // [8][H / 2 + kPadWords] activation pairs
+  const ColumnGroup cg = column_group(block_fill, num_blocks, block_tokens);
+  if (cg.count <= 0) return;
+  const int expert = block_expert[cg.block];
+  if (f4_table[table_row + expert] >= 0) return;
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int n = blockIdx.y * kRowsPerBlock + (threadIdx.x >> 5) * kRowsPerWarp + g;  // output row
+  const int stride = hidden / 2 + kPadWords;
+  const uint32_t* xp_lane = xp + min(g, cg.count - 1) * stride;  // B column g
+
+  const uint8_t* base = slots + static_cast<long long>(w2_table[table_row + expert]) * slot_bytes;
+  const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 16;
+  const uint4* gate = reinterpret_cast<const uint4*>(base + words_off) + n * row_vecs;
+  const uint4* up = gate + inter * row_vecs;
+  const uint4* gs = reinterpret_cast<const uint4*>(base + scales_off) + n * scale_vecs;
+  const uint4* us = gs + inter * scale_vecs;
+  const int tiles = words_per_row / kWps;
+
+  Tile ring[kAhead + 1];  // tile t lives in ring[t % (kAhead + 1)]; loads past the last tile reload it
+#pragma unroll
+  for (int j = 0; j < kAhead; ++j) ring[j] = load_tile(gate, up, gs, us, min(j, tiles - 1), c);
+  build_pairs_multi(x, stride_x, block_pairs + cg.first, top_k, cg.count, xp, stride, hidden);
+  __syncthreads();
+
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  for (int t0 = 0; t0 < tiles; t0 += kAhead + 1) {
+#pragma unroll
+    for (int j = 0; j <= kAhead; ++j) {
+      const int t = t0 + j;
+      if (t < tiles) {
+        ring[(j + kAhead) % (kAhead + 1)] = load_tile(gate, up, gs, us, min(t + kAhead, tiles - 1), c);
+        tile_mma(ring[j], xp_lane + t * kPairWordsPerTile, c, acc);
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // columns 2c (d0 gate, d2 up) and 2c + 1 (d1, d3)
+    if (2 * c + h < cg.count) {
+      float gate_v = acc[0][h] + acc[1][h], up_v = acc[0][2 + h] + acc[1][2 + h];
+      if (has_limit) {
+        gate_v = fminf(gate_v, limit);
+        up_v = fminf(fmaxf(up_v, -limit), limit);
+      }
+      const int pair = block_pairs[cg.first + 2 * c + h];
+      act[pair * stride_act + n] = __float2bfloat16_rn(gate_v / (1.0f + __expf(-gate_v)) * up_v);
+    }
+  }
+}

@@ -1,0 +1,69 @@
+// Device code of the multi-token W2 kernels (w2_gate_up_multi.cu, w2_down_multi.cu): one CUDA block decodes one
+// expert's weight tile once for up to kCols = 8 routed pairs of that expert, one pair per mma column.
+//
+// Columns: the route (block_tokens BT, a multiple of 8) gives block b -> expert, its pairs block_pairs[b * BT ..]
+// and their count block_fill[b]. CUDA block x = b * (BT / 8) + z handles column group z: pairs 8z .. 8z + 7 of
+// route block b (blocks of one expert stay adjacent, so a group beyond the first reads the expert's bytes from L2).
+//
+// B: the mma.m16n8k16 B fragment of lane (g = lane / 4, c = lane % 4) is column g (PTX ISA), so lane (g, c) reads
+// the activation pairs of column g's pair (columns past the group's count read the last pair's: their D columns
+// are never stored). D: lane (g, c) holds columns 2c (d0: row g, d2: row g + 8) and 2c + 1 (d1, d3).
+//
+// Shared memory: column j's K / 2 pairs at xp + j * stride, stride = K / 2 + kPadWords. The pad makes
+// stride / 4 odd (K a multiple of 512), so the two columns of a quarter warp's LDS.128 (lanes 8q..8q+7:
+// g = 2q, 2q + 1) fall in different 16-byte bank groups: no bank conflict.
+
+#pragma once
+
+#include <cstdint>
+
+#include "w2_fragments.cuh"
+
+namespace {
+
+constexpr int kCols = 8;       // mma N: pairs per CUDA block
+constexpr int kPadWords = 4;   // per-column shared-memory pad (16 bytes)
+
+struct ColumnGroup {
+  int block;  // route block
+  int first;  // index of the group's first pair in block_pairs
+  int count;  // pairs in this group, <= kCols (<= 0: nothing to do)
+};
+
+__device__ __forceinline__ ColumnGroup column_group(const int* __restrict__ block_fill,
+                                                    const int* __restrict__ num_blocks, int block_tokens) {
+  const int groups = block_tokens / kCols;
+  ColumnGroup r;
+  r.block = blockIdx.x / groups;
+  const int z = blockIdx.x - r.block * groups;
+  r.first = r.block * block_tokens + z * kCols;
+  r.count = r.block < *num_blocks ? min(block_fill[r.block] - z * kCols, kCols) : 0;
+  return r;
+}
+
+// The activation rows of the group's pairs -> xp: column j = row a + (pairs[j] / divisor) * stride_a [k_len] bf16,
+// as pairs in B register order (w2_fragments.cuh `load_unit` / `store_unit`) at xp + j * stride.
+// divisor: top_k when the rows are tokens (gate_up's x), 1 when they are pairs (down's act).
+__device__ void build_pairs_multi(const uint16_t* __restrict__ a, long long stride_a, const int* __restrict__ pairs,
+                                  int divisor, int count, uint32_t* xp, int stride, int k_len) {
+  constexpr int kUnroll = 4;  // units per thread per round: all their loads are issued before any store
+  const int units = k_len / 16, total = count * units;
+  const int step = static_cast<int>(blockDim.x);
+  for (int q0 = threadIdx.x; q0 < total; q0 += kUnroll * step) {
+    Unit u[kUnroll];
+    int col[kUnroll], q[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int idx = min(q0 + j * step, total - 1);
+      col[j] = idx / units;
+      q[j] = idx - col[j] * units;
+      u[j] = load_unit(a + static_cast<long long>(pairs[col[j]] / divisor) * stride_a, q[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      if (q0 + j * step < total) store_unit(xp + col[j] * stride, q[j], u[j]);
+    }
+  }
+}
+
+}  // namespace

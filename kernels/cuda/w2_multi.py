@@ -1,0 +1,148 @@
+"""Multi-token CUDA C++ W2 stages (w2_gate_up_multi.cu, w2_down_multi.cu): one CUDA block decodes an expert's
+weight tile once for up to 8 routed pairs of that expert (the mma's 8 columns).
+
+They take a workspace routed with block_tokens a multiple of 8 (16, 32, 64; `MoeWorkspace.allocate(...,
+block_tokens=16)`): route block b's pairs are split into column groups of 8, one CUDA block each. Outputs are the
+single-token kernels' (w2_gate_up.py, w2_down.py), indexed by pair, so their references apply unchanged:
+`W2GateUpMultiCuda()(hidden, top_k, w2, fp4, layer, ws)` writes ws.act of the W2 pairs (FP4 and missing pairs
+untouched), `W2DownMultiCuda()(w2, fp4, layer, ws)` writes ws.y (FP4 pairs' rows NaN, missing pairs' untouched).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import loader, w2_down, w2_gate_up
+
+COLS = 8  # kCols in w2_multi.cuh: pairs per CUDA block (the mma's N)
+PAD_WORDS = 4  # kPadWords: per-column shared-memory pad
+GATE_SOURCE = Path(__file__).with_name("w2_gate_up_multi.cu")
+GATE_KERNEL = "w2_gate_up_multi"
+GATE_THREADS = 256
+GATE_ROWS_PER_BLOCK = 64  # 8 warps x 8 rows
+# x, stride_x, slots, slot_bytes, words_off, scales_off, words_per_row, blocks_per_row, w2_table, f4_table,
+# table_row, block_expert, block_fill, block_pairs, num_blocks, block_tokens, top_k, act, stride_act, inter, hidden,
+# limit, has_limit
+GATE_ARG_KINDS = "pqpqqqiippippppiipqiifi"
+DOWN_SOURCE = Path(__file__).with_name("w2_down_multi.cu")
+DOWN_KERNEL = "w2_down_multi"
+DOWN_THREADS = 128
+# act, stride_act, slots, slot_bytes, words_off, scales_off, words_per_row, blocks_per_row, w2_table, f4_table,
+# table_row, block_expert, block_fill, block_pairs, num_blocks, block_tokens, y, stride_y, inter
+DOWN_ARG_KINDS = "pqpqqqiippippppipqi"
+
+
+def shared_bytes(k_len: int) -> int:
+    """Dynamic shared memory of a block: COLS columns of k_len / 2 activation pairs plus the pad, 4 bytes each."""
+    return 4 * COLS * (k_len // 2 + PAD_WORDS)
+
+
+def grid_x(ws) -> int:
+    """CUDA blocks along x: every route block's column groups (ws.block_tokens / COLS each)."""
+    return ws.block_expert.numel() * (ws.block_tokens // COLS)
+
+
+def _check_block_tokens(ws) -> None:
+    if ws.block_tokens % COLS:
+        raise ValueError(f"the multi-token CUDA kernels need block_tokens a multiple of {COLS}, got {ws.block_tokens}")
+
+
+def gate_check_geometry(layout) -> None:
+    w2_gate_up.check_geometry(layout)
+    if layout.inter % GATE_ROWS_PER_BLOCK:
+        raise ValueError(f"inter must be a multiple of {GATE_ROWS_PER_BLOCK}, got {layout.inter}")
+
+
+def gate_launch_args(hidden, top_k, w2, fp4, layer: int, ws, out, swiglu_limit: float | None) -> list:
+    """The gate_up kernel's arguments in GATE_ARG_KINDS order (pointers as ints)."""
+    lay = w2.layout
+    m = lay.w13
+    return [hidden.data_ptr(), hidden.stride(0), w2.slots.data_ptr(), lay.slot_bytes, lay.w13_words_offset,
+            lay.w13_scales_offset, m.words_per_row, m.blocks_per_row, w2.table.data_ptr(), fp4.table.data_ptr(),
+            layer * w2.table.shape[1], ws.block_expert.data_ptr(), ws.block_fill.data_ptr(), ws.block_pairs.data_ptr(),
+            ws.num_blocks.data_ptr(), ws.block_tokens, top_k, out.data_ptr(), out.stride(0), lay.inter, lay.hidden,
+            0.0 if swiglu_limit is None else float(swiglu_limit), int(swiglu_limit is not None)]
+
+
+def down_launch_args(w2, fp4, layer: int, ws, out) -> list:
+    """The down kernel's arguments in DOWN_ARG_KINDS order (pointers as ints)."""
+    lay = w2.layout
+    m = lay.w2
+    return [ws.act.data_ptr(), ws.act.stride(0), w2.slots.data_ptr(), lay.slot_bytes, lay.w2_words_offset,
+            lay.w2_scales_offset, m.words_per_row, m.blocks_per_row, w2.table.data_ptr(), fp4.table.data_ptr(),
+            layer * w2.table.shape[1], ws.block_expert.data_ptr(), ws.block_fill.data_ptr(), ws.block_pairs.data_ptr(),
+            ws.num_blocks.data_ptr(), ws.block_tokens, out.data_ptr(), out.stride(0), lay.inter]
+
+
+def gate_check_inputs(hidden, w2, fp4, ws, out) -> None:
+    gate_check_geometry(w2.layout)
+    _check_block_tokens(ws)
+    w2_gate_up.check_tensors(hidden, w2, fp4, ws, out)
+
+
+def down_check_inputs(w2, fp4, ws, out, groups: int) -> None:
+    w2_down.check_geometry(w2.layout, groups)
+    _check_block_tokens(ws)
+    w2_down.check_tensors(w2, fp4, ws, out)
+
+
+class _Built:
+    threads = 0
+
+    def __init__(self, source: Path, kernel: str, defines: dict, device: int | None) -> None:
+        self.device = torch.cuda.current_device() if device is None else device
+        torch.cuda.init()
+        self.kernel = loader.load(loader.build(source, defines), kernel, self.device)
+        self.kernel.prefer_max_shared()  # gate_up: 2 blocks of 114.8 KB per SM at H = 7168
+
+    def attributes(self, k_len: int | None = None) -> dict:
+        """The kernel's attributes; with k_len (the stage's K) also the driver's resident blocks per SM."""
+        attrs = {name: self.kernel.attribute(name) for name in ("num_regs", "local_bytes", "shared_bytes", "max_threads")}
+        if k_len is not None:
+            self.kernel.allow_shared(shared_bytes(k_len))
+            attrs["blocks_per_sm"] = self.kernel.blocks_per_sm(self.threads, shared_bytes(k_len))
+        return attrs
+
+
+class W2GateUpMultiCuda(_Built):
+    """Builds (nvcc, cached) and loads w2_gate_up_multi once; each call launches it on the current stream.
+    ahead: W2_AHEAD (K tiles of weight loads in flight per lane)."""
+
+    threads = GATE_THREADS
+
+    def __init__(self, ahead: int = 2, device: int | None = None) -> None:
+        self.ahead = ahead
+        super().__init__(GATE_SOURCE, GATE_KERNEL, {"W2_AHEAD": ahead}, device)
+
+    def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, out=None, swiglu_limit: float | None = None):
+        out = ws.act if out is None else out
+        gate_check_inputs(hidden, w2, fp4, ws, out)
+        smem = shared_bytes(w2.layout.hidden)
+        self.kernel.allow_shared(smem)
+        self.kernel.launch((grid_x(ws), w2.layout.inter // GATE_ROWS_PER_BLOCK), (GATE_THREADS,), smem,
+                           torch.cuda.current_stream().cuda_stream, GATE_ARG_KINDS,
+                           gate_launch_args(hidden, top_k, w2, fp4, layer, ws, out, swiglu_limit))
+        return out
+
+
+class W2DownMultiCuda(_Built):
+    """Builds (nvcc, cached) and loads w2_down_multi once; each call launches it on the current stream.
+    ahead / groups: W2_AHEAD / W2_GROUPS as in `W2DownCuda` (rows per block 64 * groups)."""
+
+    threads = DOWN_THREADS
+
+    def __init__(self, ahead: int = 2, groups: int = 1, device: int | None = None) -> None:
+        self.ahead, self.groups = ahead, groups
+        super().__init__(DOWN_SOURCE, DOWN_KERNEL, {"W2_AHEAD": ahead, "W2_GROUPS": groups}, device)
+
+    def __call__(self, w2, fp4, layer: int, ws, out=None):
+        out = ws.y if out is None else out
+        down_check_inputs(w2, fp4, ws, out, self.groups)
+        smem = shared_bytes(w2.layout.inter)
+        self.kernel.allow_shared(smem)
+        self.kernel.launch((grid_x(ws), w2.layout.hidden // w2_down.rows_per_block(self.groups)), (DOWN_THREADS,),
+                           smem, torch.cuda.current_stream().cuda_stream, DOWN_ARG_KINDS,
+                           down_launch_args(w2, fp4, layer, ws, out))
+        return out

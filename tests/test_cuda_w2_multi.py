@@ -1,0 +1,436 @@
+"""kernels/cuda multi-token W2 stages (w2_gate_up_multi.cu, w2_down_multi.cu, w2_multi.py) and the whole op's choice
+by block size (W2MoeCuda).
+
+CPU: argument kinds against the kernel signatures and launch arguments, the kernels compiling without spills, and a
+numpy model that follows the .cu files over a real route output (block_tokens 16): CUDA block -> column group, the
+shared-memory columns with their pad, lane (g, c) reading column g's B and storing columns 2c / 2c + 1 from its D
+fragment; expert fills 1, 2, 3, 8, 11 (two column groups) and 17 (two route blocks), an FP4 and a missing expert;
+against float64 references. The model checks the index and bit arithmetic, not the hardware; the GPU tests run the
+kernels (outputs poisoned, repeats byte-identical, vs the references, the single-token kernels and Triton's route).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_cuda_w2 import _random_pool, _rows, _signature_kinds, bf16_halves, scale_pair, unit_pairs, w2_pair
+from tierstore.kernels import MissLog, MoeWorkspace, fp4_tier, moe_mm, moe_mm_ref, moe_route, w2_tier
+from tierstore.kernels.cuda import loader, w2_multi
+from tierstore.kernels.cuda.w2_down import w2_down_ref
+from tierstore.kernels.cuda.w2_gate_up import w2_gate_up_ref
+from tierstore.kernels.layout import unpack_matrix_ref
+
+EXPERTS, TOP_K, BT = 8, 2, 16
+FP4_EXPERT, MISSING_EXPERT = 6, 7
+M32 = 0xFFFFFFFF
+
+
+def _fill_ids() -> torch.Tensor:
+    """[22, 2] distinct experts per token: expert 0 has 17 pairs (two route blocks: 16 + 1), expert 1 11 (two column
+    groups: 8 + 3), expert 2 3, expert 3 8, expert 4 1, expert 5 2, FP4 expert 6 one pair, missing expert 7 one."""
+    first = [0] * 17 + [2] * 3 + [5] * 2
+    second = [1] * 11 + [3] * 8 + [4, FP4_EXPERT, MISSING_EXPERT]
+    return torch.tensor([first, second], dtype=torch.int32).T.contiguous()
+
+
+def _pools(hidden, inter, gen):
+    w2 = w2_tier(hidden, inter, EXPERTS, 1, EXPERTS, "cpu")
+    _random_pool(w2, gen)
+    w2.table[0] = torch.arange(EXPERTS, dtype=torch.int32)
+    w2.table[0, MISSING_EXPERT] = -1
+    f4 = fp4_tier(hidden, inter, 1, 1, EXPERTS, "cpu")
+    f4.table[0, FP4_EXPERT] = 0
+    return w2, f4
+
+
+def _routed(ids, w2, f4, block_tokens, device="cpu"):
+    tokens, top_k = ids.shape
+    ws = MoeWorkspace.allocate(tokens, top_k, EXPERTS, w2.layout.hidden, w2.layout.inter, torch.bfloat16, device,
+                               block_tokens=block_tokens)
+    moe_route(ids, w2, f4, 0, MissLog.allocate(4, device), ws)
+    return ws
+
+
+# ---- host side -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("source,kernel,kinds", [(w2_multi.GATE_SOURCE, w2_multi.GATE_KERNEL, w2_multi.GATE_ARG_KINDS),
+                                                 (w2_multi.DOWN_SOURCE, w2_multi.DOWN_KERNEL, w2_multi.DOWN_ARG_KINDS)])
+def test_arg_kinds_match_the_kernel_signatures(source, kernel, kinds):
+    assert _signature_kinds(source.read_text(), kernel) == kinds
+
+
+def test_launch_args_follow_the_arg_kinds():
+    w2, f4 = _pools(1024, 1024, torch.Generator().manual_seed(0))
+    ws = MoeWorkspace.allocate(3, TOP_K, EXPERTS, 1024, 1024, torch.bfloat16, "cpu", block_tokens=32)
+    x = torch.zeros(3, 1024, dtype=torch.bfloat16)
+    for kinds, args in ((w2_multi.GATE_ARG_KINDS, w2_multi.gate_launch_args(x, TOP_K, w2, f4, 0, ws, ws.act, 0.5)),
+                        (w2_multi.DOWN_ARG_KINDS, w2_multi.down_launch_args(w2, f4, 0, ws, ws.y))):
+        assert len(args) == len(kinds)
+        for kind, value in zip(kinds, args):
+            assert isinstance(value, float if kind == "f" else int)
+        assert args[kinds.index("pppp") + 1] == ws.block_fill.data_ptr()  # block_expert, block_fill, pairs, count
+        assert args[kinds.index("pppp") + 4] == 32  # block_tokens
+    assert w2_multi.grid_x(ws) == ws.block_expert.numel() * 4
+    assert w2_multi.shared_bytes(7168) == 8 * (2 * 7168 + 16)  # 114,816: two blocks fit an H200 SM (228 KB)
+
+
+def test_inputs_need_a_block_size_multiple_of_eight():
+    w2, f4 = _pools(1024, 1024, torch.Generator().manual_seed(0))
+    x = torch.zeros(1, 1024, dtype=torch.bfloat16)
+    for bt in (1, 12):  # 12 is not a route size the workspace allows; the check is the kernels' own
+        ws = dataclasses.replace(MoeWorkspace.allocate(1, TOP_K, EXPERTS, 1024, 1024, torch.bfloat16, "cpu",
+                                                       block_tokens=1), block_tokens=bt)
+        with pytest.raises(ValueError, match="multiple of 8"):
+            w2_multi.gate_check_inputs(x, w2, f4, ws, ws.act)
+        with pytest.raises(ValueError, match="multiple of 8"):
+            w2_multi.down_check_inputs(w2, f4, ws, ws.y, 1)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        w2_multi.gate_check_geometry(w2_tier(1024, 96, 1, 1, 1, "cpu").layout)
+
+
+@pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("source,defines", [(w2_multi.GATE_SOURCE, {"W2_AHEAD": 1}), (w2_multi.GATE_SOURCE, {"W2_AHEAD": 2}),
+                                            (w2_multi.DOWN_SOURCE, {"W2_AHEAD": 2, "W2_GROUPS": 1}),
+                                            (w2_multi.DOWN_SOURCE, {"W2_AHEAD": 2, "W2_GROUPS": 2})])
+def test_kernels_compile_without_spills(tmp_path, source, defines):
+    cmd = loader.nvcc_command(source, tmp_path / "k.cubin", "cubin", defines) + ["-Xptxas", "-v"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    regs = int(re.search(r"Used (\d+) registers", proc.stderr).group(1))
+    # gate_up: 256 threads x 2 blocks per SM; down: 128 threads x 4 blocks: both at most 128 registers
+    assert "0 bytes spill stores" in proc.stderr and regs <= 128
+
+
+# ---- numpy model of the multi-token kernels ----------------------------------------------------------------
+
+def _bits(v: torch.Tensor) -> list[int]:
+    return (v.view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
+
+
+def column_group(ws, x: int) -> tuple[int, int, int]:
+    """w2_multi.cuh `column_group`: CUDA block x -> (route block, first pair index, count)."""
+    groups = ws.block_tokens // w2_multi.COLS
+    b, z = divmod(x, groups)
+    count = min(int(ws.block_fill[b]) - z * w2_multi.COLS, w2_multi.COLS) if b < int(ws.num_blocks[0]) else 0
+    return b, b * ws.block_tokens + z * w2_multi.COLS, count
+
+
+def build_pairs_multi(rows: torch.Tensor, pairs: list[int], divisor: int, count: int, stride: int, k_len: int):
+    """w2_multi.cuh `build_pairs_multi`: flat unit index -> (column, unit); columns past `count` stay NaN pairs."""
+    xp = [0x7FC07FC0] * (w2_multi.COLS * stride)
+    units = k_len // 16
+    bits = {}
+    for idx in range(count * units):
+        col, q = divmod(idx, units)
+        row = pairs[col] // divisor
+        bits.setdefault(row, _bits(rows[row]))
+        xp[col * stride + q * 8: col * stride + q * 8 + 8] = unit_pairs(bits[row], q)
+    return xp
+
+
+def warp_mma_multi(lo, hi, lo_scales, hi_scales, xp, column_base, tiles) -> np.ndarray:
+    """One warp's K loop with B column g read at xp[column_base[g] + ...] (the lane's xp_lane); returns each lane's
+    D registers [32, 4] = (row g col 2c, row g col 2c + 1, row g + 8 col 2c, row g + 8 col 2c + 1), acc[0] + acc[1]."""
+    acc = np.zeros((2, 16, 8))
+    for t in range(tiles):
+        for i in range(8):
+            for mm in range(4):
+                a_mat, b_mat = np.zeros((16, 16)), np.zeros((16, 8))
+                for lane in range(32):
+                    g, c = lane >> 2, lane & 3
+                    sl, sh = scale_pair(lo_scales[g][4 * t: 4 * t + 4], i), scale_pair(hi_scales[g][4 * t: 4 * t + 4], i)
+                    a = (w2_pair(lo[g][32 * t + 4 * c + mm], i, sl), w2_pair(hi[g][32 * t + 4 * c + mm], i, sh),
+                         w2_pair(lo[g][32 * t + 16 + 4 * c + mm], i, sl), w2_pair(hi[g][32 * t + 16 + 4 * c + mm], i, sh))
+                    at = column_base[g] + t * 256 + i * 32 + 8 * c + 2 * mm
+                    for reg, (row, col) in enumerate(((g, 2 * c), (g + 8, 2 * c), (g, 2 * c + 8), (g + 8, 2 * c + 8))):
+                        a_mat[row, col: col + 2] = bf16_halves(a[reg])  # PTX ISA: A fragment of m16n8k16
+                    for reg in range(2):
+                        b_mat[2 * c + 8 * reg: 2 * c + 8 * reg + 2, g] = bf16_halves(xp[at + reg])  # B: column g
+                acc[mm & 1] += a_mat @ b_mat
+    d = acc[0] + acc[1]
+    return np.array([[d[g, 2 * c], d[g, 2 * c + 1], d[g + 8, 2 * c], d[g + 8, 2 * c + 1]]
+                     for g in range(8) for c in range(4)])
+
+
+def _blocks(ws, f4):
+    """The CUDA blocks along x that compute: (route block's expert, first pair index, count, pairs, FP4?)."""
+    for x in range(w2_multi.grid_x(ws)):
+        b, first, count = column_group(ws, x)
+        if count > 0:
+            expert = int(ws.block_expert[b])
+            pairs = ws.block_pairs[first: first + count].tolist()
+            yield expert, first, count, pairs, int(f4.table[0, expert]) >= 0
+
+
+def model_gate_up_multi(w2, f4, ws, x, top_k) -> np.ndarray:
+    """float64 [P, I], NaN where nothing is written: what w2_gate_up_multi stores (before bf16 rounding)."""
+    lay, inter = w2.layout, w2.layout.inter
+    out = np.full((ws.act.shape[0], inter), np.nan)
+    stride = lay.hidden // 2 + w2_multi.PAD_WORDS
+    for expert, _, count, pairs, fp4 in _blocks(ws, f4):
+        if fp4:
+            continue
+        words, scales = _rows(w2.slots[int(w2.table[0, expert])], lay, "w13")
+        xp = build_pairs_multi(x, pairs, top_k, count, stride, lay.hidden)
+        base = [min(g, count - 1) * stride for g in range(8)]
+        for n0 in range(0, inter, 8):  # block y, warp: gate rows n0 .. n0 + 7, up rows I + n0 ..
+            d = warp_mma_multi(words[n0: n0 + 8], words[inter + n0: inter + n0 + 8], scales[n0: n0 + 8],
+                               scales[inter + n0: inter + n0 + 8], xp, base, lay.w13.words_per_row // 32)
+            for lane in range(32):
+                g, c = lane >> 2, lane & 3
+                for h in range(2):
+                    if 2 * c + h < count:
+                        gate, up = d[lane, h], d[lane, 2 + h]
+                        out[pairs[2 * c + h], n0 + g] = gate / (1 + np.exp(-gate)) * up
+    return out
+
+
+def model_down_multi(w2, f4, ws, act) -> np.ndarray:
+    """float64 [P, H], NaN where nothing is written or the pair is FP4's: what w2_down_multi stores (groups 1)."""
+    lay = w2.layout
+    out = np.full((ws.y.shape[0], lay.hidden), np.inf)  # inf: not written
+    stride = lay.inter // 2 + w2_multi.PAD_WORDS
+    for expert, _, count, pairs, fp4 in _blocks(ws, f4):
+        if fp4:
+            out[pairs] = np.nan
+            continue
+        words, scales = _rows(w2.slots[int(w2.table[0, expert])], lay, "w2")
+        xp = build_pairs_multi(act, pairs, 1, count, stride, lay.inter)
+        base = [min(g, count - 1) * stride for g in range(8)]
+        for n0 in range(0, lay.hidden, 16):  # one warp's row group: rows n0 + g and n0 + g + 8
+            d = warp_mma_multi(words[n0: n0 + 8], words[n0 + 8: n0 + 16], scales[n0: n0 + 8], scales[n0 + 8: n0 + 16],
+                               xp, base, lay.w2.words_per_row // 32)
+            for lane in range(32):
+                g, c = lane >> 2, lane & 3
+                for h in range(2):
+                    if 2 * c + h < count:
+                        out[pairs[2 * c + h], n0 + g] = d[lane, h]
+                        out[pairs[2 * c + h], n0 + g + 8] = d[lane, 2 + h]
+    return out
+
+
+def test_the_fill_case_routes_as_intended():
+    w2, f4 = _pools(512, 64, torch.Generator().manual_seed(1))
+    ws = _routed(_fill_ids(), w2, f4, BT)
+    fills = {}
+    for b in range(int(ws.num_blocks[0])):
+        fills.setdefault(int(ws.block_expert[b]), []).append(int(ws.block_fill[b]))
+    assert fills == {0: [16, 1], 1: [11], 2: [3], 3: [8], 4: [1], 5: [2], FP4_EXPERT: [1]}
+    counts = sorted(count for _, _, count, _, _ in _blocks(ws, f4))
+    assert counts == [1, 1, 1, 2, 3, 3, 8, 8, 8, 8]  # expert 0: 8 + 8 + 1, expert 1: 8 + 3
+
+
+def test_model_of_the_gate_up_kernel_matches_the_reference():
+    gen = torch.Generator().manual_seed(2)
+    w2, f4 = _pools(512, 64, gen)
+    ids = _fill_ids()
+    x = torch.randn(ids.shape[0], 512, generator=gen).to(torch.bfloat16)
+    got = model_gate_up_multi(w2, f4, _routed(ids, w2, f4, BT), x, TOP_K)
+    for p, e in enumerate(ids.reshape(-1).tolist()):
+        if e in (FP4_EXPERT, MISSING_EXPERT):
+            assert np.isnan(got[p]).all()  # skipped: left untouched
+            continue
+        gate, up = (unpack_matrix_ref(w2.slots[e], w2.layout, "w13").double() @ x[p // TOP_K].double()).chunk(2)
+        ref = (torch.nn.functional.silu(gate) * up).numpy()
+        assert np.abs(got[p] - ref).max() <= 1e-9 * np.abs(ref).max(), p
+
+
+def test_model_of_the_down_kernel_matches_the_reference():
+    gen = torch.Generator().manual_seed(3)
+    w2, f4 = _pools(64, 512, gen)
+    ids = _fill_ids()
+    act = torch.randn(ids.numel(), 512, generator=gen).to(torch.bfloat16)
+    got = model_down_multi(w2, f4, _routed(ids, w2, f4, BT), act)
+    for p, e in enumerate(ids.reshape(-1).tolist()):
+        if e == FP4_EXPERT:
+            assert np.isnan(got[p]).all()
+        elif e == MISSING_EXPERT:
+            assert np.isinf(got[p]).all()  # no route block: untouched
+        else:
+            ref = (unpack_matrix_ref(w2.slots[e], w2.layout, "w2").double() @ act[p].double()).numpy()
+            assert np.abs(got[p] - ref).max() <= 1e-9 * np.abs(ref).max(), p
+
+
+# ---- the kernels on a GPU ---------------------------------------------------------------------------------
+
+HIDDEN, INTER = 1024, 1024  # gate_up K = 2 tiles, down K = 2 tiles, 16 row tiles of 64
+needs_nvcc = pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc")
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    view = torch.int16 if a.element_size() == 2 else torch.int32
+    return torch.equal(a.view(view), b.view(view))  # NaN rows compare too
+
+
+@pytest.fixture(scope="module")
+def case():
+    from tierstore.kernels.cuda.w2_down import W2DownCuda
+    from tierstore.kernels.cuda.w2_gate_up import W2GateUpCuda
+    from tierstore.kernels.cuda.w2_moe import W2MoeCuda
+
+    gen = torch.Generator().manual_seed(9)
+    w2, f4 = _pools(HIDDEN, INTER, gen)
+    f4_none = fp4_tier(HIDDEN, INTER, 1, 1, EXPERTS, "cpu")
+    to = lambda pool: type(pool)(pool.slots.cuda(), pool.table.cuda(), pool.layout)
+    return dict(w2=to(w2), f4=to(f4), f4_none=to(f4_none), gen=gen,
+                gate={a: w2_multi.W2GateUpMultiCuda(ahead=a) for a in (1, 2)}, gate_single=W2GateUpCuda(ahead=2),
+                down={(a, g): w2_multi.W2DownMultiCuda(ahead=a, groups=g) for a, g in ((2, 1), (2, 2), (1, 1))},
+                down_single=W2DownCuda(), whole=W2MoeCuda())
+
+
+def _ids(case, tokens, with_fp4=True) -> torch.Tensor:
+    """Random distinct experts per token; the first pair FP4 (when with_fp4), the last pair missing."""
+    rows = [torch.randperm(EXPERTS, generator=case["gen"]).tolist() for _ in range(tokens)]
+    for t, value, at in ((0, FP4_EXPERT if with_fp4 else None, 0), (tokens - 1, MISSING_EXPERT, TOP_K - 1)):
+        if value is not None:
+            j = rows[t].index(value)
+            rows[t][at], rows[t][j] = rows[t][j], rows[t][at]
+    return torch.tensor([r[:TOP_K] for r in rows], dtype=torch.int32).cuda()
+
+
+def _kinds(ids):
+    flat = ids.reshape(-1).cpu()
+    fp4, missing = (flat == FP4_EXPERT).cuda(), (flat == MISSING_EXPERT).cuda()
+    return fp4, missing, ~(fp4 | missing)
+
+
+@pytest.mark.gpu
+@needs_nvcc
+@pytest.mark.parametrize("tokens", [1, 2, 8, 32])
+def test_multi_gate_up_matches_reference_and_single_token_kernel(case, tokens):
+    w2, f4 = case["w2"], case["f4"]
+    ids = _ids(case, tokens)
+    x = torch.randn(tokens, HIDDEN, generator=case["gen"]).to(torch.bfloat16).cuda()
+    ws = _routed(ids, w2, f4, BT, "cuda")
+    outs = {}
+    for a, kernel in case["gate"].items():
+        outs[a] = [torch.full_like(ws.act, float("nan")) for _ in range(2)]
+        for out in outs[a]:
+            kernel(x, TOP_K, w2, f4, 0, ws, out=out)
+    single = torch.full_like(ws.act, float("nan"))
+    case["gate_single"](x, TOP_K, w2, f4, 0, _routed(ids, w2, f4, 1, "cuda"), out=single)
+    torch.cuda.synchronize()
+    fp4, missing, w2_rows = _kinds(ids)
+    got = outs[2][0]
+    assert got[fp4 | missing].isnan().all() and not got[w2_rows].isnan().any()  # skipped rows untouched
+    ref = w2_gate_up_ref(x, ids, w2, f4, 0)[w2_rows]
+    assert float((got[w2_rows].float() - ref).norm() / ref.norm()) <= 1e-2
+    assert float((got[w2_rows].float() - single[w2_rows].float()).norm() / ref.norm()) <= 1e-3
+    for a, b in outs.values():
+        assert _same_bytes(a, got) and _same_bytes(b, got)  # repeats; prefetch depth changes no arithmetic
+
+
+@pytest.mark.gpu
+@needs_nvcc
+@pytest.mark.parametrize("tokens", [1, 2, 8, 32])
+def test_multi_down_matches_reference_and_single_token_kernel(case, tokens):
+    w2, f4 = case["w2"], case["f4"]
+    ids = _ids(case, tokens)
+    ws = _routed(ids, w2, f4, BT, "cuda")
+    ws.act.copy_(torch.randn(ws.act.shape, generator=case["gen"]).to(torch.bfloat16))
+    outs = {}
+    for key, kernel in case["down"].items():
+        outs[key] = [torch.full_like(ws.y, -7.0) for _ in range(2)]
+        for out in outs[key]:
+            kernel(w2, f4, 0, ws, out=out)
+    ws1 = _routed(ids, w2, f4, 1, "cuda")
+    ws1.act.copy_(ws.act)
+    single = torch.full_like(ws.y, -7.0)
+    case["down_single"](w2, f4, 0, ws1, out=single)
+    torch.cuda.synchronize()
+    fp4, missing, w2_rows = _kinds(ids)
+    got = outs[(2, 1)][0]
+    assert got[fp4].isnan().all() and (got[missing] == -7.0).all() and not got[w2_rows].isnan().any()
+    ref = w2_down_ref(ws.act, ids, w2, f4, 0)[w2_rows]
+    assert float((got[w2_rows] - ref).norm() / ref.norm()) <= 1e-5  # fp32 sums of exact products
+    assert float((got[w2_rows] - single[w2_rows]).norm() / ref.norm()) <= 1e-6
+    for a, b in outs.values():
+        assert _same_bytes(a, got) and _same_bytes(b, got)  # repeats, prefetch depth, row grouping
+
+
+def _whole(case, ids, x, weights, block_tokens, out=None):
+    ws = MoeWorkspace.allocate(ids.shape[0], TOP_K, EXPERTS, HIDDEN, INTER, torch.bfloat16, "cuda",
+                               block_tokens=block_tokens)
+    ws.act.fill_(float("nan"))
+    ws.y.fill_(float("nan"))
+    misses = MissLog.allocate(4, "cuda")
+    out = torch.full_like(x, float("nan")) if out is None else out
+    moe_mm(x, ids, weights, case["w2"], case["f4_none"], 0, misses, ws, out=out, cuda_w2=case["whole"])
+    torch.cuda.synchronize()
+    return out, misses.counts.tolist(), misses.entries.tolist()
+
+
+@pytest.mark.gpu
+@needs_nvcc
+@pytest.mark.parametrize("tokens", [1, 2, 8, 32])
+def test_multi_whole_op_matches_reference_with_misses(case, tokens):
+    ids = _ids(case, tokens, with_fp4=False)
+    x = torch.randn(tokens, HIDDEN, generator=case["gen"]).to(torch.bfloat16).cuda()
+    weights = (torch.rand(tokens, TOP_K, generator=case["gen"]) + 0.05).cuda()
+    ref, missing_pairs, missing = moe_mm_ref(x, ids, weights, case["w2"], case["f4_none"], 0, act_dtype=torch.bfloat16)
+    out, counts, entries = _whole(case, ids, x, weights, BT)
+    assert not out.isnan().any()
+    assert float((out.float() - ref).norm() / ref.norm()) <= 1e-2
+    assert counts == [missing_pairs, len(missing)] and [tuple(e) for e in entries[: len(missing)]] == missing
+    again, counts2, _ = _whole(case, ids, x, weights, BT)
+    assert _same_bytes(out, again) and counts2 == counts
+    for bt in (32, 64):  # more column groups per route block: each pair's arithmetic is the same
+        assert _same_bytes(_whole(case, ids, x, weights, bt)[0], out)
+    single, single_counts, _ = _whole(case, ids, x, weights, 1)
+    assert single_counts == counts and float((out.float() - single.float()).norm() / ref.norm()) <= 1e-3
+
+
+@pytest.mark.gpu
+@needs_nvcc
+def test_multi_whole_op_gives_nan_rows_for_fp4_pairs(case):
+    ids = torch.tensor([[FP4_EXPERT, 0], [1, 2], [0, 1]], dtype=torch.int32).cuda()  # token 0 routes to FP4
+    x = torch.randn(3, HIDDEN, generator=case["gen"]).to(torch.bfloat16).cuda()
+    weights = (torch.rand(3, TOP_K, generator=case["gen"]) + 0.05).cuda()
+    ws = MoeWorkspace.allocate(3, TOP_K, EXPERTS, HIDDEN, INTER, torch.bfloat16, "cuda", block_tokens=BT)
+    out = moe_mm(x, ids, weights, case["w2"], case["f4"], 0, MissLog.allocate(4, "cuda"), ws, cuda_w2=case["whole"])
+    ref, _, _ = moe_mm_ref(x, ids, weights, case["w2"], case["f4"], 0, act_dtype=torch.bfloat16)
+    assert out[0].isnan().all() and not out[1:].isnan().any()
+    assert float((out[1:].float() - ref[1:]).norm() / ref[1:].norm()) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_nvcc
+def test_multi_whole_op_replays_in_a_cuda_graph(case):
+    tokens = 32
+    ids = _ids(case, tokens, with_fp4=False)
+    x = torch.randn(tokens, HIDDEN, generator=case["gen"]).to(torch.bfloat16).cuda()
+    weights = (torch.rand(tokens, TOP_K, generator=case["gen"]) + 0.05).cuda()
+    eager, counts, _ = _whole(case, ids, x, weights, BT)
+    ws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, INTER, torch.bfloat16, "cuda", block_tokens=BT)
+    misses = MissLog.allocate(4, "cuda")
+    out = torch.full_like(x, float("nan"))
+    call = lambda: moe_mm(x, ids, weights, case["w2"], case["f4_none"], 0, misses, ws, out=out, cuda_w2=case["whole"])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # Triton compiles outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    misses.reset()
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _same_bytes(out, eager) and misses.counts.tolist() == counts  # one replay counts the misses once
+
+
+@pytest.mark.gpu
+@needs_nvcc
+def test_occupancy_at_deepseek_v3_shapes(case):
+    """The design's residency (w2_gate_up_multi.cu, w2_down_multi.cu): 2 gate_up blocks (16 warps) per SM with
+    114.8 KB of shared memory each at H = 7168, 4 down blocks per SM at I = 2048."""
+    assert case["gate"][2].attributes(7168)["blocks_per_sm"] == 2
+    assert case["down"][(2, 1)].attributes(2048)["blocks_per_sm"] == 4
