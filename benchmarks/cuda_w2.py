@@ -2,13 +2,16 @@
 
 Three stages per T (default 1, 8, 32): the gate_up kernel (two prefetch depths) vs Triton's gate_up, the down
 kernel (two row groupings) vs Triton's down, and the whole op (route -> CUDA gate_up -> CUDA down -> combine,
-`moe_mm(..., cuda_w2=W2MoeCuda(...))`) vs Triton's whole op (`moe_mm`) and bf16 `torch._grouped_mm`.
+`moe_mm(..., cuda_w2=W2MoeCuda(...))`) vs Triton's whole op (`moe_mm`) and bf16 `torch._grouped_mm`. Each stage
+also has a multi-token variant (`*_multi`: w2_multi.py, one CUDA block per expert and up to 8 of its pairs) run on a
+block_tokens 16 workspace of the same routing; every other variant and Triton run on block_tokens 1 workspaces.
 Pools, routings, CUDA-graph timing with rotating routings (L2 defeated) and the streaming-read ceiling come
 from benchmarks/kernels.py; the pools hold no FP4-resident expert (the CUDA path's restriction).
 
 Order: build (nvcc -> fatbin, driver API load), checks for every T (outputs poisoned with NaN: CUDA vs the
 plain-torch references incl. `moe_mm_ref` for the whole op, vs Triton, repeat launches byte-identical, variants
-byte-identical to each other), then for each T and stage: CUDA variants and Triton (two rounds, alternating),
+byte-identical to each other; a multi-token variant is compared with its stage's first variant, recorded, not
+required byte-identical: another binary), then for each T and stage: CUDA variants and Triton (two rounds, alternating),
 the stage's ceiling or bf16. Each step is isolated (benchmarks/kernels.py Runner): a build, launch or check
 failure is recorded in the JSON and the rest runs; a failed check marks that CUDA row invalid (time kept aside).
 
@@ -36,6 +39,10 @@ DOWN = {"cuda_down": dict(ahead=2, groups=1), "cuda_down_g2": dict(ahead=2, grou
 # whole-op variant -> W2MoeCuda arguments (gate_up: ahead 2, the measured faster one; the down variants above)
 WHOLE = {"cuda_whole": dict(gate_ahead=2, down_ahead=2, down_groups=1),
          "cuda_whole_g2": dict(gate_ahead=2, down_ahead=2, down_groups=2)}
+# multi-token variants (w2_multi.py; the whole op's W2MoeCuda picks them for block_tokens 16): stage -> name, options
+MULTI = {"gate_up": ("cuda_gate_up_multi", dict(ahead=2)), "down": ("cuda_down_multi", dict(ahead=2, groups=1)),
+         "whole": ("cuda_whole_multi", dict(gate_ahead=2, down_ahead=2, down_groups=1))}
+MULTI_BT = 16  # the multi-token variants' route block size
 TRITON = {"gate_up": "triton_gate_up", "down": "triton_down", "whole": "triton_whole"}  # each stage's baseline
 FIRST = {"gate_up": "cuda_mma", "down": "cuda_down", "whole": "cuda_whole"}  # the variant the others must equal
 DEVICE = "cuda"  # the CPU test of this script's bookkeeping sets "cpu"
@@ -65,32 +72,50 @@ def _provenance(commit: str | None) -> dict:
                 python=sys.version.split()[0])
 
 
-def _build(stage: str, options: dict) -> tuple[object, dict]:
-    """One CUDA variant of `stage` (gate_up: options {ahead}; down: {ahead, groups}; whole: W2MoeCuda's)."""
+def _block_tokens(name: str) -> int:
+    """The route block size a variant runs on: MULTI_BT for the multi-token variants, else 1."""
+    return MULTI_BT if name.endswith("_multi") else 1
+
+
+def _build(stage: str, options: dict, multi: bool = False, geo=None) -> tuple[object, dict]:
+    """One CUDA variant of `stage` (gate_up: options {ahead}; down: {ahead, groups}; whole: W2MoeCuda's), the
+    multi-token kernel when `multi` (whole: the same W2MoeCuda, run on block_tokens 16); geo: the preset, for the
+    multi-token kernels' resident blocks per SM at its K."""
     from tierstore.kernels.cuda.w2_down import W2DownCuda
     from tierstore.kernels.cuda.w2_gate_up import W2GateUpCuda
     from tierstore.kernels.cuda.w2_moe import W2MoeCuda
+    from tierstore.kernels.cuda.w2_multi import W2DownMultiCuda, W2GateUpMultiCuda
 
     started = time.perf_counter()
-    built = {"gate_up": W2GateUpCuda, "down": W2DownCuda, "whole": W2MoeCuda}[stage](**options)
+    classes = {"gate_up": W2GateUpMultiCuda, "down": W2DownMultiCuda} if multi else {"gate_up": W2GateUpCuda,
+                                                                                     "down": W2DownCuda}
+    built = {**classes, "whole": W2MoeCuda}[stage](**options)
+    k_len = {"gate_up": geo.hidden, "down": geo.expert_inter} if geo is not None else {}
     if stage == "whole":
-        attrs = {f"gate_up_{k}": v for k, v in built.gate_up.attributes().items()}
-        attrs.update({f"down_{k}": v for k, v in built.down.attributes().items()})
+        parts = (("gate_up", built.gate_up_multi), ("down", built.down_multi)) if multi else (
+            ("gate_up", built.gate_up), ("down", built.down))
+        attrs = {f"{part}_{k}": v for part, kernel in parts
+                 for k, v in (kernel.attributes(k_len.get(part)) if multi else kernel.attributes()).items()}
     else:
-        attrs = built.attributes()
-    return built, dict(stage=stage, **options, seconds=round(time.perf_counter() - started, 2), **attrs)
+        attrs = built.attributes(k_len.get(stage)) if multi else built.attributes()
+    return built, dict(stage=stage, **options, block_tokens=MULTI_BT if multi else 1,
+                       seconds=round(time.perf_counter() - started, 2), **attrs)
+
+
+def _routed(geo, tokens, ids, w2, f4, block_tokens: int, dtype=torch.bfloat16):
+    """A workspace of `block_tokens` routed for `ids` (outside any timing, as benchmarks/kernels.py does)."""
+    from tierstore.kernels import MissLog, MoeWorkspace, moe_route
+
+    ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, dtype, DEVICE,
+                               block_tokens=block_tokens)
+    moe_route(ids, w2, f4, 0, MissLog.allocate(16, DEVICE), ws)
+    return ws
 
 
 def _workspace(geo, tokens, routing, w2, f4, dtype=torch.bfloat16):
-    """x [T, H], a BT = 1 workspace routed for `routing` (outside any timing, as benchmarks/kernels.py does)."""
-    from tierstore.kernels import MissLog, MoeWorkspace, moe_route
-
-    ids, _ = routing
+    """x [T, H] and {block_tokens: workspace} for 1 and MULTI_BT, routed for `routing`."""
     x = torch.randn(tokens, geo.hidden, device=DEVICE, dtype=dtype)
-    ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, dtype, DEVICE,
-                               block_tokens=1)
-    moe_route(ids, w2, f4, 0, MissLog.allocate(16, DEVICE), ws)
-    return x, ws
+    return x, {bt: _routed(geo, tokens, routing[0], w2, f4, bt, dtype) for bt in (1, MULTI_BT)}
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -98,29 +123,40 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.view(view), b.view(view)))
 
 
-def _variant_row(kb, first, second, ref, tri, same_as_first) -> dict:
+def _variant_row(kb, first, second, ref, tri, vs_first: dict) -> dict:
     cu = first.float()
     return dict(rel_err=kb._rel_err(cu, ref), rel_err_vs_triton=float((cu - tri).norm() / tri.norm()),
                 max_abs_err=float((cu - ref).abs().max()), nan=bool(cu.isnan().any()),
-                repeat_identical=_same_bytes(first, second), same_bytes_as_first=same_as_first)
+                repeat_identical=_same_bytes(first, second), **vs_first)
 
 
 def _launch_twice(kernels: dict, like: torch.Tensor, launch) -> dict:
-    """Each variant launched twice by `launch(kernel, out)`, into two NaN-poisoned tensors shaped as `like`:
-    {name: [first, second]}."""
+    """Each variant launched twice by `launch(kernel, out, block_tokens)`, into two NaN-poisoned tensors shaped as
+    `like`: {name: [first, second]}."""
     outs = {}
     for name, cuda in kernels.items():
         outs[name] = [torch.full_like(like, float("nan")) for _ in range(2)]
         for out in outs[name]:
-            launch(cuda, out)
+            launch(cuda, out, _block_tokens(name))
     return outs
+
+
+def _vs_first(name: str, out, first) -> dict:
+    """Comparison with the stage's first variant: required byte-identical for single-token variants (prefetch depth
+    and row grouping change no arithmetic); recorded for the multi-token ones (another binary)."""
+    if first is None:
+        return dict(same_bytes_as_first=None)
+    if _block_tokens(name) == 1:
+        return dict(same_bytes_as_first=_same_bytes(out, first))
+    diff = float((out.float() - first.float()).norm() / first.float().norm())
+    return dict(same_bytes_as_first=None, same_bytes_as_single=_same_bytes(out, first), rel_diff_vs_single=diff)
 
 
 def _stage_check(kb, stage: str, tokens, outs: dict, ref, tri) -> dict:
     """A gate_up or down check row: Triton's output `tri` and every variant's `outs` against `ref`."""
     first = outs.get(FIRST[stage], [None])[0]
     return dict(tokens=tokens, stage=stage, pairs=ref.shape[0], rel_err_triton=kb._rel_err(tri, ref),
-                variants={name: _variant_row(kb, a, b, ref, tri, None if first is None else _same_bytes(a, first))
+                variants={name: _variant_row(kb, a, b, ref, tri, _vs_first(name, a, first))
                           for name, (a, b) in outs.items()})
 
 
@@ -131,10 +167,11 @@ def _check_gate_up(kb, geo, state, kernels: dict, tokens) -> dict:
 
     w2, f4 = state["w2"], state["f4"]
     routing = kb._routings(tokens, geo.top_k, geo.num_experts, 1, state["gen"], DEVICE)[0]
-    x, ws = _workspace(geo, tokens, routing, w2, f4)
+    x, wss = _workspace(geo, tokens, routing, w2, f4)
+    ws = wss[1]
     ws.act.fill_(float("nan"))
     moe_gate_up(x, geo.top_k, w2, f4, 0, ws)
-    outs = _launch_twice(kernels, ws.act, lambda cuda, out: cuda(x, geo.top_k, w2, f4, 0, ws, out=out))
+    outs = _launch_twice(kernels, ws.act, lambda cuda, out, bt: cuda(x, geo.top_k, w2, f4, 0, wss[bt], out=out))
     ref = w2_gate_up_ref(x, routing[0], w2, f4, 0)
     return _stage_check(kb, "gate_up", tokens, outs, ref, ws.act.float())
 
@@ -146,11 +183,13 @@ def _check_down(kb, geo, state, kernels: dict, tokens) -> dict:
 
     w2, f4 = state["w2"], state["f4"]
     routing = kb._routings(tokens, geo.top_k, geo.num_experts, 1, state["gen"], DEVICE)[0]
-    x, ws = _workspace(geo, tokens, routing, w2, f4)
+    x, wss = _workspace(geo, tokens, routing, w2, f4)
+    ws = wss[1]
     moe_gate_up(x, geo.top_k, w2, f4, 0, ws)
+    wss[MULTI_BT].act.copy_(ws.act)
     ws.y.fill_(float("nan"))
     moe_down(geo.top_k, w2, f4, 0, ws)
-    outs = _launch_twice(kernels, ws.y, lambda cuda, out: cuda(w2, f4, 0, ws, out=out))
+    outs = _launch_twice(kernels, ws.y, lambda cuda, out, bt: cuda(w2, f4, 0, wss[bt], out=out))
     ref = w2_down_ref(ws.act, routing[0], w2, f4, 0)
     return _stage_check(kb, "down", tokens, outs, ref, ws.y.clone())
 
@@ -163,9 +202,9 @@ def _check_whole(kb, geo, state, kernels: dict, tokens) -> dict:
     ids, weights = kb._routings(tokens, geo.top_k, geo.num_experts, 1, state["gen"], DEVICE)[0]
     x = torch.randn(tokens, geo.hidden, device=DEVICE, dtype=torch.bfloat16)
 
-    def run(cuda_w2):
+    def run(cuda_w2, block_tokens=1):
         ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, x.dtype, DEVICE,
-                                   block_tokens=1)
+                                   block_tokens=block_tokens)
         ws.act.fill_(float("nan"))
         ws.y.fill_(float("nan"))
         misses = MissLog.allocate(16, DEVICE)
@@ -175,11 +214,11 @@ def _check_whole(kb, geo, state, kernels: dict, tokens) -> dict:
 
     tri, tri_misses = run(None)
     ref, missing_pairs, _ = moe_mm_ref(x, ids, weights, w2, f4, 0, act_dtype=torch.bfloat16)
-    outs = {name: [run(cuda) for _ in range(2)] for name, cuda in kernels.items()}
+    outs = {name: [run(cuda, _block_tokens(name)) for _ in range(2)] for name, cuda in kernels.items()}
     first = outs.get(FIRST["whole"], [(None, None)])[0][0]
     variants = {}
     for name, ((a, misses_a), (b, _)) in outs.items():
-        variants[name] = _variant_row(kb, a, b, ref, tri.float(), None if first is None else _same_bytes(a, first))
+        variants[name] = _variant_row(kb, a, b, ref, tri.float(), _vs_first(name, a, first))
         variants[name]["misses_equal_triton"] = misses_a == tri_misses
     return dict(tokens=tokens, stage="whole", pairs=ids.numel(), missing_pairs=missing_pairs,
                 rel_err_triton=kb._rel_err(tri, ref), variants=variants)
@@ -210,7 +249,7 @@ def _invalid(checks: list[dict], name: str) -> list[str]:
 def _timed(runner, label, calls, reps, kb, tokens, stage, variant, rnd, nbytes, unique, rotations) -> dict:
     us, err = runner.attempt(label, lambda: kb._graph_time_us(calls, reps))
     return dict(tokens=tokens, stage=stage, variant=variant, round=rnd, us=us, bytes=nbytes, unique_experts=unique,
-                rotations=rotations, **({"error": err} if err else {}))
+                rotations=rotations, block_tokens=_block_tokens(variant), **({"error": err} if err else {}))
 
 
 def _time_case(kb, geo, state, kernels: dict, tokens, runner) -> list[dict]:
@@ -225,20 +264,22 @@ def _time_case(kb, geo, state, kernels: dict, tokens, runner) -> list[dict]:
     count = max(4, min(32, int(8 * 2**20 * 60 / (tokens * geo.top_k * stage_bytes["whole"]) + 1)))  # as kernels.py
     routings = kb._routings(tokens, geo.top_k, geo.num_experts, count, state["gen"], DEVICE)
     unique = kb._unique_experts(routings)
-    cases = [_workspace(geo, tokens, r, w2, f4) for r in routings]
-    for x, ws in cases:
-        ws.act.copy_(torch.randn_like(ws.act))  # the down stage alone reads act
+    both = [_workspace(geo, tokens, r, w2, f4) for r in routings]
+    for _, wss in both:
+        wss[1].act.copy_(torch.randn_like(wss[1].act))  # the down stage alone reads act
+        wss[MULTI_BT].act.copy_(wss[1].act)
+    cases = [(x, wss[1]) for x, wss in both]
     acts = [torch.empty_like(ws.act) for _, ws in cases]
     ys = [torch.empty_like(ws.y) for _, ws in cases]
     outs = [torch.empty_like(x) for x, _ in cases]
     misses = MissLog.allocate(16, DEVICE)
-    fns = {"gate_up": {name: [lambda x=x, ws=ws, o=o, k=k: k(x, geo.top_k, w2, f4, 0, ws, out=o)
-                              for (x, ws), o in zip(cases, acts)] for name, k in kernels["gate_up"].items()},
-           "down": {name: [lambda ws=ws, o=o, k=k: k(w2, f4, 0, ws, out=o) for (_, ws), o in zip(cases, ys)]
-                    for name, k in kernels["down"].items()},
-           "whole": {name: [lambda x=x, ws=ws, o=o, r=r, k=k: moe_mm(x, r[0], r[1], w2, f4, 0, misses, ws, out=o,
-                                                                     cuda_w2=k)
-                            for (x, ws), o, r in zip(cases, outs, routings)] for name, k in kernels["whole"].items()}}
+    fns = {"gate_up": {name: [lambda x=x, ws=wss[_block_tokens(name)], o=o, k=k: k(x, geo.top_k, w2, f4, 0, ws, out=o)
+                              for (x, wss), o in zip(both, acts)] for name, k in kernels["gate_up"].items()},
+           "down": {name: [lambda ws=wss[_block_tokens(name)], o=o, k=k: k(w2, f4, 0, ws, out=o)
+                           for (_, wss), o in zip(both, ys)] for name, k in kernels["down"].items()},
+           "whole": {name: [lambda x=x, ws=wss[_block_tokens(name)], o=o, r=r, k=k: moe_mm(x, r[0], r[1], w2, f4, 0,
+                                                                                          misses, ws, out=o, cuda_w2=k)
+                            for (x, wss), o, r in zip(both, outs, routings)] for name, k in kernels["whole"].items()}}
     fns["gate_up"]["triton_gate_up"] = [lambda x=x, ws=ws: moe_gate_up(x, geo.top_k, w2, f4, 0, ws) for x, ws in cases]
     fns["down"]["triton_down"] = [lambda ws=ws: moe_down(geo.top_k, w2, f4, 0, ws) for _, ws in cases]
     fns["whole"]["triton_whole"] = [lambda x=x, ws=ws, o=o, r=r: moe_mm(x, r[0], r[1], w2, f4, 0, misses, ws, out=o)
@@ -309,21 +350,35 @@ def _print(result: dict) -> None:
     print(f"\nstatus: {result['status']}")
 
 
+def _variants(only: str | None) -> list[tuple[str, str, dict]]:
+    """(stage, name, options) of every CUDA variant, per stage the single-token ones first (FIRST among them), or
+    only those named in the comma-separated `only`."""
+    single = ([("gate_up", name, dict(ahead=ahead)) for name, ahead in AHEAD.items()]
+              + [("down", name, opts) for name, opts in DOWN.items()]
+              + [("whole", name, opts) for name, opts in WHOLE.items()])
+    every = [v for stage in TRITON for v in single + [(s, *MULTI[s]) for s in MULTI] if v[0] == stage]
+    if only is None:
+        return every
+    names = set(only.split(","))
+    unknown = names - {name for _, name, _ in every}
+    if unknown:
+        raise ValueError(f"unknown variant(s) {sorted(unknown)}; known: {[name for _, name, _ in every]}")
+    return [v for v in every if v[1] in names]
+
+
 def run(kb, args, result: dict, emit) -> None:
     from tierstore.geometry import get_preset
 
     runner = kb.Runner(probe=kb._cuda_probe if DEVICE == "cuda" else None)
     result.update(status="running: build", errors=runner.errors, checks=[], cases=[], build={})
     kernels = {"gate_up": {}, "down": {}, "whole": {}}
-    variants = ([("gate_up", name, dict(ahead=ahead)) for name, ahead in AHEAD.items()]
-                + [("down", name, opts) for name, opts in DOWN.items()] + [("whole", name, opts) for name, opts in WHOLE.items()])
-    for stage, name, opts in variants:
-        built, err = runner.attempt(f"build and load {name}", lambda: _build(stage, opts))
+    geo = get_preset(args.preset)
+    for stage, name, opts in _variants(args.variants):
+        built, err = runner.attempt(f"build and load {name}", lambda: _build(stage, opts, _block_tokens(name) > 1, geo))
         result["build"][name] = built[1] if built else {"error": err}
         if built:
             kernels[stage][name] = built[0]
     emit(result)
-    geo = get_preset(args.preset)
     state = kb._setup(geo, DEVICE)
     state["reps"] = args.reps
     tokens_list = [int(t) for t in args.tokens.split(",")]
@@ -359,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="deepseek-v3")
     parser.add_argument("--tokens", default="1,8,32")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--variants", help="comma-separated CUDA variants to build, check and time (default: all)")
     parser.add_argument("--json", required=True)
     parser.add_argument("--commit", help="commit of the tree being measured (the device copy may have no .git)")
     args = parser.parse_args(argv)

@@ -260,6 +260,13 @@ def test_model_of_the_down_kernel_matches_the_reference():
 
 # ---- the moe_mm switch (CPU, Triton interpreter, a stand-in for W2MoeCuda) -----------------------------------
 
+def _placed(ws):
+    """(expert, pair) of every routed pair of a workspace's route output, any block size."""
+    for b in range(int(ws.num_blocks[0])):
+        for j in range(int(ws.block_fill[b])):
+            yield int(ws.block_expert[b]), int(ws.block_pairs[b * ws.block_tokens + j])
+
+
 class _ReferenceStages:
     """Stands in for W2MoeCuda: act and y of the W2 pairs from the route output (plain torch), NaN y rows for
     FP4 pairs, as the CUDA kernels write them."""
@@ -269,8 +276,7 @@ class _ReferenceStages:
 
     def __call__(self, hidden, top_k, w2, fp4, layer, ws, swiglu_limit=None):
         self.calls += 1
-        for b in range(int(ws.num_blocks[0])):
-            expert, pair = int(ws.block_expert[b]), int(ws.block_pairs[b])
+        for expert, pair in _placed(ws):
             if int(fp4.table[layer, expert]) >= 0:
                 ws.y[pair] = float("nan")
                 continue
@@ -611,8 +617,7 @@ class _ReferenceKernel:
     """Stands in for W2GateUpCuda in the CPU run of the benchmark: writes the reference from the route output."""
 
     def __call__(self, x, top_k, w2, f4, layer, ws, out):
-        for b in range(int(ws.num_blocks[0])):
-            expert, pair = int(ws.block_expert[b]), int(ws.block_pairs[b])
+        for expert, pair in _placed(ws):
             if int(f4.table[layer, expert]) < 0:
                 w13 = unpack_matrix_ref(w2.slots[int(w2.table[layer, expert])], w2.layout, "w13")
                 gate, up = (w13 @ x[pair // top_k].float()).chunk(2)
@@ -623,8 +628,7 @@ class _ReferenceDown:
     """Stands in for W2DownCuda in the CPU run of the benchmark."""
 
     def __call__(self, w2, f4, layer, ws, out):
-        for b in range(int(ws.num_blocks[0])):
-            expert, pair = int(ws.block_expert[b]), int(ws.block_pairs[b])
+        for expert, pair in _placed(ws):
             slot = w2.slots[int(w2.table[layer, expert])]
             out[pair] = unpack_matrix_ref(slot, w2.layout, "w2") @ ws.act[pair].float()
 
@@ -640,21 +644,38 @@ def test_bench_runs_end_to_end_on_cpu_with_stand_in_kernels(monkeypatch):
     kb = bench._bench_kernels()
     stand_in = {"gate_up": _ReferenceKernel, "down": _ReferenceDown, "whole": _ReferenceStages}
     monkeypatch.setattr(bench, "DEVICE", "cpu")
-    monkeypatch.setattr(bench, "_build", lambda stage, opts: (stand_in[stage](), dict(stage=stage, **opts)))
+    monkeypatch.setattr(bench, "_build", lambda stage, opts, multi, geo: (stand_in[stage](), dict(stage=stage, **opts)))
     monkeypatch.setattr(tierstore.geometry, "get_preset", lambda name: _preset("tiny", 1, EXPERTS, TOP_K, HIDDEN, INTER))
     monkeypatch.setattr(kb, "_graph_time_us", lambda fns, reps: (fns[0](), 10.0)[1])  # one launch of each variant
     monkeypatch.setattr(kb, "_stream_us", lambda nbytes, copies, reps, device: 5.0)
     monkeypatch.setattr(kb, "_bf16_case", lambda geo, w13, w2d, routings, reps: 50.0)
     result, emitted = {}, []
-    bench.run(kb, argparse.Namespace(preset="tiny", tokens="1,2", reps=1), result, lambda r: emitted.append(r["status"]))
+    bench.run(kb, argparse.Namespace(preset="tiny", tokens="1,2", reps=1, variants=None), result,
+              lambda r: emitted.append(r["status"]))
     assert result["status"] == "complete" and not result["errors"], result["errors"]
     assert [(c["tokens"], c["stage"]) for c in result["checks"]] == [(t, s) for t in (1, 2) for s in ("gate_up", "down", "whole")]
     for check in result["checks"]:
         for name, v in check["variants"].items():
             assert bench._invalid([check], name) == [], (check["stage"], name, v)
     timed = {(r["tokens"], r["variant"], r["round"]): r for r in result["cases"]}
-    assert len(timed) == 2 * 3 * (3 * bench.ROUNDS + 1)
+    assert len(timed) == 2 * 3 * (4 * bench.ROUNDS + 1)  # per stage 3 CUDA variants (one multi-token) and Triton
+    for name in ("cuda_gate_up_multi", "cuda_down_multi", "cuda_whole_multi"):
+        assert timed[(2, name, 1)]["block_tokens"] == 16 and timed[(2, name, 1)]["us"] == 10.0
+        assert "same_bytes_as_single" in [c for c in result["checks"] if name in c["variants"]][0]["variants"][name]
     assert timed[(2, "cuda_mma_ahead2", 1)]["triton_over_this"] == 1.0
     assert timed[(2, "cuda_down_g2", 0)]["pct_of_stream"] == 50.0
     assert timed[(1, "cuda_whole", 1)]["bf16_over_this"] == 5.0
     assert timed[(1, "stream_read_gate_up", 0)]["pct_of_stream"] == 100.0
+
+
+def test_bench_variants_keep_the_single_token_ones_first_and_filter_by_name():
+    bench = _bench_module()
+    every = bench._variants(None)
+    for stage in ("gate_up", "down", "whole"):
+        names = [name for s, name, _ in every if s == stage]
+        assert names[0] == bench.FIRST[stage] and names[-1] == bench.MULTI[stage][0] and len(names) == 3
+    picked = bench._variants("cuda_whole_multi,cuda_mma_ahead2")
+    assert [name for _, name, _ in picked] == ["cuda_mma_ahead2", "cuda_whole_multi"]
+    assert bench._block_tokens("cuda_whole_multi") == bench.MULTI_BT and bench._block_tokens("cuda_whole") == 1
+    with pytest.raises(ValueError, match="unknown variant"):
+        bench._variants("cuda_whole,nope")
