@@ -1,0 +1,152 @@
+// Device code of the FP4 tensor-core stages (fp4_moe.cu): the FP4 word tile, the exact e2m1 -> bf16x2 decode
+// with the layout's scales, a lane's 16-byte tile loads, the 16 mma.m16n8k16 of one K tile and the activation
+// pairs in shared memory. Self-contained (no W2 header), so the W2 files can change independently.
+//
+// Layout (kernels/layout.py, fp4_slot_layout, K a multiple of 256): a row's words are cut into tiles of 32
+// words x 8 nibbles = 256 K values; value k = 32 j + u of a tile is nibble j (bits 4j..4j+3) of word u, so
+// nibble slot j of a tile is one 32-value scale block (the tile's scale byte j). A nibble is e2m1: bit 3 the
+// sign, bits 0..2 the magnitude index v of {0, .5, 1, 1.5, 2, 3, 4, 6}; value = e2m1 * 2^(byte - 127).
+//
+// Decode of byte i of a word (nibbles 2i low half, 2i+1 high half) into one bf16x2 register:
+//   1. the unscaled e2m1 values as bf16 bits, looked up with PRMT (every e2m1 value is 0 or a normal bf16):
+//      low bytes from an 8-byte table indexed by v, high bytes (sign | exponent bits) from an 8-byte table
+//      indexed by (sign, e1, v != 0); two PRMTs per 4 nibbles, then one PRMT per pair interleaves them;
+//   2. one mul.rn.bf16x2 by the pair's scales as bf16, 2^(byte - 125) = exponent field byte + 2: exact,
+//      because e2m1 * 2^(byte - 125) is zero or a normal bf16 for every byte 0..240 the layout admits
+//      (smallest 0.5 * 2^-125 = 2^-126; largest 6 * 2^115). The stages multiply their fp32 sums by 0.25
+//      once (exact): the 2^2 bias of the Triton v8 decode.
+//
+// Fragments (as the W2 stages): a warp's mma A tile is two 8-row halves, `a` (A rows 0..7) and `b` (rows
+// 8..15); lane (g = lane / 4, c = lane % 4) loads words 4c..4c+3 and 16+4c..16+4c+3 of each K tile of row g
+// of each half (two 16-byte loads per row) and the row's 8 tile scale bytes (one 8-byte load). A register a0
+// (row g) / a1 (row g + 8) carries byte i of word 4c+m, a2 / a3 byte i of word 16+4c+m; B carries the matching
+// activation pairs, xp[t*128 + 32i + 8c + 2m + h] = pair of word 16h + 4c + m, byte i, identical in all eight
+// columns, so every column of D is the row's dot product.
+
+#pragma once
+
+#include <cstdint>
+
+namespace {
+
+constexpr int kF4Wps = 32;              // words per nibble slot
+constexpr int kF4TileK = 8 * kF4Wps;    // 256 K values per word tile
+constexpr int kF4TilePairs = kF4TileK / 2;  // 128 activation pairs per tile in shared memory
+
+// PRMT tables. Low bytes by v = e1 e0 m: {00, 00, 80, C0, 00, 40, 80, C0}; high bytes by
+// (s << 2 | e1 << 1 | (v != 0)): {00, 3F, --, 40, 80, BF, --, C0} (index 2 and 6 cannot occur).
+constexpr uint32_t kLoTable0 = 0xC0800000u, kLoTable1 = 0xC0804000u;
+constexpr uint32_t kHiTable0 = 0x40003F00u, kHiTable1 = 0xC080BF80u;
+
+struct F4Tile {    // one lane's share of one K tile
+  uint4 a0, a1;    // A rows 0..7 (row g): words 4c..4c+3, 16+4c..16+4c+3
+  uint4 b0, b1;    // A rows 8..15 (row g of the second half), same words
+  uint2 sa, sb;    // the tile's 8 scale bytes of each of the two rows
+};
+
+__device__ __forceinline__ uint32_t f4_part(const uint4& v, int m) {
+  return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w;
+}
+
+// The word's PRMT selectors: lo nibble k = v_k; hi nibble k = s_k << 2 | e1_k << 1 | (v_k != 0). Bit 3 of each
+// selector nibble is 0 (PRMT's sign-replicate mode is never used).
+struct Selectors {
+  uint32_t lo, hi;
+};
+
+__device__ __forceinline__ Selectors f4_selectors(uint32_t w) {
+  const uint32_t nonzero = (w | (w >> 2)) & 0x11111111u;  // bit 4k: m | e1 (e0 comes in from w >> 1 below)
+  return {w & 0x77777777u, ((w >> 1) & 0x77777777u) | nonzero};
+}
+
+// Byte i of the word (nibbles 2i, 2i+1) as unscaled bf16x2 (nibble 2i in the low half).
+__device__ __forceinline__ uint32_t f4_pair_bits(const Selectors& s, int i) {
+  const int shift = (i >> 1) * 16;  // PRMT reads selector bits 0..15: nibbles 4 (i >> 1) .. 4 (i >> 1) + 3
+  const uint32_t lo = __byte_perm(kLoTable0, kLoTable1, s.lo >> shift);
+  const uint32_t hi = __byte_perm(kHiTable0, kHiTable1, s.hi >> shift);
+  return __byte_perm(lo, hi, (i & 1) ? 0x7362u : 0x5140u);
+}
+
+// Scale bytes 2i and 2i+1 of a tile (q: the 8 bytes with the bias 2 already added) -> the bf16x2
+// 2^(byte - 125) of each half: (byte 2i + 2) << 7 | (byte 2i+1 + 2) << 23.
+__device__ __forceinline__ uint32_t f4_scale_pair(const uint2& q, int i) {
+  const uint32_t word = (i >> 1) ? q.y : q.x;
+  return __byte_perm(word, 0u, (i & 1) ? 0x4342u : 0x4140u) << 7;
+}
+
+// The exponent bias 2 on all 8 scale bytes (bytes <= 240: no carry between bytes).
+__device__ __forceinline__ uint2 f4_biased(uint2 q) {
+  return make_uint2(q.x + 0x02020202u, q.y + 0x02020202u);
+}
+
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ void f4_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                       uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// ra / rb: the two rows' words as uint4 [words_per_row / 4]; sa / sb: their scales as uint2 [blocks_per_row / 8].
+__device__ __forceinline__ F4Tile f4_load_tile(const uint4* ra, const uint4* rb, const uint2* sa, const uint2* sb,
+                                               int t, int c) {
+  F4Tile r;
+  r.a0 = __ldg(ra + 8 * t + c);
+  r.a1 = __ldg(ra + 8 * t + 4 + c);
+  r.b0 = __ldg(rb + 8 * t + c);
+  r.b1 = __ldg(rb + 8 * t + 4 + c);
+  r.sa = __ldg(sa + t);
+  r.sb = __ldg(sb + t);
+  return r;
+}
+
+// One K tile: 4 words x 4 bytes = 16 mmas (16 rows x 16 K each), word by word (the word's four pairs decoded
+// once); acc[i & 1] alternate.
+__device__ __forceinline__ void f4_tile_mma(const F4Tile& w, const uint32_t* xp_tile, int c, float (&acc)[2][4]) {
+  const uint2 qa = f4_biased(w.sa), qb = f4_biased(w.sb);
+  uint32_t sa[4], sb[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    sa[i] = f4_scale_pair(qa, i);
+    sb[i] = f4_scale_pair(qb, i);
+  }
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const Selectors s0 = f4_selectors(f4_part(w.a0, m)), s1 = f4_selectors(f4_part(w.b0, m));
+    const Selectors s2 = f4_selectors(f4_part(w.a1, m)), s3 = f4_selectors(f4_part(w.b1, m));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint2 bq = *reinterpret_cast<const uint2*>(xp_tile + i * 32 + 8 * c + 2 * m);  // B: words 4c+m, 16+4c+m
+      f4_mma(acc[i & 1], mul_bf16x2(f4_pair_bits(s0, i), sa[i]), mul_bf16x2(f4_pair_bits(s1, i), sb[i]),
+             mul_bf16x2(f4_pair_bits(s2, i), sa[i]), mul_bf16x2(f4_pair_bits(s3, i), sb[i]), bq.x, bq.y);
+    }
+  }
+}
+
+// Activation row a [K] bf16 bits -> xp [K / 2] in B register order. Unit q = (t * 4 + i) * 4 + c holds
+// xp[8q .. 8q+7]: xp[8q + 2m + h] = a[k0 + 16h + m] | a[k0 + 32 + 16h + m] << 16, k0 = 64 (q >> 2) + 4 (q & 3).
+__device__ __forceinline__ void f4_store_unit(const uint16_t* __restrict__ a, uint32_t* xp, int q) {
+  const int k0 = 64 * (q >> 2) + 4 * (q & 3);
+  const uint2 la = *reinterpret_cast<const uint2*>(a + k0);       // slot 2i, words 4c..4c+3
+  const uint2 lb = *reinterpret_cast<const uint2*>(a + k0 + 16);  // slot 2i, words 16+4c..16+4c+3
+  const uint2 ha = *reinterpret_cast<const uint2*>(a + k0 + 32);  // slot 2i+1, words 4c..4c+3
+  const uint2 hb = *reinterpret_cast<const uint2*>(a + k0 + 48);  // slot 2i+1, words 16+4c..16+4c+3
+  uint4 p, r;
+  p.x = __byte_perm(la.x, ha.x, 0x5410); p.y = __byte_perm(lb.x, hb.x, 0x5410);  // m 0, h 0 / 1
+  p.z = __byte_perm(la.x, ha.x, 0x7632); p.w = __byte_perm(lb.x, hb.x, 0x7632);  // m 1
+  r.x = __byte_perm(la.y, ha.y, 0x5410); r.y = __byte_perm(lb.y, hb.y, 0x5410);  // m 2
+  r.z = __byte_perm(la.y, ha.y, 0x7632); r.w = __byte_perm(lb.y, hb.y, 0x7632);  // m 3
+  *reinterpret_cast<uint4*>(xp + 8 * q) = p;
+  *reinterpret_cast<uint4*>(xp + 8 * q + 4) = r;
+}
+
+__device__ __forceinline__ void f4_build_pairs(const uint16_t* __restrict__ a, uint32_t* xp, int k_len) {
+  for (int q = threadIdx.x; q < k_len / 16; q += blockDim.x) f4_store_unit(a, xp, q);
+}
+
+}  // namespace

@@ -1,0 +1,145 @@
+// FP4 gate_up and down stages for decode (one routed pair per block row, the Triton path's BT = 1), on tensor
+// cores: the FP4 counterparts of w2_gate_up.cu and w2_down.cu.
+//
+//   fp4_gate_up_mma:  act[pair, n] = SwiGLU(W13_e[n] . x[token], W13_e[n + I] . x[token])   (bf16, K = H)
+//   fp4_down_mma:     y[pair, n] = W2_e[n] . act[pair]                                        (float32, K = I)
+//
+// Inputs are the Triton stages': the FP4 pool's slot bytes (kernels/layout.py) and table, the BT = 1 route
+// output (block b -> expert, pair), x [T, H] bf16 / act [P, I] bf16. Each kernel computes the pairs whose
+// expert is FP4-resident (FP4 table >= 0) and leaves every other pair's row untouched, so that with the W2
+// kernels (which skip FP4 pairs) every resident pair is computed once (kernels/cuda/tier_moe.py). K must be a
+// multiple of 256 (whole 32-word tiles: each nibble slot one scale block).
+//
+// Decode, tile loads, a K tile's mmas and the activation pairs: fp4_fragments.cuh. gate_up: one warp owns 8
+// output rows, mma rows 0..7 their gate rows and 8..15 their up rows; down: one warp owns 16 output rows. fp32
+// accumulation in the tensor core, two accumulators alternating, the 2^2 decode bias removed by one exact
+// multiply by 0.25 per row. No atomics, fixed order: repeated launches give identical bytes; FP4_AHEAD changes
+// when loads are issued, not the arithmetic.
+
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#include "fp4_fragments.cuh"
+
+#ifndef FP4_AHEAD
+#define FP4_AHEAD 2  // K tiles whose loads are in flight while one is computed
+#endif
+
+namespace {
+
+constexpr int kAhead = FP4_AHEAD;
+constexpr int kWarps = 4;
+constexpr int kGateRowsPerBlock = kWarps * 8;   // 32
+constexpr int kDownRowsPerBlock = kWarps * 16;  // 64
+
+// The K loop of one warp over `tiles` K tiles of rows (ra, rb): a register ring of kAhead + 1 tiles, tile t in
+// ring[t % (kAhead + 1)]; loads past the last tile reload it. `xp` holds the activation pairs (after a barrier).
+struct Rows {
+  const uint4 *ra, *rb;
+  const uint2 *sa, *sb;
+};
+
+__device__ __forceinline__ void k_loop(const Rows& r, F4Tile (&ring)[kAhead + 1], const uint32_t* xp, int tiles,
+                                       int c, float (&acc)[2][4]) {
+  for (int t0 = 0; t0 < tiles; t0 += kAhead + 1) {
+#pragma unroll
+    for (int j = 0; j <= kAhead; ++j) {
+      const int t = t0 + j;
+      if (t < tiles) {
+        ring[(j + kAhead) % (kAhead + 1)] = f4_load_tile(r.ra, r.rb, r.sa, r.sb, min(t + kAhead, tiles - 1), c);
+        f4_tile_mma(ring[j], xp + t * kF4TilePairs, c, acc);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void first_loads(const Rows& r, F4Tile (&ring)[kAhead + 1], int tiles, int c) {
+#pragma unroll
+  for (int j = 0; j < kAhead; ++j) ring[j] = f4_load_tile(r.ra, r.rb, r.sa, r.sb, min(j, tiles - 1), c);
+}
+
+}  // namespace
+
+// Grid (route block, I / 32), 128 threads; dynamic shared memory 2 * hidden bytes (x pairs).
+extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) fp4_gate_up_mma(
+    const uint16_t* __restrict__ x, long long stride_x,              // activations bf16 [T, H]
+    const uint8_t* __restrict__ slots, long long slot_bytes,         // FP4 pool uint8 [S, slot_bytes]
+    long long words_off, long long scales_off, int words_per_row, int blocks_per_row,
+    const int* __restrict__ f4_table, int table_row,                                   // [layers * E]
+    const int* __restrict__ block_expert, const int* __restrict__ block_pairs,         // route, BT = 1
+    const int* __restrict__ num_blocks, int top_k,
+    __nv_bfloat16* __restrict__ act, long long stride_act, int inter, int hidden,       // act bf16 [P, I]
+    float limit, int has_limit) {
+  extern __shared__ uint4 smem[];
+  uint32_t* xp = reinterpret_cast<uint32_t*>(smem);  // [H / 2] activation pairs
+  const int b = blockIdx.x;
+  if (b >= *num_blocks) return;
+  const int slot = f4_table[table_row + block_expert[b]];
+  if (slot < 0) return;  // not FP4-resident: the W2 kernel's pair
+  const int pair = block_pairs[b];
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int n = blockIdx.y * kGateRowsPerBlock + (threadIdx.x >> 5) * 8 + g;  // output row
+
+  const uint8_t* base = slots + static_cast<long long>(slot) * slot_bytes;
+  const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 8;
+  Rows r;
+  r.ra = reinterpret_cast<const uint4*>(base + words_off) + n * row_vecs;            // gate row n
+  r.rb = r.ra + inter * row_vecs;                                                     // up row n
+  r.sa = reinterpret_cast<const uint2*>(base + scales_off) + n * scale_vecs;
+  r.sb = r.sa + inter * scale_vecs;
+  const int tiles = words_per_row / kF4Wps;
+
+  F4Tile ring[kAhead + 1];
+  first_loads(r, ring, tiles, c);
+  f4_build_pairs(x + (pair / top_k) * stride_x, xp, hidden);
+  __syncthreads();
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  k_loop(r, ring, xp, tiles, c, acc);
+  if (c == 0) {
+    float gate_v = (acc[0][0] + acc[1][0]) * 0.25f, up_v = (acc[0][2] + acc[1][2]) * 0.25f;
+    if (has_limit) {
+      gate_v = fminf(gate_v, limit);
+      up_v = fminf(fmaxf(up_v, -limit), limit);
+    }
+    act[pair * stride_act + n] = __float2bfloat16_rn(gate_v / (1.0f + __expf(-gate_v)) * up_v);
+  }
+}
+
+// Grid (route block, H / 64), 128 threads; dynamic shared memory 2 * inter bytes (act pairs).
+extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) fp4_down_mma(
+    const uint16_t* __restrict__ act, long long stride_act,                              // act bf16 [P, I]
+    const uint8_t* __restrict__ slots, long long slot_bytes, long long words_off,
+    long long scales_off, int words_per_row, int blocks_per_row,
+    const int* __restrict__ f4_table, int table_row,                                   // [layers * E]
+    const int* __restrict__ block_expert, const int* __restrict__ block_pairs,         // route, BT = 1
+    const int* __restrict__ num_blocks,
+    float* __restrict__ y, long long stride_y, int inter) {                             // y float32 [P, H]
+  extern __shared__ uint4 smem[];
+  uint32_t* xp = reinterpret_cast<uint32_t*>(smem);  // [I / 2] activation pairs
+  const int b = blockIdx.x;
+  if (b >= *num_blocks) return;
+  const int slot = f4_table[table_row + block_expert[b]];
+  if (slot < 0) return;  // not FP4-resident: the W2 kernel's pair
+  const int pair = block_pairs[b];
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int n = blockIdx.y * kDownRowsPerBlock + (threadIdx.x >> 5) * 16 + g;  // rows n and n + 8
+
+  const uint8_t* base = slots + static_cast<long long>(slot) * slot_bytes;
+  const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 8;
+  Rows r;
+  r.ra = reinterpret_cast<const uint4*>(base + words_off) + n * row_vecs;
+  r.rb = r.ra + 8 * row_vecs;
+  r.sa = reinterpret_cast<const uint2*>(base + scales_off) + n * scale_vecs;
+  r.sb = r.sa + 8 * scale_vecs;
+  const int tiles = words_per_row / kF4Wps;
+
+  F4Tile ring[kAhead + 1];
+  first_loads(r, ring, tiles, c);
+  f4_build_pairs(act + pair * stride_act, xp, inter);
+  __syncthreads();
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  k_loop(r, ring, xp, tiles, c, acc);
+  if (c < 2) {  // lane (g, 0): row n from d0; lane (g, 1): row n + 8 from d2 (all D columns are equal)
+    y[pair * stride_y + n + 8 * c] = (c ? acc[0][2] + acc[1][2] : acc[0][0] + acc[1][0]) * 0.25f;
+  }
+}

@@ -1,0 +1,163 @@
+"""CUDA C++ FP4 gate_up and down for decode (fp4_moe.cu) and their plain-torch references.
+
+`Fp4GateUpCuda()(hidden, top_k, fp4, layer, ws)` computes what `moe_gate_up` computes for the FP4-resident
+pairs of a BT = 1 workspace (after `moe_route`): ws.act[pair] = SwiGLU(W13_e x[token]) (optional clamp), or
+into `out` [P, I] bf16. `Fp4DownCuda()(fp4, layer, ws)`: ws.y[pair] = W2_e ws.act[pair] (float32), or into
+`out` [P, H]. Both leave every other pair's row untouched (W2 pairs, missing experts): the W2 kernels compute
+the W2 pairs (kernels/cuda/tier_moe.py runs both tiers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..layout import FP4_VALUES_PER_WORD, SlotLayout, unpack_matrix_ref
+from . import loader
+
+SOURCE = Path(__file__).with_name("fp4_moe.cu")
+GATE_UP_KERNEL, DOWN_KERNEL = "fp4_gate_up_mma", "fp4_down_mma"
+THREADS = 128
+K_MULTIPLE = 256  # K must fill whole 32-word FP4 tiles (kF4TileK)
+GATE_UP_ROWS_PER_BLOCK = 32  # 4 warps x 8 gate rows
+DOWN_ROWS_PER_BLOCK = 64  # 4 warps x 16 rows
+# x, stride_x, slots, slot_bytes, words_off, scales_off, words_per_row, blocks_per_row, f4_table, table_row,
+# block_expert, block_pairs, num_blocks, top_k, act, stride_act, inter, hidden, limit, has_limit
+GATE_UP_ARG_KINDS = "pqpqqqiipipppipqiifi"
+# act, stride_act, slots, slot_bytes, words_off, scales_off, words_per_row, blocks_per_row, f4_table, table_row,
+# block_expert, block_pairs, num_blocks, y, stride_y, inter
+DOWN_ARG_KINDS = "pqpqqqiipippppqi"
+
+
+def check_geometry(layout: SlotLayout) -> None:
+    """Shapes both kernels support: FP4 slots, hidden and inter multiples of 256 (whole K tiles; hidden is then a
+    multiple of the down kernel's 64 rows per block, inter of the gate_up's 32)."""
+    if layout.values_per_word != FP4_VALUES_PER_WORD:
+        raise ValueError("the CUDA FP4 stages read FP4 slots only")
+    for name, size in (("hidden", layout.hidden), ("inter", layout.inter)):
+        if size % K_MULTIPLE:
+            raise ValueError(f"{name} must be a multiple of {K_MULTIPLE}, got {size}")
+
+
+def gate_up_args(hidden, top_k: int, fp4, layer: int, ws, out, swiglu_limit: float | None) -> list:
+    """fp4_gate_up_mma's arguments in GATE_UP_ARG_KINDS order (pointers as ints)."""
+    lay = fp4.layout
+    m = lay.w13
+    return [hidden.data_ptr(), hidden.stride(0), fp4.slots.data_ptr(), lay.slot_bytes, lay.w13_words_offset,
+            lay.w13_scales_offset, m.words_per_row, m.blocks_per_row, fp4.table.data_ptr(), layer * fp4.table.shape[1],
+            ws.block_expert.data_ptr(), ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(), top_k, out.data_ptr(),
+            out.stride(0), lay.inter, lay.hidden, 0.0 if swiglu_limit is None else float(swiglu_limit),
+            int(swiglu_limit is not None)]
+
+
+def down_args(fp4, layer: int, ws, out) -> list:
+    """fp4_down_mma's arguments in DOWN_ARG_KINDS order (pointers as ints)."""
+    lay = fp4.layout
+    m = lay.w2
+    return [ws.act.data_ptr(), ws.act.stride(0), fp4.slots.data_ptr(), lay.slot_bytes, lay.w2_words_offset,
+            lay.w2_scales_offset, m.words_per_row, m.blocks_per_row, fp4.table.data_ptr(), layer * fp4.table.shape[1],
+            ws.block_expert.data_ptr(), ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(), out.data_ptr(),
+            out.stride(0), lay.inter]
+
+
+def _check_common(fp4, ws) -> None:
+    check_geometry(fp4.layout)
+    if ws.block_tokens != 1:
+        raise ValueError(f"the CUDA FP4 stages run one pair per block (block_tokens 1), got {ws.block_tokens}")
+
+
+def check_gate_up_inputs(hidden, fp4, ws, out) -> None:
+    _check_common(fp4, ws)
+    if hidden.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or not hidden.is_cuda:
+        raise ValueError("hidden and out must be bfloat16 CUDA tensors")
+    if hidden.shape[1] != fp4.layout.hidden or hidden.stride(1) != 1 or hidden.stride(0) % 8:
+        raise ValueError("hidden must be [T, H] with unit inner stride and 16-byte aligned rows")
+    if out.shape != ws.act.shape or out.stride(1) != 1:
+        raise ValueError(f"out must be [P, I] = {tuple(ws.act.shape)} with unit inner stride")
+
+
+def check_down_inputs(fp4, ws, out) -> None:
+    _check_common(fp4, ws)
+    if ws.act.dtype != torch.bfloat16 or not ws.act.is_cuda or ws.act.stride(1) != 1 or ws.act.stride(0) % 8:
+        raise ValueError("act must be a bfloat16 CUDA tensor [P, I] with unit inner stride, 16-byte aligned rows")
+    if out.dtype != torch.float32 or out.shape != ws.y.shape or out.stride(1) != 1:
+        raise ValueError(f"out must be float32 [P, H] = {tuple(ws.y.shape)} with unit inner stride")
+
+
+def build_image(ahead: int) -> bytes:
+    return loader.build(SOURCE, {"FP4_AHEAD": ahead})
+
+
+class Fp4GateUpCuda:
+    """Builds (nvcc, cached) and loads the kernel once; each call launches it on the current stream.
+    ahead: K tiles of weight loads in flight per lane while one is computed (FP4_AHEAD; no change to the bytes)."""
+
+    def __init__(self, ahead: int = 2, device: int | None = None) -> None:
+        self.device = torch.cuda.current_device() if device is None else device
+        torch.cuda.init()
+        self.ahead = ahead
+        self.kernel = loader.load(build_image(ahead), GATE_UP_KERNEL, self.device)
+
+    def __call__(self, hidden, top_k: int, fp4, layer: int, ws, out=None, swiglu_limit: float | None = None):
+        out = ws.act if out is None else out
+        check_gate_up_inputs(hidden, fp4, ws, out)
+        grid = (ws.block_expert.numel(), fp4.layout.inter // GATE_UP_ROWS_PER_BLOCK)
+        smem = 2 * fp4.layout.hidden  # activation pairs: H / 2 x 4 bytes
+        self.kernel.allow_shared(smem)
+        self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream, GATE_UP_ARG_KINDS,
+                           gate_up_args(hidden, top_k, fp4, layer, ws, out, swiglu_limit))
+        return out
+
+    def attributes(self) -> dict:
+        return {name: self.kernel.attribute(name) for name in ("num_regs", "local_bytes", "shared_bytes", "max_threads")}
+
+
+class Fp4DownCuda:
+    """As Fp4GateUpCuda, for the down kernel."""
+
+    def __init__(self, ahead: int = 2, device: int | None = None) -> None:
+        self.device = torch.cuda.current_device() if device is None else device
+        torch.cuda.init()
+        self.ahead = ahead
+        self.kernel = loader.load(build_image(ahead), DOWN_KERNEL, self.device)
+
+    def __call__(self, fp4, layer: int, ws, out=None):
+        out = ws.y if out is None else out
+        check_down_inputs(fp4, ws, out)
+        grid = (ws.block_expert.numel(), fp4.layout.hidden // DOWN_ROWS_PER_BLOCK)
+        smem = 2 * fp4.layout.inter  # activation pairs: I / 2 x 4 bytes
+        self.kernel.allow_shared(smem)
+        self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream, DOWN_ARG_KINDS,
+                           down_args(fp4, layer, ws, out))
+        return out
+
+    def attributes(self) -> dict:
+        return {name: self.kernel.attribute(name) for name in ("num_regs", "local_bytes", "shared_bytes", "max_threads")}
+
+
+def fp4_gate_up_ref(hidden: torch.Tensor, topk_ids: torch.Tensor, fp4, layer: int,
+                    swiglu_limit: float | None = None) -> torch.Tensor:
+    """Plain torch: float32 [P, I], row p = SwiGLU(W13_e x[p // k]) for FP4-resident pairs (e = topk_ids.flat[p]),
+    NaN elsewhere. Weights from `unpack_matrix_ref`, float32 arithmetic."""
+    top_k = topk_ids.shape[1]
+    out = torch.full((topk_ids.numel(), fp4.layout.inter), float("nan"), dtype=torch.float32, device=hidden.device)
+    for p, e in enumerate(topk_ids.reshape(-1).tolist()):
+        slot = int(fp4.table[layer, e])
+        if slot < 0:
+            continue
+        gate, up = (unpack_matrix_ref(fp4.slots[slot], fp4.layout, "w13") @ hidden[p // top_k].float()).chunk(2)
+        if swiglu_limit is not None:
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+        out[p] = torch.nn.functional.silu(gate) * up
+    return out
+
+
+def fp4_down_ref(act: torch.Tensor, topk_ids: torch.Tensor, fp4, layer: int) -> torch.Tensor:
+    """Plain torch: float32 [P, H], row p = W2_e act[p] for FP4-resident pairs, NaN elsewhere."""
+    out = torch.full((topk_ids.numel(), fp4.layout.hidden), float("nan"), dtype=torch.float32, device=act.device)
+    for p, e in enumerate(topk_ids.reshape(-1).tolist()):
+        slot = int(fp4.table[layer, e])
+        if slot >= 0:
+            out[p] = unpack_matrix_ref(fp4.slots[slot], fp4.layout, "w2") @ act[p].float()  # [H, I] @ [I]
+    return out

@@ -1,0 +1,40 @@
+"""Both tiers on the CUDA path: `moe_mm(..., cuda_w2=TierMoeCuda())` serves W2- and FP4-resident experts.
+
+`TierMoeCuda()(hidden, top_k, w2, fp4, layer, ws, swiglu_limit)` replaces `moe_gate_up` + `moe_down` between
+`moe_route` and `moe_combine` with four launches on the current stream (capture-safe: no allocation, no host
+sync), in this order:
+
+1. W2 gate_up (w2_gate_up.cu): act of the W2 pairs; FP4 pairs skipped;
+2. W2 down (w2_down.cu): y of the W2 pairs; the y rows of FP4 pairs are written as NaN (the W2 path's marker);
+3. FP4 gate_up (fp4_moe.cu): act of the FP4 pairs; W2 pairs skipped;
+4. FP4 down (fp4_moe.cu): y of the FP4 pairs, overwriting the NaN rows of step 2. It must run after step 2.
+
+So every resident pair's act and y are written exactly once by the tier that holds it (plus the NaN marker
+in between), missing pairs are left to the combine as on the Triton path, and the W2 files are unchanged:
+`W2MoeCuda` (steps 1 and 2) keeps its W2-only behaviour. Requires BT = 1, bfloat16, hidden and inter
+multiples of 512 (the W2 stages'; the FP4 stages need 256).
+"""
+
+from __future__ import annotations
+
+from .fp4_stages import Fp4DownCuda, Fp4GateUpCuda, check_down_inputs, check_gate_up_inputs
+from .w2_moe import W2MoeCuda
+
+
+class TierMoeCuda:
+    """w2: the W2 stages (a `W2MoeCuda`, built with its defaults when None); fp4_ahead: FP4_AHEAD of both FP4
+    kernels."""
+
+    def __init__(self, w2: W2MoeCuda | None = None, fp4_ahead: int = 2, device: int | None = None):
+        self.w2 = W2MoeCuda(device=device) if w2 is None else w2
+        self.fp4_gate_up = Fp4GateUpCuda(ahead=fp4_ahead, device=device)
+        self.fp4_down = Fp4DownCuda(ahead=fp4_ahead, device=device)
+
+    def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None) -> None:
+        check_gate_up_inputs(hidden, fp4, ws, ws.act)  # the FP4 stages' inputs before any launch (W2MoeCuda
+        check_down_inputs(fp4, ws, ws.y)               # checks its own before its first launch)
+        if fp4.table.shape != w2.table.shape:
+            raise ValueError("the W2 and FP4 tables must have the same shape")
+        self.w2(hidden, top_k, w2, fp4, layer, ws, swiglu_limit)
+        self.fp4_gate_up(hidden, top_k, fp4, layer, ws, swiglu_limit=swiglu_limit)
+        self.fp4_down(fp4, layer, ws)  # after the W2 down: overwrites its NaN rows of FP4 pairs

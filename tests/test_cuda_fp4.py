@@ -1,0 +1,458 @@
+"""kernels/cuda: the CUDA C++ FP4 gate_up and down (fp4_moe.cu, fp4_stages.py) and both tiers together
+(tier_moe.TierMoeCuda: W2 stages, then FP4 stages).
+
+CPU: a numpy model that follows fp4_fragments.cuh and fp4_moe.cu lane by lane (PRMT table decode, the biased
+scale pairs, mul.rn.bf16x2, the shared-memory activation pairs, mma.m16n8k16 fragments as the PTX ISA defines
+them) against `unpack_matrix_ref` for every e2m1 code in every nibble slot at every scale byte 0..240, and the
+model's stages against the references on random inputs; argument kinds against the kernel signatures; the
+kernels compiling without spills (where nvcc exists). The model checks the index and bit arithmetic, not the
+hardware; the GPU tests (marker gpu) run the kernels.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from tierstore.kernels import MissLog, MoeWorkspace, fp4_tier, moe_gate_up, moe_mm, moe_mm_ref, moe_route, w2_tier
+from tierstore.kernels.cuda import fp4_stages, loader
+from tierstore.kernels.cuda.fp4_stages import (Fp4DownCuda, Fp4GateUpCuda, check_geometry, fp4_down_ref,
+                                               fp4_gate_up_ref)
+from tierstore.kernels.layout import MAX_SCALE_BYTE, fp4_slot_layout, unpack_matrix_ref
+
+M32 = 0xFFFFFFFF
+
+
+def _header_constant(name: str) -> int:
+    text = (fp4_stages.SOURCE.parent / "fp4_fragments.cuh").read_text()
+    return int(re.search(name + r" = (0x[0-9A-Fa-f]+)u", text).group(1), 16)
+
+
+LO_TABLE = (_header_constant("kLoTable0"), _header_constant("kLoTable1"))  # the tables the kernels use
+HI_TABLE = (_header_constant("kHiTable0"), _header_constant("kHiTable1"))
+
+
+# ---- host side -------------------------------------------------------------------------------------------
+
+def _signature_kinds(source: str, kernel: str) -> str:
+    params = re.search(kernel + r"\((.*?)\)\s*\{", source, re.S).group(1)
+    kinds = ""
+    for p in re.sub(r"//[^\n]*", "", params).split(","):
+        p = p.strip()
+        kinds += "p" if "*" in p else "q" if p.startswith("long long") else "f" if p.startswith("float") else "i"
+    return kinds
+
+
+def test_arg_kinds_match_the_kernel_signatures_and_launch_args():
+    text = fp4_stages.SOURCE.read_text()
+    assert _signature_kinds(text, fp4_stages.GATE_UP_KERNEL) == fp4_stages.GATE_UP_ARG_KINDS
+    assert _signature_kinds(text, fp4_stages.DOWN_KERNEL) == fp4_stages.DOWN_ARG_KINDS
+    f4 = fp4_tier(512, 256, 2, 2, 8, "cpu")
+    ws = MoeWorkspace.allocate(1, 2, 8, 512, 256, torch.bfloat16, "cpu", block_tokens=1)
+    x = torch.zeros(1, 512, dtype=torch.bfloat16)
+    for kinds, args in ((fp4_stages.GATE_UP_ARG_KINDS, fp4_stages.gate_up_args(x, 2, f4, 1, ws, ws.act, 0.5)),
+                        (fp4_stages.DOWN_ARG_KINDS, fp4_stages.down_args(f4, 1, ws, ws.y))):
+        assert len(args) == len(kinds)
+        for kind, value in zip(kinds, args):
+            assert isinstance(value, float if kind == "f" else int)
+    gate = fp4_stages.gate_up_args(x, 2, f4, 1, ws, ws.act, None)
+    assert gate[6:8] == [512 // 8, 512 // 32] and gate[9] == 8 and gate[-2:] == [0.0, 0]
+    down = fp4_stages.down_args(f4, 1, ws, ws.y)
+    assert down[4:8] == [f4.layout.w2_words_offset, f4.layout.w2_scales_offset, 256 // 8, 256 // 32]
+
+
+def test_geometry_limits():
+    check_geometry(fp4_slot_layout(7168, 2048))  # DeepSeek-V3
+    with pytest.raises(ValueError, match="hidden must be a multiple of 256"):
+        check_geometry(fp4_slot_layout(1152, 256))
+    with pytest.raises(ValueError, match="inter must be a multiple of 256"):
+        check_geometry(fp4_slot_layout(1024, 96))
+    with pytest.raises(ValueError, match="FP4 slots only"):
+        from tierstore.kernels.layout import w2_slot_layout
+        check_geometry(w2_slot_layout(1024, 512))
+
+
+@pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_kernels_compile_without_spills(tmp_path, ahead):
+    cmd = loader.nvcc_command(fp4_stages.SOURCE, tmp_path / "k.cubin", "cubin", {"FP4_AHEAD": ahead})
+    proc = subprocess.run(cmd + ["-Xptxas", "-v"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for kernel in (fp4_stages.GATE_UP_KERNEL, fp4_stages.DOWN_KERNEL):
+        info = proc.stderr.split(f"Compiling entry function '{kernel}'")[1]
+        regs = int(re.search(r"Used (\d+) registers", info).group(1))
+        assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores", info) and regs <= 128  # 4 blocks / SM
+
+
+# ---- numpy model of fp4_fragments.cuh / fp4_moe.cu ---------------------------------------------------------
+
+def prmt(a: int, b: int, sel: int) -> int:
+    """__byte_perm(a, b, sel), selectors without the sign-replicate bit (asserted)."""
+    assert all(not (sel >> (4 * n + 3)) & 1 for n in range(4))
+    both = (b << 32) | a
+    return sum(((both >> (8 * ((sel >> (4 * n)) & 7))) & 0xFF) << (8 * n) for n in range(4))
+
+
+def selectors(w: int) -> tuple[int, int]:
+    """f4_selectors."""
+    nonzero = (w | (w >> 2)) & 0x11111111
+    return w & 0x77777777, ((w >> 1) & 0x77777777) | nonzero
+
+
+def pair_bits(sel: tuple[int, int], i: int) -> int:
+    """f4_pair_bits: byte i (nibbles 2i, 2i+1) as unscaled bf16x2."""
+    shift = (i >> 1) * 16
+    lo = prmt(*LO_TABLE, (sel[0] >> shift) & 0xFFFF)
+    hi = prmt(*HI_TABLE, (sel[1] >> shift) & 0xFFFF)
+    return prmt(lo, hi, 0x7362 if i & 1 else 0x5140)
+
+
+def scale_pair(q: tuple[int, int], i: int) -> int:
+    """f4_scale_pair(f4_biased(q), i): q = the tile's two scale words as loaded."""
+    biased = [(v + 0x02020202) & M32 for v in q]
+    return (prmt(biased[i >> 1], 0, 0x4342 if i & 1 else 0x4140) << 7) & M32
+
+
+def bf16_value(bits: int) -> float:
+    return float(np.array([(bits & 0xFFFF) << 16], dtype=np.uint32).view(np.float32)[0])
+
+
+def bf16_halves(p: int) -> tuple[float, float]:
+    return bf16_value(p), bf16_value(p >> 16)
+
+
+def mul_bf16x2(a: int, b: int) -> int:
+    """mul.rn.bf16x2 where every product is exact in bf16 (asserted: the decode's claim)."""
+    out = 0
+    for h in range(2):
+        prod = bf16_value(a >> (16 * h)) * bf16_value(b >> (16 * h))
+        as32 = int(np.array([prod], dtype=np.float32).view(np.uint32)[0])
+        assert float(np.float32(prod)) == prod and as32 & 0xFFFF == 0 and (prod == 0 or abs(prod) >= 2.0 ** -126)
+        out |= (as32 >> 16) << (16 * h)
+    return out
+
+
+def decode(w: int, i: int, q: tuple[int, int]) -> tuple[float, float]:
+    """What a lane's A register holds for byte i of word w with the tile's scale words q (times the 2^2 bias)."""
+    return bf16_halves(mul_bf16x2(pair_bits(selectors(w), i), scale_pair(q, i)))
+
+
+def _rows(slot: torch.Tensor, layout, which: str) -> tuple[list[list[int]], list[list[int]]]:
+    """A matrix's words [N][words_per_row] and scale words [N][blocks_per_row / 4] as unsigned ints."""
+    m = getattr(layout, which)
+    w_off, s_off = getattr(layout, f"{which}_words_offset"), getattr(layout, f"{which}_scales_offset")
+    words = (slot[w_off: w_off + m.word_bytes].view(torch.int32).to(torch.int64) & M32).view(m.n, m.words_per_row)
+    scales = (slot[s_off: s_off + m.scale_bytes].view(torch.int32).to(torch.int64) & M32).view(m.n, -1)
+    return words.tolist(), scales.tolist()
+
+
+def build_pairs(a_bits: list[int]) -> list[int]:
+    """f4_build_pairs: xp[8q + 2m + h] = a[k0 + 16h + m] | a[k0 + 32 + 16h + m] << 16, k0 = 64 (q >> 2) + 4 (q & 3)."""
+    xp = [0] * (len(a_bits) // 2)
+    for q in range(len(a_bits) // 16):
+        k0 = 64 * (q >> 2) + 4 * (q & 3)
+        for m in range(4):
+            for h in range(2):
+                xp[8 * q + 2 * m + h] = a_bits[k0 + 16 * h + m] | (a_bits[k0 + 32 + 16 * h + m] << 16)
+    return xp
+
+
+def warp_mma(lo, hi, lo_scales, hi_scales, xp, tiles) -> tuple[np.ndarray, np.ndarray]:
+    """One warp's K loop (f4_tile_mma): A rows 0..7 = `lo` (8 rows of words), 8..15 = `hi`; returns rows g (lane
+    (g, 0), d0) and g + 8 (d2) after the final * 0.25. Checks that all D columns are equal."""
+    acc = np.zeros((2, 16, 8))
+    for t in range(tiles):
+        for m in range(4):
+            for i in range(4):
+                a_mat, b_mat = np.zeros((16, 16)), np.zeros((16, 8))
+                for lane in range(32):
+                    g, c = lane >> 2, lane & 3
+                    ql, qh = lo_scales[g][2 * t: 2 * t + 2], hi_scales[g][2 * t: 2 * t + 2]
+                    u0, u1 = 32 * t + 4 * c + m, 32 * t + 16 + 4 * c + m
+                    regs = (decode(lo[g][u0], i, ql), decode(hi[g][u0], i, qh),
+                            decode(lo[g][u1], i, ql), decode(hi[g][u1], i, qh))
+                    for reg, (row, col) in zip(regs, ((g, 2 * c), (g + 8, 2 * c), (g, 2 * c + 8), (g + 8, 2 * c + 8))):
+                        a_mat[row, col: col + 2] = reg  # PTX ISA: A fragment of m16n8k16
+                    b = xp[t * 128 + i * 32 + 8 * c + 2 * m: t * 128 + i * 32 + 8 * c + 2 * m + 2]
+                    for reg in range(2):
+                        b_mat[2 * c + 8 * reg: 2 * c + 8 * reg + 2, g] = bf16_halves(b[reg])
+                acc[i & 1] += a_mat @ b_mat
+    total = acc.sum(0) * 0.25
+    assert np.all(total == total[:, :1])  # B is the same in every column
+    return total[:8, 0], total[8:, 0]
+
+
+def _bits(v: torch.Tensor) -> list[int]:
+    return (v.view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
+
+
+def model_gate_up(slot: torch.Tensor, layout, x: torch.Tensor, limit: float | None = None) -> np.ndarray:
+    """float64 [I]: what fp4_gate_up_mma writes (before bf16 rounding) for one pair, warp by warp."""
+    words, scales = _rows(slot, layout, "w13")
+    xp, inter, out = build_pairs(_bits(x)), layout.inter, np.zeros(layout.inter)
+    for n0 in range(0, inter, 8):  # one warp: gate rows n0.., up rows n0 + I..
+        gate, up = warp_mma(words[n0: n0 + 8], words[inter + n0: inter + n0 + 8], scales[n0: n0 + 8],
+                            scales[inter + n0: inter + n0 + 8], xp, layout.w13.words_per_row // 32)
+        if limit is not None:
+            gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
+        out[n0: n0 + 8] = gate / (1 + np.exp(-gate)) * up
+    return out
+
+
+def model_down(slot: torch.Tensor, layout, act: torch.Tensor) -> np.ndarray:
+    """float64 [H]: what fp4_down_mma writes for one pair (a warp: rows n0..n0+15 = one mma A tile)."""
+    words, scales = _rows(slot, layout, "w2")
+    xp, out = build_pairs(_bits(act)), np.zeros(layout.hidden)
+    for n0 in range(0, layout.hidden, 16):
+        out[n0: n0 + 8], out[n0 + 8: n0 + 16] = warp_mma(words[n0: n0 + 8], words[n0 + 8: n0 + 16], scales[n0: n0 + 8],
+                                                          scales[n0 + 8: n0 + 16], xp, layout.w2.words_per_row // 32)
+    return out
+
+
+def _every_code_slot(layout) -> torch.Tensor:
+    """One FP4 slot whose w13 rows hold every e2m1 code in every nibble slot (word u, nibble j: (u + 3j + r) % 16)
+    and whose scale byte of row r, block j is (8r + j) % 241: every byte 0..240 in every nibble slot."""
+    m = layout.w13
+    slot = torch.zeros(layout.slot_bytes, dtype=torch.uint8)
+    rows = torch.arange(m.n).view(-1, 1, 1)
+    nib = (torch.arange(m.words_per_row).view(1, -1, 1) + 3 * torch.arange(8).view(1, 1, -1) + rows) % 16
+    words = (nib << (4 * torch.arange(8))).sum(-1)  # [N, words]
+    slot[: m.word_bytes] = (words - ((words >> 31) << 32)).to(torch.int32).view(torch.uint8).reshape(-1)
+    blocks = (8 * torch.arange(m.n).view(-1, 1) + torch.arange(m.blocks_per_row).view(1, -1)) % (MAX_SCALE_BYTE + 1)
+    slot[layout.w13_scales_offset: layout.w13_scales_offset + m.scale_bytes] = blocks.to(torch.uint8).reshape(-1)
+    return slot
+
+
+def test_model_decode_is_exact_for_every_code_slot_and_scale_byte():
+    layout = fp4_slot_layout(256, 256)  # w13: 512 rows x one 32-word tile
+    slot = _every_code_slot(layout)
+    ref = unpack_matrix_ref(slot, layout, "w13")  # [512, 256] float32
+    words, scales = _rows(slot, layout, "w13")
+    seen = set()
+    for r in range(layout.w13.n):
+        for u in range(32):
+            for i in range(4):
+                got = decode(words[r][u], i, tuple(scales[r][0:2]))
+                for h in range(2):
+                    j = 2 * i + h
+                    assert got[h] == 4.0 * float(ref[r, 32 * j + u]), (r, u, j)  # exact, with the 2^2 bias
+                    seen.add(((words[r][u] >> (4 * j)) & 15, j, (scales[r][j // 4] >> (8 * (j % 4))) & 0xFF))
+    assert seen == {(code, j, byte) for code in range(16) for j in range(8) for byte in range(MAX_SCALE_BYTE + 1)}
+
+
+def _random_fp4_slot(layout, gen, lo=116, hi=128) -> torch.Tensor:
+    slot = torch.randint(0, 256, (layout.slot_bytes,), generator=gen, dtype=torch.uint8)
+    for offset, m in ((layout.w13_scales_offset, layout.w13), (layout.w2_scales_offset, layout.w2)):
+        slot[offset: offset + m.scale_bytes] = torch.randint(lo, hi, (m.scale_bytes,), generator=gen, dtype=torch.uint8)
+    return slot
+
+
+@pytest.mark.parametrize("limit", [None, 0.75])
+def test_model_of_the_gate_up_kernel_matches_the_reference(limit):
+    gen = torch.Generator().manual_seed(11)
+    layout = fp4_slot_layout(512, 32)  # two K tiles, 4 warps of 8 rows
+    slot = _random_fp4_slot(layout, gen)
+    x = torch.randn(512, generator=gen).to(torch.bfloat16)
+    gate, up = (unpack_matrix_ref(slot, layout, "w13").double() @ x.double()).chunk(2)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    ref = (torch.nn.functional.silu(gate) * up).numpy()
+    got = model_gate_up(slot, layout, x, limit)
+    assert np.abs(got - ref).max() <= 1e-9 * np.abs(ref).max()
+
+
+def test_model_of_the_down_kernel_matches_the_reference():
+    gen = torch.Generator().manual_seed(12)
+    layout = fp4_slot_layout(64, 512)  # four 16-row groups, two K tiles
+    slot = _random_fp4_slot(layout, gen, 0, 241)  # every scale byte, extremes included
+    act = torch.randn(512, generator=gen).to(torch.bfloat16)
+    ref = (unpack_matrix_ref(slot, layout, "w2").double() @ act.double()).numpy()
+    got = model_down(slot, layout, act)
+    assert np.abs(got - ref).max() <= 1e-9 * np.abs(ref).max()
+
+
+# ---- the kernels on a GPU ---------------------------------------------------------------------------------
+
+HIDDEN, INTER, EXPERTS, TOP_K = 1024, 512, 8, 3  # W2 stages need multiples of 512; FP4 K tiles: 4 (gate_up), 2 (down)
+FP4_EXPERTS = {1: 0, 2: 1, 4: 2}  # expert -> FP4 slot; expert 2 is in both tiers (FP4 wins)
+MISSING = 6
+needs_nvcc = pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc")
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    view = torch.int16 if a.element_size() == 2 else torch.int32
+    return torch.equal(a.view(view), b.view(view))  # NaN rows compare too
+
+
+@pytest.fixture(scope="module")
+def case():
+    from tierstore.kernels.cuda.tier_moe import TierMoeCuda
+
+    gen = torch.Generator().manual_seed(13)
+    w2 = w2_tier(HIDDEN, INTER, EXPERTS, 1, EXPERTS, "cpu")
+    w2.slots.copy_(torch.randint(0, 256, w2.slots.shape, generator=gen, dtype=torch.uint8))
+    for offset, m in ((w2.layout.w13_scales_offset, w2.layout.w13), (w2.layout.w2_scales_offset, w2.layout.w2)):
+        w2.slots[:, offset: offset + m.scale_bytes] = torch.randint(112, 124, (EXPERTS, m.scale_bytes), generator=gen,
+                                                                    dtype=torch.uint8)
+    w2.table[0] = torch.arange(EXPERTS, dtype=torch.int32)
+    w2.table[0, MISSING] = -1
+    f4 = fp4_tier(HIDDEN, INTER, len(FP4_EXPERTS), 1, EXPERTS, "cpu")
+    for expert, slot in FP4_EXPERTS.items():
+        f4.slots[slot] = _random_fp4_slot(f4.layout, gen)
+        f4.table[0, expert] = slot
+    to = lambda pool: type(pool)(pool.slots.cuda(), pool.table.cuda(), pool.layout)
+    tier = TierMoeCuda()
+    return dict(w2=to(w2), f4=to(f4), gen=gen, gate_up={a: Fp4GateUpCuda(ahead=a) for a in (1, 2)},
+                down={a: Fp4DownCuda(ahead=a) for a in (1, 2)}, tier=tier)
+
+
+def _ids(case, tokens):
+    """Random distinct experts per token; the first rows route to FP4, both-tier, W2 and missing experts."""
+    rows = [torch.randperm(EXPERTS, generator=case["gen"])[:TOP_K].tolist() for _ in range(tokens)]
+    fixed = [[1, 0, MISSING], [2, 5, 3]][:tokens] if tokens > 1 else [[4, MISSING, 0]]
+    return torch.tensor(fixed + rows[len(fixed):], dtype=torch.int32).cuda()
+
+
+def _routed(case, tokens):
+    ids = _ids(case, tokens)
+    ws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, INTER, torch.bfloat16, "cuda", block_tokens=1)
+    moe_route(ids, case["w2"], case["f4"], 0, MissLog.allocate(8, "cuda"), ws)
+    return ids, ws
+
+
+def _fp4_rows(ids):
+    return torch.tensor([e in FP4_EXPERTS for e in ids.reshape(-1).tolist()], device="cuda")
+
+
+@pytest.mark.gpu
+@needs_nvcc
+@pytest.mark.parametrize("tokens,limit", [(1, None), (2, None), (8, None), (32, None), (8, 0.75)])
+def test_fp4_gate_up_matches_reference_and_leaves_other_pairs(case, tokens, limit):
+    ids, ws = _routed(case, tokens)
+    x = torch.randn(tokens, HIDDEN, generator=case["gen"]).to(torch.bfloat16).cuda()
+    outs = {}
+    for ahead, kernel in case["gate_up"].items():
+        outs[ahead] = [torch.full_like(ws.act, float("nan")) for _ in range(2)]
+        for out in outs[ahead]:
+            kernel(x, TOP_K, case["f4"], 0, ws, out=out, swiglu_limit=limit)
+    torch.cuda.synchronize()
+    ref = fp4_gate_up_ref(x, ids, case["f4"], 0, swiglu_limit=limit)
+    rows = _fp4_rows(ids)
+    first = outs[2][0]
+    assert rows.any() and first[~rows].isnan().all() and not first[rows].isnan().any()
+    assert float((first[rows].float() - ref[rows]).norm() / ref[rows].norm()) <= 1e-2
+    assert all(_same_bytes(o, first) for pair in outs.values() for o in pair)  # repeats, prefetch depth
+    ws.act.fill_(float("nan"))
+    moe_gate_up(x, TOP_K, case["w2"], case["f4"], 0, ws, limit)
+    tri = ws.act[rows].float()
+    assert float((first[rows].float() - tri).norm() / tri.norm()) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_nvcc
+@pytest.mark.parametrize("tokens", [1, 2, 8, 32])
+def test_fp4_down_matches_reference_and_leaves_other_pairs(case, tokens):
+    ids, ws = _routed(case, tokens)
+    ws.act.copy_(torch.randn(ws.act.shape, generator=case["gen"]).to(torch.bfloat16))
+    outs = {}
+    for ahead, kernel in case["down"].items():
+        outs[ahead] = [torch.full_like(ws.y, -7.0) for _ in range(2)]
+        for out in outs[ahead]:
+            kernel(case["f4"], 0, ws, out=out)
+    torch.cuda.synchronize()
+    ref = fp4_down_ref(ws.act, ids, case["f4"], 0)
+    rows = _fp4_rows(ids)
+    first = outs[2][0]
+    assert (first[~rows] == -7.0).all() and not first[rows].isnan().any()
+    assert float((first[rows] - ref[rows]).norm() / ref[rows].norm()) <= 1e-5  # fp32 sums of exact products
+    assert all(_same_bytes(o, first) for pair in outs.values() for o in pair)
+
+
+@pytest.mark.gpu
+@needs_nvcc
+def test_fp4_down_decodes_every_scale_byte_exactly_on_the_device(case):
+    """One-hot act rows: y = one weight column, exact (no rounding), for an FP4 down matrix whose scale bytes run
+    over 0..240 (bytes 0 and 1 give bf16 / fp32 subnormal weights without the 2^2 bias)."""
+    layout = case["f4"].layout
+    m = layout.w2
+    slots = case["f4"].slots.clone()
+    blocks = (7 * torch.arange(m.n).view(-1, 1) + torch.arange(m.blocks_per_row).view(1, -1)) % (MAX_SCALE_BYTE + 1)
+    slots[:, layout.w2_scales_offset: layout.w2_scales_offset + m.scale_bytes] = blocks.to(torch.uint8).reshape(-1).cuda()
+    f4 = type(case["f4"])(slots, case["f4"].table, layout)
+    ids, ws = _routed(case, 32)
+    ks = torch.randint(0, INTER, (ids.numel(),), generator=case["gen"])
+    ws.act.zero_()
+    ws.act[torch.arange(ids.numel()), ks] = 1.0
+    out = case["down"][2](f4, 0, ws, out=torch.full_like(ws.y, float("nan")))
+    torch.cuda.synchronize()
+    for p, e in enumerate(ids.reshape(-1).tolist()):
+        if e in FP4_EXPERTS:
+            col = unpack_matrix_ref(slots[FP4_EXPERTS[e]], layout, "w2")[:, int(ks[p])]
+            assert torch.equal(out[p], col), p
+
+
+def _whole(case, ids, x, weights, cuda_w2, limit=None, out=None):
+    tokens = ids.shape[0]
+    ws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, INTER, torch.bfloat16, "cuda", block_tokens=1)
+    ws.act.fill_(float("nan"))
+    ws.y.fill_(float("nan"))
+    misses = MissLog.allocate(8, "cuda")
+    out = torch.full_like(x, float("nan")) if out is None else out
+    moe_mm(x, ids, weights, case["w2"], case["f4"], 0, misses, ws, out=out, swiglu_limit=limit, cuda_w2=cuda_w2)
+    torch.cuda.synchronize()
+    return out, misses.counts.tolist(), misses.entries.tolist()
+
+
+@pytest.mark.gpu
+@needs_nvcc
+@pytest.mark.parametrize("tokens,limit", [(1, None), (2, None), (8, None), (32, None), (8, 0.75)])
+def test_tier_moe_matches_reference_with_mixed_residency(case, tokens, limit):
+    ids = _ids(case, tokens)
+    x = torch.randn(tokens, HIDDEN, generator=case["gen"]).to(torch.bfloat16).cuda()
+    weights = (torch.rand(tokens, TOP_K, generator=case["gen"]) + 0.05).cuda()
+    flat = ids.reshape(-1).tolist()
+    assert any(e in FP4_EXPERTS for e in flat) and MISSING in flat and any(e not in FP4_EXPERTS and e != MISSING
+                                                                           for e in flat)
+    ref, missing_pairs, missing = moe_mm_ref(x, ids, weights, case["w2"], case["f4"], 0, swiglu_limit=limit,
+                                             act_dtype=torch.bfloat16)
+    out, counts, entries = _whole(case, ids, x, weights, case["tier"], limit)
+    assert not out.isnan().any()
+    assert float((out.float() - ref).norm() / ref.norm()) <= 1e-2
+    assert counts == [missing_pairs, len(missing)] and [tuple(e) for e in entries[: len(missing)]] == missing
+    again, _, _ = _whole(case, ids, x, weights, case["tier"], limit)
+    assert _same_bytes(out, again)
+    tri, tri_counts, tri_entries = _whole(case, ids, x, weights, None, limit)
+    assert tri_counts == counts and tri_entries == entries
+    assert float((out.float() - tri.float()).norm() / tri.float().norm()) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_nvcc
+def test_tier_moe_replays_in_a_cuda_graph(case):
+    tokens = 8
+    ids = _ids(case, tokens)
+    x = torch.randn(tokens, HIDDEN, generator=case["gen"]).to(torch.bfloat16).cuda()
+    weights = (torch.rand(tokens, TOP_K, generator=case["gen"]) + 0.05).cuda()
+    eager, counts, _ = _whole(case, ids, x, weights, case["tier"])
+    ws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, INTER, torch.bfloat16, "cuda", block_tokens=1)
+    misses = MissLog.allocate(8, "cuda")
+    out = torch.full_like(x, float("nan"))
+    call = lambda: moe_mm(x, ids, weights, case["w2"], case["f4"], 0, misses, ws, out=out, cuda_w2=case["tier"])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # Triton compiles outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    misses.reset()
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _same_bytes(out, eager) and misses.counts.tolist() == counts  # one replay counts the misses once
