@@ -2,9 +2,9 @@
 by block size (W2MoeCuda).
 
 CPU: argument kinds against the kernel signatures and launch arguments, the kernels compiling without spills, and a
-numpy model that follows the .cu files over a real route output (block_tokens 16): CUDA block -> column group, the
-shared-memory columns with their pad, lane (g, c) reading column g's B and storing columns 2c / 2c + 1 from its D
-fragment; expert fills 1, 2, 3, 8, 11 (two column groups) and 17 (two route blocks), an FP4 and a missing expert;
+numpy model that follows the .cu files over a real route output (block_tokens 16): a route block's column groups of 8,
+the shared-memory columns with their pad, lane (g, c) reading column g's B and storing columns 2c / 2c + 1 from its
+D fragment; expert fills 1, 2, 3, 8, 11 (two column groups) and 17 (two route blocks), an FP4 and a missing expert;
 against float64 references. The model checks the index and bit arithmetic, not the hardware; the GPU tests run the
 kernels (outputs poisoned, repeats byte-identical, vs the references, the single-token kernels and Triton's route).
 """
@@ -76,7 +76,6 @@ def test_launch_args_follow_the_arg_kinds():
             assert isinstance(value, float if kind == "f" else int)
         assert args[kinds.index("pppp") + 1] == ws.block_fill.data_ptr()  # block_expert, block_fill, pairs, count
         assert args[kinds.index("pppp") + 4] == 32  # block_tokens
-    assert w2_multi.grid_x(ws) == ws.block_expert.numel() * 4
     assert w2_multi.shared_bytes(7168) == 8 * (2 * 7168 + 16)  # 114,816: two blocks fit an H200 SM (228 KB)
 
 
@@ -111,14 +110,6 @@ def test_kernels_compile_without_spills(tmp_path, source, defines):
 
 def _bits(v: torch.Tensor) -> list[int]:
     return (v.view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
-
-
-def column_group(ws, x: int) -> tuple[int, int, int]:
-    """w2_multi.cuh `column_group`: CUDA block x -> (route block, first pair index, count)."""
-    groups = ws.block_tokens // w2_multi.COLS
-    b, z = divmod(x, groups)
-    count = min(int(ws.block_fill[b]) - z * w2_multi.COLS, w2_multi.COLS) if b < int(ws.num_blocks[0]) else 0
-    return b, b * ws.block_tokens + z * w2_multi.COLS, count
 
 
 def build_pairs_multi(rows: torch.Tensor, pairs: list[int], divisor: int, count: int, stride: int, k_len: int):
@@ -159,13 +150,14 @@ def warp_mma_multi(lo, hi, lo_scales, hi_scales, xp, column_base, tiles) -> np.n
 
 
 def _blocks(ws, f4):
-    """The CUDA blocks along x that compute: (route block's expert, first pair index, count, pairs, FP4?)."""
-    for x in range(w2_multi.grid_x(ws)):
-        b, first, count = column_group(ws, x)
-        if count > 0:
-            expert = int(ws.block_expert[b])
-            pairs = ws.block_pairs[first: first + count].tolist()
-            yield expert, first, count, pairs, int(f4.table[0, expert]) >= 0
+    """The column groups the kernels run, in order: CUDA block b < num_blocks (route block b), then its groups
+    z0 = 0, 8, .. < fill: (expert, z0, count, the group's pairs, FP4?)."""
+    for b in range(min(ws.block_expert.numel(), int(ws.num_blocks[0]))):
+        expert, fill = int(ws.block_expert[b]), int(ws.block_fill[b])
+        pairs = ws.block_pairs[b * ws.block_tokens: b * ws.block_tokens + fill].tolist()
+        for z0 in range(0, fill, w2_multi.COLS):
+            count = min(fill - z0, w2_multi.COLS)
+            yield expert, z0, count, pairs[z0: z0 + count], int(f4.table[0, expert]) >= 0
 
 
 def model_gate_up_multi(w2, f4, ws, x, top_k) -> np.ndarray:
@@ -196,9 +188,13 @@ def model_down_multi(w2, f4, ws, act) -> np.ndarray:
     lay = w2.layout
     out = np.full((ws.y.shape[0], lay.hidden), np.inf)  # inf: not written
     stride = lay.inter // 2 + w2_multi.PAD_WORDS
-    for expert, _, count, pairs, fp4 in _blocks(ws, f4):
-        if fp4:
-            out[pairs] = np.nan
+    for expert, z0, count, pairs, fp4 in _blocks(ws, f4):
+        if fp4:  # the kernel's FP4 branch: lane (g, c) marks rows g, g + 8 of the pairs c, c + 4, ..
+            for n0 in range(0, lay.hidden, 16):
+                for g in range(8):
+                    for c in range(4):
+                        for col in range(c, count, 4):
+                            out[pairs[col], [n0 + g, n0 + g + 8]] = np.nan
             continue
         words, scales = _rows(w2.slots[int(w2.table[0, expert])], lay, "w2")
         xp = build_pairs_multi(act, pairs, 1, count, stride, lay.inter)

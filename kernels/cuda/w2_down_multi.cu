@@ -1,6 +1,6 @@
-// W2 down stage, multi-token: one CUDA block = one expert's 64 * GROUPS output rows for up to 8 routed pairs of that
-// expert (a column group of a route block of block_tokens = 8, 16, 32 or 64 pairs; w2_multi.cuh), so the expert's
-// bytes are loaded and decoded once per row tile whatever its pair count.
+// W2 down stage, multi-token: one CUDA block = one route block's 64 * GROUPS output rows (block_tokens = 16, 32 or 64
+// pairs of one expert), its pairs in column groups of 8 (w2_multi.cuh), so the expert's bytes are loaded and decoded
+// once per row tile for up to 8 pairs.
 //
 //   y[pair, n] = W2_e[n] . act[pair]      (float32, n < H, K = I)
 //
@@ -33,8 +33,7 @@ constexpr int kRowsPerBlock = kWarps * kGroups * kRowsPerGroup;
 
 }  // namespace
 
-// Grid (route blocks x block_tokens / 8, H / kRowsPerBlock), 128 threads; dynamic shared memory 8 * (2 * I + 16)
-// bytes.
+// Grid (route blocks, H / kRowsPerBlock), 128 threads; dynamic shared memory 8 * (2 * I + 16) bytes.
 extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_multi(
     const uint16_t* __restrict__ act, long long stride_act,                              // act bf16 [P, I]
     const uint8_t* __restrict__ slots, long long slot_bytes, long long words_off,
@@ -45,33 +44,25 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_multi(
     float* __restrict__ y, long long stride_y, int inter) {                             // y float32 [P, H]
   extern __shared__ uint4 smem[];
   uint32_t* xp = reinterpret_cast<uint32_t*>(smem);  // [8][I / 2 + kPadWords] activation pairs
-  const ColumnGroup cg = column_group(block_fill, num_blocks, block_tokens);
-  if (cg.count <= 0) return;
-  const int expert = block_expert[cg.block];
+  const int b = blockIdx.x;
+  if (b >= *num_blocks) return;
+  const int expert = block_expert[b];
+  const int fill = block_fill[b];
+  const int* pairs = block_pairs + b * block_tokens;
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int n0 = blockIdx.y * kRowsPerBlock + (threadIdx.x >> 5) * (kGroups * kRowsPerGroup) + g;  // group 0, row g
-  // This lane's two columns 2c, 2c + 1: their pairs' y rows (nullptr past the group's count).
-  float* y_col[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    y_col[h] = 2 * c + h < cg.count ? y + block_pairs[cg.first + 2 * c + h] * stride_y : nullptr;
-  }
   if (f4_table[table_row + expert] >= 0) {  // FP4 pairs: not computed on this path, marked
+    for (int col = c; col < fill; col += 4) {  // lane (g, c): rows g, g + 8 of every row group, pairs c, c + 4, ..
+      float* y_row = y + pairs[col] * stride_y;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (y_col[h]) {
-#pragma unroll
-        for (int r = 0; r < kGroups; ++r) {
-          y_col[h][n0 + r * kRowsPerGroup] = __int_as_float(0x7fc00000);
-          y_col[h][n0 + r * kRowsPerGroup + 8] = __int_as_float(0x7fc00000);
-        }
+      for (int r = 0; r < kGroups; ++r) {
+        y_row[n0 + r * kRowsPerGroup] = __int_as_float(0x7fc00000);
+        y_row[n0 + r * kRowsPerGroup + 8] = __int_as_float(0x7fc00000);
       }
     }
     return;
   }
   const int stride = inter / 2 + kPadWords;
-  const uint32_t* xp_lane = xp + min(g, cg.count - 1) * stride;  // B column g
-
   const uint8_t* base = slots + static_cast<long long>(w2_table[table_row + expert]) * slot_bytes;
   const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 16;
   const uint4* lo = reinterpret_cast<const uint4*>(base + words_off) + n0 * row_vecs;
@@ -79,49 +70,59 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_multi(
   const int tiles = words_per_row / kWps;
   const int steps = kGroups * tiles;  // (group, tile) in order; step s = group s / tiles, tile s % tiles
 
-  // Load cursor: the tile and the row-group offset of the next step to be loaded.
-  int load_t = 0;
-  long long load_w = 0, load_s = 0;  // row offsets (uint4) of the loaded group's row g: words, scales
-  auto load_next = [&]() {
-    const Tile r = load_tile(lo + load_w, lo + load_w + 8 * row_vecs, sl + load_s, sl + load_s + 8 * scale_vecs,
-                             load_t, c);
-    if (++load_t == tiles) {
-      load_t = 0;
-      load_w += kRowsPerGroup * row_vecs;
-      load_s += kRowsPerGroup * scale_vecs;
+  for (int z0 = 0; z0 < fill; z0 += kCols) {  // column groups: pairs z0 .. z0 + count - 1
+    const int count = min(fill - z0, kCols);
+    const uint32_t* xp_lane = xp + min(g, count - 1) * stride;  // B column g
+    // This lane's two columns 2c, 2c + 1: their pairs' y rows (nullptr past the group's count).
+    float* y_col[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) y_col[h] = 2 * c + h < count ? y + pairs[z0 + 2 * c + h] * stride_y : nullptr;
+
+    // Load cursor: the tile and the row-group offset of the next step to be loaded.
+    int load_t = 0;
+    long long load_w = 0, load_s = 0;  // row offsets (uint4) of the loaded group's row g: words, scales
+    auto load_next = [&]() {
+      const Tile r = load_tile(lo + load_w, lo + load_w + 8 * row_vecs, sl + load_s, sl + load_s + 8 * scale_vecs,
+                               load_t, c);
+      if (++load_t == tiles) {
+        load_t = 0;
+        load_w += kRowsPerGroup * row_vecs;
+        load_s += kRowsPerGroup * scale_vecs;
+      }
+      return r;
+    };
+
+    Tile ring[kAhead + 1];  // step s lives in ring[s % (kAhead + 1)]
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j) {
+      if (j < steps) ring[j] = load_next();
     }
-    return r;
-  };
+    if (z0 > 0) __syncthreads();  // every warp is done reading the previous group's columns
+    build_pairs_multi(act, stride_act, pairs + z0, 1, count, xp, stride, inter);
+    __syncthreads();
 
-  Tile ring[kAhead + 1];  // step s lives in ring[s % (kAhead + 1)]
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    int t = 0, n = n0;  // compute cursor: tile, row g of the current row group
+    for (int s0 = 0; s0 < steps; s0 += kAhead + 1) {
 #pragma unroll
-  for (int j = 0; j < kAhead; ++j) {
-    if (j < steps) ring[j] = load_next();
-  }
-  build_pairs_multi(act, stride_act, block_pairs + cg.first, 1, cg.count, xp, stride, inter);
-  __syncthreads();
-
-  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-  int t = 0, n = n0;  // compute cursor: tile, row g of the current group
-  for (int s0 = 0; s0 < steps; s0 += kAhead + 1) {
+      for (int j = 0; j <= kAhead; ++j) {
+        const int s = s0 + j;
+        if (s < steps) {
+          if (s + kAhead < steps) ring[(j + kAhead) % (kAhead + 1)] = load_next();
+          tile_mma(ring[j], xp_lane + t * kPairWordsPerTile, c, acc);
+          if (++t == tiles) {  // the row group is complete: column 2c + h is d[h] (row g), d[2 + h] (row g + 8)
 #pragma unroll
-    for (int j = 0; j <= kAhead; ++j) {
-      const int s = s0 + j;
-      if (s < steps) {
-        if (s + kAhead < steps) ring[(j + kAhead) % (kAhead + 1)] = load_next();
-        tile_mma(ring[j], xp_lane + t * kPairWordsPerTile, c, acc);
-        if (++t == tiles) {  // the group's rows are complete: column 2c + h is d[h] (row g), d[2 + h] (row g + 8)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            if (y_col[h]) {
-              y_col[h][n] = acc[0][h] + acc[1][h];
-              y_col[h][n + 8] = acc[0][2 + h] + acc[1][2 + h];
+            for (int h = 0; h < 2; ++h) {
+              if (y_col[h]) {
+                y_col[h][n] = acc[0][h] + acc[1][h];
+                y_col[h][n + 8] = acc[0][2 + h] + acc[1][2 + h];
+              }
             }
-          }
 #pragma unroll
-          for (int q = 0; q < 4; ++q) acc[0][q] = acc[1][q] = 0.f;
-          t = 0;
-          n += kRowsPerGroup;
+            for (int q = 0; q < 4; ++q) acc[0][q] = acc[1][q] = 0.f;
+            t = 0;
+            n += kRowsPerGroup;
+          }
         }
       }
     }

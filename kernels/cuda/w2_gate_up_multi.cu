@@ -1,6 +1,6 @@
-// W2 gate_up stage, multi-token: one CUDA block = one expert's 64 output rows for up to 8 routed pairs of that
-// expert (a column group of a route block of block_tokens = 8, 16, 32 or 64 pairs; w2_multi.cuh), so the expert's
-// bytes are loaded and decoded once per row tile whatever its pair count.
+// W2 gate_up stage, multi-token: one CUDA block = one route block's 64 output rows (block_tokens = 16, 32 or 64 pairs
+// of one expert), its pairs in column groups of 8 (w2_multi.cuh), so the expert's bytes are loaded and decoded once
+// per row tile for up to 8 pairs.
 //
 //   act[pair, n] = SwiGLU(gate, up),  gate = W13_e[n] . x[token],  up = W13_e[n + I] . x[token]
 //
@@ -32,7 +32,7 @@ constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;  // 64
 
 }  // namespace
 
-// Grid (route blocks x block_tokens / 8, I / 64), 256 threads; dynamic shared memory 8 * (2 * H + 16) bytes.
+// Grid (route blocks, I / 64), 256 threads; dynamic shared memory 8 * (2 * H + 16) bytes.
 extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) w2_gate_up_multi(
     const uint16_t* __restrict__ x, long long stride_x,              // activations bf16 [T, H]
     const uint8_t* __restrict__ slots, long long slot_bytes,         // W2 pool uint8 [S, slot_bytes]
@@ -44,14 +44,15 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) w2_gate_up_multi(
     float limit, int has_limit) {
   extern __shared__ uint4 smem[];
   uint32_t* xp = reinterpret_cast<uint32_t*>(smem);  // [8][H / 2 + kPadWords] activation pairs
-  const ColumnGroup cg = column_group(block_fill, num_blocks, block_tokens);
-  if (cg.count <= 0) return;
-  const int expert = block_expert[cg.block];
+  const int b = blockIdx.x;
+  if (b >= *num_blocks) return;
+  const int expert = block_expert[b];
   if (f4_table[table_row + expert] >= 0) return;
+  const int fill = block_fill[b];
+  const int* pairs = block_pairs + b * block_tokens;
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int n = blockIdx.y * kRowsPerBlock + (threadIdx.x >> 5) * kRowsPerWarp + g;  // output row
   const int stride = hidden / 2 + kPadWords;
-  const uint32_t* xp_lane = xp + min(g, cg.count - 1) * stride;  // B column g
 
   const uint8_t* base = slots + static_cast<long long>(w2_table[table_row + expert]) * slot_bytes;
   const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 16;
@@ -61,33 +62,37 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 2) w2_gate_up_multi(
   const uint4* us = gs + inter * scale_vecs;
   const int tiles = words_per_row / kWps;
 
-  Tile ring[kAhead + 1];  // tile t lives in ring[t % (kAhead + 1)]; loads past the last tile reload it
+  for (int z0 = 0; z0 < fill; z0 += kCols) {  // column groups: pairs z0 .. z0 + count - 1
+    const int count = min(fill - z0, kCols);
+    const uint32_t* xp_lane = xp + min(g, count - 1) * stride;  // B column g
+    Tile ring[kAhead + 1];  // tile t lives in ring[t % (kAhead + 1)]; loads past the last tile reload it
 #pragma unroll
-  for (int j = 0; j < kAhead; ++j) ring[j] = load_tile(gate, up, gs, us, min(j, tiles - 1), c);
-  build_pairs_multi(x, stride_x, block_pairs + cg.first, top_k, cg.count, xp, stride, hidden);
-  __syncthreads();
+    for (int j = 0; j < kAhead; ++j) ring[j] = load_tile(gate, up, gs, us, min(j, tiles - 1), c);
+    if (z0 > 0) __syncthreads();  // every warp is done reading the previous group's columns
+    build_pairs_multi(x, stride_x, pairs + z0, top_k, count, xp, stride, hidden);
+    __syncthreads();
 
-  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-  for (int t0 = 0; t0 < tiles; t0 += kAhead + 1) {
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    for (int t0 = 0; t0 < tiles; t0 += kAhead + 1) {
 #pragma unroll
-    for (int j = 0; j <= kAhead; ++j) {
-      const int t = t0 + j;
-      if (t < tiles) {
-        ring[(j + kAhead) % (kAhead + 1)] = load_tile(gate, up, gs, us, min(t + kAhead, tiles - 1), c);
-        tile_mma(ring[j], xp_lane + t * kPairWordsPerTile, c, acc);
+      for (int j = 0; j <= kAhead; ++j) {
+        const int t = t0 + j;
+        if (t < tiles) {
+          ring[(j + kAhead) % (kAhead + 1)] = load_tile(gate, up, gs, us, min(t + kAhead, tiles - 1), c);
+          tile_mma(ring[j], xp_lane + t * kPairWordsPerTile, c, acc);
+        }
       }
     }
-  }
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {  // columns 2c (d0 gate, d2 up) and 2c + 1 (d1, d3)
-    if (2 * c + h < cg.count) {
-      float gate_v = acc[0][h] + acc[1][h], up_v = acc[0][2 + h] + acc[1][2 + h];
-      if (has_limit) {
-        gate_v = fminf(gate_v, limit);
-        up_v = fminf(fmaxf(up_v, -limit), limit);
+    for (int h = 0; h < 2; ++h) {  // columns 2c (d0 gate, d2 up) and 2c + 1 (d1, d3)
+      if (2 * c + h < count) {
+        float gate_v = acc[0][h] + acc[1][h], up_v = acc[0][2 + h] + acc[1][2 + h];
+        if (has_limit) {
+          gate_v = fminf(gate_v, limit);
+          up_v = fminf(fmaxf(up_v, -limit), limit);
+        }
+        act[pairs[z0 + 2 * c + h] * stride_act + n] = __float2bfloat16_rn(gate_v / (1.0f + __expf(-gate_v)) * up_v);
       }
-      const int pair = block_pairs[cg.first + 2 * c + h];
-      act[pair * stride_act + n] = __float2bfloat16_rn(gate_v / (1.0f + __expf(-gate_v)) * up_v);
     }
   }
 }

@@ -2,8 +2,9 @@
 // expert's weight tile once for up to kCols = 8 routed pairs of that expert, one pair per mma column.
 //
 // Columns: the route (block_tokens BT, a multiple of 8) gives block b -> expert, its pairs block_pairs[b * BT ..]
-// and their count block_fill[b]. CUDA block x = b * (BT / 8) + z handles column group z: pairs 8z .. 8z + 7 of
-// route block b (blocks of one expert stay adjacent, so a group beyond the first reads the expert's bytes from L2).
+// and their count block_fill[b]. CUDA block x = route block x; it runs its pairs in column groups of 8 (pairs
+// z0 .. z0 + 7 for z0 = 0, 8, ..), one after another: fill <= 8, the common case, is one pass, and a second pass
+// re-reads the expert's bytes the block itself has just read (L2). Route blocks past num_blocks exit at once.
 //
 // B: the mma.m16n8k16 B fragment of lane (g = lane / 4, c = lane % 4) is column g (PTX ISA), so lane (g, c) reads
 // the activation pairs of column g's pair (columns past the group's count read the last pair's: their D columns
@@ -21,25 +22,8 @@
 
 namespace {
 
-constexpr int kCols = 8;       // mma N: pairs per CUDA block
+constexpr int kCols = 8;       // mma N: pairs per column group
 constexpr int kPadWords = 4;   // per-column shared-memory pad (16 bytes)
-
-struct ColumnGroup {
-  int block;  // route block
-  int first;  // index of the group's first pair in block_pairs
-  int count;  // pairs in this group, <= kCols (<= 0: nothing to do)
-};
-
-__device__ __forceinline__ ColumnGroup column_group(const int* __restrict__ block_fill,
-                                                    const int* __restrict__ num_blocks, int block_tokens) {
-  const int groups = block_tokens / kCols;
-  ColumnGroup r;
-  r.block = blockIdx.x / groups;
-  const int z = blockIdx.x - r.block * groups;
-  r.first = r.block * block_tokens + z * kCols;
-  r.count = r.block < *num_blocks ? min(block_fill[r.block] - z * kCols, kCols) : 0;
-  return r;
-}
 
 // The activation rows of the group's pairs -> xp: column j = row a + (pairs[j] / divisor) * stride_a [k_len] bf16,
 // as pairs in B register order (w2_fragments.cuh `load_unit` / `store_unit`) at xp + j * stride.

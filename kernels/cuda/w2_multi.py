@@ -2,7 +2,7 @@
 weight tile once for up to 8 routed pairs of that expert (the mma's 8 columns).
 
 They take a workspace routed with block_tokens a multiple of 8 (16, 32, 64; `MoeWorkspace.allocate(...,
-block_tokens=16)`): route block b's pairs are split into column groups of 8, one CUDA block each. Outputs are the
+block_tokens=16)`): CUDA block b runs route block b's pairs in column groups of 8, one after another. Outputs are the
 single-token kernels' (w2_gate_up.py, w2_down.py), indexed by pair, so their references apply unchanged:
 `W2GateUpMultiCuda()(hidden, top_k, w2, fp4, layer, ws)` writes ws.act of the W2 pairs (FP4 and missing pairs
 untouched), `W2DownMultiCuda()(w2, fp4, layer, ws)` writes ws.y (FP4 pairs' rows NaN, missing pairs' untouched).
@@ -37,11 +37,6 @@ DOWN_ARG_KINDS = "pqpqqqiippippppipqi"
 def shared_bytes(k_len: int) -> int:
     """Dynamic shared memory of a block: COLS columns of k_len / 2 activation pairs plus the pad, 4 bytes each."""
     return 4 * COLS * (k_len // 2 + PAD_WORDS)
-
-
-def grid_x(ws) -> int:
-    """CUDA blocks along x: every route block's column groups (ws.block_tokens / COLS each)."""
-    return ws.block_expert.numel() * (ws.block_tokens // COLS)
 
 
 def _check_block_tokens(ws) -> None:
@@ -121,7 +116,7 @@ class W2GateUpMultiCuda(_Built):
         gate_check_inputs(hidden, w2, fp4, ws, out)
         smem = shared_bytes(w2.layout.hidden)
         self.kernel.allow_shared(smem)
-        self.kernel.launch((grid_x(ws), w2.layout.inter // GATE_ROWS_PER_BLOCK), (GATE_THREADS,), smem,
+        self.kernel.launch((ws.block_expert.numel(), w2.layout.inter // GATE_ROWS_PER_BLOCK), (GATE_THREADS,), smem,
                            torch.cuda.current_stream().cuda_stream, GATE_ARG_KINDS,
                            gate_launch_args(hidden, top_k, w2, fp4, layer, ws, out, swiglu_limit))
         return out
@@ -142,7 +137,7 @@ class W2DownMultiCuda(_Built):
         down_check_inputs(w2, fp4, ws, out, self.groups)
         smem = shared_bytes(w2.layout.inter)
         self.kernel.allow_shared(smem)
-        self.kernel.launch((grid_x(ws), w2.layout.hidden // w2_down.rows_per_block(self.groups)), (DOWN_THREADS,),
+        self.kernel.launch((ws.block_expert.numel(), w2.layout.hidden // w2_down.rows_per_block(self.groups)), (DOWN_THREADS,),
                            smem, torch.cuda.current_stream().cuda_stream, DOWN_ARG_KINDS,
                            down_launch_args(w2, fp4, layer, ws, out))
         return out
