@@ -116,8 +116,9 @@ case "$step" in
       --max-new-tokens 48 --gpu-pool-frac 0.25 --fp4-pool-frac 0.5 --gate --gate-tau 0.6 --verify-fp4
     ;;
   layers)  # per-layer copy waits (config layer_waits) on and off, the CUDA W2 knob in the runtime (~6 min expected)
-    stage runtime-tests 150 python3 -m pytest tests/test_runtime_layer_waits.py tests/test_runtime_gpu.py \
-      tests/test_runtime_fetch_split.py tests/test_runtime_cuda_w2.py -m gpu -q
+    stage runtime-tests 200 python3 -m pytest tests/test_runtime_layer_waits.py tests/test_runtime_pool_copies.py \
+      tests/test_runtime_gpu.py tests/test_runtime_fetch_split.py tests/test_runtime_cuda_w2.py tests/test_fp4_gpu.py \
+      -m gpu -q
     for round in 1 2; do
       stage "replay-waits-$round" 150 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
         --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \

@@ -1,5 +1,6 @@
-"""DevicePool.install on the CPU device: copies merged per contiguous run, the table written whole
-from host staging (victims unmapped first), bytes exact, nothing changed on a refused install."""
+"""DevicePool.install: copies merged per contiguous run, the table written whole from host staging
+(victims unmapped first), bytes exact, nothing changed on a refused install. On the CPU device, and on
+CUDA (marker `gpu`: the driver-API row and table copies, with and without per-layer waits)."""
 
 import numpy as np
 import pytest
@@ -13,22 +14,32 @@ SLOT = 4096
 LAYERS, EXPERTS = 2, 8
 
 
-def pool(slots: int = 6) -> DevicePool:
-    return DevicePool(slots, SLOT, LAYERS, EXPERTS, "cpu", get_policy("lru"))
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cuda-layer-waits", marks=pytest.mark.gpu)]
 
 
-def host_rows(count: int, seed: int = 0) -> torch.Tensor:
+def pool(slots: int = 6, device: str = "cpu") -> DevicePool:
+    if device != "cpu" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return DevicePool(slots, SLOT, LAYERS, EXPERTS, device.removesuffix("-layer-waits"), get_policy("lru"),
+                      layer_waits=device.endswith("layer-waits"))
+
+
+def host_rows(count: int, seed: int = 0, pin: bool = False) -> torch.Tensor:
     """count rows in one host buffer, uint8 [count, SLOT]."""
-    return torch.randint(0, 256, (count, SLOT), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    rows = torch.randint(0, 256, (count, SLOT), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    return rows.pin_memory() if pin else rows
 
 
 def assert_bytes(p: DevicePool, keys, rows) -> None:
+    p.wait()
     for key, row in zip(keys, rows):
-        assert torch.equal(p.slots[p.slot_of(key), :row.numel()], row)
+        assert torch.equal(p.slots[p.slot_of(key), :row.numel()].cpu(), row)
 
 
-def test_rows_adjacent_in_one_buffer_into_free_slots_take_one_copy():
-    p, buffer = pool(), host_rows(4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_adjacent_in_one_buffer_into_free_slots_take_one_copy(device):
+    p, buffer = pool(device=device), host_rows(4, pin=device != "cpu")
+    p.slots.fill_(0xA5)  # poisoned: every byte checked below must have been copied
     keys = [(0, 1), (0, 5), (1, 0), (1, 7)]
     p.install(keys, list(buffer), exclude=keys)  # rows are adjacent views of `buffer`; slots 0..3
     assert p.copies == 1
@@ -37,31 +48,36 @@ def test_rows_adjacent_in_one_buffer_into_free_slots_take_one_copy():
     p.check_coherent()
 
 
-def test_scattered_short_or_separate_rows_copy_one_by_one():
-    p, buffer = pool(), host_rows(4, seed=1)
+@pytest.mark.parametrize("device", DEVICES)
+def test_scattered_short_or_separate_rows_copy_one_by_one(device):
+    pin = device != "cpu"
+    p, buffer = pool(device=device), host_rows(4, seed=1, pin=pin)
+    p.slots.fill_(0xA5)
     scattered = [buffer[2], buffer[0]]  # not ascending in memory
     p.install([(0, 0), (0, 1)], scattered, exclude=[])
     assert p.copies == 2
     short = [buffer[1, :SLOT - 16], buffer[2]]  # a short row never merges
     p.install([(1, 0), (1, 1)], short, exclude=[])
     assert p.copies == 4
-    separate = [host_rows(1, seed=2)[0], host_rows(1, seed=3)[0]]  # two allocations
+    separate = [host_rows(1, seed=2, pin=pin)[0], host_rows(1, seed=3, pin=pin)[0]]  # two allocations
     p.install([(1, 2), (1, 3)], separate, exclude=[])
     assert p.copies == 6
     assert_bytes(p, [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (1, 3)], scattered + short + separate)
     p.check_coherent()
 
 
-def test_evictions_unmap_victims_and_table_equals_mirror():
-    p = pool(slots=3)
+@pytest.mark.parametrize("device", DEVICES)
+def test_evictions_unmap_victims_and_table_equals_mirror(device):
+    p = pool(slots=3, device=device)
     first = [(0, 0), (0, 1), (0, 2)]
-    p.install(first, list(host_rows(3)), exclude=first)
+    p.install(first, list(host_rows(3, pin=device != "cpu")), exclude=first)
     p.touch([(0, 0)], now=1.0)  # (0, 1) and (0, 2) are now the least recently used
     second = [(1, 4), (1, 5)]
-    fresh = host_rows(2, seed=5)
+    fresh = host_rows(2, seed=5, pin=device != "cpu")
     p.install(second, list(fresh), exclude=second + [(0, 0)])
     assert not p.is_resident((0, 1)) and not p.is_resident((0, 2)) and p.is_resident((0, 0))
-    assert torch.equal(p.table, torch.from_numpy(p.mirror))
+    p.wait()
+    assert torch.equal(p.table.cpu(), torch.from_numpy(p.mirror))
     assert int(p.table[0, 1]) == -1 and int(p.table[0, 2]) == -1
     assert_bytes(p, second, fresh)
     p.check_coherent()
@@ -73,6 +89,8 @@ def test_refused_install_changes_nothing():
     table, slots = p.table.clone(), p.slots.clone()
     with pytest.raises(CapacityError, match="does not fit"):
         p.install([(0, 1)], [torch.zeros(SLOT + 1, dtype=torch.uint8)], exclude=[])
+    with pytest.raises(ValueError, match="contiguous 1-D uint8 host"):
+        p.install([(0, 1)], [host_rows(1)[0, ::2]], exclude=[])  # a strided view has no one host range
     with pytest.raises(CapacityError, match="cannot take 2 more"):
         p.install([(1, 0), (1, 1)], list(host_rows(2)), exclude=[(0, 0)])
     assert torch.equal(p.table, table) and torch.equal(p.slots, slots)

@@ -58,7 +58,8 @@ class RuntimeConfig:
     - `layer_waits` (default on; CUDA): a replay after a fetch starts at once and each MoE layer waits on
       the device only for its own layer's rows (`DevicePool` with `layer_waits`), so the early layers run
       while the later layers' rows are still copied; off: the replay waits for the whole fetch first.
-      Same bytes either way (the same slots and kernels), only when each layer may start.
+      Same bytes either way (the same slots and kernels), only when each layer may start. A pool that
+      holds every expert never waits per layer (it is filled once, before any step).
 
     Kernels:
 

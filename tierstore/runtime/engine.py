@@ -95,10 +95,12 @@ class TieredRuntime:
         check_row_source(source, geometry, self.layout.slot_bytes, "base")
         check_working_set(geometry, pool_slots, self.layout.slot_bytes, self.config)
         # overlap: a fetch returns with its copies in flight; the next pass waits for them on the device, per
-        # layer with config layer_waits (each MoE layer waits for its own rows: `moe`)
-        self.pool = DevicePool(min(pool_slots, geometry.total_routed_experts), self.layout.slot_bytes, *shape,
-                               self.device, get_policy(self.config.policy), overlap=True,
-                               layer_waits=self.config.layer_waits)
+        # layer with config layer_waits (each MoE layer waits for its own rows: `moe`), except in a pool that
+        # holds every expert (filled once by `preload`; nothing to overlap, no wait nodes in the graphs)
+        slots = min(pool_slots, geometry.total_routed_experts)
+        self.pool = DevicePool(slots, self.layout.slot_bytes, *shape, self.device, get_policy(self.config.policy),
+                               overlap=True,
+                               layer_waits=self.config.layer_waits and slots < geometry.total_routed_experts)
         # the pool's deferred hits reach its policy before each pass-log read, while the forward runs on the
         # device, not in a fetch after the sync; only where a fetch can evict and the device runs asynchronously
         self._early_hits = self.device.type == "cuda" and self.pool.num_slots < geometry.total_routed_experts

@@ -45,6 +45,7 @@ import torch
 from tierstore.cache.policies.lru import LRUPolicy
 from tierstore.cache.policy import EvictionPolicy
 from tierstore.errors import CapacityError
+from tierstore.runtime.h2d import HostToDevice
 
 Key = tuple[int, int]
 
@@ -74,6 +75,7 @@ class DevicePool:
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._reserved: set[int] = set()  # slots taken by `reserve`, not mapped yet
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._h2d = HostToDevice(self.device) if self._stream is not None else None  # row and table copies
         # `write_reserved`'s copies: their own stream and timing events (they run outside the safe point)
         self._reserve_stream = torch.cuda.Stream(self.device) if self._stream is not None else None
         self._reserve_marks = ([torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -186,9 +188,7 @@ class DevicePool:
         ids = self.key_ids(keys)
         if len(set(ids)) != len(ids) or (self.mirror.reshape(-1)[ids] >= 0).any():
             raise ValueError("install() takes distinct keys that are not resident")
-        for row in rows:
-            if row.numel() > self.slot_bytes:
-                raise CapacityError(f"row of {row.numel()} bytes does not fit a {self.slot_bytes}-byte slot")
+        self._check_rows(rows)
         victims = self._victims(len(ids) - self.num_free, exclude, ids)
         victim_slots = self.mirror.reshape(-1)[victims].tolist()
         slots = self._free[len(self._free) - min(len(keys), self.num_free):][::-1] + victim_slots  # pop() order
@@ -196,6 +196,14 @@ class DevicePool:
         self._map(keys, ids, slots, victims, victim_slots)
         if not self.overlap:
             self.wait()
+
+    def _check_rows(self, rows) -> None:
+        for row in rows:
+            if row.dtype != torch.uint8 or row.dim() != 1 or not row.is_contiguous() or row.device.type != "cpu":
+                raise ValueError(f"rows must be contiguous 1-D uint8 host tensors, got {row.dtype} {tuple(row.shape)} "
+                                 f"on {row.device}")
+            if row.numel() > self.slot_bytes:
+                raise CapacityError(f"row of {row.numel()} bytes does not fit a {self.slot_bytes}-byte slot")
 
     def reserve(self, count: int, exclude: Iterable[Key]) -> list[int]:
         """Take `count` slots for `write_reserved`: free ones first, then victims from the policy
@@ -226,9 +234,7 @@ class DevicePool:
         the copies are done. Needs no safe point (see the module doc); one caller at a time."""
         if len(rows) != len(slots) or not set(slots) <= self._reserved:
             raise ValueError("write_reserved() takes one row per slot, every slot reserved")
-        for row in rows:
-            if row.numel() > self.slot_bytes:
-                raise CapacityError(f"row of {row.numel()} bytes does not fit a {self.slot_bytes}-byte slot")
+        self._check_rows(rows)
         if self._reserve_stream is None:
             started = time.perf_counter()
             self._copy_rows(rows, slots)
@@ -279,7 +285,7 @@ class DevicePool:
             return
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            self.table.copy_(final, non_blocking=True)
+            self._copy_table(final)
         self._stream.synchronize()
 
     def _victims(self, needed: int, exclude: Iterable[Key], ids: list[int]) -> list[int]:
@@ -337,7 +343,7 @@ class DevicePool:
     def _copy_by_layer(self, rows, slots: list[int], ids: list[int], victims: list[int], final: torch.Tensor) -> None:
         """`layer_waits` order on the copy stream: the final table, the events of layers that only lost
         victims, then each layer's rows followed by its event, in layer order."""
-        self.table.copy_(final, non_blocking=True)  # no reader of a touched layer runs before its event
+        self._copy_table(final)  # no reader of a touched layer runs before its event
         experts = self.num_experts
         by_layer: dict[int, list[int]] = {}
         for index in sorted(range(len(ids)), key=ids.__getitem__):
@@ -367,18 +373,31 @@ class DevicePool:
 
     def _copy(self, rows, slots, unmapped: torch.Tensor | None, final: torch.Tensor) -> None:
         if unmapped is not None:
-            self.table.copy_(unmapped, non_blocking=True)  # unmap before the bytes are reused
+            self._copy_table(unmapped)  # unmap before the bytes are reused
         self._copy_rows(rows, slots)
-        self.table.copy_(final, non_blocking=True)
+        self._copy_table(final)
+
+    def _copy_table(self, staged: torch.Tensor) -> None:
+        """The device table := a staging table, on the current stream (asynchronous on CUDA)."""
+        if self._h2d is None:
+            self.table.copy_(staged)
+        else:
+            self._h2d.tensor(self.table, staged, torch.cuda.current_stream(self.device))
 
     def _copy_rows(self, rows, slots) -> None:
+        """Rows into slots on the current stream; on CUDA through the driver (`HostToDevice`): the host
+        issues a row in a few microseconds, faster than the copy engine moves one."""
+        stream = torch.cuda.current_stream(self.device) if self._h2d is not None else None
+        base, slot_bytes = self.slots.data_ptr(), self.slot_bytes
         for first, count, nbytes in self._runs(rows, slots):
-            if count == 1:
+            row = rows[first]
+            if stream is not None:  # `count` rows of `nbytes`: adjacent in one host buffer when count > 1
+                self._h2d.copy(base + slots[first] * slot_bytes, row.data_ptr(), count * nbytes, stream)
+            elif count == 1:
                 dest = self._slot_rows[slots[first]]
-                (dest if nbytes == self.slot_bytes else dest[:nbytes]).copy_(rows[first], non_blocking=True)
-            else:  # `count` full rows, adjacent in one host buffer: one copy into consecutive slots
-                source = rows[first].as_strided((count * nbytes,), (1,))
-                self.slots[slots[first]:slots[first] + count].view(-1).copy_(source, non_blocking=True)
+                (dest if nbytes == slot_bytes else dest[:nbytes]).copy_(row)
+            else:
+                self.slots[slots[first]:slots[first] + count].view(-1).copy_(row.as_strided((count * nbytes,), (1,)))
             self.copies += 1
 
     def _runs(self, rows, slots) -> list[tuple[int, int, int]]:

@@ -1,0 +1,51 @@
+"""Host-to-device copies of pinned bytes through the driver API (`cuMemcpyHtoDAsync`).
+
+One ctypes call per copy costs a few microseconds of host time. torch's `copy_(non_blocking=True)`
+from pinned memory costs far more (dispatch, and an event recorded in torch's pinned-memory
+allocator for every copy), and on the miss path the host issues a row per expert while the copy
+engine drains them: when issuing is slower than copying, the engine idles between rows.
+
+The caller keeps the host bytes alive and unchanged until the copy is done (`DevicePool` waits
+before its arena or staging is reused), and passes pinned memory (pageable memory still copies
+correctly, but synchronously).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: no context current on this thread yet
+
+
+class HostToDevice:
+    """`copy(dst_ptr, src_ptr, nbytes, stream)`: an asynchronous copy on `stream` (a torch CUDA stream)."""
+
+    def __init__(self, device: torch.device) -> None:
+        from tierstore.kernels.cuda.loader import driver
+
+        self._driver = driver()
+        self._device = device.index if device.index is not None else torch.cuda.current_device()
+        self._driver.ensure_context(self._device)
+        self._memcpy = self._driver.lib.cuMemcpyHtoDAsync_v2
+        self._memcpy.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        self._memcpy.restype = ctypes.c_int
+
+    def copy(self, dst_ptr: int, src_ptr: int, nbytes: int, stream: torch.cuda.Stream) -> None:
+        status = self._memcpy(dst_ptr, src_ptr, nbytes, stream.cuda_stream)
+        if status == _INVALID_CONTEXT:  # a thread that has not touched CUDA through torch yet
+            self._driver.ensure_context(self._device)
+            status = self._memcpy(dst_ptr, src_ptr, nbytes, stream.cuda_stream)
+        if status:
+            name = ctypes.c_char_p()
+            self._driver.lib.cuGetErrorName(status, ctypes.byref(name))
+            raise RuntimeError(f"cuMemcpyHtoDAsync of {nbytes} bytes failed: "
+                               f"{name.value.decode() if name.value else status}")
+
+    def tensor(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """dst (CUDA) := src (host), both contiguous with the same byte size."""
+        nbytes = src.numel() * src.element_size()
+        if not (dst.is_contiguous() and src.is_contiguous()) or dst.numel() * dst.element_size() != nbytes:
+            raise ValueError("HostToDevice.tensor copies contiguous tensors of equal byte size")
+        self.copy(dst.data_ptr(), src.data_ptr(), nbytes, stream)
