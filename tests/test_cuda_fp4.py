@@ -456,3 +456,81 @@ def test_tier_moe_replays_in_a_cuda_graph(case):
     graph.replay()
     torch.cuda.synchronize()
     assert _same_bytes(out, eager) and misses.counts.tolist() == counts  # one replay counts the misses once
+
+
+# ---- benchmarks/cuda_fp4.py bookkeeping (no GPU: Triton interpreter, stand-ins for the CUDA kernels) --------
+
+def _fp4_blocks(ws, f4, layer):
+    """(pair, FP4 slot) of each route block whose expert is FP4-resident."""
+    for b in range(int(ws.num_blocks[0])):
+        slot = int(f4.table[layer, int(ws.block_expert[b])])
+        if slot >= 0:
+            yield int(ws.block_pairs[b]), f4.slots[slot]
+
+
+class _GateUpStandIn:
+    """Stands in for Fp4GateUpCuda in the CPU run of the benchmark (plain torch from the route output)."""
+
+    def __call__(self, x, top_k, f4, layer, ws, out=None, swiglu_limit=None):
+        out = ws.act if out is None else out
+        for pair, slot in _fp4_blocks(ws, f4, layer):
+            gate, up = (unpack_matrix_ref(slot, f4.layout, "w13") @ x[pair // top_k].float()).chunk(2)
+            out[pair] = (torch.nn.functional.silu(gate) * up).to(out.dtype)
+        return out
+
+
+class _DownStandIn:
+    """Stands in for Fp4DownCuda in the CPU run of the benchmark."""
+
+    def __call__(self, f4, layer, ws, out=None):
+        out = ws.y if out is None else out
+        for pair, slot in _fp4_blocks(ws, f4, layer):
+            out[pair] = unpack_matrix_ref(slot, f4.layout, "w2") @ ws.act[pair].float()
+        return out
+
+
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_fp4.py"
+    spec = importlib.util.spec_from_file_location("bench_cuda_fp4_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernels in the CPU interpreter (set without CUDA)")
+def test_bench_runs_end_to_end_on_cpu_with_stand_in_kernels(monkeypatch):
+    import argparse
+
+    import tierstore.geometry
+    from tierstore.geometry import _preset
+
+    bench = _bench_module()
+    cw2 = bench._load("cuda_w2")
+    kb = cw2._bench_kernels()
+
+    def build(name):
+        stage, ahead = bench.VARIANTS[name]
+        stages = bench.Fp4Only(_GateUpStandIn(), _DownStandIn())
+        return {"gate_up": stages.gate_up, "down": stages.down, "whole": stages}[stage], dict(stage=stage, ahead=ahead)
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "_build", build)
+    monkeypatch.setattr(tierstore.geometry, "get_preset", lambda name: _preset("tiny", 1, 8, 2, 256, 256))
+    monkeypatch.setattr(kb, "_graph_time_us", lambda fns, reps: (fns[0](), 10.0)[1])  # one launch of each variant
+    monkeypatch.setattr(kb, "_stream_us", lambda nbytes, copies, reps, device: 5.0)
+    monkeypatch.setattr(kb, "_bf16_case", lambda geo, w13, w2d, routings, reps: 50.0)
+    result, emitted = {}, []
+    bench.run(kb, cw2, argparse.Namespace(preset="tiny", tokens="2", reps=1), result,
+              lambda r: emitted.append(r["status"]))
+    assert result["status"] == "complete" and not result["errors"], result["errors"]
+    assert [(c["tokens"], c["stage"]) for c in result["checks"]] == [(2, s) for s in ("gate_up", "down", "whole")]
+    for check in result["checks"]:
+        for name in check["variants"]:
+            assert cw2._invalid([check], name) == [], (check["stage"], name, check["variants"][name])
+    timed = {(r["tokens"], r["variant"]) for r in result["cases"] if r.get("us") is not None}
+    assert {(2, name) for name in bench.VARIANTS} <= timed and (2, "bf16_grouped_mm") in timed
+    whole = [r for r in result["cases"] if r["variant"] == "cuda_fp4_whole"]
+    assert whole[0]["triton_over_this"] > 0 and whole[0]["bf16_over_this"] == pytest.approx(5.0)

@@ -1,0 +1,267 @@
+"""CUDA C++ FP4 stages (kernels/cuda/fp4_moe.cu) against Triton and bf16, every routed expert FP4-resident
+(issue #9, DeepSeek-V3 shapes; benchmarks/cuda-fp4-notes.md).
+
+Per T (default 1, 8, 32), three stages side by side: FP4 gate_up (CUDA vs Triton's `moe_gate_up`), FP4 down
+(CUDA vs `moe_down`), each with its streaming-read ceiling, and the whole op: `moe_mm(..., cuda_w2=
+TierMoeCuda(...))` (route -> W2 gate_up -> W2 down -> FP4 gate_up -> FP4 down -> combine; the W2 launches find
+no W2 pair here and only mark NaN rows that the FP4 down overwrites), the FP4 stages alone between the same
+route and combine (`cuda_fp4_only`: what the W2 launches cost), Triton's whole op and bf16 `torch._grouped_mm`.
+Pools, routings, graph timing with rotating routings (L2 defeated), ceilings, bf16 and the runner come from
+benchmarks/kernels.py; provenance, validity rule, derived columns and the printed table from
+benchmarks/cuda_w2.py. Checks first (outputs poisoned with NaN, against the plain-torch references incl.
+`moe_mm_ref`, vs Triton, repeats byte-identical, variants byte-identical, miss counts equal); a failed check
+marks its CUDA rows invalid (time kept aside). JSON written after every step.
+
+    python3 benchmarks/cuda_fp4.py --commit <sha> --json cuda_fp4.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUNDS = 2
+# variant -> (stage, FP4_AHEAD); the first of each stage is the one the others must equal byte for byte
+VARIANTS = {"cuda_fp4_gate_up": ("gate_up", 2), "cuda_fp4_gate_up_a1": ("gate_up", 1),
+            "cuda_fp4_down": ("down", 2), "cuda_fp4_down_a1": ("down", 1),
+            "cuda_fp4_whole": ("whole", 2), "cuda_fp4_only": ("whole", 2)}
+FIRST = {"gate_up": "cuda_fp4_gate_up", "down": "cuda_fp4_down", "whole": "cuda_fp4_whole"}
+DEVICE = "cuda"  # the CPU test of this script's bookkeeping sets "cpu"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}_for_cuda_fp4", ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class Fp4Only:
+    """The two FP4 launches alone in moe_mm's cuda_w2 slot: correct only when no pair is W2-resident (here)."""
+
+    def __init__(self, gate_up, down):
+        self.gate_up, self.down = gate_up, down
+
+    def __call__(self, hidden, top_k, w2, fp4, layer, ws, swiglu_limit=None):
+        self.gate_up(hidden, top_k, fp4, layer, ws, swiglu_limit=swiglu_limit)
+        self.down(fp4, layer, ws)
+
+
+def _build(name: str) -> tuple[object, dict]:
+    from tierstore.kernels.cuda.fp4_stages import Fp4DownCuda, Fp4GateUpCuda
+    from tierstore.kernels.cuda.tier_moe import TierMoeCuda
+
+    stage, ahead = VARIANTS[name]
+    started = time.perf_counter()
+    if name == "cuda_fp4_only":
+        built = Fp4Only(Fp4GateUpCuda(ahead), Fp4DownCuda(ahead))
+        attrs = {f"{k}_{a}": v for k, s in (("gate_up", built.gate_up), ("down", built.down))
+                 for a, v in s.attributes().items()}
+    elif stage == "whole":
+        built = TierMoeCuda(fp4_ahead=ahead)
+        attrs = {f"fp4_{k}_{a}": v for k, s in (("gate_up", built.fp4_gate_up), ("down", built.fp4_down))
+                 for a, v in s.attributes().items()}
+    else:
+        built = (Fp4GateUpCuda if stage == "gate_up" else Fp4DownCuda)(ahead)
+        attrs = built.attributes()
+    return built, dict(stage=stage, ahead=ahead, seconds=round(time.perf_counter() - started, 2), **attrs)
+
+
+def _workspace(geo, tokens, ids, state):
+    from tierstore.kernels import MissLog, MoeWorkspace, moe_route
+
+    ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, torch.bfloat16,
+                               DEVICE, block_tokens=1)
+    moe_route(ids, state["w2"], state["f4"], 0, MissLog.allocate(16, DEVICE), ws)
+    return ws
+
+
+def _row(kb, cw2, a, b, ref, tri, first) -> dict:
+    """Check columns of one variant's two outputs `a`, `b` (as the kernel wrote them) against `ref`, Triton's `tri`
+    and the stage's first variant's output `first` (None: this is the first)."""
+    return dict(rel_err=kb._rel_err(a, ref), rel_err_vs_triton=kb._rel_err(a, tri.float()),
+                nan=bool(a.isnan().any()), repeat_identical=cw2._same_bytes(a, b),
+                same_bytes_as_first=None if first is None else cw2._same_bytes(a, first))
+
+
+def _check(kb, cw2, geo, state, kernels: dict, stage: str, tokens) -> dict:
+    """Every CUDA variant of `stage` twice on NaN-poisoned outputs against the reference and Triton."""
+    from tierstore.kernels import MissLog, moe_down, moe_gate_up, moe_mm, moe_mm_ref
+    from tierstore.kernels.cuda.fp4_stages import fp4_down_ref, fp4_gate_up_ref
+
+    w2, f4, top_k = state["w2"], state["f4"], geo.top_k
+    ids, weights = kb._routings(tokens, top_k, geo.num_experts, 1, state["gen"], DEVICE)[0]
+    x = torch.randn(tokens, geo.hidden, device=DEVICE, dtype=torch.bfloat16)
+    ws = _workspace(geo, tokens, ids, state)
+    names = [n for n in kernels if VARIANTS[n][0] == stage]
+    outs, extra = {}, {}
+    if stage == "whole":
+        def run(cuda):
+            ws.act.fill_(float("nan"))
+            ws.y.fill_(float("nan"))
+            misses = MissLog.allocate(16, DEVICE)
+            out = moe_mm(x, ids, weights, w2, f4, 0, misses, ws, out=torch.full_like(x, float("nan")), cuda_w2=cuda)
+            return out, misses.counts.tolist()
+        tri, tri_misses = run(None)
+        ref, missing_pairs, _ = moe_mm_ref(x, ids, weights, w2, f4, 0, act_dtype=torch.bfloat16)
+        for name in names:
+            (a, misses_a), (b, _) = run(kernels[name]), run(kernels[name])
+            outs[name] = (a, b)
+            extra[name] = dict(misses_equal_triton=misses_a == tri_misses)
+    else:
+        if stage == "gate_up":
+            launch = lambda k, out: k(x, top_k, f4, 0, ws, out=out)
+            like, ref = ws.act, fp4_gate_up_ref(x, ids, f4, 0)
+            moe_gate_up(x, top_k, w2, f4, 0, ws)
+            tri = ws.act.clone()
+        else:
+            moe_gate_up(x, top_k, w2, f4, 0, ws)  # act from Triton, the same for every variant
+            launch = lambda k, out: k(f4, 0, ws, out=out)
+            like, ref = ws.y, fp4_down_ref(ws.act, ids, f4, 0)
+            moe_down(top_k, w2, f4, 0, ws)
+            tri = ws.y.clone()
+        for name in names:
+            pair = tuple(torch.full_like(like, float("nan")) for _ in range(2))
+            for out in pair:
+                launch(kernels[name], out)
+            outs[name] = pair
+    first = outs.get(FIRST[stage], (None,))[0]
+    variants = {name: dict(_row(kb, cw2, a, b, ref, tri, None if name == FIRST[stage] else first),
+                           **extra.get(name, {})) for name, (a, b) in outs.items()}
+    return dict(tokens=tokens, stage=stage, pairs=ids.numel(), rel_err_triton=kb._rel_err(tri, ref), variants=variants)
+
+
+def _time_case(kb, cw2, geo, state, kernels: dict, tokens, runner) -> list[dict]:
+    from tierstore.kernels import MissLog, moe_down, moe_gate_up, moe_mm
+
+    w2, f4, reps, top_k = state["w2"], state["f4"], state["reps"], geo.top_k
+    lay = f4.layout
+    stage_bytes = {"gate_up": lay.w13.word_bytes + lay.w13.scale_bytes, "down": lay.w2.word_bytes + lay.w2.scale_bytes}
+    stage_bytes["whole"] = stage_bytes["gate_up"] + stage_bytes["down"]
+    count = max(4, min(32, int(8 * 2**20 * 60 / (tokens * top_k * stage_bytes["whole"]) + 1)))  # as kernels.py
+    routings = kb._routings(tokens, top_k, geo.num_experts, count, state["gen"], DEVICE)
+    unique = kb._unique_experts(routings)
+    cases = [(torch.randn(tokens, geo.hidden, device=DEVICE, dtype=torch.bfloat16), _workspace(geo, tokens, r[0], state))
+             for r in routings]
+    for _, ws in cases:
+        ws.act.copy_(torch.randn_like(ws.act))  # the down stage alone reads act
+    misses = MissLog.allocate(16, DEVICE)
+    outs = [torch.empty_like(x) for x, _ in cases]
+    acts = [torch.empty_like(ws.act) for _, ws in cases]
+    stage_calls = {
+        "gate_up": lambda k: [lambda x=x, ws=ws, o=o: k(x, top_k, f4, 0, ws, out=o) for (x, ws), o in zip(cases, acts)],
+        "down": lambda k: [lambda ws=ws: k(f4, 0, ws) for _, ws in cases],
+        "whole": lambda k: [lambda x=x, ws=ws, o=o, r=r: moe_mm(x, r[0], r[1], w2, f4, 0, misses, ws, out=o, cuda_w2=k)
+                            for (x, ws), o, r in zip(cases, outs, routings)]}
+    fns = {stage: {name: stage_calls[stage](k) for name, k in kernels.items() if VARIANTS[name][0] == stage}
+           for stage in stage_calls}
+    fns["gate_up"]["triton_gate_up"] = [lambda x=x, ws=ws: moe_gate_up(x, top_k, w2, f4, 0, ws) for x, ws in cases]
+    fns["down"]["triton_down"] = [lambda ws=ws: moe_down(top_k, w2, f4, 0, ws) for _, ws in cases]
+    fns["whole"]["triton_whole"] = stage_calls["whole"](None)
+    rows = []
+    for stage, variants in fns.items():
+        nbytes = unique * stage_bytes[stage]
+        for rnd in range(ROUNDS):
+            for name, calls in variants.items():
+                rows.append(cw2._timed(runner, f"T={tokens} {name} round {rnd}", calls, reps, kb, tokens, stage, name,
+                                       rnd, nbytes, unique, count))
+        if stage == "whole":
+            us, err = runner.attempt(f"T={tokens} bf16", lambda: kb._bf16_case(geo, state["w13_bf16"], state["w2_bf16"],
+                                                                              routings, reps))
+            rows.append(dict(tokens=tokens, stage=stage, variant="bf16_grouped_mm", round=0, us=us,
+                             bytes=unique * 2 * 3 * geo.hidden * geo.expert_inter, unique_experts=unique,
+                             rotations=count, **({"error": err} if err else {})))
+        else:
+            copies = 4 if nbytes > 256e6 else max(4, int(4 * 64e6 / nbytes) + 1)
+            us, err = runner.attempt(f"T={tokens} {stage} stream", lambda: kb._stream_us(int(nbytes), copies, reps, DEVICE))
+            rows.append(dict(tokens=tokens, stage=stage, variant=f"stream_read_{stage}", round=0, us=us, bytes=nbytes,
+                             unique_experts=unique, rotations=copies, **({"error": err} if err else {})))
+    return rows
+
+
+def run(kb, cw2, args, result: dict, emit) -> None:
+    from tierstore.geometry import get_preset
+
+    runner = kb.Runner(probe=kb._cuda_probe if DEVICE == "cuda" else None)
+    result.update(status="running: build", errors=runner.errors, checks=[], cases=[], build={})
+    kernels = {}
+    for name in VARIANTS:
+        built, err = runner.attempt(f"build and load {name}", lambda: _build(name))
+        result["build"][name] = built[1] if built else {"error": err}
+        if built:
+            kernels[name] = built[0]
+    emit(result)
+    geo = get_preset(args.preset)
+    state = kb._setup(geo, DEVICE)
+    state["f4"].table[0] = torch.arange(geo.num_experts, dtype=torch.int32, device=DEVICE)  # every expert FP4
+    state["reps"] = args.reps
+    tokens_list = [int(t) for t in args.tokens.split(",")]
+    invalid = {}
+    for tokens in tokens_list:
+        rows = []
+        for stage in ("gate_up", "down", "whole"):
+            result["status"] = f"running: check T={tokens} {stage}"
+            check, err = runner.attempt(f"check T={tokens} {stage}",
+                                        lambda: _check(kb, cw2, geo, state, kernels, stage, tokens))
+            rows.append(check or dict(tokens=tokens, stage=stage, error=err))
+            result["checks"].append(rows[-1])
+            emit(result)
+        invalid[tokens] = {name: cw2._invalid(rows, name) for name in kernels}
+    state["w13_bf16"] = torch.randn(geo.num_experts, 2 * geo.expert_inter, geo.hidden, device=DEVICE,
+                                    dtype=torch.bfloat16)
+    state["w2_bf16"] = torch.randn(geo.num_experts, geo.hidden, geo.expert_inter, device=DEVICE, dtype=torch.bfloat16)
+    for tokens in tokens_list:
+        result["status"] = f"running: timing T={tokens}"
+        rows, err = runner.attempt(f"timing T={tokens}", lambda: _time_case(kb, cw2, geo, state, kernels, tokens, runner))
+        rows = rows or [dict(tokens=tokens, stage="all", variant="all", round=0, us=None, error=err)]
+        cw2._derive(rows, invalid[tokens], kb.HBM_BYTES_PER_S)
+        result["cases"] += rows
+        emit(result)
+    result["status"] = (f"stopped early: {runner.poisoned}" if runner.poisoned else
+                        f"complete, {len(runner.errors)} failure(s) recorded in `errors`" if runner.errors else "complete")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="deepseek-v3")
+    parser.add_argument("--tokens", default="1,8,32")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--commit", help="commit of the tree being measured (the device copy may have no .git)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("cuda_fp4: no CUDA device; this benchmark measures GPU kernels only, nothing was run", file=sys.stderr)
+        return 2
+    cw2 = _load("cuda_w2")
+    kb = cw2._bench_kernels()
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    result: dict = dict(provenance=cw2._provenance(args.commit), preset=args.preset, rel_tol=cw2.REL_TOL,
+                        fp4_resident="every routed expert")
+    emit = lambda r: kb._write_json(args.json, r)
+    previous = signal.signal(signal.SIGTERM, kb._on_sigterm)
+    code = 0
+    try:
+        run(kb, cw2, args, result, emit)
+    except kb._Terminated:
+        result["status"] = f"terminated by SIGTERM ({result.get('status')}); rows so far are kept"
+        code = 124
+    except Exception as exc:  # noqa: BLE001: outside any isolated step (setup): record, keep what was measured
+        result["fatal"] = kb._error_dict(exc)
+        result["status"] = f"fatal {type(exc).__name__} ({result.get('status')}): {str(exc)[:300]}"
+        code = 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    emit(result)
+    cw2._print(result)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
