@@ -1,6 +1,8 @@
 """CUDA C++ kernels built with nvcc at run time and launched through the driver API (issue #9 section 4).
 
 `loader`: nvcc -> fatbin -> cuModuleLoadData / cuLaunchKernel via ctypes. `w2_gate_up` and `w2_down`: the W2
-gate_up and down stages for decode on tensor cores, each with its plain-torch reference. `w2_moe.W2MoeCuda`:
-both stages as the opt-in `moe_mm(..., cuda_w2=...)` (default off). Not imported by `tierstore.kernels`.
+gate_up and down stages for decode on tensor cores, each with its plain-torch reference (one routed pair per
+block); `w2_multi`: the same stages with one expert's weights decoded once for up to 8 of its pairs (block_tokens 16).
+`w2_moe.W2MoeCuda`: both stages as the opt-in `moe_mm(..., cuda_w2=...)` (default off), single- or multi-token by the
+workspace's block size. Not imported by `tierstore.kernels`.
 """
