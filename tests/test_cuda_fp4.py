@@ -88,6 +88,49 @@ def test_kernels_compile_without_spills(tmp_path, ahead):
         assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores", info) and regs <= 128  # 4 blocks / SM
 
 
+class _Recorder:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def __call__(self, *args, **kwargs):
+        self.log.append(self.name)
+
+
+def _tier_with_recorders(log):
+    from tierstore.kernels.cuda.tier_moe import TierMoeCuda
+
+    tier = object.__new__(TierMoeCuda)  # no build: the launches are recorders
+    tier.w2, tier.fp4_gate_up, tier.fp4_down = (_Recorder(n, log) for n in ("w2 stages", "fp4 gate_up", "fp4 down"))
+    return tier
+
+
+def test_tier_moe_launches_w2_stages_before_the_fp4_down_and_checks_first(monkeypatch):
+    from tierstore.kernels.cuda import tier_moe
+
+    monkeypatch.setattr(tier_moe, "check_gate_up_inputs", lambda *a: None)  # CPU tensors: no CUDA check here
+    monkeypatch.setattr(tier_moe, "check_down_inputs", lambda *a: None)
+    log = []
+    w2, f4 = w2_tier(1024, 512, 1, 1, 8, "cpu"), fp4_tier(1024, 512, 1, 1, 8, "cpu")
+    ws = MoeWorkspace.allocate(1, 2, 8, 1024, 512, torch.bfloat16, "cpu", block_tokens=1)
+    _tier_with_recorders(log)(torch.zeros(1, 1024, dtype=torch.bfloat16), 2, w2, f4, 0, ws)
+    assert log == ["w2 stages", "fp4 gate_up", "fp4 down"]  # the FP4 down overwrites the W2 down's NaN rows
+    log.clear()
+    with pytest.raises(ValueError, match="same shape"):
+        _tier_with_recorders(log)(torch.zeros(1, 1024, dtype=torch.bfloat16), 2, w2, fp4_tier(1024, 512, 1, 2, 8, "cpu"),
+                                  0, ws)
+    assert log == []  # nothing launched
+
+
+def test_tier_moe_refuses_bad_fp4_inputs_before_any_launch():
+    log = []
+    f4 = fp4_tier(1024, 512, 1, 1, 8, "cpu")
+    ws = MoeWorkspace.allocate(1, 2, 8, 1024, 512, torch.bfloat16, "cpu", block_tokens=16)
+    with pytest.raises(ValueError, match="block_tokens 1"):
+        _tier_with_recorders(log)(torch.zeros(1, 1024, dtype=torch.bfloat16), 2, w2_tier(1024, 512, 1, 1, 8, "cpu"), f4,
+                                  0, ws)
+    assert log == []
+
+
 # ---- numpy model of fp4_fragments.cuh / fp4_moe.cu ---------------------------------------------------------
 
 def prmt(a: int, b: int, sel: int) -> int:
@@ -386,7 +429,7 @@ def test_fp4_down_decodes_every_scale_byte_exactly_on_the_device(case):
     ids, ws = _routed(case, 32)
     ks = torch.randint(0, INTER, (ids.numel(),), generator=case["gen"])
     ws.act.zero_()
-    ws.act[torch.arange(ids.numel()), ks] = 1.0
+    ws.act[torch.arange(ids.numel()).cuda(), ks.cuda()] = 1.0
     out = case["down"][2](f4, 0, ws, out=torch.full_like(ws.y, float("nan")))
     torch.cuda.synchronize()
     for p, e in enumerate(ids.reshape(-1).tolist()):
