@@ -29,9 +29,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 2
 # variant -> (stage, FP4_AHEAD); the first of each stage is the one the others must equal byte for byte
-VARIANTS = {"cuda_fp4_gate_up": ("gate_up", 2), "cuda_fp4_gate_up_a1": ("gate_up", 1),
-            "cuda_fp4_down": ("down", 2), "cuda_fp4_down_a1": ("down", 1),
-            "cuda_fp4_whole": ("whole", 2), "cuda_fp4_only": ("whole", 2)}
+VARIANTS = {"cuda_fp4_gate_up": ("gate_up", 2), "cuda_fp4_gate_up_a3": ("gate_up", 3), "cuda_fp4_gate_up_a1": ("gate_up", 1),
+            "cuda_fp4_down": ("down", 2), "cuda_fp4_down_a3": ("down", 3), "cuda_fp4_down_a1": ("down", 1),
+            "cuda_fp4_whole": ("whole", 2), "cuda_fp4_whole_a3": ("whole", 3), "cuda_fp4_only": ("whole", 2)}
 FIRST = {"gate_up": "cuda_fp4_gate_up", "down": "cuda_fp4_down", "whole": "cuda_fp4_whole"}
 DEVICE = "cuda"  # the CPU test of this script's bookkeeping sets "cpu"
 

@@ -77,7 +77,7 @@ def test_geometry_limits():
 
 
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc")
-@pytest.mark.parametrize("ahead", [1, 2])
+@pytest.mark.parametrize("ahead", [1, 2, 3])
 def test_kernels_compile_without_spills(tmp_path, ahead):
     cmd = loader.nvcc_command(fp4_stages.SOURCE, tmp_path / "k.cubin", "cubin", {"FP4_AHEAD": ahead})
     proc = subprocess.run(cmd + ["-Xptxas", "-v"], capture_output=True, text=True)
@@ -349,8 +349,8 @@ def case():
         f4.table[0, expert] = slot
     to = lambda pool: type(pool)(pool.slots.cuda(), pool.table.cuda(), pool.layout)
     tier = TierMoeCuda()
-    return dict(w2=to(w2), f4=to(f4), gen=gen, gate_up={a: Fp4GateUpCuda(ahead=a) for a in (1, 2)},
-                down={a: Fp4DownCuda(ahead=a) for a in (1, 2)}, tier=tier)
+    return dict(w2=to(w2), f4=to(f4), gen=gen, gate_up={a: Fp4GateUpCuda(ahead=a) for a in (1, 2, 3)},
+                down={a: Fp4DownCuda(ahead=a) for a in (1, 2, 3)}, tier=tier)
 
 
 def _ids(case, tokens):

@@ -22,7 +22,7 @@
 #include "fp4_fragments.cuh"
 
 #ifndef FP4_AHEAD
-#define FP4_AHEAD 2  // K tiles whose loads are in flight while one is computed
+#define FP4_AHEAD 2  // K tiles whose loads are in flight while one is computed (1, 2, 3: no spills)
 #endif
 
 namespace {
