@@ -42,7 +42,7 @@ def test_rows_adjacent_in_one_buffer_into_free_slots_take_one_copy(device):
     p.slots.fill_(0xA5)  # poisoned: every byte checked below must have been copied
     keys = [(0, 1), (0, 5), (1, 0), (1, 7)]
     p.install(keys, list(buffer), exclude=keys)  # rows are adjacent views of `buffer`; slots 0..3
-    assert p.copies == 1
+    assert p.copies == (2 if p.layer_waits else 1)  # per-layer waits: one copy per layer's run
     assert [p.slot_of(k) for k in keys] == [0, 1, 2, 3]
     assert_bytes(p, keys, buffer)
     p.check_coherent()
