@@ -6,6 +6,8 @@ Per T (default 1, 8, 32), three stages side by side: FP4 gate_up (CUDA vs Triton
 TierMoeCuda(...))` (route -> W2 gate_up -> W2 down -> FP4 gate_up -> FP4 down -> combine; the W2 launches find
 no W2 pair here and only mark NaN rows that the FP4 down overwrites), the FP4 stages alone between the same
 route and combine (`cuda_fp4_only`: what the W2 launches cost), Triton's whole op and bf16 `torch._grouped_mm`.
+A fourth stage, `mixed`, times both ops on a mixed-residency layer (a quarter of the experts FP4, the rest W2):
+`cuda_tier_mixed` (TierMoeCuda) against `triton_mixed`.
 Pools, routings, graph timing with rotating routings (L2 defeated), ceilings, bf16 and the runner come from
 benchmarks/kernels.py; provenance, validity rule, derived columns and the printed table from
 benchmarks/cuda_w2.py. Checks first (outputs poisoned with NaN, against the plain-torch references incl.
@@ -31,8 +33,10 @@ ROUNDS = 2
 # variant -> (stage, FP4_AHEAD); the first of each stage is the one the others must equal byte for byte
 VARIANTS = {"cuda_fp4_gate_up": ("gate_up", 2), "cuda_fp4_gate_up_a3": ("gate_up", 3), "cuda_fp4_gate_up_a1": ("gate_up", 1),
             "cuda_fp4_down": ("down", 2), "cuda_fp4_down_a3": ("down", 3), "cuda_fp4_down_a1": ("down", 1),
-            "cuda_fp4_whole": ("whole", 2), "cuda_fp4_whole_a3": ("whole", 3), "cuda_fp4_only": ("whole", 2)}
-FIRST = {"gate_up": "cuda_fp4_gate_up", "down": "cuda_fp4_down", "whole": "cuda_fp4_whole"}
+            "cuda_fp4_whole": ("whole", 2), "cuda_fp4_whole_a3": ("whole", 3), "cuda_fp4_only": ("whole", 2),
+            "cuda_tier_mixed": ("mixed", 2)}
+FIRST = {"gate_up": "cuda_fp4_gate_up", "down": "cuda_fp4_down", "whole": "cuda_fp4_whole", "mixed": "cuda_tier_mixed"}
+MIXED_EVERY = 4  # the mixed-residency stage: experts e % 4 == 0 FP4-resident, the others W2
 DEVICE = "cuda"  # the CPU test of this script's bookkeeping sets "cpu"
 
 
@@ -64,7 +68,7 @@ def _build(name: str) -> tuple[object, dict]:
         built = Fp4Only(Fp4GateUpCuda(ahead), Fp4DownCuda(ahead))
         attrs = {f"{k}_{a}": v for k, s in (("gate_up", built.gate_up), ("down", built.down))
                  for a, v in s.attributes().items()}
-    elif stage == "whole":
+    elif stage in ("whole", "mixed"):
         built = TierMoeCuda(fp4_ahead=ahead)
         attrs = {f"fp4_{k}_{a}": v for k, s in (("gate_up", built.fp4_gate_up), ("down", built.fp4_down))
                  for a, v in s.attributes().items()}
@@ -74,13 +78,20 @@ def _build(name: str) -> tuple[object, dict]:
     return built, dict(stage=stage, ahead=ahead, seconds=round(time.perf_counter() - started, 2), **attrs)
 
 
-def _workspace(geo, tokens, ids, state):
+def _workspace(geo, tokens, ids, state, f4=None):
     from tierstore.kernels import MissLog, MoeWorkspace, moe_route
 
     ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, torch.bfloat16,
                                DEVICE, block_tokens=1)
-    moe_route(ids, state["w2"], state["f4"], 0, MissLog.allocate(16, DEVICE), ws)
+    moe_route(ids, state["w2"], state["f4"] if f4 is None else f4, 0, MissLog.allocate(16, DEVICE), ws)
     return ws
+
+
+def _mixed_pool(f4):
+    """The FP4 pool's slots with a table holding only experts e % MIXED_EVERY == 0."""
+    table = f4.table.clone()
+    table[:, torch.arange(table.shape[1], device=table.device) % MIXED_EVERY != 0] = -1
+    return type(f4)(f4.slots, table, f4.layout)
 
 
 def _row(kb, cw2, a, b, ref, tri, first) -> dict:
@@ -96,13 +107,13 @@ def _check(kb, cw2, geo, state, kernels: dict, stage: str, tokens) -> dict:
     from tierstore.kernels import MissLog, moe_down, moe_gate_up, moe_mm, moe_mm_ref
     from tierstore.kernels.cuda.fp4_stages import fp4_down_ref, fp4_gate_up_ref
 
-    w2, f4, top_k = state["w2"], state["f4"], geo.top_k
+    w2, f4, top_k = state["w2"], state["f4_mixed" if stage == "mixed" else "f4"], geo.top_k
     ids, weights = kb._routings(tokens, top_k, geo.num_experts, 1, state["gen"], DEVICE)[0]
     x = torch.randn(tokens, geo.hidden, device=DEVICE, dtype=torch.bfloat16)
-    ws = _workspace(geo, tokens, ids, state)
+    ws = _workspace(geo, tokens, ids, state, f4)
     names = [n for n in kernels if VARIANTS[n][0] == stage]
     outs, extra = {}, {}
-    if stage == "whole":
+    if stage in ("whole", "mixed"):
         def run(cuda):
             ws.act.fill_(float("nan"))
             ws.y.fill_(float("nan"))
@@ -141,13 +152,16 @@ def _check(kb, cw2, geo, state, kernels: dict, stage: str, tokens) -> dict:
 def _time_case(kb, cw2, geo, state, kernels: dict, tokens, runner) -> list[dict]:
     from tierstore.kernels import MissLog, moe_down, moe_gate_up, moe_mm
 
-    w2, f4, reps, top_k = state["w2"], state["f4"], state["reps"], geo.top_k
+    w2, f4, f4_mixed, reps, top_k = state["w2"], state["f4"], state["f4_mixed"], state["reps"], geo.top_k
+    expert_bytes = lambda lay: lay.w13.word_bytes + lay.w13.scale_bytes + lay.w2.word_bytes + lay.w2.scale_bytes
     lay = f4.layout
     stage_bytes = {"gate_up": lay.w13.word_bytes + lay.w13.scale_bytes, "down": lay.w2.word_bytes + lay.w2.scale_bytes}
     stage_bytes["whole"] = stage_bytes["gate_up"] + stage_bytes["down"]
     count = max(4, min(32, int(8 * 2**20 * 60 / (tokens * top_k * stage_bytes["whole"]) + 1)))  # as kernels.py
     routings = kb._routings(tokens, top_k, geo.num_experts, count, state["gen"], DEVICE)
     unique = kb._unique_experts(routings)
+    mixed_bytes = sum(expert_bytes(f4.layout if e % MIXED_EVERY == 0 else w2.layout)
+                      for ids, _ in routings for e in torch.unique(ids).tolist()) / len(routings)
     cases = [(torch.randn(tokens, geo.hidden, device=DEVICE, dtype=torch.bfloat16), _workspace(geo, tokens, r[0], state))
              for r in routings]
     for _, ws in cases:
@@ -159,15 +173,18 @@ def _time_case(kb, cw2, geo, state, kernels: dict, tokens, runner) -> list[dict]
         "gate_up": lambda k: [lambda x=x, ws=ws, o=o: k(x, top_k, f4, 0, ws, out=o) for (x, ws), o in zip(cases, acts)],
         "down": lambda k: [lambda ws=ws: k(f4, 0, ws) for _, ws in cases],
         "whole": lambda k: [lambda x=x, ws=ws, o=o, r=r: moe_mm(x, r[0], r[1], w2, f4, 0, misses, ws, out=o, cuda_w2=k)
-                            for (x, ws), o, r in zip(cases, outs, routings)]}
+                            for (x, ws), o, r in zip(cases, outs, routings)],
+        "mixed": lambda k: [lambda x=x, ws=ws, o=o, r=r: moe_mm(x, r[0], r[1], w2, f4_mixed, 0, misses, ws, out=o,
+                                                                cuda_w2=k) for (x, ws), o, r in zip(cases, outs, routings)]}
     fns = {stage: {name: stage_calls[stage](k) for name, k in kernels.items() if VARIANTS[name][0] == stage}
            for stage in stage_calls}
     fns["gate_up"]["triton_gate_up"] = [lambda x=x, ws=ws: moe_gate_up(x, top_k, w2, f4, 0, ws) for x, ws in cases]
     fns["down"]["triton_down"] = [lambda ws=ws: moe_down(top_k, w2, f4, 0, ws) for _, ws in cases]
     fns["whole"]["triton_whole"] = stage_calls["whole"](None)
+    fns["mixed"]["triton_mixed"] = stage_calls["mixed"](None)
     rows = []
     for stage, variants in fns.items():
-        nbytes = unique * stage_bytes[stage]
+        nbytes = mixed_bytes if stage == "mixed" else unique * stage_bytes[stage]
         for rnd in range(ROUNDS):
             for name, calls in variants.items():
                 rows.append(cw2._timed(runner, f"T={tokens} {name} round {rnd}", calls, reps, kb, tokens, stage, name,
@@ -178,7 +195,7 @@ def _time_case(kb, cw2, geo, state, kernels: dict, tokens, runner) -> list[dict]
             rows.append(dict(tokens=tokens, stage=stage, variant="bf16_grouped_mm", round=0, us=us,
                              bytes=unique * 2 * 3 * geo.hidden * geo.expert_inter, unique_experts=unique,
                              rotations=count, **({"error": err} if err else {})))
-        else:
+        elif stage != "mixed":
             copies = 4 if nbytes > 256e6 else max(4, int(4 * 64e6 / nbytes) + 1)
             us, err = runner.attempt(f"T={tokens} {stage} stream", lambda: kb._stream_us(int(nbytes), copies, reps, DEVICE))
             rows.append(dict(tokens=tokens, stage=stage, variant=f"stream_read_{stage}", round=0, us=us, bytes=nbytes,
@@ -201,12 +218,14 @@ def run(kb, cw2, args, result: dict, emit) -> None:
     geo = get_preset(args.preset)
     state = kb._setup(geo, DEVICE)
     state["f4"].table[0] = torch.arange(geo.num_experts, dtype=torch.int32, device=DEVICE)  # every expert FP4
+    state["f4_mixed"] = _mixed_pool(state["f4"])
+    cw2.TRITON.setdefault("mixed", "triton_mixed")  # cuda_w2._derive's baseline of the mixed stage (this run's copy)
     state["reps"] = args.reps
     tokens_list = [int(t) for t in args.tokens.split(",")]
     invalid = {}
     for tokens in tokens_list:
         rows = []
-        for stage in ("gate_up", "down", "whole"):
+        for stage in ("gate_up", "down", "whole", "mixed"):
             result["status"] = f"running: check T={tokens} {stage}"
             check, err = runner.attempt(f"check T={tokens} {stage}",
                                         lambda: _check(kb, cw2, geo, state, kernels, stage, tokens))

@@ -532,6 +532,21 @@ class _DownStandIn:
         return out
 
 
+class _TierStandIn:
+    """Stands in for TierMoeCuda: W2 pairs in plain torch, then the FP4 stand-ins."""
+
+    def __call__(self, hidden, top_k, w2, f4, layer, ws, swiglu_limit=None):
+        for b in range(int(ws.num_blocks[0])):
+            expert, pair = int(ws.block_expert[b]), int(ws.block_pairs[b])
+            if int(f4.table[layer, expert]) < 0:
+                slot = w2.slots[int(w2.table[layer, expert])]
+                gate, up = (unpack_matrix_ref(slot, w2.layout, "w13") @ hidden[pair // top_k].float()).chunk(2)
+                ws.act[pair] = (torch.nn.functional.silu(gate) * up).to(ws.act.dtype)
+                ws.y[pair] = unpack_matrix_ref(slot, w2.layout, "w2") @ ws.act[pair].float()
+        _GateUpStandIn()(hidden, top_k, f4, layer, ws)
+        _DownStandIn()(f4, layer, ws)
+
+
 def _bench_module():
     import importlib.util
     from pathlib import Path
@@ -557,7 +572,8 @@ def test_bench_runs_end_to_end_on_cpu_with_stand_in_kernels(monkeypatch):
     def build(name):
         stage, ahead = bench.VARIANTS[name]
         stages = bench.Fp4Only(_GateUpStandIn(), _DownStandIn())
-        return {"gate_up": stages.gate_up, "down": stages.down, "whole": stages}[stage], dict(stage=stage, ahead=ahead)
+        built = {"gate_up": stages.gate_up, "down": stages.down, "whole": stages, "mixed": _TierStandIn()}[stage]
+        return built, dict(stage=stage, ahead=ahead)
 
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "_build", build)
@@ -569,7 +585,8 @@ def test_bench_runs_end_to_end_on_cpu_with_stand_in_kernels(monkeypatch):
     bench.run(kb, cw2, argparse.Namespace(preset="tiny", tokens="2", reps=1), result,
               lambda r: emitted.append(r["status"]))
     assert result["status"] == "complete" and not result["errors"], result["errors"]
-    assert [(c["tokens"], c["stage"]) for c in result["checks"]] == [(2, s) for s in ("gate_up", "down", "whole")]
+    assert [(c["tokens"], c["stage"]) for c in result["checks"]] == [(2, s) for s in ("gate_up", "down", "whole",
+                                                                                     "mixed")]
     for check in result["checks"]:
         for name in check["variants"]:
             assert cw2._invalid([check], name) == [], (check["stage"], name, check["variants"][name])
@@ -577,3 +594,9 @@ def test_bench_runs_end_to_end_on_cpu_with_stand_in_kernels(monkeypatch):
     assert {(2, name) for name in bench.VARIANTS} <= timed and (2, "bf16_grouped_mm") in timed
     whole = [r for r in result["cases"] if r["variant"] == "cuda_fp4_whole"]
     assert whole[0]["triton_over_this"] > 0 and whole[0]["bf16_over_this"] == pytest.approx(5.0)
+    mixed = [r for r in result["cases"] if r["variant"] == "cuda_tier_mixed"]
+    assert mixed[0]["triton_over_this"] == pytest.approx(1.0)  # against triton_mixed's 10 us (both stand-in times)
+    per_expert = lambda lay: lay.w13.word_bytes + lay.w13.scale_bytes + lay.w2.word_bytes + lay.w2.scale_bytes
+    from tierstore.kernels.layout import w2_slot_layout
+    mixed_per_expert = mixed[0]["bytes"] / mixed[0]["unique_experts"]
+    assert per_expert(w2_slot_layout(256, 256)) < mixed_per_expert < per_expert(fp4_slot_layout(256, 256))
