@@ -138,23 +138,40 @@ __device__ __forceinline__ void f4_tile_mma(const F4Tile& w, const uint32_t* xp_
 
 // Activation row a [K] bf16 bits -> xp [K / 2] in B register order. Unit q = (t * 4 + i) * 4 + c holds
 // xp[8q .. 8q+7]: xp[8q + 2m + h] = a[k0 + 16h + m] | a[k0 + 32 + 16h + m] << 16, k0 = 64 (q >> 2) + 4 (q & 3).
-__device__ __forceinline__ void f4_store_unit(const uint16_t* __restrict__ a, uint32_t* xp, int q) {
+struct F4Unit {  // one unit's 16 activations
+  uint2 la, lb;  // slot 2i: words 4c..4c+3, 16+4c..16+4c+3
+  uint2 ha, hb;  // slot 2i+1: the same words
+};
+
+__device__ __forceinline__ F4Unit f4_load_unit(const uint16_t* __restrict__ a, int q) {
   const int k0 = 64 * (q >> 2) + 4 * (q & 3);
-  const uint2 la = *reinterpret_cast<const uint2*>(a + k0);       // slot 2i, words 4c..4c+3
-  const uint2 lb = *reinterpret_cast<const uint2*>(a + k0 + 16);  // slot 2i, words 16+4c..16+4c+3
-  const uint2 ha = *reinterpret_cast<const uint2*>(a + k0 + 32);  // slot 2i+1, words 4c..4c+3
-  const uint2 hb = *reinterpret_cast<const uint2*>(a + k0 + 48);  // slot 2i+1, words 16+4c..16+4c+3
+  return {*reinterpret_cast<const uint2*>(a + k0), *reinterpret_cast<const uint2*>(a + k0 + 16),
+          *reinterpret_cast<const uint2*>(a + k0 + 32), *reinterpret_cast<const uint2*>(a + k0 + 48)};
+}
+
+__device__ __forceinline__ void f4_store_unit(uint32_t* xp, int q, const F4Unit& u) {
   uint4 p, r;
-  p.x = __byte_perm(la.x, ha.x, 0x5410); p.y = __byte_perm(lb.x, hb.x, 0x5410);  // m 0, h 0 / 1
-  p.z = __byte_perm(la.x, ha.x, 0x7632); p.w = __byte_perm(lb.x, hb.x, 0x7632);  // m 1
-  r.x = __byte_perm(la.y, ha.y, 0x5410); r.y = __byte_perm(lb.y, hb.y, 0x5410);  // m 2
-  r.z = __byte_perm(la.y, ha.y, 0x7632); r.w = __byte_perm(lb.y, hb.y, 0x7632);  // m 3
+  p.x = __byte_perm(u.la.x, u.ha.x, 0x5410); p.y = __byte_perm(u.lb.x, u.hb.x, 0x5410);  // m 0, h 0 / 1
+  p.z = __byte_perm(u.la.x, u.ha.x, 0x7632); p.w = __byte_perm(u.lb.x, u.hb.x, 0x7632);  // m 1
+  r.x = __byte_perm(u.la.y, u.ha.y, 0x5410); r.y = __byte_perm(u.lb.y, u.hb.y, 0x5410);  // m 2
+  r.z = __byte_perm(u.la.y, u.ha.y, 0x7632); r.w = __byte_perm(u.lb.y, u.hb.y, 0x7632);  // m 3
   *reinterpret_cast<uint4*>(xp + 8 * q) = p;
   *reinterpret_cast<uint4*>(xp + 8 * q + 4) = r;
 }
 
+// All of a block's threads: up to 4 units per thread per round, every load of a round issued before its stores.
 __device__ __forceinline__ void f4_build_pairs(const uint16_t* __restrict__ a, uint32_t* xp, int k_len) {
-  for (int q = threadIdx.x; q < k_len / 16; q += blockDim.x) f4_store_unit(a, xp, q);
+  constexpr int kUnroll = 4;
+  const int units = k_len / 16, step = static_cast<int>(blockDim.x);
+  for (int q0 = threadIdx.x; q0 < units; q0 += kUnroll * step) {
+    F4Unit u[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) u[j] = f4_load_unit(a, min(q0 + j * step, units - 1));
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      if (q0 + j * step < units) f4_store_unit(xp, q0 + j * step, u[j]);
+    }
+  }
 }
 
 }  // namespace
