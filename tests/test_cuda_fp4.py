@@ -333,8 +333,6 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.fixture(scope="module")
 def case():
-    from tierstore.kernels.cuda.tier_moe import TierMoeCuda
-
     gen = torch.Generator().manual_seed(13)
     w2 = w2_tier(HIDDEN, INTER, EXPERTS, 1, EXPERTS, "cpu")
     w2.slots.copy_(torch.randint(0, 256, w2.slots.shape, generator=gen, dtype=torch.uint8))
@@ -348,9 +346,16 @@ def case():
         f4.slots[slot] = _random_fp4_slot(f4.layout, gen)
         f4.table[0, expert] = slot
     to = lambda pool: type(pool)(pool.slots.cuda(), pool.table.cuda(), pool.layout)
-    tier = TierMoeCuda()
     return dict(w2=to(w2), f4=to(f4), gen=gen, gate_up={a: Fp4GateUpCuda(ahead=a) for a in (1, 2, 3)},
-                down={a: Fp4DownCuda(ahead=a) for a in (1, 2, 3)}, tier=tier)
+                down={a: Fp4DownCuda(ahead=a) for a in (1, 2, 3)})
+
+
+@pytest.fixture(scope="module")
+def tier():
+    """TierMoeCuda (builds the W2 kernels too: only the whole-op tests depend on them)."""
+    from tierstore.kernels.cuda.tier_moe import TierMoeCuda
+
+    return TierMoeCuda()
 
 
 def _ids(case, tokens):
@@ -453,7 +458,7 @@ def _whole(case, ids, x, weights, cuda_w2, limit=None, out=None):
 @pytest.mark.gpu
 @needs_nvcc
 @pytest.mark.parametrize("tokens,limit", [(1, None), (2, None), (8, None), (32, None), (8, 0.75)])
-def test_tier_moe_matches_reference_with_mixed_residency(case, tokens, limit):
+def test_tier_moe_matches_reference_with_mixed_residency(case, tier, tokens, limit):
     ids = _ids(case, tokens)
     x = torch.randn(tokens, HIDDEN, generator=case["gen"]).to(torch.bfloat16).cuda()
     weights = (torch.rand(tokens, TOP_K, generator=case["gen"]) + 0.05).cuda()
@@ -462,11 +467,11 @@ def test_tier_moe_matches_reference_with_mixed_residency(case, tokens, limit):
                                                                            for e in flat)
     ref, missing_pairs, missing = moe_mm_ref(x, ids, weights, case["w2"], case["f4"], 0, swiglu_limit=limit,
                                              act_dtype=torch.bfloat16)
-    out, counts, entries = _whole(case, ids, x, weights, case["tier"], limit)
+    out, counts, entries = _whole(case, ids, x, weights, tier, limit)
     assert not out.isnan().any()
     assert float((out.float() - ref).norm() / ref.norm()) <= 1e-2
     assert counts == [missing_pairs, len(missing)] and [tuple(e) for e in entries[: len(missing)]] == missing
-    again, _, _ = _whole(case, ids, x, weights, case["tier"], limit)
+    again, _, _ = _whole(case, ids, x, weights, tier, limit)
     assert _same_bytes(out, again)
     tri, tri_counts, tri_entries = _whole(case, ids, x, weights, None, limit)
     assert tri_counts == counts and tri_entries == entries
@@ -475,16 +480,16 @@ def test_tier_moe_matches_reference_with_mixed_residency(case, tokens, limit):
 
 @pytest.mark.gpu
 @needs_nvcc
-def test_tier_moe_replays_in_a_cuda_graph(case):
+def test_tier_moe_replays_in_a_cuda_graph(case, tier):
     tokens = 8
     ids = _ids(case, tokens)
     x = torch.randn(tokens, HIDDEN, generator=case["gen"]).to(torch.bfloat16).cuda()
     weights = (torch.rand(tokens, TOP_K, generator=case["gen"]) + 0.05).cuda()
-    eager, counts, _ = _whole(case, ids, x, weights, case["tier"])
+    eager, counts, _ = _whole(case, ids, x, weights, tier)
     ws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, INTER, torch.bfloat16, "cuda", block_tokens=1)
     misses = MissLog.allocate(8, "cuda")
     out = torch.full_like(x, float("nan"))
-    call = lambda: moe_mm(x, ids, weights, case["w2"], case["f4"], 0, misses, ws, out=out, cuda_w2=case["tier"])
+    call = lambda: moe_mm(x, ids, weights, case["w2"], case["f4"], 0, misses, ws, out=out, cuda_w2=tier)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
