@@ -9,7 +9,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -126,6 +126,16 @@ case "$step" in
     done
     stage generate-quality 50 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    ;;
+  cuda)  # the multi-token CUDA W2 stages, the CUDA FP4 stages, the miss step's host profile (~7 min expected)
+    stage cuda-w2-multi-tests 110 python3 -m pytest tests/test_cuda_w2_multi.py tests/test_cuda_w2.py -m gpu -q
+    stage cuda-w2-multi 140 python3 benchmarks/cuda_w2.py --commit "$commit" \
+      --variants cuda_mma_ahead2,cuda_gate_up_multi,cuda_down,cuda_down_multi,cuda_whole,cuda_whole_multi \
+      --json "$work/cuda-w2-multi.json"
+    stage cuda-fp4-tests 90 python3 -m pytest tests/test_cuda_fp4.py -m gpu -q
+    stage cuda-fp4 130 python3 benchmarks/cuda_fp4.py --commit "$commit" --json "$work/cuda-fp4.json"
+    stage miss-step-profile 50 python3 benchmarks/miss_step_profile.py --coverage 0.25 --steps 200
+    stage pool-copies-tests 40 python3 -m pytest tests/test_runtime_pool_copies.py -m gpu -q
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
