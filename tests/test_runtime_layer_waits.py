@@ -43,9 +43,10 @@ def _hold_rows(pool: DevicePool) -> None:
     """Delay every install's row copies (not its table copy) by a device sleep on the copy stream."""
     copy_rows = pool._copy_rows
 
-    def held(rows, slots):
-        torch.cuda._sleep(HOLD_CYCLES)  # on the current stream: the pool's copy stream
-        copy_rows(rows, slots)
+    def held(rows, slots, stream):
+        with torch.cuda.stream(stream):  # the pool's copy stream
+            torch.cuda._sleep(HOLD_CYCLES)
+        copy_rows(rows, slots, stream)
 
     pool._copy_rows = held
 

@@ -237,14 +237,13 @@ class DevicePool:
         self._check_rows(rows)
         if self._reserve_stream is None:
             started = time.perf_counter()
-            self._copy_rows(rows, slots)
+            self._copy_rows(rows, slots, None)
             self.copy_seconds += time.perf_counter() - started
             return
         start, end = self._reserve_marks
-        with torch.cuda.stream(self._reserve_stream):
-            start.record()
-            self._copy_rows(rows, slots)
-            end.record()
+        start.record(self._reserve_stream)
+        self._copy_rows(rows, slots, self._reserve_stream)
+        end.record(self._reserve_stream)
         started = time.perf_counter()
         end.synchronize()
         self.wait_seconds += time.perf_counter() - started
@@ -284,8 +283,7 @@ class DevicePool:
             self.table.copy_(final)
             return
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            self._copy_table(final)
+        self._copy_table(final, self._stream)
         self._stream.synchronize()
 
     def _victims(self, needed: int, exclude: Iterable[Key], ids: list[int]) -> list[int]:
@@ -323,36 +321,37 @@ class DevicePool:
         final_ids[ids] = slots
         if self._stream is None:
             started = time.perf_counter()
-            self._copy(rows, slots, unmapped if victims else None, final)
+            self._copy(rows, slots, unmapped if victims else None, final, None)
             self.copy_seconds += time.perf_counter() - started
             return
-        compute = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(compute)
+        # streams passed explicitly: torch.cuda.current_stream(device) costs ~10 us of host time per call
+        compute, copy = torch.cuda.current_stream(self.device), self._stream
+        copy.wait_stream(compute)
         start, end = self._marks
-        with torch.cuda.stream(self._stream):
-            start.record()
-            if self.layer_waits:
-                self._copy_by_layer(rows, slots, ids, victims, final)
-            else:
-                self._copy(rows, slots, unmapped if victims else None, final)
-            end.record()
+        start.record(copy)
+        if self.layer_waits:
+            self._copy_by_layer(rows, slots, ids, victims, final, copy)
+        else:
+            self._copy(rows, slots, unmapped if victims else None, final, copy)
+        end.record(copy)
         if self.overlap and not self.layer_waits:  # otherwise install waits on the host first
             compute.wait_event(end)
         self._in_flight = True
 
-    def _copy_by_layer(self, rows, slots: list[int], ids: list[int], victims: list[int], final: torch.Tensor) -> None:
+    def _copy_by_layer(self, rows, slots: list[int], ids: list[int], victims: list[int], final: torch.Tensor,
+                       stream: torch.cuda.Stream) -> None:
         """`layer_waits` order on the copy stream: the final table, the events of layers that only lost
         victims, then each layer's rows followed by its event, in layer order."""
-        self._copy_table(final)  # no reader of a touched layer runs before its event
+        self._copy_table(final, stream)  # no reader of a touched layer runs before its event
         experts = self.num_experts
         by_layer: dict[int, list[int]] = {}
         for index in sorted(range(len(ids)), key=ids.__getitem__):
             by_layer.setdefault(ids[index] // experts, []).append(index)
         for layer in sorted({victim // experts for victim in victims} - by_layer.keys()):
-            self._layer_ready[layer].record()
+            self._layer_ready[layer].record(stream)
         for layer, indices in sorted(by_layer.items()):
-            self._copy_rows([rows[i] for i in indices], [slots[i] for i in indices])
-            self._layer_ready[layer].record()
+            self._copy_rows([rows[i] for i in indices], [slots[i] for i in indices], stream)
+            self._layer_ready[layer].record(stream)
 
     def wait(self) -> None:
         """Block until the last install's copies are done (its host rows and the staging tables
@@ -371,23 +370,22 @@ class DevicePool:
         if self._in_flight and self._marks[1].query():
             self.wait()
 
-    def _copy(self, rows, slots, unmapped: torch.Tensor | None, final: torch.Tensor) -> None:
+    def _copy(self, rows, slots, unmapped: torch.Tensor | None, final: torch.Tensor, stream) -> None:
         if unmapped is not None:
-            self._copy_table(unmapped)  # unmap before the bytes are reused
-        self._copy_rows(rows, slots)
-        self._copy_table(final)
+            self._copy_table(unmapped, stream)  # unmap before the bytes are reused
+        self._copy_rows(rows, slots, stream)
+        self._copy_table(final, stream)
 
-    def _copy_table(self, staged: torch.Tensor) -> None:
-        """The device table := a staging table, on the current stream (asynchronous on CUDA)."""
-        if self._h2d is None:
+    def _copy_table(self, staged: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+        """The device table := a staging table: on `stream` (asynchronous; CUDA) or at once (None: CPU)."""
+        if stream is None:
             self.table.copy_(staged)
         else:
-            self._h2d.tensor(self.table, staged, torch.cuda.current_stream(self.device))
+            self._h2d.tensor(self.table, staged, stream)
 
-    def _copy_rows(self, rows, slots) -> None:
-        """Rows into slots on the current stream; on CUDA through the driver (`HostToDevice`): the host
-        issues a row in a few microseconds, faster than the copy engine moves one."""
-        stream = torch.cuda.current_stream(self.device) if self._h2d is not None else None
+    def _copy_rows(self, rows, slots, stream: torch.cuda.Stream | None) -> None:
+        """Rows into slots: on `stream` through the driver (`HostToDevice`; CUDA), where the host issues a
+        row in a few microseconds, faster than the copy engine moves one; or at once (None: CPU)."""
         base, slot_bytes = self.slots.data_ptr(), self.slot_bytes
         for first, count, nbytes in self._runs(rows, slots):
             row = rows[first]
