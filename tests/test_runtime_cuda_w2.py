@@ -2,7 +2,8 @@
 
 CPU: the knob parses; each unmet condition is a ConfigError at boot that names it (FP4 pool, shapes, backend /
 device, nvcc, build); with a stand-in kernel object the triton backend passes it to moe_mm only with the knob on,
-only for one-pair-per-block workspaces, built once. GPU (marker gpu, needs nvcc too): a tiny model with the knob
+only for decode-sized workspaces (one pair per block, or 16-pair expert blocks from experts / 2 pairs), built
+once. GPU (marker gpu, needs nvcc too): a tiny model with the knob
 generates the tokens it generates without it, and its quarter-pool run is bit-identical to its all-resident run.
 """
 
@@ -102,23 +103,31 @@ class _Calls:
         monkeypatch.setattr(moe_mm_module, "moe_mm", moe_mm)
 
 
+def test_block_size_rule_of_the_knob():
+    assert [compute.cuda_w2_block_tokens(p, 256) for p in (8, 64, 127, 128, 256, 257)] == [1, 1, 1, 16, 16, None]
+    assert [compute.cuda_w2_block_tokens(p, 16) for p in (2, 7, 8, 16, 17)] == [1, 1, 16, 16, None]
+
+
 @pytest.mark.parametrize("knob", [False, True])
 def test_triton_backend_passes_the_kernels_to_moe_mm_only_with_the_knob(monkeypatch, knob):
     pytest.importorskip("triton")
     calls = _Calls(monkeypatch)
-    g = toy_geometry(**FITS)
+    g = toy_geometry(**{**FITS, "experts": 16})
     model = ToyMoE(g)
-    with TieredRuntime(g, memory_source(g), pool_slots=4, backend="triton",
+    with TieredRuntime(g, memory_source(g), pool_slots=16, backend="triton",
                        config=RuntimeConfig(cuda_w2=knob, kpi_every=0)) as runtime:
         runtime.preload()
-        for tokens in (1, 2, 1):  # 2 / 4 pairs <= 4 experts: one pair per block
+        # 2 / 6 pairs < 8: one pair per block; 8 / 16 pairs (experts / 2 .. experts): 16-pair expert blocks (the
+        # multi-token kernels); 18 pairs > 16 experts: the default workspace, Triton stages
+        for tokens in (1, 3, 1, 4, 8, 9):
             x = torch.randn(tokens, g.hidden).to(torch.bfloat16)
             runtime.moe(0, x, *model.route(0, x.float()))
-        x = torch.randn(3, g.hidden).to(torch.bfloat16)  # 6 pairs > 4 experts: a 16-pair block workspace
-        runtime.moe(0, x, *model.route(0, x.float()))
     assert calls.builds == int(knob)  # once per runtime, at boot
     want = calls.kernels if knob else None
-    assert calls.passed == [(1, want)] * 3 + [(16, None)]
+    if knob:
+        assert calls.passed == [(1, want)] * 3 + [(16, want)] * 2 + [(16, None)]
+    else:  # moe_mm's own rule: one pair per block up to `experts` pairs
+        assert calls.passed == [(1, None)] * 5 + [(16, None)]
 
 
 def test_the_knob_refuses_hidden_states_other_than_bfloat16(monkeypatch):

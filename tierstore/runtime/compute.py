@@ -8,8 +8,9 @@ the top-k combine runs in a fixed order, so a token's result does not depend on 
 - `TorchExperts`: plain torch (float32) decoding the same slot bytes with the kernels' reference
   decoder; the CPU variant of the runtime (no sync-free guarantee: it reads the table on the host).
 - `TritonExperts`: `tierstore.kernels.moe_mm` (route, gate_up, down, combine), capture-safe. With config
-  `cuda_w2` it hands `moe_mm` the CUDA C++ W2 whole op (`load_cuda_w2`, built once at boot) for one-pair-per-block
-  workspaces (decode); other workspaces run the Triton gate_up and down.
+  `cuda_w2` it hands `moe_mm` the CUDA C++ W2 whole op (`load_cuda_w2`, built once at boot) for decode-sized
+  batches (`cuda_w2_block_tokens`: one pair per block, or 16-pair expert blocks from experts / 2 pairs); larger
+  batches run the Triton gate_up and down.
 """
 
 from __future__ import annotations
@@ -65,6 +66,19 @@ def load_cuda_w2(layout: SlotLayout, fp4_pool: DevicePool | None, device: torch.
                           "sm_90a (Hopper) GPU, or turn the knob off") from None
     log.info("CUDA W2 whole op on: gate_up and down of decode batches (one pair per block) on CUDA C++ kernels")
     return kernels
+
+
+def cuda_w2_block_tokens(pairs: int, experts: int) -> int | None:
+    """The route block size config `cuda_w2` gives a batch of `pairs` routed pairs, None where the CUDA kernels
+    do not serve it (larger than decode: pairs > experts, the Triton tensor-core stages). Decode batches below
+    experts / 2 pairs: 1 (the single-token kernels, one pair per block); from there: 16 (the multi-token kernels,
+    each expert's tile decoded once for up to 8 of its pairs). The switch sits where uniform routing gives ~1.27
+    pairs per routed expert (P / (E (1 - e^(-P/E))) at P = E / 2). Measured on DeepSeek-V3 shapes (E = 256,
+    cuda-w2-multi-deepseek-v3.json): 64 pairs single 311.6 vs multi 348.8 us, 256 pairs 1140.2 vs 959.4 us;
+    between them not measured."""
+    if pairs > experts:
+        return None
+    return 16 if 2 * pairs >= experts else 1
 
 
 class TorchExperts:
@@ -152,8 +166,10 @@ class TritonExperts:
         key = (tokens, top_k, dtype)
         if key not in self._workspaces:
             layout = self.w2_pool.layout
-            self._workspaces[key] = MoeWorkspace.allocate(tokens, top_k, self.num_experts, layout.hidden, layout.inter,
-                                                          dtype, self.w2_pool.slots.device)
+            block_tokens = cuda_w2_block_tokens(tokens * top_k, self.num_experts) if self.cuda_w2 is not None else None
+            workspace = MoeWorkspace.allocate(tokens, top_k, self.num_experts, layout.hidden, layout.inter, dtype,
+                                              self.w2_pool.slots.device, block_tokens=block_tokens)
+            self._workspaces[key] = (workspace, self.cuda_w2 if block_tokens is not None else None)
         return self._workspaces[key]
 
     def __call__(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -161,9 +177,9 @@ class TritonExperts:
 
         ids = topk_ids.to(torch.int32).contiguous()  # [T, k]
         self.log.record(layer, ids)
-        workspace = self._workspace(ids.shape[0], ids.shape[1], hidden.dtype)
-        # the CUDA kernels run one pair per block: larger batches' workspaces (prefill) keep the Triton stages
-        cuda_w2 = self.cuda_w2 if workspace.block_tokens == 1 else None
+        # with config cuda_w2: decode-sized batches run the CUDA kernels (`cuda_w2_block_tokens`), larger ones (prefill)
+        # keep the Triton stages
+        workspace, cuda_w2 = self._workspace(ids.shape[0], ids.shape[1], hidden.dtype)
         if cuda_w2 is not None and hidden.dtype != torch.bfloat16:
             raise ConfigError(f"{KNOB} needs bfloat16 hidden states, got {hidden.dtype}; turn the knob off")
         return moe_mm(hidden.contiguous(), ids, topk_weights.to(torch.float32).contiguous(), self.w2_pool,

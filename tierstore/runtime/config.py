@@ -65,7 +65,8 @@ class RuntimeConfig:
 
     - `cuda_w2` (default off): the triton backend runs gate_up and down with the CUDA C++ W2 whole op
       (`tierstore.kernels.cuda.w2_moe.W2MoeCuda`, benchmarks/cuda-w2-notes.md) between the Triton route and
-      combine, for batches the kernels place one pair per block (decode: pairs <= routed experts); larger
+      combine, for decode-sized batches (pairs <= routed experts: one pair per block below experts / 2 pairs,
+      16-pair expert blocks for the multi-token kernels from there; `compute.cuda_w2_block_tokens`); larger
       batches (prefill) keep the Triton tensor-core launch. Other kernels, other summation order: logits may
       differ in the last bits from a run with the knob off. Checked at boot, each unmet condition a
       ConfigError: no FP4 pool (the path computes no FP4 pair), hidden and expert inter multiples of 512, the
