@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import warnings
 
 import numpy as np
 import pytest
@@ -376,6 +377,27 @@ def _fp4_rows(ids):
     return torch.tensor([e in FP4_EXPERTS for e in ids.reshape(-1).tolist()], device="cuda")
 
 
+TRITON_MARGIN = 2e-3  # CUDA's relative error may exceed Triton's (both vs the float32 reference) by at most this
+
+
+def _no_less_accurate_than_triton(got, tri, ref, limit):
+    """Triton is a second implementation, not the ground truth: CUDA's error vs the reference must not exceed
+    Triton's error vs the same reference by more than TRITON_MARGIN (the caller already holds CUDA's within 1e-2).
+    The direct CUDA-vs-Triton distance must stay within 1e-2 only without the SwiGLU clamp, where both errors sit
+    far below it (H200 at 998c5b7, benchmarks/cuda_fp4 checks: CUDA 0.0016-0.0017, Triton 0.004-0.006 for gate_up,
+    whole op and mixed layer). With the clamp 0.75 that distance was 0.017-0.018 on the H200 with CUDA's own error
+    within 1e-2 (the log does not say how the two errors split): it is reported as a warning with both errors, not
+    asserted."""
+    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
+    err, tri_err, dist = rel(got, ref), rel(tri, ref), rel(got, tri)
+    assert not tri.isnan().any() and err <= tri_err + TRITON_MARGIN, (err, tri_err)
+    if limit is None:
+        assert dist <= 1e-2, (err, tri_err)
+    elif dist > 1e-2:
+        warnings.warn(f"swiglu_limit={limit}: CUDA vs Triton {dist:.4g} (CUDA vs reference {err:.4g}, Triton vs "
+                      f"reference {tri_err:.4g})", stacklevel=2)
+
+
 @pytest.mark.gpu
 @needs_nvcc
 @pytest.mark.parametrize("tokens,limit", [(1, None), (2, None), (8, None), (32, None), (8, 0.75)])
@@ -396,8 +418,7 @@ def test_fp4_gate_up_matches_reference_and_leaves_other_pairs(case, tokens, limi
     assert all(_same_bytes(o, first) for pair in outs.values() for o in pair)  # repeats, prefetch depth
     ws.act.fill_(float("nan"))
     moe_gate_up(x, TOP_K, case["w2"], case["f4"], 0, ws, limit)
-    tri = ws.act[rows].float()
-    assert float((first[rows].float() - tri).norm() / tri.norm()) <= 1e-2
+    _no_less_accurate_than_triton(first[rows], ws.act[rows], ref[rows], limit)
 
 
 @pytest.mark.gpu
@@ -475,7 +496,7 @@ def test_tier_moe_matches_reference_with_mixed_residency(case, tier, tokens, lim
     assert _same_bytes(out, again)
     tri, tri_counts, tri_entries = _whole(case, ids, x, weights, None, limit)
     assert tri_counts == counts and tri_entries == entries
-    assert float((out.float() - tri.float()).norm() / tri.float().norm()) <= 1e-2
+    _no_less_accurate_than_triton(out, tri, ref, limit)
 
 
 @pytest.mark.gpu

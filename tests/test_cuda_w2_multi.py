@@ -280,16 +280,39 @@ def case():
                 down_single=W2DownCuda(), whole=W2MoeCuda())
 
 
+def _ids_rows(gen, tokens, with_fp4=True) -> list[list[int]]:
+    """Random distinct experts per token; with_fp4: token 0 is (FP4 expert, a W2-resident expert), so a routing is
+    never without W2 pairs (at tokens = 2 a random second pair could be the missing expert and the next token
+    (FP4, missing): nothing to compare); the last token's last pair missing (unless it is token 0's W2 pair)."""
+    rows = [torch.randperm(EXPERTS, generator=gen).tolist() for _ in range(tokens)]
+    if with_fp4:
+        w2_expert = next(e for e in rows[0] if e not in (FP4_EXPERT, MISSING_EXPERT))
+        rows[0] = [FP4_EXPERT, w2_expert] + [e for e in rows[0] if e not in (FP4_EXPERT, w2_expert)]
+    if not (with_fp4 and tokens == 1):  # without FP4 residents (f4_none) every expert but the missing one is W2
+        j = rows[-1].index(MISSING_EXPERT)
+        rows[-1][TOP_K - 1], rows[-1][j] = rows[-1][j], rows[-1][TOP_K - 1]
+    return [r[:TOP_K] for r in rows]
+
+
 def _ids(case, tokens, with_fp4=True) -> torch.Tensor:
-    """Random distinct experts per token; the first pair FP4 (when with_fp4), the last pair missing (unless that
-    would leave no W2 pair: one token with an FP4 pair)."""
-    rows = [torch.randperm(EXPERTS, generator=case["gen"]).tolist() for _ in range(tokens)]
-    missing = None if with_fp4 and tokens == 1 else MISSING_EXPERT
-    for t, value, at in ((0, FP4_EXPERT if with_fp4 else None, 0), (tokens - 1, missing, TOP_K - 1)):
-        if value is not None:
-            j = rows[t].index(value)
-            rows[t][at], rows[t][j] = rows[t][j], rows[t][at]
-    return torch.tensor([r[:TOP_K] for r in rows], dtype=torch.int32).cuda()
+    return torch.tensor(_ids_rows(case["gen"], tokens, with_fp4), dtype=torch.int32).cuda()
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 8, 32])
+def test_gpu_routings_always_hold_w2_fp4_and_missing_pairs(tokens):
+    """The GPU tests' routings (_ids_rows) over many generator states: distinct experts per token, W2 pairs always,
+    the FP4 pair and (beyond one token) the missing pair where the tests expect them."""
+    gen = torch.Generator().manual_seed(tokens)
+    for _ in range(200):
+        for with_fp4 in (True, False):
+            rows = _ids_rows(gen, tokens, with_fp4)
+            flat = [e for r in rows for e in r]
+            assert len(rows) == tokens and all(len(set(r)) == TOP_K for r in rows)
+            non_w2 = (FP4_EXPERT, MISSING_EXPERT) if with_fp4 else (MISSING_EXPERT,)  # f4_none: expert 6 is W2
+            assert any(e not in non_w2 for e in flat)
+            assert (MISSING_EXPERT in flat) == (not (with_fp4 and tokens == 1))
+            if with_fp4:
+                assert rows[0][0] == FP4_EXPERT and rows[0][1] not in (FP4_EXPERT, MISSING_EXPERT)
 
 
 def _kinds(ids):
@@ -317,6 +340,7 @@ def test_multi_gate_up_matches_reference_and_single_token_kernel(case, tokens):
     case["gate_single"](x, TOP_K, w2, f4, 0, _routed(ids, w2, f4, 1, "cuda"), out=single)
     torch.cuda.synchronize()
     fp4, missing, w2_rows = _kinds(ids)
+    assert w2_rows.any()  # an empty compared set would give 0 / 0
     got = outs[2][0]
     assert got[fp4 | missing].isnan().all() and not got[w2_rows].isnan().any()  # skipped rows untouched
     ref = w2_gate_up_ref(x, ids, w2, f4, 0)[w2_rows]
@@ -347,6 +371,7 @@ def test_multi_down_matches_reference_and_single_token_kernel(case, tokens):
     case["down_single"](w2, f4, 0, ws1, out=single)
     torch.cuda.synchronize()
     fp4, missing, w2_rows = _kinds(ids)
+    assert w2_rows.any()  # an empty compared set would give 0 / 0 (tokens = 2 at 998c5b7: nan)
     got = outs[(2, 1)][0]
     assert got[fp4].isnan().all() and (got[missing] == -7.0).all() and not got[w2_rows].isnan().any()
     ref = w2_down_ref(ws.act, ids, w2, f4, 0)[w2_rows]
