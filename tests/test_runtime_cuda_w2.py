@@ -37,20 +37,20 @@ def test_knob_parses_from_env_and_config_and_defaults_off():
         RuntimeConfig.from_env({"TIERSTORE_CUDA_W2": "on"})
 
 
-def test_runtime_with_an_fp4_pool_refuses_the_knob():
+def test_a_refused_boot_with_an_fp4_pool_stops_its_fp4_manager():
     g = toy_geometry(**FITS)
     w2_rows, fp4_rows = tier_rows(g)
-    with pytest.raises(ConfigError, match="has an FP4 pool: the CUDA W2 path cannot serve FP4-resident pairs"):
+    with pytest.raises(ConfigError, match="needs the triton backend on a CUDA device"):
         TieredRuntime(g, MemoryRowSource(w2_rows), pool_slots=4, fp4_source=MemoryRowSource(fp4_rows), fp4_slots=2,
                       config=RuntimeConfig(cuda_w2=True, kpi_every=0))
-    assert THREAD_NAME not in [t.name for t in threading.enumerate()]  # the refused boot stopped its FP4 manager
+    assert THREAD_NAME not in [t.name for t in threading.enumerate()]
 
 
 @pytest.mark.parametrize("hidden, inter, message", [(64, 512, "hidden must be a multiple of 512, got 64"),
                                                      (512, 96, "inter must be a multiple of 512, got 96")])
 def test_shapes_off_the_kernels_rules_are_refused(hidden, inter, message):
     g = toy_geometry(**{**FITS, "hidden": hidden, "inter": inter})
-    with pytest.raises(ConfigError, match=f"TIERSTORE_CUDA_W2.*do not fit the CUDA W2 kernels: {message}"):
+    with pytest.raises(ConfigError, match=f"TIERSTORE_CUDA_W2.*do not fit the CUDA kernels: {message}"):
         TieredRuntime(g, memory_source(g), pool_slots=4, config=RuntimeConfig(cuda_w2=True, kpi_every=0))
 
 
@@ -91,8 +91,11 @@ class _Calls:
         self.builds, self.passed = 0, []
         self.kernels = object()
 
-        def build(layout, fp4_pool, device):
+        self.fp4_layouts = []
+
+        def build(layout, fp4_layout, device):
             self.builds += 1
+            self.fp4_layouts.append(fp4_layout)
             return self.kernels
 
         def moe_mm(hidden, ids, weights, w2, fp4, layer, misses, workspace, swiglu_limit=None, cuda_w2=None):
@@ -106,6 +109,24 @@ class _Calls:
 def test_block_size_rule_of_the_knob():
     assert [compute.cuda_w2_block_tokens(p, 256) for p in (8, 64, 127, 128, 256, 257)] == [1, 1, 1, 16, 16, None]
     assert [compute.cuda_w2_block_tokens(p, 16) for p in (2, 7, 8, 16, 17)] == [1, 1, 16, 16, None]
+    # with an FP4 pool: one pair per block from experts / 4 pairs (TierMoeCuda), the Triton stages elsewhere
+    assert [compute.cuda_w2_block_tokens(p, 256, fp4=True) for p in (8, 63, 64, 256, 257)] == [None, None, 1, 1, None]
+
+
+def test_with_an_fp4_pool_the_kernels_serve_batches_from_a_quarter_of_the_experts(monkeypatch):
+    pytest.importorskip("triton")
+    calls = _Calls(monkeypatch)
+    g = toy_geometry(**{**FITS, "experts": 16})
+    w2_rows, fp4_rows = tier_rows(g)
+    model = ToyMoE(g)
+    with TieredRuntime(g, MemoryRowSource(w2_rows), pool_slots=16, fp4_source=MemoryRowSource(fp4_rows), fp4_slots=8,
+                       backend="triton", config=RuntimeConfig(cuda_w2=True, kpi_every=0)) as runtime:
+        assert calls.fp4_layouts == [runtime.fp4.layout]
+        runtime.preload()
+        for tokens in (1, 2, 8, 9):  # 2 pairs < 4: Triton; 4 and 16 pairs: the kernels; 18 > 16 experts: Triton
+            x = torch.randn(tokens, g.hidden).to(torch.bfloat16)
+            runtime.moe(0, x, *model.route(0, x.float()))
+    assert calls.passed == [(1, None), (1, calls.kernels), (1, calls.kernels), (16, None)]
 
 
 @pytest.mark.parametrize("knob", [False, True])
@@ -191,3 +212,34 @@ def test_generation_with_the_knob_agrees_without_and_tiered_is_bit_identical(tmp
     for step, (a, b) in enumerate(zip(small.step_logits, resident.step_logits)):
         assert torch.equal(a, b), f"step {step}"
     assert stats.replayed_steps > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc to build the CUDA kernels")
+def test_with_an_fp4_pool_the_cuda_path_agrees_with_the_triton_path_on_mixed_residency():
+    g = toy_geometry(**{**FITS, "experts": 16})
+    w2_rows, fp4_rows = tier_rows(g)
+    model = ToyMoE(g)
+    x = torch.randn(4, g.hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ids, weights = model.route(0, x.float())  # 4 tokens x top-2 = 8 pairs >= 16 / 4: the CUDA path's batch
+    fp4_experts = list(range(0, 16, 2))
+    routed = set(ids.reshape(-1).tolist())
+    assert routed & set(fp4_experts) and routed - set(fp4_experts)  # both tiers serve this batch
+    outs = {}
+    for knob in (False, True):
+        with TieredRuntime(g, MemoryRowSource(w2_rows), pool_slots=16, fp4_source=MemoryRowSource(fp4_rows),
+                           fp4_slots=8, device="cuda", backend="triton",
+                           config=RuntimeConfig(cuda_w2=knob, kpi_every=0)) as runtime:
+            runtime.pause_fp4_manager()
+            runtime.preload()
+            runtime.preload_fp4([(0, e) for e in fp4_experts])
+            runtime.log.reset()
+            first = runtime.moe(0, x.cuda(), ids.cuda(), weights.cuda())
+            again = runtime.moe(0, x.cuda(), ids.cuda(), weights.cuda())
+            torch.cuda.synchronize()
+            assert torch.equal(first, again)  # repeat launches: identical bytes
+            assert (runtime.experts.cuda_w2 is not None) == knob
+            outs[knob] = first.float().cpu()
+    on, off = outs[True], outs[False]
+    assert not on.isnan().any()  # every FP4 pair computed (the W2 down marks them NaN until the FP4 down runs)
+    assert float((on - off).norm() / off.norm()) <= 2e-2  # other kernels, other sums: within the bf16 budget

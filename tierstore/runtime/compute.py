@@ -8,9 +8,9 @@ the top-k combine runs in a fixed order, so a token's result does not depend on 
 - `TorchExperts`: plain torch (float32) decoding the same slot bytes with the kernels' reference
   decoder; the CPU variant of the runtime (no sync-free guarantee: it reads the table on the host).
 - `TritonExperts`: `tierstore.kernels.moe_mm` (route, gate_up, down, combine), capture-safe. With config
-  `cuda_w2` it hands `moe_mm` the CUDA C++ W2 whole op (`load_cuda_w2`, built once at boot) for decode-sized
-  batches (`cuda_w2_block_tokens`: one pair per block, or 16-pair expert blocks from experts / 2 pairs); larger
-  batches run the Triton gate_up and down.
+  `cuda_w2` it hands `moe_mm` the CUDA C++ whole op (`load_cuda_w2`, built once at boot: the W2 stages, plus the
+  FP4 stages with an FP4 pool) for the batch sizes `cuda_w2_block_tokens` gives it; other batches run the Triton
+  gate_up and down.
 """
 
 from __future__ import annotations
@@ -29,55 +29,66 @@ log = logging.getLogger("tierstore.runtime")
 KNOB = "TIERSTORE_CUDA_W2 (config cuda_w2)"
 
 
-def check_cuda_w2(layout: SlotLayout, fp4_pool: DevicePool | None, device: torch.device, backend: str) -> None:
-    """The conditions of config `cuda_w2` that need no CUDA: ConfigError naming the first one unmet."""
-    if fp4_pool is not None:
-        raise ConfigError(f"{KNOB} is on but this runtime has an FP4 pool: the CUDA W2 path cannot serve FP4-resident "
-                          "pairs (it computes W2 pairs only); run without an FP4 pool (fp4_pool_gb 0, no FP4 row "
-                          "source) or turn the knob off")
-    from tierstore.kernels.cuda import loader, w2_down, w2_gate_up
+def check_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torch.device, backend: str) -> None:
+    """The conditions of config `cuda_w2` that need no CUDA: ConfigError naming the first one unmet. `fp4_layout`:
+    the FP4 pool's, when the runtime has one (its pairs then run the CUDA FP4 stages)."""
+    from tierstore.kernels.cuda import fp4_stages, loader, w2_down, w2_gate_up
 
     try:
         w2_gate_up.check_geometry(layout)
         w2_down.check_geometry(layout)
+        if fp4_layout is not None:
+            fp4_stages.check_geometry(fp4_layout)
     except ValueError as error:
         raise ConfigError(f"{KNOB} is on but the expert shapes (hidden {layout.hidden}, expert inter {layout.inter}) "
-                          f"do not fit the CUDA W2 kernels: {error}; turn the knob off") from None
+                          f"do not fit the CUDA kernels: {error}; turn the knob off") from None
     if backend != "triton" or device.type != "cuda":
         raise ConfigError(f"{KNOB} needs the triton backend on a CUDA device; this runtime runs the {backend} backend "
                           f"on {device}")
     if loader.nvcc_path() is None:
         raise ConfigError(f"{KNOB} needs nvcc on PATH or in /usr/local/cuda/bin (the CUDA toolkit) to build the "
-                          "CUDA W2 kernels; install it or turn the knob off")
+                          "CUDA kernels; install it or turn the knob off")
 
 
-def load_cuda_w2(layout: SlotLayout, fp4_pool: DevicePool | None, device: torch.device):
-    """The CUDA W2 whole op for config `cuda_w2` (`W2MoeCuda`: nvcc build, cached on disk, loaded into torch's
-    context), after `check_cuda_w2`; a failed build or load is a ConfigError. One object serves every layer and
-    batch size: the kernels take the shapes and buffers as launch arguments."""
-    check_cuda_w2(layout, fp4_pool, device, "triton")
+def load_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torch.device):
+    """The CUDA whole op for config `cuda_w2`, after `check_cuda_w2`: `W2MoeCuda` (the W2 stages), or with an FP4
+    pool `TierMoeCuda` (the W2 stages, then the FP4 stages for FP4-resident pairs). nvcc builds cached on disk,
+    loaded into torch's context; a failed build or load is a ConfigError. One object serves every layer and batch
+    size: the kernels take the shapes and buffers as launch arguments."""
+    check_cuda_w2(layout, fp4_layout, device, "triton")
     from tierstore.kernels.cuda.loader import CudaError
+    from tierstore.kernels.cuda.tier_moe import TierMoeCuda
     from tierstore.kernels.cuda.w2_moe import W2MoeCuda
 
     try:
         kernels = W2MoeCuda(device=device.index)
+        if fp4_layout is not None:
+            kernels = TierMoeCuda(w2=kernels, device=device.index)
     except (CudaError, OSError) as error:
-        raise ConfigError(f"{KNOB}: the CUDA W2 kernels did not build or load ({error}); they need nvcc and an "
+        raise ConfigError(f"{KNOB}: the CUDA kernels did not build or load ({error}); they need nvcc and an "
                           "sm_90a (Hopper) GPU, or turn the knob off") from None
-    log.info("CUDA W2 whole op on: gate_up and down of decode batches (one pair per block) on CUDA C++ kernels")
+    log.info("CUDA whole op on: gate_up and down of decode batches on CUDA C++ kernels (%s)",
+             "W2 and FP4 tiers" if fp4_layout is not None else "W2 tier")
     return kernels
 
 
-def cuda_w2_block_tokens(pairs: int, experts: int) -> int | None:
+def cuda_w2_block_tokens(pairs: int, experts: int, fp4: bool = False) -> int | None:
     """The route block size config `cuda_w2` gives a batch of `pairs` routed pairs, None where the CUDA kernels
-    do not serve it (larger than decode: pairs > experts, the Triton tensor-core stages). Decode batches below
-    experts / 2 pairs: 1 (the single-token kernels, one pair per block); from there: 16 (the multi-token kernels,
-    each expert's tile decoded once for up to 8 of its pairs). The switch sits where uniform routing gives ~1.27
-    pairs per routed expert (P / (E (1 - e^(-P/E))) at P = E / 2). Measured on DeepSeek-V3 shapes (E = 256,
-    cuda-w2-multi-deepseek-v3.json): 64 pairs single 311.6 vs multi 348.8 us, 256 pairs 1140.2 vs 959.4 us;
-    between them not measured."""
+    do not serve it (the Triton stages on moe_mm's default workspace).
+
+    Without an FP4 pool: decode batches (pairs <= experts) below experts / 2 pairs: 1 (the single-token kernels,
+    one pair per block); from there: 16 (the multi-token kernels, each expert's tile decoded once for up to 8 of
+    its pairs). The switch sits where uniform routing gives ~1.27 pairs per routed expert (P / (E (1 - e^(-P/E)))
+    at P = E / 2). Measured on DeepSeek-V3 shapes (E = 256, cuda-w2-multi-deepseek-v3.json): 64 pairs single
+    311.6 vs multi 348.8 us, 256 pairs 1140.2 vs 959.4 us; between them not measured.
+
+    With an FP4 pool (`TierMoeCuda`, one pair per block only): 1 from experts / 4 to experts pairs, else None.
+    Measured on DeepSeek-V3 shapes with every 4th expert FP4 (cuda-fp4-deepseek-v3.json): 0.83x the Triton op at
+    8 pairs, 1.25x at 64 (= experts / 4), 1.29x at 256; between 8 and 64 not measured."""
     if pairs > experts:
         return None
+    if fp4:
+        return 1 if 4 * pairs >= experts else None
     return 16 if 2 * pairs >= experts else 1
 
 
@@ -85,7 +96,7 @@ class TorchExperts:
     def __init__(self, pool: DevicePool, layout: SlotLayout, log: PassLog, swiglu_limit: float | None,
                  fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None, cuda_w2: bool = False):
         if cuda_w2:  # raises: the knob needs the triton backend (after naming any other unmet condition)
-            check_cuda_w2(layout, fp4_pool, pool.device, "torch")
+            check_cuda_w2(layout, fp4_layout if fp4_pool is not None else None, pool.device, "torch")
         self.pool, self.layout, self.log, self.swiglu_limit = pool, layout, log, swiglu_limit
         self.tiers = [(pool, layout)] + ([(fp4_pool, fp4_layout)] if fp4_pool is not None else [])
         self._decoded: dict[tuple[int, int], tuple[int, torch.Tensor, torch.Tensor]] = {}  # (tier, slot) -> (gen, w13, w2)
@@ -149,7 +160,9 @@ class TritonExperts:
         from tierstore.kernels.moe_mm import MissLog, TierPool, fp4_tier
 
         # config cuda_w2: the CUDA C++ gate_up + down, built here once (boot), or None (Triton stages)
-        self.cuda_w2 = load_cuda_w2(layout, fp4_pool, pool.device) if cuda_w2 else None
+        self.cuda_w2 = (load_cuda_w2(layout, fp4_layout if fp4_pool is not None else None, pool.device) if cuda_w2
+                        else None)
+        self._fp4 = fp4_pool is not None
         self.log, self.swiglu_limit = log, swiglu_limit
         self.w2_pool = TierPool(pool.slots, pool.table, layout)
         if fp4_pool is None:  # the kernels always take an FP4 tier: an empty one
@@ -166,7 +179,8 @@ class TritonExperts:
         key = (tokens, top_k, dtype)
         if key not in self._workspaces:
             layout = self.w2_pool.layout
-            block_tokens = cuda_w2_block_tokens(tokens * top_k, self.num_experts) if self.cuda_w2 is not None else None
+            block_tokens = (cuda_w2_block_tokens(tokens * top_k, self.num_experts, self._fp4)
+                            if self.cuda_w2 is not None else None)
             workspace = MoeWorkspace.allocate(tokens, top_k, self.num_experts, layout.hidden, layout.inter, dtype,
                                               self.w2_pool.slots.device, block_tokens=block_tokens)
             self._workspaces[key] = (workspace, self.cuda_w2 if block_tokens is not None else None)
