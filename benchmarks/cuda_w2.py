@@ -43,6 +43,15 @@ WHOLE = {"cuda_whole": dict(gate_ahead=2, down_ahead=2, down_groups=1),
 MULTI = {"gate_up": ("cuda_gate_up_multi", dict(ahead=2)), "down": ("cuda_down_multi", dict(ahead=2, groups=1)),
          "whole": ("cuda_whole_multi", dict(gate_ahead=2, down_ahead=2, down_groups=1))}
 MULTI_BT = 16  # the multi-token variants' route block size
+# v2 of the multi-token gate_up (W2GateUpMultiCuda warps / stage_cols / carveout "fit": benchmarks/cuda-w2-notes.md
+# "v2"), alone and in the whole op (W2MoeCuda with that gate_up kernel); built only when --variants names them. Their
+# bytes must equal cuda_gate_up_multi's / cuda_whole_multi's when that variant runs too (else INVALID).
+V2_GATE = {"s4": dict(warps=8, stage_cols=4, carveout="fit"), "w4s3": dict(warps=4, stage_cols=3, carveout="fit"),
+           "w4s2": dict(warps=4, stage_cols=2, carveout="fit"), "e": dict(early=True),
+           "s4e": dict(warps=8, stage_cols=4, carveout="fit", early=True),
+           "w4s3e": dict(warps=4, stage_cols=3, carveout="fit", early=True)}
+MULTI_V2 = ([("gate_up", f"cuda_gate_up_multi_{k}", dict(ahead=2, **o)) for k, o in V2_GATE.items()]
+            + [("whole", f"cuda_whole_multi_{k}", dict(MULTI["whole"][1], gate_multi=o)) for k, o in V2_GATE.items()])
 TRITON = {"gate_up": "triton_gate_up", "down": "triton_down", "whole": "triton_whole"}  # each stage's baseline
 FIRST = {"gate_up": "cuda_mma", "down": "cuda_down", "whole": "cuda_whole"}  # the variant the others must equal
 DEVICE = "cuda"  # the CPU test of this script's bookkeeping sets "cpu"
@@ -73,8 +82,8 @@ def _provenance(commit: str | None) -> dict:
 
 
 def _block_tokens(name: str) -> int:
-    """The route block size a variant runs on: MULTI_BT for the multi-token variants, else 1."""
-    return MULTI_BT if name.endswith("_multi") else 1
+    """The route block size a variant runs on: MULTI_BT for the multi-token variants (v2 included), else 1."""
+    return MULTI_BT if name.endswith("_multi") or "_multi_" in name else 1
 
 
 def _build(stage: str, options: dict, multi: bool = False, geo=None) -> tuple[object, dict]:
@@ -89,7 +98,10 @@ def _build(stage: str, options: dict, multi: bool = False, geo=None) -> tuple[ob
     started = time.perf_counter()
     classes = {"gate_up": W2GateUpMultiCuda, "down": W2DownMultiCuda} if multi else {"gate_up": W2GateUpCuda,
                                                                                      "down": W2DownCuda}
-    built = {**classes, "whole": W2MoeCuda}[stage](**options)
+    gate_multi = options.get("gate_multi") if stage == "whole" else None  # v2: the whole op's multi gate_up kernel
+    built = {**classes, "whole": W2MoeCuda}[stage](**{k: v for k, v in options.items() if k != "gate_multi"})
+    if gate_multi is not None:
+        built.gate_up_multi = W2GateUpMultiCuda(ahead=options["gate_ahead"], **gate_multi)
     k_len = {"gate_up": geo.hidden, "down": geo.expert_inter} if geo is not None else {}
     if stage == "whole":
         parts = (("gate_up", built.gate_up_multi), ("down", built.down_multi)) if multi else (
@@ -98,6 +110,7 @@ def _build(stage: str, options: dict, multi: bool = False, geo=None) -> tuple[ob
                  for k, v in (kernel.attributes(k_len.get(part)) if multi else kernel.attributes()).items()}
     else:
         attrs = built.attributes(k_len.get(stage)) if multi else built.attributes()
+    options = {k: v for k, v in options.items() if k != "gate_multi"} | {f"gate_{k}": v for k, v in (gate_multi or {}).items()}
     return built, dict(stage=stage, **options, block_tokens=MULTI_BT if multi else 1,
                        seconds=round(time.perf_counter() - started, 2), **attrs)
 
@@ -141,22 +154,26 @@ def _launch_twice(kernels: dict, like: torch.Tensor, launch) -> dict:
     return outs
 
 
-def _vs_first(name: str, out, first) -> dict:
+def _vs_first(name: str, out, first, multi=None) -> dict:
     """Comparison with the stage's first variant: required byte-identical for single-token variants (prefetch depth
-    and row grouping change no arithmetic); recorded for the multi-token ones (another binary)."""
+    and row grouping change no arithmetic); recorded for the multi-token ones (another binary). A v2 variant
+    (`_multi_` in its name) is also compared with the stage's current multi-token variant's output `multi`:
+    required byte-identical (same binary arithmetic per pair)."""
+    v2 = dict(same_bytes_as_multi=_same_bytes(out, multi)) if "_multi_" in name and multi is not None else {}
     if first is None:
-        return dict(same_bytes_as_first=None)
+        return dict(same_bytes_as_first=None, **v2)
     if _block_tokens(name) == 1:
         return dict(same_bytes_as_first=_same_bytes(out, first))
     diff = float((out.float() - first.float()).norm() / first.float().norm())
-    return dict(same_bytes_as_first=None, same_bytes_as_single=_same_bytes(out, first), rel_diff_vs_single=diff)
+    return dict(same_bytes_as_first=None, same_bytes_as_single=_same_bytes(out, first), rel_diff_vs_single=diff, **v2)
 
 
 def _stage_check(kb, stage: str, tokens, outs: dict, ref, tri) -> dict:
     """A gate_up or down check row: Triton's output `tri` and every variant's `outs` against `ref`."""
     first = outs.get(FIRST[stage], [None])[0]
+    multi = outs.get(MULTI[stage][0], [None])[0]
     return dict(tokens=tokens, stage=stage, pairs=ref.shape[0], rel_err_triton=kb._rel_err(tri, ref),
-                variants={name: _variant_row(kb, a, b, ref, tri, _vs_first(name, a, first))
+                variants={name: _variant_row(kb, a, b, ref, tri, _vs_first(name, a, first, multi))
                           for name, (a, b) in outs.items()})
 
 
@@ -216,9 +233,10 @@ def _check_whole(kb, geo, state, kernels: dict, tokens) -> dict:
     ref, missing_pairs, _ = moe_mm_ref(x, ids, weights, w2, f4, 0, act_dtype=torch.bfloat16)
     outs = {name: [run(cuda, _block_tokens(name)) for _ in range(2)] for name, cuda in kernels.items()}
     first = outs.get(FIRST["whole"], [(None, None)])[0][0]
+    multi = outs.get(MULTI["whole"][0], [(None, None)])[0][0]
     variants = {}
     for name, ((a, misses_a), (b, _)) in outs.items():
-        variants[name] = _variant_row(kb, a, b, ref, tri.float(), _vs_first(name, a, first))
+        variants[name] = _variant_row(kb, a, b, ref, tri.float(), _vs_first(name, a, first, multi))
         variants[name]["misses_equal_triton"] = misses_a == tri_misses
     return dict(tokens=tokens, stage="whole", pairs=ids.numel(), missing_pairs=missing_pairs,
                 rel_err_triton=kb._rel_err(tri, ref), variants=variants)
@@ -241,6 +259,8 @@ def _invalid(checks: list[dict], name: str) -> list[str]:
     if v["same_bytes_as_first"] is False:
         why.append("bytes differ from the stage's first variant (prefetch depth / row grouping must not change "
                    "arithmetic)")
+    if v.get("same_bytes_as_multi") is False:
+        why.append("bytes differ from the current multi-token variant's (v2 must not change arithmetic)")
     if v.get("misses_equal_triton") is False:
         why.append("miss counts differ from the Triton op's")
     return why
@@ -336,10 +356,10 @@ def _print(result: dict) -> None:
               + fmt({k: v for k, v in c.items() if k not in ("tokens", "stage", "variants")}))
         for name, v in c.get("variants", {}).items():
             print(f"  {name}: {fmt(v)}")
-    print(f"\n{'T':>3} {'stage':<7} {'variant':<18} {'rnd':>3} {'us':>8} {'GB/s':>6} {'%HBM':>5} {'%strm':>6} "
+    print(f"\n{'T':>3} {'stage':<7} {'variant':<24} {'rnd':>3} {'us':>8} {'GB/s':>6} {'%HBM':>5} {'%strm':>6} "
           f"{'triton/x':>8} {'bf16/x':>6}")
     for r in result.get("cases", []):
-        head = f"{r['tokens']:>3} {r.get('stage', ''):<7} {r['variant']:<18} {r['round']:>3} "
+        head = f"{r['tokens']:>3} {r.get('stage', ''):<7} {r['variant']:<24} {r['round']:>3} "
         if r.get("error"):
             print(head + f"ERROR {r['error']['type']}: {(r['error']['message'].splitlines() or [''])[0][:100]}")
         elif r.get("invalid"):
@@ -352,18 +372,20 @@ def _print(result: dict) -> None:
 
 def _variants(only: str | None) -> list[tuple[str, str, dict]]:
     """(stage, name, options) of every CUDA variant, per stage the single-token ones first (FIRST among them), or
-    only those named in the comma-separated `only`."""
+    only those named in the comma-separated `only` (which may also name the v2 variants, MULTI_V2: after the
+    stage's others)."""
     single = ([("gate_up", name, dict(ahead=ahead)) for name, ahead in AHEAD.items()]
               + [("down", name, opts) for name, opts in DOWN.items()]
               + [("whole", name, opts) for name, opts in WHOLE.items()])
     every = [v for stage in TRITON for v in single + [(s, *MULTI[s]) for s in MULTI] if v[0] == stage]
     if only is None:
         return every
+    known = [v for stage in TRITON for v in every + MULTI_V2 if v[0] == stage]
     names = set(only.split(","))
-    unknown = names - {name for _, name, _ in every}
+    unknown = names - {name for _, name, _ in known}
     if unknown:
-        raise ValueError(f"unknown variant(s) {sorted(unknown)}; known: {[name for _, name, _ in every]}")
-    return [v for v in every if v[1] in names]
+        raise ValueError(f"unknown variant(s) {sorted(unknown)}; known: {[name for _, name, _ in known]}")
+    return [v for v in known if v[1] in names]
 
 
 def run(kb, args, result: dict, emit) -> None:

@@ -461,3 +461,179 @@ def test_occupancy_at_deepseek_v3_shapes(case):
     114.8 KB of shared memory each at H = 7168, 4 down blocks per SM at I = 2048."""
     assert case["gate"][2].attributes(7168)["blocks_per_sm"] == 2
     assert case["down"][(2, 1)].attributes(2048)["blocks_per_sm"] == 4
+
+
+# ---- v2 of the gate_up kernel (W2_STAGE_COLS, W2_WARPS; benchmarks/cuda-w2-notes.md "v2") --------------------
+
+V2_SHAPES = [(8, 4), (4, 3), (4, 2)]  # (warps, stage_cols) of the benchmark's v2 variants
+V2_BUILDS = [(8, 4, False), (4, 3, False), (4, 2, False), (8, 8, True), (8, 4, True), (4, 3, True)]  # + W2_EARLY
+
+
+def model_gate_up_v2(w2, f4, ws, x, top_k, stage_cols: int, warps: int) -> np.ndarray:
+    """w2_gate_up_multi built with W2_STAGE_COLS = stage_cols, W2_WARPS = warps: CUDA block (b, y), its warps
+    (rows y * 8 * warps + 8 w ..), the passes z0 = 0, S, 2S, .. over the block's fill with only S columns in shared
+    memory; float64 [P, I], NaN where nothing is written."""
+    lay, inter = w2.layout, w2.layout.inter
+    out = np.full((ws.act.shape[0], inter), np.nan)
+    stride = lay.hidden // 2 + w2_multi.PAD_WORDS
+    rows = 8 * warps
+    for b in range(min(ws.block_expert.numel(), int(ws.num_blocks[0]))):
+        expert, fill = int(ws.block_expert[b]), int(ws.block_fill[b])
+        if int(f4.table[0, expert]) >= 0:
+            continue
+        block_pairs = ws.block_pairs[b * ws.block_tokens: b * ws.block_tokens + fill].tolist()
+        words, scales = _rows(w2.slots[int(w2.table[0, expert])], lay, "w13")
+        for y in range(inter // rows):
+            for z0 in range(0, fill, stage_cols):
+                count = min(fill - z0, stage_cols)
+                pairs = block_pairs[z0: z0 + count]
+                xp = build_pairs_multi(x, pairs, top_k, count, stride, lay.hidden)
+                assert all(v == 0x7FC07FC0 for v in xp[stage_cols * stride:])  # nothing past the S staged columns
+                base = [min(g, count - 1) * stride for g in range(8)]
+                assert max(base) < stage_cols * stride
+                for w in range(warps):
+                    n0 = y * rows + 8 * w
+                    d = warp_mma_multi(words[n0: n0 + 8], words[inter + n0: inter + n0 + 8], scales[n0: n0 + 8],
+                                       scales[inter + n0: inter + n0 + 8], xp, base, lay.w13.words_per_row // 32)
+                    for lane in range(32):
+                        g, c = lane >> 2, lane & 3
+                        for h in range(2):
+                            if 2 * c + h < count:
+                                gate, up = d[lane, h], d[lane, 2 + h]
+                                out[pairs[2 * c + h], n0 + g] = gate / (1 + np.exp(-gate)) * up
+    return out
+
+
+def test_v2_model_gives_the_default_kernels_values_exactly():
+    """Passes of S staged columns (fills 1, 2, 3, 8, 11, 16 + 1 against S = 2, 3, 4) and 4-warp blocks write each
+    pair's values exactly as the default model (column groups of 8, 8 warps), and those match the float64 reference;
+    S = 8 with 8 warps is the default model itself."""
+    gen = torch.Generator().manual_seed(21)
+    w2, f4 = _pools(512, 64, gen)
+    ids = _fill_ids()
+    x = torch.randn(ids.shape[0], 512, generator=gen).to(torch.bfloat16)
+    ws = _routed(ids, w2, f4, BT)
+    default = model_gate_up_multi(w2, f4, ws, x, TOP_K)
+    assert np.array_equal(model_gate_up_v2(w2, f4, ws, x, TOP_K, 8, 8), default, equal_nan=True)
+    for warps, stage in V2_SHAPES:
+        got = model_gate_up_v2(w2, f4, ws, x, TOP_K, stage, warps)
+        assert np.array_equal(got, default, equal_nan=True), (warps, stage)
+    for p, e in enumerate(ids.reshape(-1).tolist()):
+        if e in (FP4_EXPERT, MISSING_EXPERT):
+            assert np.isnan(default[p]).all()
+            continue
+        gate, up = (unpack_matrix_ref(w2.slots[e], w2.layout, "w13").double() @ x[p // TOP_K].double()).chunk(2)
+        ref = (torch.nn.functional.silu(gate) * up).numpy()
+        assert np.abs(default[p] - ref).max() <= 1e-9 * np.abs(ref).max(), p
+
+
+def test_v2_shared_memory_and_carveout():
+    assert w2_multi.shared_bytes(7168, 4) == 4 * (2 * 7168 + 16)  # 57,408
+    assert w2_multi.fit_carveout(w2_multi.shared_bytes(7168), 2) == 100  # the default: 2 x 115.8 KB -> 228 KB
+    assert w2_multi.fit_carveout(w2_multi.shared_bytes(7168, 4), 2) == 58  # 2 x 57.4 KB -> 132 KB, L1 124 KB
+    assert w2_multi.fit_carveout(w2_multi.shared_bytes(7168, 3), 4) == 86  # 4 x 43.1 KB -> 196 KB, L1 60 KB
+    assert w2_multi.fit_carveout(w2_multi.shared_bytes(7168, 2), 4) == 58  # 4 x 28.7 KB -> 132 KB
+    with pytest.raises(ValueError, match="do not fit"):
+        w2_multi.fit_carveout(w2_multi.shared_bytes(7168, 4), 4)  # 4 x (57,408 + 1,024) > 228 KB
+    layout = w2_tier(1024, 96, 1, 1, 1, "cpu").layout
+    w2_multi.gate_check_geometry(layout, 32)  # 4 warps: 32-row tiles
+    with pytest.raises(ValueError, match="multiple of 64"):
+        w2_multi.gate_check_geometry(layout)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("warps,stage,early", V2_BUILDS)
+def test_v2_compiles_without_spills(tmp_path, warps, stage, early):
+    defines = {"W2_AHEAD": 2, "W2_WARPS": warps, "W2_STAGE_COLS": stage, "W2_EARLY": int(early)}
+    cmd = loader.nvcc_command(w2_multi.GATE_SOURCE, tmp_path / "k.cubin", "cubin", defines) + ["-Xptxas", "-v"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    regs = int(re.search(r"Used (\d+) registers", proc.stderr).group(1))
+    assert "0 bytes spill stores" in proc.stderr and regs <= 128  # 16 warps per SM at 128 registers
+
+
+@pytest.mark.gpu
+@needs_nvcc
+@pytest.mark.parametrize("tokens", [1, 2, 8, 32])
+def test_v2_gate_up_bytes_equal_the_default_multi_kernel(case, tokens):
+    """Every v2 build (carveout "fit" where S < 8) against the default multi kernel on the same route: NaN-poisoned
+    outputs, byte-identical (FP4 and missing pairs' rows untouched), repeats byte-identical; at 32 tokens fills
+    exceed 8 and every S (several passes per block); route blocks past num_blocks exit (grid = max_blocks)."""
+    w2, f4 = case["w2"], case["f4"]
+    ids = _ids(case, tokens)
+    x = torch.randn(tokens, HIDDEN, generator=case["gen"]).to(torch.bfloat16).cuda()
+    ws = _routed(ids, w2, f4, BT, "cuda")
+    if tokens == 32:
+        assert int(ws.block_fill[: int(ws.num_blocks[0])].max()) > 8
+    default = torch.full_like(ws.act, float("nan"))
+    case["gate"][2](x, TOP_K, w2, f4, 0, ws, out=default)
+    fp4, missing, w2_rows = _kinds(ids)
+    for warps, stage, early in V2_BUILDS:
+        kernel = w2_multi.W2GateUpMultiCuda(ahead=2, warps=warps, stage_cols=stage, early=early,
+                                            carveout="fit" if stage < 8 else "max")
+        assert kernel.attributes(7168)["blocks_per_sm"] == 16 // warps  # the residency at DeepSeek-V3's H
+        outs = [torch.full_like(ws.act, float("nan")) for _ in range(2)]
+        for out in outs:
+            kernel(x, TOP_K, w2, f4, 0, ws, out=out)
+        torch.cuda.synchronize()
+        assert w2_rows.any() and not outs[0][w2_rows].isnan().any() and outs[0][fp4 | missing].isnan().all()
+        assert _same_bytes(outs[0], default) and _same_bytes(outs[1], default), (warps, stage, early)
+
+
+def test_v2_bench_variants_are_named_only_and_checked_against_the_multi_kernel():
+    from tests.test_cuda_w2 import _bench_module
+
+    bench = _bench_module()
+    names = [name for _, name, _ in bench._variants(None)]
+    assert not any(name in names for _, name, _ in bench.MULTI_V2)  # the default run is unchanged
+    picked = bench._variants("cuda_whole_multi_s4,cuda_gate_up_multi_w4s3,cuda_gate_up_multi,cuda_whole_multi")
+    assert [name for _, name, _ in picked] == ["cuda_gate_up_multi", "cuda_gate_up_multi_w4s3", "cuda_whole_multi",
+                                                "cuda_whole_multi_s4"]
+    assert picked[1][2] == dict(ahead=2, warps=4, stage_cols=3, carveout="fit")
+    assert picked[3][2]["gate_multi"] == dict(warps=8, stage_cols=4, carveout="fit")
+    assert all(bench._block_tokens(name) == bench.MULTI_BT for _, name, _ in bench.MULTI_V2)
+    good = dict(rel_err=3e-3, rel_err_vs_triton=5e-3, nan=False, repeat_identical=True, same_bytes_as_first=None)
+    check = lambda v: [dict(variants=dict(cuda_gate_up_multi_s4=v))]
+    assert bench._invalid(check(dict(good, same_bytes_as_multi=True)), "cuda_gate_up_multi_s4") == []
+    assert "current multi-token" in bench._invalid(check(dict(good, same_bytes_as_multi=False)),
+                                                   "cuda_gate_up_multi_s4")[0]
+    a, b = torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(3, 4, dtype=torch.bfloat16)
+    b[1, 2] = -0.0  # one bit apart
+    assert bench._vs_first("cuda_gate_up_multi_s4", a, None, b) == dict(same_bytes_as_first=None,
+                                                                        same_bytes_as_multi=False)
+    assert bench._vs_first("cuda_gate_up_multi", a, None, b) == dict(same_bytes_as_first=None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernels in the CPU interpreter (set without CUDA)")
+def test_v2_bench_runs_end_to_end_on_cpu_with_stand_in_kernels(monkeypatch):
+    """benchmarks/cuda_w2.py with the v2 variants named (stand-ins for every CUDA kernel, as test_cuda_w2's end-to-end
+    test): checked against the multi variant (same_bytes_as_multi), timed on block_tokens 16, valid."""
+    import argparse
+
+    import tierstore.geometry
+    from tests.test_cuda_w2 import (EXPERTS as E, HIDDEN as H, INTER as I, TOP_K as K, _bench_module, _ReferenceDown,
+                                    _ReferenceKernel, _ReferenceStages)
+    from tierstore.geometry import _preset
+
+    bench = _bench_module()
+    kb = bench._bench_kernels()
+    stand_in = {"gate_up": _ReferenceKernel, "down": _ReferenceDown, "whole": _ReferenceStages}
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "_build", lambda stage, opts, multi, geo: (stand_in[stage](), dict(stage=stage, **opts)))
+    monkeypatch.setattr(tierstore.geometry, "get_preset", lambda name: _preset("tiny", 1, E, K, H, I))
+    monkeypatch.setattr(kb, "_graph_time_us", lambda fns, reps: (fns[0](), 10.0)[1])
+    monkeypatch.setattr(kb, "_stream_us", lambda nbytes, copies, reps, device: 5.0)
+    monkeypatch.setattr(kb, "_bf16_case", lambda geo, w13, w2d, routings, reps: 50.0)
+    names = "cuda_gate_up_multi,cuda_gate_up_multi_s4,cuda_gate_up_multi_w4s3,cuda_whole_multi,cuda_whole_multi_w4s3"
+    result = {}
+    bench.run(kb, argparse.Namespace(preset="tiny", tokens="2", reps=1, variants=names), result, lambda r: None)
+    assert result["status"] == "complete" and not result["errors"], result["errors"]
+    checked = {}
+    for check in result["checks"]:  # the down stage has no variant here: its row says so
+        for name, v in check.get("variants", {}).items():
+            assert bench._invalid([check], name) == [], (check["stage"], name, v)
+            checked[name] = v.get("same_bytes_as_multi")
+    assert checked == {name: True if "_multi_" in name else None for name in names.split(",")}
+    timed = {(r["variant"], r["round"]): r for r in result["cases"]}
+    for name in names.split(","):
+        assert timed[(name, 1)]["block_tokens"] == 16 and timed[(name, 1)]["us"] == 10.0

@@ -34,9 +34,25 @@ DOWN_THREADS = 128
 DOWN_ARG_KINDS = "pqpqqqiippippppipqi"
 
 
-def shared_bytes(k_len: int) -> int:
-    """Dynamic shared memory of a block: COLS columns of k_len / 2 activation pairs plus the pad, 4 bytes each."""
-    return 4 * COLS * (k_len // 2 + PAD_WORDS)
+def shared_bytes(k_len: int, cols: int = COLS) -> int:
+    """Dynamic shared memory of a block: `cols` columns (COLS; the gate_up v2's stage_cols) of k_len / 2 activation
+    pairs plus the pad, 4 bytes each."""
+    return 4 * cols * (k_len // 2 + PAD_WORDS)
+
+
+# Hopper SM shared-memory capacities (KB) a carveout can select, and the driver's reserve per resident block.
+CARVEOUT_KB = (0, 8, 16, 32, 64, 100, 132, 164, 196, 228)
+RESERVED_PER_BLOCK = 1024
+
+
+def fit_carveout(smem: int, blocks: int) -> int:
+    """The carveout preference (percent of the largest capacity) of the smallest capacity that holds `blocks` blocks
+    of `smem` dynamic bytes plus the driver's reserve each; the rest of the SM's 256 KB stays L1."""
+    need = blocks * (smem + RESERVED_PER_BLOCK)
+    kb = next((kb for kb in CARVEOUT_KB if kb * 1024 >= need), None)
+    if kb is None:
+        raise ValueError(f"{blocks} blocks of {smem} shared bytes do not fit an SM ({CARVEOUT_KB[-1]} KB)")
+    return -(-100 * kb // CARVEOUT_KB[-1])
 
 
 def _check_block_tokens(ws) -> None:
@@ -44,10 +60,10 @@ def _check_block_tokens(ws) -> None:
         raise ValueError(f"the multi-token CUDA kernels need block_tokens a multiple of {COLS}, got {ws.block_tokens}")
 
 
-def gate_check_geometry(layout) -> None:
+def gate_check_geometry(layout, rows_per_block: int = GATE_ROWS_PER_BLOCK) -> None:
     w2_gate_up.check_geometry(layout)
-    if layout.inter % GATE_ROWS_PER_BLOCK:
-        raise ValueError(f"inter must be a multiple of {GATE_ROWS_PER_BLOCK}, got {layout.inter}")
+    if layout.inter % rows_per_block:
+        raise ValueError(f"inter must be a multiple of {rows_per_block}, got {layout.inter}")
 
 
 def gate_launch_args(hidden, top_k, w2, fp4, layer: int, ws, out, swiglu_limit: float | None) -> list:
@@ -71,8 +87,8 @@ def down_launch_args(w2, fp4, layer: int, ws, out) -> list:
             ws.num_blocks.data_ptr(), ws.block_tokens, out.data_ptr(), out.stride(0), lay.inter]
 
 
-def gate_check_inputs(hidden, w2, fp4, ws, out) -> None:
-    gate_check_geometry(w2.layout)
+def gate_check_inputs(hidden, w2, fp4, ws, out, rows_per_block: int = GATE_ROWS_PER_BLOCK) -> None:
+    gate_check_geometry(w2.layout, rows_per_block)
     _check_block_tokens(ws)
     w2_gate_up.check_tensors(hidden, w2, fp4, ws, out)
 
@@ -92,31 +108,76 @@ class _Built:
         self.kernel = loader.load(loader.build(source, defines), kernel, self.device)
         self.kernel.prefer_max_shared()  # gate_up: 2 blocks of 114.8 KB per SM at H = 7168
 
+    def smem(self, k_len: int) -> int:
+        """Dynamic shared memory of one block at K = k_len."""
+        return shared_bytes(k_len)
+
     def attributes(self, k_len: int | None = None) -> dict:
         """The kernel's attributes; with k_len (the stage's K) also the driver's resident blocks per SM."""
         attrs = {name: self.kernel.attribute(name) for name in ("num_regs", "local_bytes", "shared_bytes", "max_threads")}
         if k_len is not None:
-            self.kernel.allow_shared(shared_bytes(k_len))
-            attrs["blocks_per_sm"] = self.kernel.blocks_per_sm(self.threads, shared_bytes(k_len))
+            self.kernel.allow_shared(self.smem(k_len))
+            attrs["blocks_per_sm"] = self.kernel.blocks_per_sm(self.threads, self.smem(k_len))
         return attrs
 
 
 class W2GateUpMultiCuda(_Built):
     """Builds (nvcc, cached) and loads w2_gate_up_multi once; each call launches it on the current stream.
-    ahead: W2_AHEAD (K tiles of weight loads in flight per lane)."""
+    ahead: W2_AHEAD (K tiles of weight loads in flight per lane).
 
-    threads = GATE_THREADS
+    v2 options (benchmarks/cuda-w2-notes.md, "v2"; the defaults build and launch the kernel exactly as before):
+    warps: W2_WARPS, 8 (64 rows per block, 2 blocks per SM) or 4 (32 rows, 4 blocks per SM); stage_cols:
+    W2_STAGE_COLS, the columns of activation pairs staged in shared memory per pass (1..8; a block runs its pairs in
+    passes of stage_cols); carveout: "max" (the largest shared-memory carveout, the default) or "fit" (the smallest
+    capacity holding 16 / warps blocks: the rest stays L1); early: W2_EARLY, the prologue's route and table words in
+    two dependent loads instead of five. Per pair the bytes are the default's."""
 
-    def __init__(self, ahead: int = 2, device: int | None = None) -> None:
-        self.ahead = ahead
-        super().__init__(GATE_SOURCE, GATE_KERNEL, {"W2_AHEAD": ahead}, device)
+    threads = GATE_THREADS  # the default's; an instance with warps = 4 has 128
+    rows_per_block = GATE_ROWS_PER_BLOCK
+
+    def __init__(self, ahead: int = 2, warps: int = 8, stage_cols: int = COLS, carveout: str = "max",
+                 early: bool = False, device: int | None = None) -> None:
+        if warps not in (4, 8) or not 1 <= stage_cols <= COLS or carveout not in ("max", "fit"):
+            raise ValueError(f"warps 4 or 8, stage_cols 1..{COLS}, carveout 'max' or 'fit'; got {warps}, "
+                             f"{stage_cols}, {carveout!r}")
+        self.ahead, self.warps, self.stage_cols, self.carveout, self.early = ahead, warps, stage_cols, carveout, early
+        self.threads = 32 * warps
+        self.rows_per_block = 8 * warps
+        defines = {"W2_AHEAD": ahead}
+        if warps != 8:
+            defines["W2_WARPS"] = warps
+        if stage_cols != COLS:
+            defines["W2_STAGE_COLS"] = stage_cols
+        if early:
+            defines["W2_EARLY"] = 1
+        super().__init__(GATE_SOURCE, GATE_KERNEL, defines, device)
+        self._carveout_k = None  # the K the "fit" carveout was set for
+
+    def smem(self, k_len: int) -> int:
+        return shared_bytes(k_len, self.stage_cols)
+
+    def _set_carveout(self, k_len: int) -> None:
+        if self.carveout == "fit" and self._carveout_k != k_len:
+            pct = fit_carveout(self.smem(k_len), 16 // self.warps)
+            loader.driver().check("cuFuncSetAttribute", self.kernel.function,
+                                  loader._CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_CARVEOUT, pct)
+            self._carveout_k = k_len
+
+    def attributes(self, k_len: int | None = None) -> dict:
+        if k_len is not None:
+            self._set_carveout(k_len)
+        attrs = super().attributes(k_len)
+        if k_len is not None and self.carveout == "fit":
+            attrs["carveout_pct"] = fit_carveout(self.smem(k_len), 16 // self.warps)
+        return attrs
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, out=None, swiglu_limit: float | None = None):
         out = ws.act if out is None else out
-        gate_check_inputs(hidden, w2, fp4, ws, out)
-        smem = shared_bytes(w2.layout.hidden)
+        gate_check_inputs(hidden, w2, fp4, ws, out, self.rows_per_block)
+        smem = self.smem(w2.layout.hidden)
         self.kernel.allow_shared(smem)
-        self.kernel.launch((ws.block_expert.numel(), w2.layout.inter // GATE_ROWS_PER_BLOCK), (GATE_THREADS,), smem,
+        self._set_carveout(w2.layout.hidden)
+        self.kernel.launch((ws.block_expert.numel(), w2.layout.inter // self.rows_per_block), (self.threads,), smem,
                            torch.cuda.current_stream().cuda_stream, GATE_ARG_KINDS,
                            gate_launch_args(hidden, top_k, w2, fp4, layer, ws, out, swiglu_limit))
         return out
