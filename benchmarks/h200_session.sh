@@ -9,7 +9,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -136,6 +136,23 @@ case "$step" in
     stage cuda-fp4 130 python3 benchmarks/cuda_fp4.py --commit "$commit" --json "$work/cuda-fp4.json"
     stage miss-step-profile 50 python3 benchmarks/miss_step_profile.py --coverage 0.25 --steps 200
     stage pool-copies-tests 40 python3 -m pytest tests/test_runtime_pool_copies.py -m gpu -q
+    ;;
+  closing)  # the session's changes on the GPU: runtime + kernel tests, gate_up multi v2, replay with layer waits (~6 min)
+    stage runtime-tests 130 python3 -m pytest tests/test_runtime_layer_waits.py tests/test_runtime_pool_copies.py \
+      tests/test_runtime_gpu.py tests/test_runtime_fetch_split.py tests/test_runtime_cuda_w2.py tests/test_fp4_gpu.py \
+      -m gpu -q
+    stage kernel-tests 100 python3 -m pytest tests/test_cuda_w2_multi.py tests/test_cuda_fp4.py -m gpu -q
+    stage cuda-w2-v2 100 python3 benchmarks/cuda_w2.py --commit "$commit" --tokens 8,32 \
+      --variants cuda_mma_ahead2,cuda_gate_up_multi,cuda_gate_up_multi_e,cuda_gate_up_multi_s4,cuda_gate_up_multi_w4s3,cuda_gate_up_multi_w4s3e,cuda_whole,cuda_whole_multi,cuda_whole_multi_s4e,cuda_whole_multi_w4s3e \
+      --json "$work/cuda-w2-v2.json"
+    stage replay-waits-1 120 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --compare-layer-waits --commit "$commit" --out "$work/replay_waits_1.json"
+    stage replay-waits-2 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --compare-layer-waits --commit "$commit" --out "$work/replay_waits_2.json"
+    stage generate-quality 50 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
