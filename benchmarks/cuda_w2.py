@@ -41,7 +41,7 @@ WHOLE = {"cuda_whole": dict(gate_ahead=2, down_ahead=2, down_groups=1),
          "cuda_whole_g2": dict(gate_ahead=2, down_ahead=2, down_groups=2)}
 # multi-token variants (w2_multi.py; the whole op's W2MoeCuda picks them for block_tokens 16): stage -> name, options
 MULTI = {"gate_up": ("cuda_gate_up_multi", dict(ahead=2)), "down": ("cuda_down_multi", dict(ahead=2, groups=1)),
-         "whole": ("cuda_whole_multi", dict(gate_ahead=2, down_ahead=2, down_groups=1))}
+         "whole": ("cuda_whole_multi", dict(gate_ahead=2, down_ahead=2, down_groups=1, gate_multi={}))}  # v1 gate_up
 MULTI_BT = 16  # the multi-token variants' route block size
 # v2 of the multi-token gate_up (W2GateUpMultiCuda warps / stage_cols / carveout "fit": benchmarks/cuda-w2-notes.md
 # "v2"), alone and in the whole op (W2MoeCuda with that gate_up kernel); built only when --variants names them. Their
@@ -98,10 +98,7 @@ def _build(stage: str, options: dict, multi: bool = False, geo=None) -> tuple[ob
     started = time.perf_counter()
     classes = {"gate_up": W2GateUpMultiCuda, "down": W2DownMultiCuda} if multi else {"gate_up": W2GateUpCuda,
                                                                                      "down": W2DownCuda}
-    gate_multi = options.get("gate_multi") if stage == "whole" else None  # v2: the whole op's multi gate_up kernel
-    built = {**classes, "whole": W2MoeCuda}[stage](**{k: v for k, v in options.items() if k != "gate_multi"})
-    if gate_multi is not None:
-        built.gate_up_multi = W2GateUpMultiCuda(ahead=options["gate_ahead"], **gate_multi)
+    built = {**classes, "whole": W2MoeCuda}[stage](**options)  # whole: gate_multi picks the multi gate_up kernel
     k_len = {"gate_up": geo.hidden, "down": geo.expert_inter} if geo is not None else {}
     if stage == "whole":
         parts = (("gate_up", built.gate_up_multi), ("down", built.down_multi)) if multi else (

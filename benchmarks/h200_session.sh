@@ -9,7 +9,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -153,6 +153,12 @@ case "$step" in
       --compare-layer-waits --commit "$commit" --out "$work/replay_waits_2.json"
     stage generate-quality 50 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    ;;
+  adopted)  # the adopted multi gate_up (W2MoeCuda default) on the GPU, the W2 whole op at T = 1 / 8 / 32 (~3 min)
+    stage tests 120 python3 -m pytest tests/test_cuda_w2_multi.py tests/test_runtime_cuda_w2.py -m gpu -q
+    stage cuda-w2 120 python3 benchmarks/cuda_w2.py --commit "$commit" --tokens 1,8,32 \
+      --variants cuda_mma_ahead2,cuda_down,cuda_whole,cuda_whole_multi,cuda_whole_multi_s4e \
+      --json "$work/cuda-w2-adopted.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

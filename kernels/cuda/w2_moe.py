@@ -24,14 +24,22 @@ from .w2_gate_up import W2GateUpCuda
 from .w2_multi import W2DownMultiCuda, W2GateUpMultiCuda
 
 
+# The multi-token gate_up's options (W2GateUpMultiCuda): "v2 s4e", adopted by the rule of cuda-w2-notes.md from the
+# H200 run at 57f6217 (cuda-w2-v2-deepseek-v3.json): 4 staged columns, the "fit" carveout, the early prologue; whole op
+# at T = 32 851.7 vs 961.5 us with the first multi kernel (1.13x), 311.2 vs 347.5 at T = 8, byte-identical outputs.
+GATE_MULTI = dict(warps=8, stage_cols=4, carveout="fit", early=True)
+
+
 class W2MoeCuda:
     """gate_ahead: W2_AHEAD of both gate_up kernels (2: the measured faster one); down_ahead / down_groups: both
-    down kernels' (w2_down.py)."""
+    down kernels' (w2_down.py); gate_multi: the multi-token gate_up's other options (None: GATE_MULTI)."""
 
-    def __init__(self, gate_ahead: int = 2, down_ahead: int = 2, down_groups: int = 1, device: int | None = None):
+    def __init__(self, gate_ahead: int = 2, down_ahead: int = 2, down_groups: int = 1, device: int | None = None,
+                 gate_multi: dict | None = None):
         self.gate_up = W2GateUpCuda(ahead=gate_ahead, device=device)
         self.down = W2DownCuda(ahead=down_ahead, groups=down_groups, device=device)
-        self.gate_up_multi = W2GateUpMultiCuda(ahead=gate_ahead, device=device)
+        self.gate_up_multi = W2GateUpMultiCuda(ahead=gate_ahead, device=device,
+                                               **(GATE_MULTI if gate_multi is None else gate_multi))
         self.down_multi = W2DownMultiCuda(ahead=down_ahead, groups=down_groups, device=device)
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None) -> None:
