@@ -107,6 +107,7 @@ def _build(stage: str, options: dict, multi: bool = False, geo=None) -> tuple[ob
                  for k, v in (kernel.attributes(k_len.get(part)) if multi else kernel.attributes()).items()}
     else:
         attrs = built.attributes(k_len.get(stage)) if multi else built.attributes()
+    gate_multi = options.get("gate_multi")  # recorded flat (gate_<option>); absent: W2MoeCuda's GATE_MULTI
     options = {k: v for k, v in options.items() if k != "gate_multi"} | {f"gate_{k}": v for k, v in (gate_multi or {}).items()}
     return built, dict(stage=stage, **options, block_tokens=MULTI_BT if multi else 1,
                        seconds=round(time.perf_counter() - started, 2), **attrs)

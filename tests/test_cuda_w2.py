@@ -679,3 +679,37 @@ def test_bench_variants_keep_the_single_token_ones_first_and_filter_by_name():
     assert bench._block_tokens("cuda_whole_multi") == bench.MULTI_BT and bench._block_tokens("cuda_whole") == 1
     with pytest.raises(ValueError, match="unknown variant"):
         bench._variants("cuda_whole,nope")
+
+
+def test_bench_build_records_each_variants_options(monkeypatch):
+    """benchmarks/cuda_w2.py `_build` with stand-in kernel classes: every stage builds, the whole op's multi gate_up
+    options are recorded flat (gate_<option>), absent for the default (W2MoeCuda's GATE_MULTI)."""
+    from tierstore.kernels.cuda import w2_down, w2_gate_up, w2_moe, w2_multi
+
+    class Kernel:
+        def __init__(self, **options):
+            self.options = options
+
+        def attributes(self, k_len=None):
+            return {"num_regs": 1}
+
+    class Whole(Kernel):
+        def __init__(self, gate_multi=None, **options):
+            super().__init__(**options)
+            self.gate_multi = gate_multi
+            self.gate_up = self.down = self.gate_up_multi = self.down_multi = Kernel()
+
+    for module, name in ((w2_gate_up, "W2GateUpCuda"), (w2_down, "W2DownCuda"), (w2_multi, "W2GateUpMultiCuda"),
+                         (w2_multi, "W2DownMultiCuda")):
+        monkeypatch.setattr(module, name, Kernel)
+    monkeypatch.setattr(w2_moe, "W2MoeCuda", Whole)
+    bench = _bench_module()
+    built, record = bench._build("whole", bench.MULTI["whole"][1], True, None)
+    assert built.gate_multi == {} and "gate_multi" not in record and record["block_tokens"] == bench.MULTI_BT
+    v2 = [options for _, name, options in bench.MULTI_V2 if name == "cuda_whole_multi_s4e"][0]
+    built, record = bench._build("whole", v2, True, None)
+    assert built.gate_multi == bench.V2_GATE["s4e"] and record["gate_stage_cols"] == 4 and record["gate_early"] is True
+    built, record = bench._build("whole", bench.WHOLE["cuda_whole"], False, None)
+    assert built.gate_multi is None and not any(k.startswith("gate_stage") for k in record)
+    built, record = bench._build("gate_up", {"ahead": 2}, False, None)
+    assert built.options == {"ahead": 2} and record["num_regs"] == 1
