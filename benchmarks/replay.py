@@ -25,13 +25,15 @@ import datetime
 import json
 import platform
 import subprocess
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tierstore.errors import TraceFormatError
+from tierstore.errors import ConfigError, TraceFormatError
 from tierstore.geometry import get_preset
+from tierstore.runtime.config import RuntimeConfig
 from tierstore.runtime.replay import (LAYER_MAPPINGS, TOP_K_MAPPINGS, ensure_synthetic_pack, map_trace,
                                       open_synthetic_rows, run_replay, trace_steps)
 from tierstore.sim import load_trace
@@ -72,6 +74,28 @@ def floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v]
 
 
+def _compare_config(args) -> dict | None:
+    """--compare-layer-waits / --compare-config FIELD=VALUE as config overrides (values parsed as the
+    environment's TIERSTORE_<FIELD> would be), or None."""
+    environ = {"TIERSTORE_LAYER_WAITS": "0"} if args.compare_layer_waits else {}
+    for item in args.compare_config:
+        field, sep, value = item.partition("=")
+        if not sep or not field:
+            raise SystemExit(f"--compare-config takes FIELD=VALUE, got {item!r}")
+        environ["TIERSTORE_" + field.upper()] = value
+    if not environ:
+        return None
+    try:
+        changed = RuntimeConfig.from_env(environ)
+    except ConfigError as error:
+        raise SystemExit(f"--compare-config: {error}") from None
+    names = {key.removeprefix("TIERSTORE_").lower() for key in environ}
+    unknown = names - {f.name for f in fields(RuntimeConfig)}
+    if unknown:
+        raise SystemExit(f"--compare-config: no runtime config field {', '.join(sorted(unknown))}")
+    return {name: getattr(changed, name) for name in sorted(names)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pack-dir", required=True)
@@ -96,6 +120,9 @@ def main() -> None:
     parser.add_argument("--no-synthetic", action="store_true", help="replay the --trace files only")
     parser.add_argument("--compare-layer-waits", action="store_true",
                         help="also run the tiered steps with config layer_waits off (whole-fetch waits), side by side")
+    parser.add_argument("--compare-config", action="append", default=[], metavar="FIELD=VALUE",
+                        help="also run the tiered steps with this runtime config field changed (repeatable; "
+                             "e.g. copy_streams=2), side by side")
     parser.add_argument("--commit", help="commit of the tree (when it runs without .git)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "replay.json"))
     args = parser.parse_args()
@@ -103,9 +130,11 @@ def main() -> None:
     results: list[dict] = []
     head = {"provenance": provenance(args.commit), "method": {
         "steps": args.steps, "warmup": args.warmup, "layers": args.layers, "graph": not args.eager, "dtype": args.dtype,
-        "arena_preload": args.arena_preload, "compare_layer_waits": args.compare_layer_waits, "traces": args.trace, "trace_layers": args.trace_layers,
+        "arena_preload": args.arena_preload, "compare_layer_waits": args.compare_layer_waits,
+        "compare_config": args.compare_config, "traces": args.trace, "trace_layers": args.trace_layers,
         "trace_top_k": args.trace_top_k, "synthetic": not args.no_synthetic,
         "floor": "plain all-resident steady step + steady arena-hit bytes / pinned H2D + arena-miss bytes / source read"}}
+    compare = _compare_config(args)
     if args.no_synthetic and not args.trace:
         parser.error("--no-synthetic needs at least one --trace")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -135,7 +164,7 @@ def main() -> None:
                                         pool_slots=pool, arena_slots=int(arena_gb * 2**30) // spec.stride,
                                         device=device, warmup=args.warmup, graph=not args.eager,
                                         arena_preload=args.arena_preload, dtype=getattr(torch, args.dtype),
-                                        compare_layer_waits=args.compare_layer_waits)
+                                        compare=compare)
                     result.update(preset=preset, workload=name, arena_gb=arena_gb, trace_mapping=mapping)
                     results.append(result)
                     Path(args.out).write_text(json.dumps({**head, "results": results}, indent=2))  # after every run
@@ -157,7 +186,8 @@ def main() -> None:
                           flush=True)
                     if "tiered_flipped" in runs:
                         f = runs["tiered_flipped"]["steady"]
-                        print(f"  layer_waits {result['layer_waits']}: {t['steady']['step_ms']:.3f} ms vs flipped "
+                        print(f"  layer_waits {result['layer_waits']}, copy_streams {result['copy_streams']}: "
+                              f"{t['steady']['step_ms']:.3f} ms vs {result['compared_config']} "
                               f"{f['step_ms']:.3f} ms ({result['tiered_over_flipped']:.3f}x; flipped "
                               f"{result['flipped_over_floor']:.2f}x the floor, tokens match resident: "
                               f"{result['flipped_tokens_match_resident']})", flush=True)

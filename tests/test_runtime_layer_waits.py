@@ -5,7 +5,8 @@ The rows of every install are held back on the copy stream by a sleep placed aft
 before the rows (the window in which a reader that does not wait sees the new mapping over stale
 bytes). With the waits, every step equals the all-resident run bit for bit; the negative control
 (the waits switched off, the whole-install wait too) must differ, so the test can fail.
-The CPU part checks the knob and that a CPU pool has nothing to wait on."""
+With two copy streams (config copy_streams 2) the same holds. The CPU part checks the knobs and that a CPU
+pool has nothing to wait on."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from test_runtime_fixtures import ToyMoE, memory_source, toy_geometry
 
+from tierstore.errors import ConfigError
 from tierstore.runtime import RuntimeConfig, TieredRuntime
 from tierstore.runtime.pools import DevicePool
 
@@ -23,6 +25,9 @@ HOLD_CYCLES = 20_000_000  # ~10 ms at the H200's clock: far longer than a toy fo
 def test_layer_waits_is_a_config_knob_on_by_default():
     assert RuntimeConfig().layer_waits is True
     assert RuntimeConfig.from_env({"TIERSTORE_LAYER_WAITS": "0"}).layer_waits is False
+    assert RuntimeConfig().copy_streams == 1 and RuntimeConfig.from_env({"TIERSTORE_COPY_STREAMS": "2"}).copy_streams == 2
+    with pytest.raises(ConfigError, match="copy_streams must be 1 or 2, got 3"):
+        RuntimeConfig(copy_streams=3)
 
 
 def test_a_cpu_pool_has_no_layer_events():
@@ -34,9 +39,10 @@ def test_a_cpu_pool_has_no_layer_events():
         rt.pool.wait_layer(0)  # nothing to wait on: returns at once
 
 
-def _runtime(g, fraction, layer_waits):
+def _runtime(g, fraction, layer_waits, copy_streams=1):
     return TieredRuntime(g, memory_source(g, 0), pool_slots=round(fraction * g.total_routed_experts), arena_slots=16,
-                         device="cuda", backend="triton", config=RuntimeConfig(kpi_every=0, layer_waits=layer_waits))
+                         device="cuda", backend="triton",
+                         config=RuntimeConfig(kpi_every=0, layer_waits=layer_waits, copy_streams=copy_streams))
 
 
 def _hold_rows(pool: DevicePool) -> None:
@@ -89,10 +95,11 @@ def case():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("copy_streams", [1, 2])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_replay_with_rows_held_back_equals_the_resident_run(case, graph):
+def test_replay_with_rows_held_back_equals_the_resident_run(case, graph, copy_streams):
     g, model, want = case
-    with _runtime(g, 0.25, True) as small:
+    with _runtime(g, 0.25, True, copy_streams) as small:
         _hold_rows(small.pool)
         got = _steps(small, model, g, graph)
         assert small.stats().replayed_steps > 0

@@ -14,14 +14,15 @@ SLOT = 4096
 LAYERS, EXPERTS = 2, 8
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cuda-layer-waits", marks=pytest.mark.gpu)]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cuda-layer-waits", marks=pytest.mark.gpu),
+           pytest.param("cuda-layer-waits-2", marks=pytest.mark.gpu)]
 
 
 def pool(slots: int = 6, device: str = "cpu") -> DevicePool:
     if device != "cpu" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    return DevicePool(slots, SLOT, LAYERS, EXPERTS, device.removesuffix("-layer-waits"), get_policy("lru"),
-                      layer_waits=device.endswith("layer-waits"))
+    return DevicePool(slots, SLOT, LAYERS, EXPERTS, device.split("-")[0], get_policy("lru"),
+                      layer_waits="layer-waits" in device, copy_streams=2 if device.endswith("-2") else 1)
 
 
 def host_rows(count: int, seed: int = 0, pin: bool = False) -> torch.Tensor:

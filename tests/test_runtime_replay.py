@@ -70,15 +70,38 @@ def test_a_warmup_past_the_end_leaves_an_empty_steady_window():
     assert tiered["steady"]["steps"] == 0 and tiered["steady"]["fetched_bytes"] == 0
 
 
-def test_compare_layer_waits_adds_the_flipped_tiered_run(tmp_path):
+def test_compare_adds_the_tiered_run_with_the_changed_config(tmp_path):
     g = toy_geometry()
     spec = ensure_synthetic_pack(g, tmp_path)
     steps = trace_steps(skewed_routing(g, 16), None, g.num_moe_layers, None)
     result = run_replay(g, lambda: open_synthetic_rows(spec, tmp_path), steps, pool_slots=12, arena_slots=16,
-                        device="cpu", warmup=4, compare_layer_waits=True)
+                        device="cpu", warmup=4, compare={"layer_waits": False})
     flipped, tiered = result["runs"]["tiered_flipped"], result["runs"]["tiered"]
-    assert result["layer_waits"] is True  # the default config
+    assert result["layer_waits"] is True and result["compared_config"] == {"layer_waits": False}
     assert flipped["steady"]["steps"] == tiered["steady"]["steps"] == 12
     assert flipped["steady"]["replay_rate"] > 0  # the same misses, the same protocol
     assert result["flipped_tokens_match_resident"] and result["tokens_match_resident"]
     assert result["tiered_over_flipped"] == pytest.approx(tiered["steady"]["step_ms"] / flipped["steady"]["step_ms"])
+
+
+def test_replay_cli_compare_config_parses_fields_like_the_environment():
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "replay.py"
+    spec = importlib.util.spec_from_file_location("bench_replay_for_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def parse(*items, layer_waits=False):
+        return bench._compare_config(argparse.Namespace(compare_layer_waits=layer_waits, compare_config=list(items)))
+
+    assert parse() is None
+    assert parse(layer_waits=True) == {"layer_waits": False}
+    assert parse("copy_streams=2") == {"copy_streams": 2}
+    assert parse("copy_streams=2", layer_waits=True) == {"copy_streams": 2, "layer_waits": False}
+    for bad, message in (("copy_streams", "takes FIELD=VALUE"), ("copy_streams=3", "copy_streams must be 1 or 2"),
+                         ("no_such=1", "no runtime config field no_such")):
+        with pytest.raises(SystemExit, match=message):
+            parse(bad)

@@ -60,6 +60,9 @@ class RuntimeConfig:
       while the later layers' rows are still copied; off: the replay waits for the whole fetch first.
       Same bytes either way (the same slots and kernels), only when each layer may start. A pool that
       holds every expert never waits per layer (it is filled once, before any step).
+    - `copy_streams` (1 or 2, default 1; with `layer_waits`): a fetch's row copies alternate between this
+      many copy streams, so one copy's set-up overlaps another's transfer (each MoE layer then waits on one
+      event per stream).
 
     Kernels:
 
@@ -103,6 +106,7 @@ class RuntimeConfig:
     force_fp4_pool: bool = False
     gate_dump: str = ""
     layer_waits: bool = True
+    copy_streams: int = 1
     cuda_w2: bool = False
 
     def __post_init__(self) -> None:
@@ -114,6 +118,8 @@ class RuntimeConfig:
         for name in ("fp_thresh", "miss_tolerance", "kpi_every"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if self.copy_streams not in (1, 2) or type(self.copy_streams) is not int:
+            raise ConfigError(f"copy_streams must be 1 or 2, got {self.copy_streams!r}")
         if not self.working_set_margin >= 1.0:
             raise ConfigError(f"working_set_margin must be >= 1.0, got {self.working_set_margin!r}")
         self._check_precision_tier()

@@ -100,7 +100,8 @@ class TieredRuntime:
         slots = min(pool_slots, geometry.total_routed_experts)
         self.pool = DevicePool(slots, self.layout.slot_bytes, *shape, self.device, get_policy(self.config.policy),
                                overlap=True,
-                               layer_waits=self.config.layer_waits and slots < geometry.total_routed_experts)
+                               layer_waits=self.config.layer_waits and slots < geometry.total_routed_experts,
+                               copy_streams=self.config.copy_streams)
         # the pool's deferred hits reach its policy before each pass-log read, while the forward runs on the
         # device, not in a fetch after the sync; only where a fetch can evict and the device runs asynchronously
         self._early_hits = self.device.type == "cuda" and self.pool.num_slots < geometry.total_routed_experts

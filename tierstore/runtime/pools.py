@@ -52,9 +52,12 @@ Key = tuple[int, int]
 
 class DevicePool:
     def __init__(self, num_slots: int, slot_bytes: int, num_layers: int, num_experts: int,
-                 device: torch.device | str, policy: EvictionPolicy, overlap: bool = False, layer_waits: bool = False):
+                 device: torch.device | str, policy: EvictionPolicy, overlap: bool = False, layer_waits: bool = False,
+                 copy_streams: int = 1):
         if num_slots < 1:
             raise CapacityError(f"a device pool needs at least one slot, got {num_slots}")
+        if copy_streams not in (1, 2):
+            raise ValueError(f"copy_streams must be 1 or 2, got {copy_streams}")
         self.device = torch.device(device)
         self.num_slots, self.slot_bytes = num_slots, slot_bytes
         self.num_layers, self.num_experts = num_layers, num_experts
@@ -89,7 +92,12 @@ class DevicePool:
         # per layer: the last install's rows of that layer (and the table) landed; recorded once here, because
         # a wait on a never-recorded torch event is a no-op and would not be captured into a graph
         self._layer_ready = [torch.cuda.Event(external=True) for _ in range(num_layers)] if self.layer_waits else None
-        for event in self._layer_ready or ():
+        # copy_streams 2 (with layer_waits): row copies alternate between the copy stream and a second one, so one
+        # copy's set-up overlaps another's transfer; each layer then waits on one event per stream
+        self._side = torch.cuda.Stream(self.device) if self.layer_waits and copy_streams == 2 else None
+        self._side_ready = [torch.cuda.Event(external=True) for _ in range(num_layers)] if self._side else None
+        self._side_done = torch.cuda.Event() if self._side is not None else None
+        for event in (self._layer_ready or []) + (self._side_ready or []):
             event.record(torch.cuda.current_stream(self.device))
         # the last install's copies on the copy stream, timed on the device; in flight until wait()
         self._marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self._stream is not None else None
@@ -169,7 +177,10 @@ class DevicePool:
         """Make the current stream wait until `layer`'s rows of the last install are in place (with
         `layer_waits`; otherwise nothing to do: the stream already waits for whole installs)."""
         if self._layer_ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._layer_ready[layer])
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(self._layer_ready[layer])
+            if self._side_ready is not None:
+                stream.wait_event(self._side_ready[layer])
 
     # -- mutation -------------------------------------------------------------------------------
     def install(self, keys: Sequence[Key], rows: Sequence[torch.Tensor], exclude: Iterable[Key]) -> None:
@@ -341,7 +352,11 @@ class DevicePool:
     def _copy_by_layer(self, rows, slots: list[int], ids: list[int], victims: list[int], final: torch.Tensor,
                        stream: torch.cuda.Stream) -> None:
         """`layer_waits` order on the copy stream: the final table, the events of layers that only lost
-        victims, then each layer's rows followed by its event, in layer order."""
+        victims, then each layer's rows followed by its event, in layer order. With a second copy stream the
+        layer's row runs alternate between the two (it starts after the table), each stream records its own
+        event for the layer when it copied some of its rows, and the copy stream waits for the second one at
+        the end (so `end` covers both). A stream that copied none of a layer's rows keeps its last record of
+        that layer, from an earlier install, done before this one began (`install` waits first)."""
         self._copy_table(final, stream)  # no reader of a touched layer runs before its event
         experts = self.num_experts
         by_layer: dict[int, list[int]] = {}
@@ -349,9 +364,25 @@ class DevicePool:
             by_layer.setdefault(ids[index] // experts, []).append(index)
         for layer in sorted({victim // experts for victim in victims} - by_layer.keys()):
             self._layer_ready[layer].record(stream)
+        if self._side is None:
+            for layer, indices in sorted(by_layer.items()):
+                self._copy_rows([rows[i] for i in indices], [slots[i] for i in indices], stream)
+                self._layer_ready[layer].record(stream)
+            return
+        side, turn = self._side, 0
+        side.wait_stream(stream)  # after the compute stream (the copy stream waited for it) and the table
         for layer, indices in sorted(by_layer.items()):
-            self._copy_rows([rows[i] for i in indices], [slots[i] for i in indices], stream)
-            self._layer_ready[layer].record(stream)
+            layer_rows, layer_slots = [rows[i] for i in indices], [slots[i] for i in indices]
+            used = [False, False]
+            for first, count, _ in self._runs(layer_rows, layer_slots):
+                self._copy_rows(layer_rows[first:first + count], layer_slots[first:first + count], (stream, side)[turn])
+                used[turn], turn = True, 1 - turn
+            if used[0]:
+                self._layer_ready[layer].record(stream)
+            if used[1]:
+                self._side_ready[layer].record(side)
+        self._side_done.record(side)
+        stream.wait_event(self._side_done)
 
     def wait(self) -> None:
         """Block until the last install's copies are done (its host rows and the staging tables

@@ -212,7 +212,7 @@ def _overhead(geometry, source_factory, steps, *, device, config, graph: bool, w
 def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *, pool_slots: int, arena_slots: int,
                device: torch.device | str, config: RuntimeConfig | None = None, warmup: int = 0,
                graph: bool = True, arena_preload: bool = False, overhead: bool = True,
-               dtype: torch.dtype = torch.float32, compare_layer_waits: bool = False) -> dict:
+               dtype: torch.dtype = torch.float32, compare: dict | None = None) -> dict:
     """A plain all-resident run (preloaded, forward + sync, no step protocol), the same with the
     decoder's token readback (forward + copy + sync), the tiered run (token folded into the pass-log
     read) and the naive on-demand baseline (eager, token read back), of the same steps, each with a
@@ -229,9 +229,9 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
     CUDA-graph forwards on CUDA (the naive baseline is eager by definition). `touched_keys`: the
     distinct (layer, expert) keys the steps route; `pool_over_touched`: the pool over that number.
     `dtype`: the activations' dtype (a decoder's is bfloat16; the default float32 keeps earlier runs
-    comparable, and the kernels' inline-PTX paths run only for bfloat16). `compare_layer_waits`: also
-    the tiered run with config `layer_waits` flipped (`tiered_flipped`, `tiered_over_flipped`), in the
-    same process after the naive run, for a side-by-side of the per-layer and the whole-fetch copy waits."""
+    comparable, and the kernels' inline-PTX paths run only for bfloat16). `compare`: config fields to
+    change (e.g. {"layer_waits": False}) for a second tiered run (`tiered_flipped`, `tiered_over_flipped`,
+    `compared_config`), in the same process after the naive run: a side by side of two settings."""
     device = torch.device(device)
     config = config or RuntimeConfig(kpi_every=0, force_pool=True)
     everything = geometry.total_routed_experts
@@ -247,8 +247,8 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
         "naive": _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
                       preload=full, arena_preload=arena_preload, naive=True, readback="separate", **common),
     }
-    if compare_layer_waits:
-        flipped = dict(common, config=dataclasses.replace(config, layer_waits=not config.layer_waits))
+    if compare:
+        flipped = dict(common, config=dataclasses.replace(config, **compare))
         runs["tiered_flipped"] = _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
                                       preload=full, arena_preload=arena_preload, readback="folded", graph=graph,
                                       **flipped)
@@ -280,10 +280,11 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
         "tiered_over_resident": ratio(tiered_ms, resident_ms),
         "tiered_over_resident_readback": ratio(tiered_ms, readback_ms),
         "tokens_match_resident": runs["tiered"]["tokens"] == runs["resident_readback"]["tokens"],
-        "layer_waits": config.layer_waits,
+        "layer_waits": config.layer_waits, "copy_streams": config.copy_streams,
         "runs": runs,
     }
-    if compare_layer_waits:
+    if compare:
+        out["compared_config"] = dict(compare)
         other = runs["tiered_flipped"]
         out["tiered_over_flipped"] = ratio(tiered_ms, other["steady"]["step_ms"])
         out["flipped_over_floor"] = ratio(other["steady"]["step_ms"], floor_ms)
