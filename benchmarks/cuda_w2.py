@@ -52,6 +52,16 @@ V2_GATE = {"s4": dict(warps=8, stage_cols=4, carveout="fit"), "w4s3": dict(warps
            "w4s3e": dict(warps=4, stage_cols=3, carveout="fit", early=True)}
 MULTI_V2 = ([("gate_up", f"cuda_gate_up_multi_{k}", dict(ahead=2, **o)) for k, o in V2_GATE.items()]
             + [("whole", f"cuda_whole_multi_{k}", dict(MULTI["whole"][1], gate_multi=o)) for k, o in V2_GATE.items()])
+# v3 of the single-token kernels (W2GateUpCuda / W2DownCuda early, route_major: benchmarks/cuda-w2-notes.md "v3"):
+# suffix -> options; gate_up on ahead 2, down on cuda_down's options, the whole op with both kernels so built. Built
+# only when --variants names them; INVALID unless byte-identical to V3_BASE's variant of the stage, run in the same call.
+V3 = {"e": dict(early=True), "r": dict(route_major=True), "er": dict(early=True, route_major=True)}
+V3_BASE = {"gate_up": "cuda_mma_ahead2", "down": "cuda_down", "whole": "cuda_whole"}
+SINGLE_V3 = ([("gate_up", f"cuda_mma_ahead2_{k}", dict(ahead=2, **o)) for k, o in V3.items()]
+             + [("down", f"cuda_down_{k}", dict(DOWN["cuda_down"], **o)) for k, o in V3.items()]
+             + [("whole", f"cuda_whole_{k}", dict(WHOLE["cuda_whole"], gate_single=o, down_single=o))
+                for k, o in V3.items()])
+V3_OF = {name: V3_BASE[stage] for stage, name, _ in SINGLE_V3}  # v3 variant -> the variant its bytes must equal
 TRITON = {"gate_up": "triton_gate_up", "down": "triton_down", "whole": "triton_whole"}  # each stage's baseline
 FIRST = {"gate_up": "cuda_mma", "down": "cuda_down", "whole": "cuda_whole"}  # the variant the others must equal
 DEVICE = "cuda"  # the CPU test of this script's bookkeeping sets "cpu"
@@ -108,7 +118,10 @@ def _build(stage: str, options: dict, multi: bool = False, geo=None) -> tuple[ob
     else:
         attrs = built.attributes(k_len.get(stage)) if multi else built.attributes()
     gate_multi = options.get("gate_multi")  # recorded flat (gate_<option>); absent: W2MoeCuda's GATE_MULTI
-    options = {k: v for k, v in options.items() if k != "gate_multi"} | {f"gate_{k}": v for k, v in (gate_multi or {}).items()}
+    single = {key: options.get(key) or {} for key in ("gate_single", "down_single")}  # v3: <key>_<option>
+    options = ({k: v for k, v in options.items() if k not in ("gate_multi", *single)}
+               | {f"gate_{k}": v for k, v in (gate_multi or {}).items()}
+               | {f"{key}_{k}": v for key, opts in single.items() for k, v in opts.items()})
     return built, dict(stage=stage, **options, block_tokens=MULTI_BT if multi else 1,
                        seconds=round(time.perf_counter() - started, 2), **attrs)
 
@@ -152,16 +165,18 @@ def _launch_twice(kernels: dict, like: torch.Tensor, launch) -> dict:
     return outs
 
 
-def _vs_first(name: str, out, first, multi=None) -> dict:
+def _vs_first(name: str, out, first, multi=None, base=None) -> dict:
     """Comparison with the stage's first variant: required byte-identical for single-token variants (prefetch depth
     and row grouping change no arithmetic); recorded for the multi-token ones (another binary). A v2 variant
     (`_multi_` in its name) is also compared with the stage's current multi-token variant's output `multi`:
-    required byte-identical (same binary arithmetic per pair)."""
+    required byte-identical (same binary arithmetic per pair). A v3 variant (V3_OF) is compared with its default
+    variant's output `base` (same_bytes_as_default; None when that variant did not run: INVALID too)."""
     v2 = dict(same_bytes_as_multi=_same_bytes(out, multi)) if "_multi_" in name and multi is not None else {}
+    v3 = dict(same_bytes_as_default=None if base is None else _same_bytes(out, base)) if name in V3_OF else {}
     if first is None:
-        return dict(same_bytes_as_first=None, **v2)
+        return dict(same_bytes_as_first=None, **v2, **v3)
     if _block_tokens(name) == 1:
-        return dict(same_bytes_as_first=_same_bytes(out, first))
+        return dict(same_bytes_as_first=_same_bytes(out, first), **v3)
     diff = float((out.float() - first.float()).norm() / first.float().norm())
     return dict(same_bytes_as_first=None, same_bytes_as_single=_same_bytes(out, first), rel_diff_vs_single=diff, **v2)
 
@@ -170,8 +185,9 @@ def _stage_check(kb, stage: str, tokens, outs: dict, ref, tri) -> dict:
     """A gate_up or down check row: Triton's output `tri` and every variant's `outs` against `ref`."""
     first = outs.get(FIRST[stage], [None])[0]
     multi = outs.get(MULTI[stage][0], [None])[0]
+    base = outs.get(V3_BASE[stage], [None])[0]
     return dict(tokens=tokens, stage=stage, pairs=ref.shape[0], rel_err_triton=kb._rel_err(tri, ref),
-                variants={name: _variant_row(kb, a, b, ref, tri, _vs_first(name, a, first, multi))
+                variants={name: _variant_row(kb, a, b, ref, tri, _vs_first(name, a, first, multi, base))
                           for name, (a, b) in outs.items()})
 
 
@@ -232,9 +248,10 @@ def _check_whole(kb, geo, state, kernels: dict, tokens) -> dict:
     outs = {name: [run(cuda, _block_tokens(name)) for _ in range(2)] for name, cuda in kernels.items()}
     first = outs.get(FIRST["whole"], [(None, None)])[0][0]
     multi = outs.get(MULTI["whole"][0], [(None, None)])[0][0]
+    base = outs.get(V3_BASE["whole"], [(None, None)])[0][0]
     variants = {}
     for name, ((a, misses_a), (b, _)) in outs.items():
-        variants[name] = _variant_row(kb, a, b, ref, tri.float(), _vs_first(name, a, first, multi))
+        variants[name] = _variant_row(kb, a, b, ref, tri.float(), _vs_first(name, a, first, multi, base))
         variants[name]["misses_equal_triton"] = misses_a == tri_misses
     return dict(tokens=tokens, stage="whole", pairs=ids.numel(), missing_pairs=missing_pairs,
                 rel_err_triton=kb._rel_err(tri, ref), variants=variants)
@@ -259,6 +276,10 @@ def _invalid(checks: list[dict], name: str) -> list[str]:
                    "arithmetic)")
     if v.get("same_bytes_as_multi") is False:
         why.append("bytes differ from the current multi-token variant's (v2 must not change arithmetic)")
+    if name in V3_OF and v.get("same_bytes_as_default") is False:
+        why.append(f"bytes differ from {V3_OF[name]}'s (v3 must not change arithmetic)")
+    elif name in V3_OF and v.get("same_bytes_as_default") is None:
+        why.append(f"not compared with {V3_OF[name]} (name it in --variants too)")
     if v.get("misses_equal_triton") is False:
         why.append("miss counts differ from the Triton op's")
     return why
@@ -370,15 +391,15 @@ def _print(result: dict) -> None:
 
 def _variants(only: str | None) -> list[tuple[str, str, dict]]:
     """(stage, name, options) of every CUDA variant, per stage the single-token ones first (FIRST among them), or
-    only those named in the comma-separated `only` (which may also name the v2 variants, MULTI_V2: after the
-    stage's others)."""
+    only those named in the comma-separated `only` (which may also name the v2 variants, MULTI_V2, and the v3 ones,
+    SINGLE_V3: after the stage's others)."""
     single = ([("gate_up", name, dict(ahead=ahead)) for name, ahead in AHEAD.items()]
               + [("down", name, opts) for name, opts in DOWN.items()]
               + [("whole", name, opts) for name, opts in WHOLE.items()])
     every = [v for stage in TRITON for v in single + [(s, *MULTI[s]) for s in MULTI] if v[0] == stage]
     if only is None:
         return every
-    known = [v for stage in TRITON for v in every + MULTI_V2 if v[0] == stage]
+    known = [v for stage in TRITON for v in every + MULTI_V2 + SINGLE_V3 if v[0] == stage]
     names = set(only.split(","))
     unknown = names - {name for _, name, _ in known}
     if unknown:

@@ -713,3 +713,246 @@ def test_bench_build_records_each_variants_options(monkeypatch):
     assert built.gate_multi is None and not any(k.startswith("gate_stage") for k in record)
     built, record = bench._build("gate_up", {"ahead": 2}, False, None)
     assert built.options == {"ahead": 2} and record["num_regs"] == 1
+
+
+# ---- v3 of the single-token kernels (W2_EARLY, W2_ROUTE_MAJOR; benchmarks/cuda-w2-notes.md "v3") --------------
+
+V3_OPTIONS = [dict(early=True), dict(route_major=True), dict(early=True, route_major=True)]
+V3_BASELINE_COMMIT = "53f588c"  # the single-token kernels before the v3 defines
+
+
+def _v3_defines(options: dict) -> dict:
+    return {"W2_EARLY": 1} if options == dict(early=True) else {"W2_ROUTE_MAJOR": 1} if options == dict(
+        route_major=True) else {"W2_EARLY": 1, "W2_ROUTE_MAJOR": 1}
+
+
+def _cuobjdump():
+    import shutil
+    from pathlib import Path
+
+    import triton
+
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    found = [str(bundled)] if bundled.exists() else []
+    found += [p for p in (shutil.which("cuobjdump"), "/usr/local/cuda/bin/cuobjdump") if p and Path(p).exists()]
+    return found[0] if found else None
+
+
+def _sass(tmp_path, source, defines: dict, name: str) -> tuple[list[str], str]:
+    """(SASS instruction lines without addresses and encodings, ptxas -v output) of one sm_90a build."""
+    cubin = tmp_path / f"{name}.cubin"
+    proc = subprocess.run(loader.nvcc_command(source, cubin, "cubin", defines) + ["-Xptxas", "-v"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    text = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+([^;]*;)", text)], proc.stderr
+
+
+def _prologue(lines: list[str]) -> str:
+    """The prologue's 32-bit loads (L) and exits (X) before the first weight load (LDG.E.128), in SASS order."""
+    out = ""
+    for line in lines:
+        if "LDG.E.128" in line:
+            return out
+        out += "L" if line.startswith("LDG") else "X" if line.endswith("EXIT ;") else ""
+    raise AssertionError("no 128-bit load")
+
+
+needs_sass = pytest.mark.skipif(loader.nvcc_path() is None or _cuobjdump() is None, reason="needs nvcc and cuobjdump")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("options", V3_OPTIONS)
+@pytest.mark.parametrize("kernel,defines", [("gate_up", {"W2_AHEAD": 2}), ("gate_up", {"W2_AHEAD": 1}),
+                                            ("down", {"W2_AHEAD": 2, "W2_GROUPS": 1}),
+                                            ("down", {"W2_AHEAD": 2, "W2_GROUPS": 2})])
+def test_v3_builds_compile_without_spills(tmp_path, kernel, defines, options):
+    source = SOURCE if kernel == "gate_up" else w2_down.SOURCE
+    cmd = loader.nvcc_command(source, tmp_path / "k.cubin", "cubin", defines | _v3_defines(options))
+    proc = subprocess.run(cmd + ["-Xptxas", "-v"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    regs = int(re.search(r"Used (\d+) registers", proc.stderr).group(1))
+    assert "0 bytes spill stores" in proc.stderr and regs <= 128  # 4 blocks of 128 threads per SM, as the defaults
+
+
+@needs_sass
+@pytest.mark.parametrize("kernel,defines", [("gate_up", {"W2_AHEAD": 1}), ("gate_up", {"W2_AHEAD": 2}),
+                                            ("down", {"W2_AHEAD": 2, "W2_GROUPS": 1}),
+                                            ("down", {"W2_AHEAD": 2, "W2_GROUPS": 2})])
+def test_v3_defines_off_build_the_sass_of_before(tmp_path, kernel, defines):
+    """With the v3 defines off, the SASS equals the kernel's at V3_BASELINE_COMMIT (the .cu from git; skipped where the
+    checkout has no history)."""
+    from pathlib import Path
+
+    source = SOURCE if kernel == "gate_up" else w2_down.SOURCE
+    root = Path(__file__).resolve().parents[1]
+    old_dir = tmp_path / "old"
+    old_dir.mkdir()
+    for path in (source, source.with_name("w2_fragments.cuh")):
+        rel = path.relative_to(root).as_posix()
+        proc = subprocess.run(["git", "show", f"{V3_BASELINE_COMMIT}:{rel}"], capture_output=True, cwd=root)
+        if proc.returncode != 0:
+            pytest.skip(f"git show {V3_BASELINE_COMMIT}:{rel} failed (no history here)")
+        (old_dir / path.name).write_bytes(proc.stdout)
+    old, _ = _sass(tmp_path, old_dir / source.name, defines, "old")
+    new, _ = _sass(tmp_path, source, defines, "new")
+    assert new == old
+
+
+@needs_sass
+@pytest.mark.parametrize("kernel,defines", [("gate_up", {"W2_AHEAD": 2}), ("down", {"W2_AHEAD": 2, "W2_GROUPS": 1})])
+def test_v3_early_prologue_takes_two_round_trips(tmp_path, kernel, defines):
+    """SASS before the first weight load: the default loads num_blocks, exits, then block_expert, f4_table, w2_table
+    one after another (4 dependent round trips); W2_EARLY loads the 3 route words, exits once, loads the 2 table words,
+    exits once (2), with and without W2_ROUTE_MAJOR."""
+    source = SOURCE if kernel == "gate_up" else w2_down.SOURCE
+    default, _ = _sass(tmp_path, source, defines, "default")
+    assert _prologue(default).startswith("LX")  # num_blocks alone, then its exit
+    for options in (dict(early=True), dict(early=True, route_major=True)):
+        lines, _ = _sass(tmp_path, source, defines | _v3_defines(options), "early")
+        assert _prologue(lines).startswith("LLLXLLX"), (options, _prologue(lines))
+
+
+def test_v3_route_major_order_visits_every_block_once_live_ones_first():
+    """The W2_ROUTE_MAJOR mapping (dispatch index x + y * X -> route block, row tile), in Python: a bijection of the
+    grid, and the first num_blocks * Y dispatch indices are exactly the live route blocks' CUDA blocks."""
+    for grid_x, grid_y, live in ((16, 64, 8), (16, 112, 8), (4, 2, 2), (128, 64, 64), (7, 3, 7)):
+        seen = []
+        for y in range(grid_y):
+            for x in range(grid_x):
+                linear = y * grid_x + x
+                seen.append((linear // grid_y, linear % grid_y))
+        assert sorted(seen) == [(b, t) for b in range(grid_x) for t in range(grid_y)]
+        assert all(b < live for b, _ in seen[: live * grid_y])  # `seen` is in dispatch order (x fastest)
+
+
+def test_v3_wrappers_pass_their_defines_and_w2moecuda_passes_options_through(monkeypatch):
+    from tierstore.kernels.cuda import w2_gate_up, w2_multi
+
+    built = []
+
+    class Loaded:
+        def prefer_max_shared(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(loader, "build", lambda source, defines=None, **kw: built.append((source.name, defines)) or b"")
+    monkeypatch.setattr(loader, "load", lambda image, name, device: Loaded())
+    W2GateUpCuda(device=0)
+    W2GateUpCuda(ahead=2, device=0, early=True)
+    W2DownCuda(device=0)
+    W2DownCuda(groups=2, device=0, route_major=True)
+    assert built == [("w2_gate_up.cu", {"W2_AHEAD": 1}), ("w2_gate_up.cu", {"W2_AHEAD": 2, "W2_EARLY": 1}),
+                     ("w2_down.cu", {"W2_AHEAD": 2, "W2_GROUPS": 1}),
+                     ("w2_down.cu", {"W2_AHEAD": 2, "W2_ROUTE_MAJOR": 1, "W2_GROUPS": 2})]
+    assert w2_gate_up.build_defines(2) == {"W2_AHEAD": 2}  # the default's command: as before the v3 defines
+    built.clear()
+    default = W2MoeCuda(device=0)
+    assert (default.gate_up.early, default.gate_up.route_major, default.down.early, default.down.route_major) == (
+        False, False, False, False)
+    moe = W2MoeCuda(device=0, gate_single=dict(early=True, route_major=True), down_single=dict(early=True))
+    assert (moe.gate_up.early, moe.gate_up.route_major, moe.down.early, moe.down.route_major) == (True, True, True, False)
+    assert built[-4:] == [("w2_gate_up.cu", {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_ROUTE_MAJOR": 1}),
+                          ("w2_down.cu", {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_GROUPS": 1}),
+                          (w2_multi.GATE_SOURCE.name, {"W2_AHEAD": 2, "W2_STAGE_COLS": 4, "W2_EARLY": 1}),
+                          (w2_multi.DOWN_SOURCE.name, {"W2_AHEAD": 2, "W2_GROUPS": 1})]  # multi kernels: unchanged
+
+
+def test_v3_bench_variants_are_named_only_and_checked_against_the_default_kernels(monkeypatch):
+    import types
+
+    bench = _bench_module()
+    assert not any(name in bench.V3_OF for _, name, _ in bench._variants(None))  # the default run is unchanged
+    picked = bench._variants("cuda_whole_er,cuda_down_e,cuda_mma_ahead2_r,cuda_whole,cuda_down,cuda_mma_ahead2")
+    assert [name for _, name, _ in picked] == ["cuda_mma_ahead2", "cuda_mma_ahead2_r", "cuda_down", "cuda_down_e",
+                                                "cuda_whole", "cuda_whole_er"]
+    assert picked[1][2] == dict(ahead=2, route_major=True) and picked[3][2] == dict(ahead=2, groups=1, early=True)
+    assert picked[5][2] == dict(gate_ahead=2, down_ahead=2, down_groups=1, gate_single=dict(early=True, route_major=True),
+                                down_single=dict(early=True, route_major=True))
+    assert all(bench._block_tokens(name) == 1 for name in bench.V3_OF)
+    assert bench.V3_OF["cuda_whole_e"] == "cuda_whole" and bench.V3_OF["cuda_down_r"] == "cuda_down"
+    # checks: byte equality with the stage's default variant decides; a v3 row without its default is INVALID
+    kb = types.SimpleNamespace(_rel_err=lambda got, ref: float((got.float() - ref).norm() / ref.norm()))
+    a = torch.randn(4, 6).to(torch.bfloat16)
+    b = a.clone()
+    b[1, 2] = b[1, 2] + 1
+    ref = a.float()
+    check = bench._stage_check(kb, "gate_up", 1, dict(cuda_mma_ahead2=[a, a], cuda_mma_ahead2_e=[a.clone(), a.clone()],
+                                                      cuda_mma_ahead2_r=[b, b]), ref, ref)
+    assert check["variants"]["cuda_mma_ahead2_e"]["same_bytes_as_default"] is True
+    assert bench._invalid([check], "cuda_mma_ahead2_e") == [] and bench._invalid([check], "cuda_mma_ahead2") == []
+    assert any("bytes differ from cuda_mma_ahead2" in why for why in bench._invalid([check], "cuda_mma_ahead2_r"))
+    alone = bench._stage_check(kb, "down", 1, dict(cuda_down_e=[a, a]), ref, ref)
+    assert alone["variants"]["cuda_down_e"]["same_bytes_as_default"] is None
+    assert any("not compared with cuda_down" in why for why in bench._invalid([alone], "cuda_down_e"))
+    # _build records the whole op's v3 options flat (gate_single_<option>, down_single_<option>)
+    from tierstore.kernels.cuda import w2_moe
+
+    class Whole:
+        def __init__(self, **options):
+            self.options = options
+            self.gate_up = self.down = self
+
+        def attributes(self, k_len=None):
+            return {"num_regs": 1}
+
+    monkeypatch.setattr(w2_moe, "W2MoeCuda", Whole)
+    built, record = bench._build("whole", picked[5][2], False, None)
+    assert built.options["gate_single"] == dict(early=True, route_major=True)
+    assert record["gate_single_early"] is True and record["down_single_route_major"] is True
+    assert "gate_single" not in record and "down_single" not in record
+
+
+@pytest.mark.gpu
+@needs_nvcc
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+def test_v3_kernels_bytes_equal_the_default_kernels(gpu_case, down_case, tokens):
+    """Every v3 build against the default kernel of the same ahead / groups on the same route, NaN-poisoned outputs,
+    launched twice: gate_up (an FP4 pair skipped), down (an FP4 pair's NaN rows, a missing pair untouched), the whole
+    op (W2MoeCuda with both kernels so built, misses counted as the default's). Grids hold exiting route blocks
+    (max_blocks > num_blocks), so the early exits and the route-major order both run."""
+    x, ws, ref = _routed(gpu_case, tokens)
+    w2_rows = ~ref.isnan().any(dim=1)
+    assert w2_rows.any() and (~w2_rows).any() and int(ws.num_blocks[0]) < ws.block_expert.numel()
+    default = _run(gpu_case, x, ws, kernel="cuda2")
+    for options in V3_OPTIONS:
+        kernel = W2GateUpCuda(ahead=2, **options)
+        outs = [torch.full_like(ws.act, float("nan")) for _ in range(2)]
+        for out in outs:
+            kernel(x, TOP_K, gpu_case["w2"], gpu_case["f4"], 0, ws, out=out)
+        torch.cuda.synchronize()
+        assert not outs[0][w2_rows].isnan().any() and outs[0][~w2_rows].isnan().all()
+        assert _same_bytes(outs[0], default) and _same_bytes(outs[1], default), ("gate_up", options)
+
+    w2, f4 = down_case["w2"], down_case["f4_with"]
+    ids = _ids(down_case, tokens, first=3 if tokens > 1 else None, last=6)  # FP4 (T > 1) and missing pairs
+    dws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, DOWN_INTER, torch.bfloat16, "cuda", block_tokens=1)
+    moe_route(ids, w2, f4, 0, MissLog.allocate(4, "cuda"), dws)
+    dws.act.copy_(torch.randn(dws.act.shape, generator=down_case["gen"]).to(torch.bfloat16))
+    flat = ids.reshape(-1).cpu()
+    w2_pairs = ((flat != 3) & (flat != 6)).cuda()
+    assert w2_pairs.any()
+    for groups in (1, 2):
+        base = torch.full_like(dws.y, float("nan"))
+        down_case["down"][(2, groups)](w2, f4, 0, dws, out=base)
+        for options in V3_OPTIONS:
+            kernel = W2DownCuda(ahead=2, groups=groups, **options)
+            outs = [torch.full_like(dws.y, float("nan")) for _ in range(2)]
+            for out in outs:
+                kernel(w2, f4, 0, dws, out=out)
+            torch.cuda.synchronize()
+            assert not outs[0][w2_pairs].isnan().any()
+            assert torch.equal(outs[0].view(torch.int32), base.view(torch.int32)), ("down", groups, options)
+            assert torch.equal(outs[1].view(torch.int32), base.view(torch.int32)), ("down", groups, options)
+
+    f4_none = down_case["f4_none"]
+    down_case["weights"] = (torch.rand(8, TOP_K, generator=down_case["gen"]) + 0.05).cuda()
+    xw = torch.randn(tokens, HIDDEN, generator=down_case["gen"]).to(torch.bfloat16).cuda()
+    wids = _ids(down_case, tokens, last=6)  # a missing pair
+    base, base_counts, _ = _whole(down_case, f4_none, wids, xw, down_case["whole"][1])
+    assert not base.isnan().any()
+    for options in V3_OPTIONS:
+        moe = W2MoeCuda(gate_single=options, down_single=options)
+        for _ in range(2):
+            out, counts, _ = _whole(down_case, f4_none, wids, xw, moe)
+            assert _same_bytes(out, base) and counts == base_counts, ("whole", options)

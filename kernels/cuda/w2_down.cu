@@ -34,6 +34,19 @@
 #define W2_GROUPS 1  // 16-row groups per warp
 #endif
 
+// v3 build defines (benchmarks/cuda-w2-notes.md "v3"; off: the kernel above, the same SASS), as in w2_gate_up.cu:
+//   W2_EARLY 1: route words (num_blocks, block_expert[b], block_pairs[b]) in one round trip, the expert's table words
+//     (f4_table, w2_table) in the next, each round closed by one exit / FP4 branch that reads all its words (default:
+//     num_blocks -> block_expert -> f4_table -> w2_table, 4 dependent round trips before the first weight load).
+//   W2_ROUTE_MAJOR 1: (route block, row tile) from the dispatch index with the route block slowest, so the live
+//     route blocks' CUDA blocks are dispatched before the exiting ones (b >= num_blocks) instead of between them.
+#ifndef W2_EARLY
+#define W2_EARLY 0
+#endif
+#ifndef W2_ROUTE_MAJOR
+#define W2_ROUTE_MAJOR 0
+#endif
+
 namespace {
 
 constexpr int kAhead = W2_AHEAD;
@@ -61,13 +74,46 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
     float* __restrict__ y, long long stride_y, int inter) {                             // y float32 [P, H]
   extern __shared__ uint4 smem[];
   uint32_t* xp = reinterpret_cast<uint32_t*>(smem);  // [I / 2] activation pairs
-  const int b = blockIdx.x;
+#if W2_ROUTE_MAJOR
+  const unsigned linear = blockIdx.y * gridDim.x + blockIdx.x;  // dispatch order: x fastest
+  const int b = linear / gridDim.y, row_tile = linear % gridDim.y;
+#else
+  const int b = blockIdx.x, row_tile = blockIdx.y;
+#endif
+#if W2_EARLY
+  // Round 1: the route words; `|` (not `||`) so that the exit reads all three and none is sunk below it.
+  const int route_blocks = *num_blocks, expert = block_expert[b], pair = block_pairs[b];
+  if ((b >= route_blocks) | (expert < 0) | (pair < 0)) return;
+  // Round 2: both table words, read by one branch (a W2 route block's expert has a W2 slot: w2_slot < 0 with
+  // f4_slot < 0 does not occur; it would exit without writing).
+  const int f4_slot = f4_table[table_row + expert], w2_slot = w2_table[table_row + expert];
+  const bool fp4 = f4_slot >= 0;
+#else
   if (b >= *num_blocks) return;
   const int expert = block_expert[b];
   const int pair = block_pairs[b];
+#endif
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int n0 = blockIdx.y * kRowsPerBlock + (threadIdx.x >> 5) * (kGroups * kRowsPerGroup) + g;  // group 0, row g
+  const int n0 = row_tile * kRowsPerBlock + (threadIdx.x >> 5) * (kGroups * kRowsPerGroup) + g;  // group 0, row g
   float* y_row = y + pair * stride_y;
+#if W2_EARLY
+  const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 16;
+  // The lane's rows in slot 0 while the table words are in flight (the empty asm keeps nvcc from sinking them below
+  // the branch; no instruction), so that the slot's offset is added once after they arrive.
+  const uint8_t* lo_at = slots + (words_off + 16 * (n0 * row_vecs));
+  const uint8_t* sl_at = slots + (scales_off + 16 * (n0 * scale_vecs));
+  asm volatile("" ::"l"(lo_at), "l"(sl_at));
+  if (fp4 | (w2_slot < 0)) {
+    if (fp4 && c < 2) {  // FP4 pair: not computed on this path, marked
+#pragma unroll
+      for (int r = 0; r < kGroups; ++r) y_row[n0 + r * kRowsPerGroup + 8 * c] = __int_as_float(0x7fc00000);
+    }
+    return;
+  }
+  const long long slot_at = static_cast<long long>(w2_slot) * slot_bytes;
+  const uint4* lo = reinterpret_cast<const uint4*>(lo_at + slot_at);
+  const uint4* sl = reinterpret_cast<const uint4*>(sl_at + slot_at);
+#else
   if (f4_table[table_row + expert] >= 0) {  // FP4 pair: not computed on this path, marked
     if (c < 2) {
 #pragma unroll
@@ -80,6 +126,7 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
   const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 16;
   const uint4* lo = reinterpret_cast<const uint4*>(base + words_off) + n0 * row_vecs;
   const uint4* sl = reinterpret_cast<const uint4*>(base + scales_off) + n0 * scale_vecs;
+#endif
   const int tiles = words_per_row / kWps;
   const int steps = kGroups * tiles;  // (group, tile) in order; step s = group s / tiles, tile s % tiles
 

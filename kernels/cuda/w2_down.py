@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..layout import SlotLayout, unpack_matrix_ref
-from . import loader
+from . import loader, w2_gate_up
 
 SOURCE = Path(__file__).with_name("w2_down.cu")
 KERNEL = "w2_down_mma"
@@ -28,6 +28,11 @@ ARG_KINDS = "pqpqqqiippippppqi"
 
 def rows_per_block(groups: int) -> int:
     return 4 * groups * ROWS_PER_GROUP  # kWarps * kGroups * kRowsPerGroup in the .cu
+
+
+def build_defines(ahead: int, groups: int, early: bool = False, route_major: bool = False) -> dict:
+    """nvcc defines of a build (the v3 ones only when on: the default's command is the one before they existed)."""
+    return w2_gate_up.build_defines(ahead, early, route_major) | {"W2_GROUPS": groups}
 
 
 def check_geometry(layout: SlotLayout, groups: int = 1) -> None:
@@ -72,13 +77,15 @@ class W2DownCuda:
 
     ahead: K tiles of weight loads in flight per lane while one is computed (W2_AHEAD); groups: 16-row groups
     per warp (W2_GROUPS; rows per block = 64 * groups). Neither changes the arithmetic (same bytes).
+    early / route_major: the v3 defines W2_EARLY / W2_ROUTE_MAJOR as in `W2GateUpCuda` (off: the build as before).
     """
 
-    def __init__(self, ahead: int = 2, groups: int = 1, device: int | None = None) -> None:
+    def __init__(self, ahead: int = 2, groups: int = 1, device: int | None = None, early: bool = False,
+                 route_major: bool = False) -> None:
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
-        self.ahead, self.groups = ahead, groups
-        image = loader.build(SOURCE, {"W2_AHEAD": ahead, "W2_GROUPS": groups})
+        self.ahead, self.groups, self.early, self.route_major = ahead, groups, early, route_major
+        image = loader.build(SOURCE, build_defines(ahead, groups, early, route_major))
         self.kernel = loader.load(image, KERNEL, self.device)
 
     def __call__(self, w2, fp4, layer: int, ws, out=None):

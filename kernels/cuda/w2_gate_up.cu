@@ -31,6 +31,22 @@
 #define W2_AHEAD 1  // K tiles whose loads are in flight while one is computed (build with -DW2_AHEAD=2: 2)
 #endif
 
+// v3 build defines (benchmarks/cuda-w2-notes.md "v3"; off: the kernel above, the same SASS):
+//   W2_EARLY 1: the prologue's route words (num_blocks, block_expert[b], block_pairs[b]) in one round trip and the
+//     expert's two table words (f4_table, w2_table) in the next, each round closed by one exit whose condition reads
+//     every word of the round (nvcc sinks a load below an exit that does not need it: the default's chain is 4
+//     dependent round trips, num_blocks -> block_expert -> f4_table -> w2_table). A block past num_blocks still
+//     exits after one round trip. The lane's byte offsets in a slot are computed while the table words are in flight.
+//   W2_ROUTE_MAJOR 1: the block's (route block, row tile) from its dispatch index, route block slowest, so the
+//     blocks of live route blocks (b < num_blocks) are dispatched first and the grid's exiting blocks (at T = 1 half
+//     of them: max_blocks = 2 x 8) last, instead of interleaved with them. Same work per block, no arithmetic change.
+#ifndef W2_EARLY
+#define W2_EARLY 0
+#endif
+#ifndef W2_ROUTE_MAJOR
+#define W2_ROUTE_MAJOR 0
+#endif
+
 namespace {
 
 constexpr int kAhead = W2_AHEAD;
@@ -67,13 +83,43 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_gate_up_mma(
     float limit, int has_limit) {
   extern __shared__ uint4 smem[];
   uint32_t* xp = reinterpret_cast<uint32_t*>(smem);  // [H / 2] activation pairs
-  const int b = blockIdx.x;
+#if W2_ROUTE_MAJOR
+  const unsigned linear = blockIdx.y * gridDim.x + blockIdx.x;  // dispatch order: x fastest
+  const int b = linear / gridDim.y, row_tile = linear % gridDim.y;
+#else
+  const int b = blockIdx.x, row_tile = blockIdx.y;
+#endif
+#if W2_EARLY
+  // Round 1: the route words; `|` (not `||`) so that the exit reads all three and none is sunk below it.
+  const int route_blocks = *num_blocks, expert = block_expert[b], pair = block_pairs[b];
+  if ((b >= route_blocks) | (expert < 0) | (pair < 0)) return;
+  // Round 2: the expert's table words (a W2 route block's expert has a W2 slot: w2_slot < 0 does not occur).
+  const int f4_slot = f4_table[table_row + expert], w2_slot = w2_table[table_row + expert];
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int n = row_tile * kRowsPerBlock + (threadIdx.x >> 5) * kRowsPerWarp + g;  // output row
+  // While the table words are in flight: the lane's load addresses in slot 0 (its word vector c included, so the
+  // loads below take lane index 0), for the slot's offset to be added once. The empty asm makes nvcc compute them
+  // above the exit (it would sink them below it, after the table words arrive); it emits no instruction.
+  const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 16;
+  const uint8_t* gate_at = slots + (words_off + 16 * (n * row_vecs + c));
+  const uint8_t* up_at = gate_at + 16 * (inter * row_vecs);
+  const uint8_t* gs_at = slots + (scales_off + 16 * (n * scale_vecs));
+  const uint8_t* us_at = gs_at + 16 * (inter * scale_vecs);
+  asm volatile("" ::"l"(gate_at), "l"(up_at), "l"(gs_at), "l"(us_at));
+  if ((f4_slot >= 0) | (w2_slot < 0)) return;
+  const long long slot_at = static_cast<long long>(w2_slot) * slot_bytes;
+  const uint4* gate = reinterpret_cast<const uint4*>(gate_at + slot_at);
+  const uint4* up = reinterpret_cast<const uint4*>(up_at + slot_at);
+  const uint4* gs = reinterpret_cast<const uint4*>(gs_at + slot_at);
+  const uint4* us = reinterpret_cast<const uint4*>(us_at + slot_at);
+  constexpr int load_c = 0;  // the loads' word vector index: c is in gate / up already
+#else
   if (b >= *num_blocks) return;
   const int expert = block_expert[b];
   if (f4_table[table_row + expert] >= 0) return;
   const int pair = block_pairs[b];
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int n = blockIdx.y * kRowsPerBlock + (threadIdx.x >> 5) * kRowsPerWarp + g;  // output row
+  const int n = row_tile * kRowsPerBlock + (threadIdx.x >> 5) * kRowsPerWarp + g;  // output row
 
   const uint8_t* base = slots + static_cast<long long>(w2_table[table_row + expert]) * slot_bytes;
   const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 16;
@@ -81,11 +127,13 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_gate_up_mma(
   const uint4* up = gate + inter * row_vecs;
   const uint4* gs = reinterpret_cast<const uint4*>(base + scales_off) + n * scale_vecs;
   const uint4* us = gs + inter * scale_vecs;
+  const int load_c = c;
+#endif
   const int tiles = words_per_row / kWps;
 
   Tile ring[kAhead + 1];  // tile t lives in ring[t % (kAhead + 1)]; loads past the last tile reload it
 #pragma unroll
-  for (int j = 0; j < kAhead; ++j) ring[j] = load_tile(gate, up, gs, us, min(j, tiles - 1), c);
+  for (int j = 0; j < kAhead; ++j) ring[j] = load_tile(gate, up, gs, us, min(j, tiles - 1), load_c);
   build_pairs(x + (pair / top_k) * stride_x, xp, hidden);
   __syncthreads();
 
@@ -95,7 +143,7 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_gate_up_mma(
     for (int j = 0; j <= kAhead; ++j) {
       const int t = t0 + j;
       if (t < tiles) {
-        ring[(j + kAhead) % (kAhead + 1)] = load_tile(gate, up, gs, us, min(t + kAhead, tiles - 1), c);
+        ring[(j + kAhead) % (kAhead + 1)] = load_tile(gate, up, gs, us, min(t + kAhead, tiles - 1), load_c);
         tile_mma(ring[j], xp + t * kPairWordsPerTile, c, acc);
       }
     }

@@ -64,18 +64,34 @@ def check_tensors(hidden, w2, fp4, ws, out) -> None:
         raise ValueError("the W2 and FP4 tables must have the same shape")
 
 
+def build_defines(ahead: int, early: bool = False, route_major: bool = False) -> dict:
+    """nvcc defines of a build: the v3 defines only when on, so the default's command (and cached image) is the
+    same as before they existed. Shared with w2_down.py."""
+    defines = {"W2_AHEAD": ahead}
+    if early:
+        defines["W2_EARLY"] = 1
+    if route_major:
+        defines["W2_ROUTE_MAJOR"] = 1
+    return defines
+
+
 class W2GateUpCuda:
     """Builds (nvcc, cached) and loads the kernel once; each call launches it on the current stream.
 
     ahead: K tiles of weight loads in flight per lane while one tile is computed (W2_AHEAD in the .cu:
     1 = 96 registers, 2 = 123 registers, both 4 blocks of 128 threads per SM).
+
+    v3 options (benchmarks/cuda-w2-notes.md "v3"; off: the kernel built and launched exactly as before): early:
+    W2_EARLY, the prologue's route and table words in 2 dependent loads instead of 4; route_major: W2_ROUTE_MAJOR,
+    the CUDA blocks of live route blocks dispatched before the grid's exiting ones. Neither changes the bytes.
     """
 
-    def __init__(self, ahead: int = 1, device: int | None = None) -> None:
+    def __init__(self, ahead: int = 1, device: int | None = None, early: bool = False,
+                 route_major: bool = False) -> None:
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
-        self.ahead = ahead
-        self.kernel = loader.load(loader.build(SOURCE, {"W2_AHEAD": ahead}), KERNEL, self.device)
+        self.ahead, self.early, self.route_major = ahead, early, route_major
+        self.kernel = loader.load(loader.build(SOURCE, build_defines(ahead, early, route_major)), KERNEL, self.device)
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, out=None, swiglu_limit: float | None = None):
         out = ws.act if out is None else out

@@ -32,12 +32,14 @@ GATE_MULTI = dict(warps=8, stage_cols=4, carveout="fit", early=True)
 
 class W2MoeCuda:
     """gate_ahead: W2_AHEAD of both gate_up kernels (2: the measured faster one); down_ahead / down_groups: both
-    down kernels' (w2_down.py); gate_multi: the multi-token gate_up's other options (None: GATE_MULTI)."""
+    down kernels' (w2_down.py); gate_multi: the multi-token gate_up's other options (None: GATE_MULTI);
+    gate_single / down_single: the single-token kernels' v3 options (`early`, `route_major`: W2GateUpCuda /
+    W2DownCuda; None: off, today's kernels)."""
 
     def __init__(self, gate_ahead: int = 2, down_ahead: int = 2, down_groups: int = 1, device: int | None = None,
-                 gate_multi: dict | None = None):
-        self.gate_up = W2GateUpCuda(ahead=gate_ahead, device=device)
-        self.down = W2DownCuda(ahead=down_ahead, groups=down_groups, device=device)
+                 gate_multi: dict | None = None, gate_single: dict | None = None, down_single: dict | None = None):
+        self.gate_up = W2GateUpCuda(ahead=gate_ahead, device=device, **(gate_single or {}))
+        self.down = W2DownCuda(ahead=down_ahead, groups=down_groups, device=device, **(down_single or {}))
         self.gate_up_multi = W2GateUpMultiCuda(ahead=gate_ahead, device=device,
                                                **(GATE_MULTI if gate_multi is None else gate_multi))
         self.down_multi = W2DownMultiCuda(ahead=down_ahead, groups=down_groups, device=device)
