@@ -52,10 +52,13 @@ V2_GATE = {"s4": dict(warps=8, stage_cols=4, carveout="fit"), "w4s3": dict(warps
            "w4s3e": dict(warps=4, stage_cols=3, carveout="fit", early=True)}
 MULTI_V2 = ([("gate_up", f"cuda_gate_up_multi_{k}", dict(ahead=2, **o)) for k, o in V2_GATE.items()]
             + [("whole", f"cuda_whole_multi_{k}", dict(MULTI["whole"][1], gate_multi=o)) for k, o in V2_GATE.items()])
-# v3 of the single-token kernels (W2GateUpCuda / W2DownCuda early, route_major: benchmarks/cuda-w2-notes.md "v3"):
-# suffix -> options; gate_up on ahead 2, down on cuda_down's options, the whole op with both kernels so built. Built
-# only when --variants names them; INVALID unless byte-identical to V3_BASE's variant of the stage, run in the same call.
-V3 = {"e": dict(early=True), "r": dict(route_major=True), "er": dict(early=True, route_major=True)}
+# v3 of the single-token kernels (W2GateUpCuda / W2DownCuda early, pairs_grid, route_major, pdl: cuda-w2-notes.md "v3"):
+# suffix -> options; gate_up on ahead 2, down on cuda_down's options, the whole op with both kernels so built (pdl: the
+# down launch a programmatic dependent of the gate_up's). Built only when --variants names them; INVALID unless
+# byte-identical to V3_BASE's variant of the stage, run in the same call.
+V3 = {"e": dict(early=True), "g": dict(pairs_grid=True), "r": dict(route_major=True),
+      "eg": dict(early=True, pairs_grid=True), "er": dict(early=True, route_major=True),
+      "egp": dict(early=True, pairs_grid=True, pdl=True)}
 V3_BASE = {"gate_up": "cuda_mma_ahead2", "down": "cuda_down", "whole": "cuda_whole"}
 SINGLE_V3 = ([("gate_up", f"cuda_mma_ahead2_{k}", dict(ahead=2, **o)) for k, o in V3.items()]
              + [("down", f"cuda_down_{k}", dict(DOWN["cuda_down"], **o)) for k, o in V3.items()]

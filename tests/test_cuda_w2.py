@@ -717,13 +717,16 @@ def test_bench_build_records_each_variants_options(monkeypatch):
 
 # ---- v3 of the single-token kernels (W2_EARLY, W2_ROUTE_MAJOR; benchmarks/cuda-w2-notes.md "v3") --------------
 
-V3_OPTIONS = [dict(early=True), dict(route_major=True), dict(early=True, route_major=True)]
+V3_BUILDS = [dict(early=True), dict(route_major=True), dict(early=True, route_major=True),
+             dict(early=True, route_major=True, pdl=True)]  # the v3 define sets (pairs_grid is host-side only)
+V3_OPTIONS = [dict(early=True), dict(pairs_grid=True), dict(route_major=True), dict(early=True, pairs_grid=True),
+              dict(early=True, route_major=True), dict(early=True, pairs_grid=True, pdl=True)]  # cuda_w2.py's V3
 V3_BASELINE_COMMIT = "53f588c"  # the single-token kernels before the v3 defines
 
 
 def _v3_defines(options: dict) -> dict:
-    return {"W2_EARLY": 1} if options == dict(early=True) else {"W2_ROUTE_MAJOR": 1} if options == dict(
-        route_major=True) else {"W2_EARLY": 1, "W2_ROUTE_MAJOR": 1}
+    names = dict(early="W2_EARLY", route_major="W2_ROUTE_MAJOR", pdl="W2_PDL")
+    return {names[k]: 1 for k, on in options.items() if on and k in names}
 
 
 def _cuobjdump():
@@ -762,7 +765,7 @@ needs_sass = pytest.mark.skipif(loader.nvcc_path() is None or _cuobjdump() is No
 
 
 @needs_nvcc
-@pytest.mark.parametrize("options", V3_OPTIONS)
+@pytest.mark.parametrize("options", V3_BUILDS)
 @pytest.mark.parametrize("kernel,defines", [("gate_up", {"W2_AHEAD": 2}), ("gate_up", {"W2_AHEAD": 1}),
                                             ("down", {"W2_AHEAD": 2, "W2_GROUPS": 1}),
                                             ("down", {"W2_AHEAD": 2, "W2_GROUPS": 2})])
@@ -846,6 +849,10 @@ def test_v3_wrappers_pass_their_defines_and_w2moecuda_passes_options_through(mon
                      ("w2_down.cu", {"W2_AHEAD": 2, "W2_GROUPS": 1}),
                      ("w2_down.cu", {"W2_AHEAD": 2, "W2_ROUTE_MAJOR": 1, "W2_GROUPS": 2})]
     assert w2_gate_up.build_defines(2) == {"W2_AHEAD": 2}  # the default's command: as before the v3 defines
+    assert w2_down.build_defines(2, 1, True, True, True) == {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_ROUTE_MAJOR": 1,
+                                                             "W2_PDL": 1, "W2_GROUPS": 1}
+    with pytest.raises(ValueError, match="pdl needs early"):
+        W2DownCuda(device=0, pdl=True)
     built.clear()
     default = W2MoeCuda(device=0)
     assert (default.gate_up.early, default.gate_up.route_major, default.down.early, default.down.route_major) == (
@@ -907,10 +914,10 @@ def test_v3_bench_variants_are_named_only_and_checked_against_the_default_kernel
 @needs_nvcc
 @pytest.mark.parametrize("tokens", [1, 2, 8])
 def test_v3_kernels_bytes_equal_the_default_kernels(gpu_case, down_case, tokens):
-    """Every v3 build against the default kernel of the same ahead / groups on the same route, NaN-poisoned outputs,
-    launched twice: gate_up (an FP4 pair skipped), down (an FP4 pair's NaN rows, a missing pair untouched), the whole
-    op (W2MoeCuda with both kernels so built, misses counted as the default's). Grids hold exiting route blocks
-    (max_blocks > num_blocks), so the early exits and the route-major order both run."""
+    """Every v3 option set against the default kernel of the same ahead / groups on the same route, NaN-poisoned
+    outputs, launched twice: gate_up (an FP4 pair skipped), down (an FP4 pair's NaN rows, a missing pair untouched),
+    the whole op (W2MoeCuda with both kernels so built, misses counted as the default's). The max_blocks grids hold
+    exiting route blocks (the early exits and the route-major order run); the pairs grids hold P route blocks."""
     x, ws, ref = _routed(gpu_case, tokens)
     w2_rows = ~ref.isnan().any(dim=1)
     assert w2_rows.any() and (~w2_rows).any() and int(ws.num_blocks[0]) < ws.block_expert.numel()
@@ -956,3 +963,118 @@ def test_v3_kernels_bytes_equal_the_default_kernels(gpu_case, down_case, tokens)
         for _ in range(2):
             out, counts, _ = _whole(down_case, f4_none, wids, xw, moe)
             assert _same_bytes(out, base) and counts == base_counts, ("whole", options)
+
+
+@needs_sass
+def test_v3_pdl_builds_place_the_trigger_first_and_the_wait_before_the_act_loads(tmp_path):
+    """W2_PDL: gate_up's `griddepcontrol.launch_dependents` (SASS PREEXIT) comes before any load; down's
+    `griddepcontrol.wait` (ACQBULK) twice: in the FP4 branch before its NaN stores, and after the first weight loads
+    before every load of act, which are coherent (`LDG.E.64`, not the default build's LDG.E.64.CONSTANT); no store
+    before the first wait. W2_PDL without W2_EARLY does not compile."""
+    options = dict(early=True, route_major=True, pdl=True)
+    gate, _ = _sass(tmp_path, SOURCE, {"W2_AHEAD": 2} | _v3_defines(options), "gate")
+    first_load = next(i for i, line in enumerate(gate) if line.startswith("LDG"))
+    assert [i for i, line in enumerate(gate) if line.startswith("PREEXIT")] == [gate.index("PREEXIT ;")]
+    assert gate.index("PREEXIT ;") < first_load
+    for groups in (1, 2):
+        down, _ = _sass(tmp_path, w2_down.SOURCE, {"W2_AHEAD": 2, "W2_GROUPS": groups} | _v3_defines(options), "down")
+        waits = [i for i, line in enumerate(down) if line == "ACQBULK ;"]
+        stores = [i for i, line in enumerate(down) if line.startswith("STG")]
+        assert len(waits) == 2 and stores and min(stores) > waits[0]
+        assert any("LDG.E.128" in line for line in down[: waits[1]])
+        act_loads = [i for i, line in enumerate(down) if line.startswith("LDG.E.64")]
+        assert act_loads and min(act_loads) > waits[1] and not any("CONSTANT" in down[i] for i in act_loads)
+        default, _ = _sass(tmp_path, w2_down.SOURCE, {"W2_AHEAD": 2, "W2_GROUPS": groups}, "down_default")
+        assert "ACQBULK ;" not in default and any(line.startswith("LDG.E.64.CONSTANT") for line in default)
+    cmd = loader.nvcc_command(w2_down.SOURCE, tmp_path / "p.cubin", "cubin", {"W2_AHEAD": 2, "W2_PDL": 1})
+    assert subprocess.run(cmd, capture_output=True, text=True).returncode != 0
+
+
+@needs_nvcc
+def test_v3_programmatic_launch_structs_match_cuda_h(tmp_path):
+    """The ctypes CUlaunchAttribute / CUlaunchConfig of w2_down.py against cuda.h (sizes, offsets, the attribute id),
+    by a host program nvcc compiles (no GPU, no libcuda call); and the config it fills."""
+    from pathlib import Path
+
+    src = tmp_path / "layout.cu"
+    src.write_text('#include <cstdio>\n#include <cstddef>\n#include <cuda.h>\nint main() {\n'
+                   '  printf("%zu %zu %zu %zu %zu %zu %zu %zu %d\\n", sizeof(CUlaunchAttribute),'
+                   ' offsetof(CUlaunchAttribute, value),'
+                   ' offsetof(CUlaunchAttributeValue, programmaticStreamSerializationAllowed), sizeof(CUlaunchConfig),'
+                   ' offsetof(CUlaunchConfig, sharedMemBytes), offsetof(CUlaunchConfig, hStream),'
+                   ' offsetof(CUlaunchConfig, attrs), offsetof(CUlaunchConfig, numAttrs),'
+                   ' (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);\n}\n')
+    exe = tmp_path / "layout"
+    proc = subprocess.run([loader.nvcc_path(), str(src), "-o", str(exe)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    got = [int(v) for v in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
+    A, C = w2_down.LaunchAttribute, w2_down.LaunchConfig
+    assert got == [ctypes.sizeof(A), A.value.offset, 0, ctypes.sizeof(C), C.shared_bytes.offset, C.stream.offset,
+                   C.attrs.offset, C.num_attrs.offset, w2_down.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION]
+    cfg, attr = w2_down.programmatic_config((16, 112), (128,), 4096, 0x1234)
+    assert list(cfg.grid) == [16, 112, 1] and list(cfg.block) == [128, 1, 1] and cfg.shared_bytes == 4096
+    assert cfg.stream == 0x1234 and cfg.num_attrs == 1 and cfg.attrs.contents.id == 6
+    assert int.from_bytes(bytes(attr.value[:4]), "little") == 1 and not any(attr.value[4:])
+    assert Path(w2_down.SOURCE).exists()
+
+
+@pytest.mark.gpu
+@needs_nvcc
+def test_v3_pdl_whole_op_replays_in_a_cuda_graph(down_case):
+    """The whole op with the programmatic down launch (gate_up triggers, down waits) captured in a CUDA graph and
+    replayed: byte-identical to the default whole op run eagerly, misses counted once."""
+    f4, tokens = down_case["f4_none"], 4
+    down_case["weights"] = (torch.rand(8, TOP_K, generator=down_case["gen"]) + 0.05).cuda()
+    ids = _ids(down_case, tokens, last=6)
+    x = torch.randn(tokens, HIDDEN, generator=down_case["gen"]).to(torch.bfloat16).cuda()
+    eager, counts, _ = _whole(down_case, f4, ids, x, down_case["whole"][1])
+    options = dict(early=True, pairs_grid=True, pdl=True)  # cuda_whole_egp
+    moe = W2MoeCuda(gate_single=options, down_single=options)
+    ws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, DOWN_INTER, torch.bfloat16, "cuda", block_tokens=1)
+    misses = MissLog.allocate(4, "cuda")
+    out = torch.full_like(x, float("nan"))
+    call = lambda: moe_mm(x, ids, down_case["weights"][:tokens], down_case["w2"], f4, 0, misses, ws, out=out, cuda_w2=moe)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert _same_bytes(out, eager)
+    misses.reset()
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        call()
+    for _ in range(3):
+        misses.reset()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _same_bytes(out, eager) and misses.counts.tolist() == counts
+
+
+def test_v3_pairs_grid_covers_every_route_block_at_block_tokens_1():
+    """pairs_grid launches min(max_blocks, P) route blocks: the route (CPU, Triton interpreter) gives num_blocks <= P
+    at block_tokens 1 over random routings with missing and FP4 experts, so no live route block is left out; the grid
+    is max_blocks without the option, and the option refuses block_tokens > 1."""
+    from tierstore.kernels.cuda.w2_gate_up import route_blocks_grid
+
+    gen = torch.Generator().manual_seed(31)
+    w2 = w2_tier(HIDDEN, INTER, EXPERTS, 1, EXPERTS, "cpu")
+    w2.table[0] = torch.arange(EXPERTS, dtype=torch.int32)
+    w2.table[0, 5] = -1  # missing
+    f4 = fp4_tier(HIDDEN, INTER, 1, 1, EXPERTS, "cpu")
+    f4.table[0, 2] = 0  # FP4-resident
+    for tokens in (1, 2, 3, 8, 9):
+        for _ in range(4):
+            ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)]).to(torch.int32)
+            ws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, INTER, torch.bfloat16, "cpu", block_tokens=1)
+            moe_route(ids.contiguous(), w2, f4, 0, MissLog.allocate(4, "cpu"), ws)
+            pairs = tokens * TOP_K
+            placed = int((ids != 5).sum())
+            assert int(ws.num_blocks[0]) == placed <= pairs == route_blocks_grid(ws, True)
+            assert route_blocks_grid(ws, False) == ws.block_expert.numel() == min(EXPERTS, pairs) + pairs
+    ws16 = MoeWorkspace.allocate(4, TOP_K, EXPERTS, HIDDEN, INTER, torch.bfloat16, "cpu", block_tokens=16)
+    with pytest.raises(ValueError, match="block_tokens 1"):
+        route_blocks_grid(ws16, True)

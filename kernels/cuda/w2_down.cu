@@ -40,8 +40,19 @@
 //     num_blocks -> block_expert -> f4_table -> w2_table, 4 dependent round trips before the first weight load).
 //   W2_ROUTE_MAJOR 1: (route block, row tile) from the dispatch index with the route block slowest, so the live
 //     route blocks' CUDA blocks are dispatched before the exiting ones (b >= num_blocks) instead of between them.
+//   W2_PDL 1: for a launch with programmatic stream serialization (W2DownCuda(pdl=True)): the prologue and the first
+//     weight loads (route words, tables, weights: none written by the gate_up stage) run while the preceding kernel
+//     may still be running; `griddepcontrol.wait` (all of it complete, its writes visible) comes before the first read
+//     of act and before any write of y (an FP4 pair's NaN rows included). Requires W2_EARLY (its FP4 branch). Launched
+//     normally, the wait returns at once.
 #ifndef W2_EARLY
 #define W2_EARLY 0
+#endif
+#ifndef W2_PDL
+#define W2_PDL 0
+#endif
+#if W2_PDL && !W2_EARLY
+#error "W2_PDL needs W2_EARLY (the FP4 branch that waits before writing y)"
 #endif
 #ifndef W2_ROUTE_MAJOR
 #define W2_ROUTE_MAJOR 0
@@ -55,10 +66,33 @@ constexpr int kWarps = 4;
 constexpr int kRowsPerGroup = 16;
 constexpr int kRowsPerBlock = kWarps * kGroups * kRowsPerGroup;
 
+#if W2_PDL
+// act is written by the preceding grid while this one may already run, so it is not read through the non-coherent
+// read-only path (LDG.CONSTANT, what nvcc makes of `load_unit` on a const __restrict__ pointer, requires the data to be
+// unchanged for the kernel's lifetime): `load_unit` with plain ld.global, after the griddepcontrol.wait.
+__device__ __forceinline__ uint2 load_coherent(const uint16_t* p) {
+  uint2 v;
+  asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ Unit load_unit_act(const uint16_t* a, int q) {
+  const int k = (q >> 5) * kTileK + ((q >> 2) & 7) * 64 + 4 * (q & 3);  // as load_unit
+  Unit u;
+  u.la = load_coherent(a + k);
+  u.lb = load_coherent(a + k + 16);
+  u.ha = load_coherent(a + k + 32);
+  u.hb = load_coherent(a + k + 48);
+  return u;
+}
+#else
+#define load_unit_act load_unit
+#endif
+
 // a: bf16 bits [K] -> xp [K / 2], ordered as the lanes read B (w2_fragments.cuh: `load_unit`, `store_unit`).
 __device__ void build_pairs(const uint16_t* __restrict__ a, uint32_t* xp, int k_len) {
   const int units = k_len / 16;  // unit q = (t * 8 + i) * 4 + c: 8 pairs
-  for (int q = threadIdx.x; q < units; q += blockDim.x) store_unit(xp, q, load_unit(a, q));
+  for (int q = threadIdx.x; q < units; q += blockDim.x) store_unit(xp, q, load_unit_act(a, q));
 }
 
 }  // namespace
@@ -104,6 +138,9 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
   const uint8_t* sl_at = slots + (scales_off + 16 * (n0 * scale_vecs));
   asm volatile("" ::"l"(lo_at), "l"(sl_at));
   if (fp4 | (w2_slot < 0)) {
+#if W2_PDL
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // y rows are written only once the preceding grid is done
+#endif
     if (fp4 && c < 2) {  // FP4 pair: not computed on this path, marked
 #pragma unroll
       for (int r = 0; r < kGroups; ++r) y_row[n0 + r * kRowsPerGroup + 8 * c] = __int_as_float(0x7fc00000);
@@ -149,6 +186,9 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
   for (int j = 0; j < kAhead; ++j) {
     if (j < steps) ring[j] = load_next();
   }
+#if W2_PDL
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // act is the preceding gate_up's output
+#endif
   build_pairs(act + pair * stride_act, xp, inter);
   __syncthreads();
 

@@ -9,6 +9,7 @@ read them).
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import torch
@@ -30,9 +31,38 @@ def rows_per_block(groups: int) -> int:
     return 4 * groups * ROWS_PER_GROUP  # kWarps * kGroups * kRowsPerGroup in the .cu
 
 
-def build_defines(ahead: int, groups: int, early: bool = False, route_major: bool = False) -> dict:
+def build_defines(ahead: int, groups: int, early: bool = False, route_major: bool = False, pdl: bool = False) -> dict:
     """nvcc defines of a build (the v3 ones only when on: the default's command is the one before they existed)."""
-    return w2_gate_up.build_defines(ahead, early, route_major) | {"W2_GROUPS": groups}
+    return w2_gate_up.build_defines(ahead, early, route_major, pdl) | {"W2_GROUPS": groups}
+
+
+# cuLaunchKernelEx with programmatic stream serialization (W2DownCuda(pdl=True)); layouts as cuda.h (CUDA 12 / 13),
+# checked against the header by a CPU test where nvcc exists.
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: the attribute id, 4 bytes of padding, the 64-byte CUlaunchAttributeValue union."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_ubyte * 64)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def programmatic_config(grid, block, shared_bytes: int, stream: int) -> tuple[LaunchConfig, LaunchAttribute]:
+    """A launch config whose one attribute allows programmatic stream serialization (the value's int field = 1):
+    the kernel may start before the preceding kernel on the stream completes and resolves the dependency itself
+    (griddepcontrol.wait). Returns the attribute too: keep it alive until the launch."""
+    attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed (int, little-endian)
+    cfg = LaunchConfig(shared_bytes=shared_bytes, stream=stream, num_attrs=1)
+    cfg.grid[:] = (tuple(grid) + (1, 1))[:3]
+    cfg.block[:] = (tuple(block) + (1, 1))[:3]
+    cfg.attrs = ctypes.pointer(attr)
+    return cfg, attr
 
 
 def check_geometry(layout: SlotLayout, groups: int = 1) -> None:
@@ -77,25 +107,36 @@ class W2DownCuda:
 
     ahead: K tiles of weight loads in flight per lane while one is computed (W2_AHEAD); groups: 16-row groups
     per warp (W2_GROUPS; rows per block = 64 * groups). Neither changes the arithmetic (same bytes).
-    early / route_major: the v3 defines W2_EARLY / W2_ROUTE_MAJOR as in `W2GateUpCuda` (off: the build as before).
+    early / route_major: the v3 defines W2_EARLY / W2_ROUTE_MAJOR as in `W2GateUpCuda` (off: the build as before);
+    pdl: W2_PDL and every launch a programmatic dependent of the stream's preceding kernel (cuLaunchKernelEx): the
+    prologue and first weight loads may overlap that kernel's tail, act is read after `griddepcontrol.wait`;
+    pairs_grid: P route blocks in the grid instead of max_blocks (w2_gate_up.route_blocks_grid).
     """
 
     def __init__(self, ahead: int = 2, groups: int = 1, device: int | None = None, early: bool = False,
-                 route_major: bool = False) -> None:
+                 route_major: bool = False, pdl: bool = False, pairs_grid: bool = False) -> None:
+        if pdl and not early:
+            raise ValueError("pdl needs early (W2_PDL builds on W2_EARLY's FP4 branch)")
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
-        self.ahead, self.groups, self.early, self.route_major = ahead, groups, early, route_major
-        image = loader.build(SOURCE, build_defines(ahead, groups, early, route_major))
+        self.ahead, self.groups, self.early, self.route_major, self.pdl = ahead, groups, early, route_major, pdl
+        self.pairs_grid = pairs_grid
+        image = loader.build(SOURCE, build_defines(ahead, groups, early, route_major, pdl))
         self.kernel = loader.load(image, KERNEL, self.device)
 
     def __call__(self, w2, fp4, layer: int, ws, out=None):
         out = ws.y if out is None else out
         _check_inputs(w2, fp4, ws, out, self.groups)
-        grid = (ws.block_expert.numel(), w2.layout.hidden // rows_per_block(self.groups))
+        grid = (w2_gate_up.route_blocks_grid(ws, self.pairs_grid), w2.layout.hidden // rows_per_block(self.groups))
         smem = 2 * w2.layout.inter  # activation pairs: I / 2 x 4 bytes
         self.kernel.allow_shared(smem)
-        self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream, ARG_KINDS,
-                           launch_args(w2, fp4, layer, ws, out))
+        stream, args = torch.cuda.current_stream().cuda_stream, launch_args(w2, fp4, layer, ws, out)
+        if self.pdl:
+            params, _held = loader.pack_args(ARG_KINDS, args)
+            cfg, _attr = programmatic_config(grid, (THREADS,), smem, stream)
+            loader.driver().check("cuLaunchKernelEx", ctypes.byref(cfg), self.kernel.function, params, None)
+        else:
+            self.kernel.launch(grid, (THREADS,), smem, stream, ARG_KINDS, args)
         return out
 
     def attributes(self) -> dict:

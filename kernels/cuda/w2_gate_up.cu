@@ -40,8 +40,14 @@
 //   W2_ROUTE_MAJOR 1: the block's (route block, row tile) from its dispatch index, route block slowest, so the
 //     blocks of live route blocks (b < num_blocks) are dispatched first and the grid's exiting blocks (at T = 1 half
 //     of them: max_blocks = 2 x 8) last, instead of interleaved with them. Same work per block, no arithmetic change.
+//   W2_PDL 1: `griddepcontrol.launch_dependents` first thing in every block, so a kernel launched after this one as a
+//     programmatic dependent (w2_down.cu built with W2_PDL, launched with programmatic stream serialization) may be
+//     scheduled onto the SMs this grid frees before it completes. No effect on a dependent launched normally.
 #ifndef W2_EARLY
 #define W2_EARLY 0
+#endif
+#ifndef W2_PDL
+#define W2_PDL 0
 #endif
 #ifndef W2_ROUTE_MAJOR
 #define W2_ROUTE_MAJOR 0
@@ -83,6 +89,9 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_gate_up_mma(
     float limit, int has_limit) {
   extern __shared__ uint4 smem[];
   uint32_t* xp = reinterpret_cast<uint32_t*>(smem);  // [H / 2] activation pairs
+#if W2_PDL
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
 #if W2_ROUTE_MAJOR
   const unsigned linear = blockIdx.y * gridDim.x + blockIdx.x;  // dispatch order: x fastest
   const int b = linear / gridDim.y, row_tile = linear % gridDim.y;

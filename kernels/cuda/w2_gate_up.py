@@ -64,15 +64,24 @@ def check_tensors(hidden, w2, fp4, ws, out) -> None:
         raise ValueError("the W2 and FP4 tables must have the same shape")
 
 
-def build_defines(ahead: int, early: bool = False, route_major: bool = False) -> dict:
+def build_defines(ahead: int, early: bool = False, route_major: bool = False, pdl: bool = False) -> dict:
     """nvcc defines of a build: the v3 defines only when on, so the default's command (and cached image) is the
     same as before they existed. Shared with w2_down.py."""
     defines = {"W2_AHEAD": ahead}
-    if early:
-        defines["W2_EARLY"] = 1
-    if route_major:
-        defines["W2_ROUTE_MAJOR"] = 1
+    for name, on in (("W2_EARLY", early), ("W2_ROUTE_MAJOR", route_major), ("W2_PDL", pdl)):
+        if on:
+            defines[name] = 1
     return defines
+
+
+def route_blocks_grid(ws, pairs_grid: bool) -> int:
+    """The grid's route-block dimension: every route block of the workspace (block_expert.numel() = max_blocks), or
+    with pairs_grid at most the routed pairs P: at block_tokens 1 the route places each pair of a resident expert in a
+    block of its own (kernels/_triton/route.py: num_blocks = sum of the resident experts' pair counts <= P), so the
+    blocks past P would all exit (at T = 1: 16 -> 8 route blocks, no exiting CUDA block unless a pair misses)."""
+    if pairs_grid and ws.block_tokens != 1:
+        raise ValueError("pairs_grid holds for block_tokens 1 only")
+    return min(ws.block_expert.numel(), ws.act.shape[0]) if pairs_grid else ws.block_expert.numel()
 
 
 class W2GateUpCuda:
@@ -83,20 +92,24 @@ class W2GateUpCuda:
 
     v3 options (benchmarks/cuda-w2-notes.md "v3"; off: the kernel built and launched exactly as before): early:
     W2_EARLY, the prologue's route and table words in 2 dependent loads instead of 4; route_major: W2_ROUTE_MAJOR,
-    the CUDA blocks of live route blocks dispatched before the grid's exiting ones. Neither changes the bytes.
+    the CUDA blocks of live route blocks dispatched before the grid's exiting ones; pdl: W2_PDL, every block lets a
+    programmatic dependent launch (W2DownCuda(pdl=True)) be scheduled before this grid completes; pairs_grid: launch
+    P route blocks instead of max_blocks (`route_blocks_grid`; the kernel is the same build). None changes the bytes.
     """
 
-    def __init__(self, ahead: int = 1, device: int | None = None, early: bool = False,
-                 route_major: bool = False) -> None:
+    def __init__(self, ahead: int = 1, device: int | None = None, early: bool = False, route_major: bool = False,
+                 pdl: bool = False, pairs_grid: bool = False) -> None:
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
-        self.ahead, self.early, self.route_major = ahead, early, route_major
-        self.kernel = loader.load(loader.build(SOURCE, build_defines(ahead, early, route_major)), KERNEL, self.device)
+        self.ahead, self.early, self.route_major, self.pdl = ahead, early, route_major, pdl
+        self.pairs_grid = pairs_grid
+        image = loader.build(SOURCE, build_defines(ahead, early, route_major, pdl))
+        self.kernel = loader.load(image, KERNEL, self.device)
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, out=None, swiglu_limit: float | None = None):
         out = ws.act if out is None else out
         _check_inputs(hidden, w2, fp4, ws, out)
-        grid = (ws.block_expert.numel(), w2.layout.inter // ROWS_PER_BLOCK)
+        grid = (route_blocks_grid(ws, self.pairs_grid), w2.layout.inter // ROWS_PER_BLOCK)
         smem = 2 * w2.layout.hidden  # activation pairs: H / 2 x 4 bytes
         self.kernel.allow_shared(smem)
         self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream, ARG_KINDS,
