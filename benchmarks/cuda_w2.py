@@ -159,13 +159,28 @@ def _variant_row(kb, first, second, ref, tri, vs_first: dict) -> dict:
 
 def _launch_twice(kernels: dict, like: torch.Tensor, launch) -> dict:
     """Each variant launched twice by `launch(kernel, out, block_tokens)`, into two NaN-poisoned tensors shaped as
-    `like`: {name: [first, second]}."""
+    `like`: {name: [first, second]}, or {name: the exception} when its launch raised (e.g. a refused programmatic
+    launch), so that one variant's failure does not void the other variants' checks."""
     outs = {}
     for name, cuda in kernels.items():
-        outs[name] = [torch.full_like(like, float("nan")) for _ in range(2)]
-        for out in outs[name]:
-            launch(cuda, out, _block_tokens(name))
+        try:
+            pair = [torch.full_like(like, float("nan")) for _ in range(2)]
+            for out in pair:
+                launch(cuda, out, _block_tokens(name))
+            outs[name] = pair
+        except Exception as exc:  # noqa: BLE001: recorded in the variant's check row, which makes it INVALID
+            outs[name] = exc
     return outs
+
+
+def _ran(outs: dict, name: str):
+    """The first output of variant `name`, None when it did not run or raised."""
+    got = outs.get(name)
+    return None if got is None or isinstance(got, Exception) else got[0]
+
+
+def _failure(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
 
 
 def _vs_first(name: str, out, first, multi=None, base=None) -> dict:
@@ -186,12 +201,11 @@ def _vs_first(name: str, out, first, multi=None, base=None) -> dict:
 
 def _stage_check(kb, stage: str, tokens, outs: dict, ref, tri) -> dict:
     """A gate_up or down check row: Triton's output `tri` and every variant's `outs` against `ref`."""
-    first = outs.get(FIRST[stage], [None])[0]
-    multi = outs.get(MULTI[stage][0], [None])[0]
-    base = outs.get(V3_BASE[stage], [None])[0]
+    first, multi, base = _ran(outs, FIRST[stage]), _ran(outs, MULTI[stage][0]), _ran(outs, V3_BASE[stage])
     return dict(tokens=tokens, stage=stage, pairs=ref.shape[0], rel_err_triton=kb._rel_err(tri, ref),
-                variants={name: _variant_row(kb, a, b, ref, tri, _vs_first(name, a, first, multi, base))
-                          for name, (a, b) in outs.items()})
+                variants={name: dict(error=_failure(got)) if isinstance(got, Exception) else
+                          _variant_row(kb, got[0], got[1], ref, tri, _vs_first(name, got[0], first, multi, base))
+                          for name, got in outs.items()})
 
 
 def _check_gate_up(kb, geo, state, kernels: dict, tokens) -> dict:
@@ -248,12 +262,20 @@ def _check_whole(kb, geo, state, kernels: dict, tokens) -> dict:
 
     tri, tri_misses = run(None)
     ref, missing_pairs, _ = moe_mm_ref(x, ids, weights, w2, f4, 0, act_dtype=torch.bfloat16)
-    outs = {name: [run(cuda, _block_tokens(name)) for _ in range(2)] for name, cuda in kernels.items()}
-    first = outs.get(FIRST["whole"], [(None, None)])[0][0]
-    multi = outs.get(MULTI["whole"][0], [(None, None)])[0][0]
-    base = outs.get(V3_BASE["whole"], [(None, None)])[0][0]
+    outs = {}
+    for name, cuda in kernels.items():
+        try:
+            outs[name] = [run(cuda, _block_tokens(name)) for _ in range(2)]
+        except Exception as exc:  # noqa: BLE001: this variant's check row records it (INVALID), the others still run
+            outs[name] = exc
+    first, multi, base = ((_ran(outs, key) or (None, None))[0] for key in (FIRST["whole"], MULTI["whole"][0],
+                                                                         V3_BASE["whole"]))
     variants = {}
-    for name, ((a, misses_a), (b, _)) in outs.items():
+    for name, got in outs.items():
+        if isinstance(got, Exception):
+            variants[name] = dict(error=_failure(got))
+            continue
+        (a, misses_a), (b, _) = got
         variants[name] = _variant_row(kb, a, b, ref, tri.float(), _vs_first(name, a, first, multi, base))
         variants[name]["misses_equal_triton"] = misses_a == tri_misses
     return dict(tokens=tokens, stage="whole", pairs=ids.numel(), missing_pairs=missing_pairs,
@@ -266,6 +288,8 @@ def _invalid(checks: list[dict], name: str) -> list[str]:
     if not found:
         return ["check did not run or raised"]
     v, why = found[0], []
+    if "error" in v:
+        return [f"check raised: {v['error']}"]
     if not v["rel_err"] <= REL_TOL:
         why.append(f"rel_err {v['rel_err']:.3g} > {REL_TOL:g}")
     if not v["rel_err_vs_triton"] <= REL_TOL:

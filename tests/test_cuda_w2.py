@@ -918,7 +918,14 @@ def test_v3_kernels_bytes_equal_the_default_kernels(gpu_case, down_case, tokens)
     outputs, launched twice: gate_up (an FP4 pair skipped), down (an FP4 pair's NaN rows, a missing pair untouched),
     the whole op (W2MoeCuda with both kernels so built, misses counted as the default's). The max_blocks grids hold
     exiting route blocks (the early exits and the route-major order run); the pairs grids hold P route blocks."""
-    x, ws, ref = _routed(gpu_case, tokens)
+    gen = gpu_case["gen"]
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)]).to(torch.int32)
+    ids[0] = torch.tensor([3, 0], dtype=torch.int32)  # an FP4 pair (skipped) and a W2 pair at every T
+    ids = ids.contiguous().cuda()
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
+    ws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, INTER, torch.bfloat16, "cuda", block_tokens=1)
+    moe_route(ids, gpu_case["w2"], gpu_case["f4"], 0, MissLog.allocate(4, "cuda"), ws)
+    ref = w2_gate_up_ref(x, ids, gpu_case["w2"], gpu_case["f4"], 0)
     w2_rows = ~ref.isnan().any(dim=1)
     assert w2_rows.any() and (~w2_rows).any() and int(ws.num_blocks[0]) < ws.block_expert.numel()
     default = _run(gpu_case, x, ws, kernel="cuda2")
@@ -932,7 +939,10 @@ def test_v3_kernels_bytes_equal_the_default_kernels(gpu_case, down_case, tokens)
         assert _same_bytes(outs[0], default) and _same_bytes(outs[1], default), ("gate_up", options)
 
     w2, f4 = down_case["w2"], down_case["f4_with"]
-    ids = _ids(down_case, tokens, first=3 if tokens > 1 else None, last=6)  # FP4 (T > 1) and missing pairs
+    ids = _ids(down_case, tokens)
+    ids[0] = torch.tensor([3, 0] if tokens > 1 else [0, 6], dtype=torch.int32)  # FP4 (T > 1), W2 and missing pairs
+    if tokens > 1:
+        ids[-1] = torch.tensor([1, 6], dtype=torch.int32)
     dws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, DOWN_INTER, torch.bfloat16, "cuda", block_tokens=1)
     moe_route(ids, w2, f4, 0, MissLog.allocate(4, "cuda"), dws)
     dws.act.copy_(torch.randn(dws.act.shape, generator=down_case["gen"]).to(torch.bfloat16))
@@ -1078,3 +1088,28 @@ def test_v3_pairs_grid_covers_every_route_block_at_block_tokens_1():
     ws16 = MoeWorkspace.allocate(4, TOP_K, EXPERTS, HIDDEN, INTER, torch.bfloat16, "cpu", block_tokens=16)
     with pytest.raises(ValueError, match="block_tokens 1"):
         route_blocks_grid(ws16, True)
+
+
+def test_v3_bench_checks_isolate_a_variant_whose_launch_raises():
+    """A variant whose launch raises (a refused programmatic launch, say) gets an error row and is INVALID; the other
+    variants of the stage are still launched, compared and valid (benchmarks/cuda_w2.py `_launch_twice`)."""
+    import types
+
+    bench = _bench_module()
+    kb = types.SimpleNamespace(_rel_err=lambda got, ref: float((got.float() - ref).norm() / ref.norm()))
+    like = torch.zeros(3, 4, dtype=torch.bfloat16)
+    value = torch.randn(3, 4).to(torch.bfloat16)
+
+    def launch(kernel, out, block_tokens):
+        if kernel == "refused":
+            raise RuntimeError("cuLaunchKernelEx failed: CUDA_ERROR_NOT_SUPPORTED\nmore")
+        out.copy_(value)
+
+    outs = bench._launch_twice(dict(cuda_down="ok", cuda_down_egp="refused", cuda_down_eg="ok"), like, launch)
+    assert isinstance(outs["cuda_down_egp"], RuntimeError) and bench._ran(outs, "cuda_down_egp") is None
+    check = bench._stage_check(kb, "down", 1, outs, value.float(), value.float())
+    assert check["variants"]["cuda_down_egp"] == dict(error="RuntimeError: cuLaunchKernelEx failed: CUDA_ERROR_NOT_SUPPORTED")
+    assert bench._invalid([check], "cuda_down_egp") == [
+        "check raised: RuntimeError: cuLaunchKernelEx failed: CUDA_ERROR_NOT_SUPPORTED"]
+    assert bench._invalid([check], "cuda_down") == [] and bench._invalid([check], "cuda_down_eg") == []
+    assert check["variants"]["cuda_down_eg"]["same_bytes_as_default"] is True
