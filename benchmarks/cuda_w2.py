@@ -37,8 +37,10 @@ ROUNDS = 2
 AHEAD = {"cuda_mma": 1, "cuda_mma_ahead2": 2}  # gate_up variant -> W2_AHEAD (K tiles of loads in flight per lane)
 DOWN = {"cuda_down": dict(ahead=2, groups=1), "cuda_down_g2": dict(ahead=2, groups=2)}  # down variant -> W2DownCuda
 # whole-op variant -> W2MoeCuda arguments (gate_up: ahead 2, the measured faster one; the down variants above)
-WHOLE = {"cuda_whole": dict(gate_ahead=2, down_ahead=2, down_groups=1),
-         "cuda_whole_g2": dict(gate_ahead=2, down_ahead=2, down_groups=2)}
+# the single-token kernels as before v3 (gate_single / down_single {}: W2MoeCuda's default is its SINGLE, the
+# cuda_whole_egp variant below)
+WHOLE = {"cuda_whole": dict(gate_ahead=2, down_ahead=2, down_groups=1, gate_single={}, down_single={}),
+         "cuda_whole_g2": dict(gate_ahead=2, down_ahead=2, down_groups=2, gate_single={}, down_single={})}
 # multi-token variants (w2_multi.py; the whole op's W2MoeCuda picks them for block_tokens 16): stage -> name, options
 MULTI = {"gate_up": ("cuda_gate_up_multi", dict(ahead=2)), "down": ("cuda_down_multi", dict(ahead=2, groups=1)),
          "whole": ("cuda_whole_multi", dict(gate_ahead=2, down_ahead=2, down_groups=1, gate_multi={}))}  # v1 gate_up

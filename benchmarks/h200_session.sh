@@ -9,7 +9,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -169,6 +169,18 @@ case "$step" in
     stage replay-streams 100 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
       --steps 220 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
       --compare-config copy_streams=2 --commit "$commit" --out "$work/replay_streams.json"
+    ;;
+  verify)  # the adopted v3 single-token kernels as W2MoeCuda's default: kernel, FP4 and runtime GPU tests, the whole op at
+    # T = 1 / 8 / 32, two replay rounds at 25% with one and two copy streams (~4 min)
+    stage tests 110 python3 -m pytest tests/test_cuda_w2.py tests/test_cuda_fp4.py tests/test_runtime_cuda_w2.py -m gpu -q
+    stage cuda-w2 50 python3 benchmarks/cuda_w2.py --commit "$commit" --tokens 1,8,32 \
+      --variants cuda_mma_ahead2,cuda_down,cuda_whole,cuda_whole_egp,cuda_whole_multi,cuda_whole_multi_s4e \
+      --json "$work/cuda-w2-verify.json"
+    for round in 1 2; do
+      stage "replay-streams-$round" 60 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+        --steps 220 --warmup 20 --coverages 0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
+        --compare-config copy_streams=2 --commit "$commit" --out "$work/replay_streams_$round.json"
+    done
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -854,9 +854,12 @@ def test_v3_wrappers_pass_their_defines_and_w2moecuda_passes_options_through(mon
     with pytest.raises(ValueError, match="pdl needs early"):
         W2DownCuda(device=0, pdl=True)
     built.clear()
-    default = W2MoeCuda(device=0)
+    default = W2MoeCuda(device=0)  # the adopted v3 options (w2_moe.SINGLE: early, pairs grid, programmatic down)
     assert (default.gate_up.early, default.gate_up.route_major, default.down.early, default.down.route_major) == (
-        False, False, False, False)
+        True, False, True, False)
+    assert default.down.pdl and default.gate_up.pdl
+    before_v3 = W2MoeCuda(device=0, gate_single={}, down_single={})
+    assert not (before_v3.gate_up.early or before_v3.down.early or before_v3.down.pdl)
     moe = W2MoeCuda(device=0, gate_single=dict(early=True, route_major=True), down_single=dict(early=True))
     assert (moe.gate_up.early, moe.gate_up.route_major, moe.down.early, moe.down.route_major) == (True, True, True, False)
     assert built[-4:] == [("w2_gate_up.cu", {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_ROUTE_MAJOR": 1}),

@@ -30,16 +30,24 @@ from .w2_multi import W2DownMultiCuda, W2GateUpMultiCuda
 GATE_MULTI = dict(warps=8, stage_cols=4, carveout="fit", early=True)
 
 
+# The single-token kernels' options (W2GateUpCuda / W2DownCuda): "v3 egp", adopted by the rule of cuda-w2-notes.md from
+# the H200 run at 6f908d0 (cuda-w2-v3-deepseek-v3.json): the early prologue, a grid of the routed pairs only, the down
+# launch a programmatic dependent of the gate_up's; whole op at T = 1 56.2 vs 60.8 us (5.25x vs 4.86x bf16), at T = 8
+# 303.9 vs 308.8 us, byte-identical outputs.
+SINGLE = dict(early=True, pairs_grid=True, pdl=True)
+
+
 class W2MoeCuda:
     """gate_ahead: W2_AHEAD of both gate_up kernels (2: the measured faster one); down_ahead / down_groups: both
     down kernels' (w2_down.py); gate_multi: the multi-token gate_up's other options (None: GATE_MULTI);
-    gate_single / down_single: the single-token kernels' v3 options (`early`, `route_major`: W2GateUpCuda /
-    W2DownCuda; None: off, today's kernels)."""
+    gate_single / down_single: the single-token kernels' v3 options (W2GateUpCuda / W2DownCuda; None: SINGLE; {}:
+    the kernels before v3)."""
 
     def __init__(self, gate_ahead: int = 2, down_ahead: int = 2, down_groups: int = 1, device: int | None = None,
                  gate_multi: dict | None = None, gate_single: dict | None = None, down_single: dict | None = None):
-        self.gate_up = W2GateUpCuda(ahead=gate_ahead, device=device, **(gate_single or {}))
-        self.down = W2DownCuda(ahead=down_ahead, groups=down_groups, device=device, **(down_single or {}))
+        self.gate_up = W2GateUpCuda(ahead=gate_ahead, device=device, **(SINGLE if gate_single is None else gate_single))
+        self.down = W2DownCuda(ahead=down_ahead, groups=down_groups, device=device,
+                               **(SINGLE if down_single is None else down_single))
         self.gate_up_multi = W2GateUpMultiCuda(ahead=gate_ahead, device=device,
                                                **(GATE_MULTI if gate_multi is None else gate_multi))
         self.down_multi = W2DownMultiCuda(ahead=down_ahead, groups=down_groups, device=device)
