@@ -1,6 +1,7 @@
 // Device code of the FP4 tensor-core stages (fp4_moe.cu): the FP4 word tile, the exact e2m1 -> bf16x2 decode
 // with the layout's scales, a lane's 16-byte tile loads, the 16 mma.m16n8k16 of one K tile and the activation
-// pairs in shared memory. Self-contained (no W2 header), so the W2 files can change independently.
+// pairs in shared memory. Independent of the W2 headers (so the W2 files can change independently) but for
+// bf16_mma.cuh: the mma, `part` and the pair unit's store, the same for both formats.
 //
 // Layout (kernels/layout.py, fp4_slot_layout, K a multiple of 256): a row's words are cut into tiles of 32
 // words x 8 nibbles = 256 K values; value k = 32 j + u of a tile is nibble j (bits 4j..4j+3) of word u, so
@@ -27,6 +28,8 @@
 
 #include <cstdint>
 
+#include "bf16_mma.cuh"  // part, mma_bf16, Unit, store_unit
+
 namespace {
 
 constexpr int kF4Wps = 32;              // words per nibble slot
@@ -43,10 +46,6 @@ struct F4Tile {    // one lane's share of one K tile
   uint4 b0, b1;    // A rows 8..15 (row g of the second half), same words
   uint2 sa, sb;    // the tile's 8 scale bytes of each of the two rows
 };
-
-__device__ __forceinline__ uint32_t f4_part(const uint4& v, int m) {
-  return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w;
-}
 
 // The word's PRMT selectors: lo nibble k = v_k; hi nibble k = s_k << 2 | e1_k << 1 | (v_k != 0). Bit 3 of each
 // selector nibble is 0 (PRMT's sign-replicate mode is never used).
@@ -93,13 +92,6 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   return d;
 }
 
-__device__ __forceinline__ void f4_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                       uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // ra / rb: the two rows' words as uint4 [words_per_row / 4]; sa / sb: their scales as uint2 [blocks_per_row / 8].
 __device__ __forceinline__ F4Tile f4_load_tile(const uint4* ra, const uint4* rb, const uint2* sa, const uint2* sb,
                                                int t, int c) {
@@ -125,12 +117,12 @@ __device__ __forceinline__ void f4_tile_mma(const F4Tile& w, const uint32_t* xp_
   }
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
-    const Selectors s0 = f4_selectors(f4_part(w.a0, m)), s1 = f4_selectors(f4_part(w.b0, m));
-    const Selectors s2 = f4_selectors(f4_part(w.a1, m)), s3 = f4_selectors(f4_part(w.b1, m));
+    const Selectors s0 = f4_selectors(part(w.a0, m)), s1 = f4_selectors(part(w.b0, m));
+    const Selectors s2 = f4_selectors(part(w.a1, m)), s3 = f4_selectors(part(w.b1, m));
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const uint2 bq = *reinterpret_cast<const uint2*>(xp_tile + i * 32 + 8 * c + 2 * m);  // B: words 4c+m, 16+4c+m
-      f4_mma(acc[i & 1], mul_bf16x2(f4_pair_bits(s0, i), sa[i]), mul_bf16x2(f4_pair_bits(s1, i), sb[i]),
+      mma_bf16(acc[i & 1], mul_bf16x2(f4_pair_bits(s0, i), sa[i]), mul_bf16x2(f4_pair_bits(s1, i), sb[i]),
              mul_bf16x2(f4_pair_bits(s2, i), sa[i]), mul_bf16x2(f4_pair_bits(s3, i), sb[i]), bq.x, bq.y);
     }
   }
@@ -138,25 +130,10 @@ __device__ __forceinline__ void f4_tile_mma(const F4Tile& w, const uint32_t* xp_
 
 // Activation row a [K] bf16 bits -> xp [K / 2] in B register order. Unit q = (t * 4 + i) * 4 + c holds
 // xp[8q .. 8q+7]: xp[8q + 2m + h] = a[k0 + 16h + m] | a[k0 + 32 + 16h + m] << 16, k0 = 64 (q >> 2) + 4 (q & 3).
-struct F4Unit {  // one unit's 16 activations
-  uint2 la, lb;  // slot 2i: words 4c..4c+3, 16+4c..16+4c+3
-  uint2 ha, hb;  // slot 2i+1: the same words
-};
-
-__device__ __forceinline__ F4Unit f4_load_unit(const uint16_t* __restrict__ a, int q) {
+__device__ __forceinline__ Unit f4_load_unit(const uint16_t* __restrict__ a, int q) {
   const int k0 = 64 * (q >> 2) + 4 * (q & 3);
   return {*reinterpret_cast<const uint2*>(a + k0), *reinterpret_cast<const uint2*>(a + k0 + 16),
           *reinterpret_cast<const uint2*>(a + k0 + 32), *reinterpret_cast<const uint2*>(a + k0 + 48)};
-}
-
-__device__ __forceinline__ void f4_store_unit(uint32_t* xp, int q, const F4Unit& u) {
-  uint4 p, r;
-  p.x = __byte_perm(u.la.x, u.ha.x, 0x5410); p.y = __byte_perm(u.lb.x, u.hb.x, 0x5410);  // m 0, h 0 / 1
-  p.z = __byte_perm(u.la.x, u.ha.x, 0x7632); p.w = __byte_perm(u.lb.x, u.hb.x, 0x7632);  // m 1
-  r.x = __byte_perm(u.la.y, u.ha.y, 0x5410); r.y = __byte_perm(u.lb.y, u.hb.y, 0x5410);  // m 2
-  r.z = __byte_perm(u.la.y, u.ha.y, 0x7632); r.w = __byte_perm(u.lb.y, u.hb.y, 0x7632);  // m 3
-  *reinterpret_cast<uint4*>(xp + 8 * q) = p;
-  *reinterpret_cast<uint4*>(xp + 8 * q + 4) = r;
 }
 
 // All of a block's threads: up to 4 units per thread per round, every load of a round issued before its stores.
@@ -164,12 +141,12 @@ __device__ __forceinline__ void f4_build_pairs(const uint16_t* __restrict__ a, u
   constexpr int kUnroll = 4;
   const int units = k_len / 16, step = static_cast<int>(blockDim.x);
   for (int q0 = threadIdx.x; q0 < units; q0 += kUnroll * step) {
-    F4Unit u[kUnroll];
+    Unit u[kUnroll];
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) u[j] = f4_load_unit(a, min(q0 + j * step, units - 1));
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
-      if (q0 + j * step < units) f4_store_unit(xp, q0 + j * step, u[j]);
+      if (q0 + j * step < units) store_unit(xp, q0 + j * step, u[j]);
     }
   }
 }

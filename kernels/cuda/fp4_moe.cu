@@ -58,6 +58,31 @@ __device__ __forceinline__ void first_loads(const Rows& r, F4Tile (&ring)[kAhead
   for (int j = 0; j < kAhead; ++j) ring[j] = f4_load_tile(r.ra, r.rb, r.sa, r.sb, min(j, tiles - 1), c);
 }
 
+// Both kernels' prologue: the block's FP4 slot and pair, or false (the block exits) past the route or when its
+// expert is not FP4-resident (the W2 kernel's pair).
+__device__ __forceinline__ bool route(const int* __restrict__ num_blocks, const int* __restrict__ f4_table, int table_row,
+                                      const int* __restrict__ block_expert, const int* __restrict__ block_pairs,
+                                      int& slot, int& pair) {
+  const int b = blockIdx.x;
+  if (b >= *num_blocks) return false;
+  slot = f4_table[table_row + block_expert[b]];
+  if (slot < 0) return false;
+  pair = block_pairs[b];
+  return true;
+}
+
+// The warp's sums over all K tiles of its rows: the first loads, the block's activation pairs of row a [k_len]
+// into xp, a barrier, the K loop (acc: the two alternating accumulators).
+__device__ __forceinline__ void row_sums(const Rows& r, const uint16_t* __restrict__ a, uint32_t* xp, int k_len,
+                                         int words_per_row, int c, float (&acc)[2][4]) {
+  const int tiles = words_per_row / kF4Wps;
+  F4Tile ring[kAhead + 1];
+  first_loads(r, ring, tiles, c);
+  f4_build_pairs(a, xp, k_len);
+  __syncthreads();
+  k_loop(r, ring, xp, tiles, c, acc);
+}
+
 }  // namespace
 
 // Grid (route block, I / 32), 128 threads; dynamic shared memory 2 * hidden bytes (x pairs).
@@ -72,11 +97,8 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) fp4_gate_up_mma(
     float limit, int has_limit) {
   extern __shared__ uint4 smem[];
   uint32_t* xp = reinterpret_cast<uint32_t*>(smem);  // [H / 2] activation pairs
-  const int b = blockIdx.x;
-  if (b >= *num_blocks) return;
-  const int slot = f4_table[table_row + block_expert[b]];
-  if (slot < 0) return;  // not FP4-resident: the W2 kernel's pair
-  const int pair = block_pairs[b];
+  int slot, pair;
+  if (!route(num_blocks, f4_table, table_row, block_expert, block_pairs, slot, pair)) return;
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int n = blockIdx.y * kGateRowsPerBlock + (threadIdx.x >> 5) * 8 + g;  // output row
 
@@ -87,14 +109,8 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) fp4_gate_up_mma(
   r.rb = r.ra + inter * row_vecs;                                                     // up row n
   r.sa = reinterpret_cast<const uint2*>(base + scales_off) + n * scale_vecs;
   r.sb = r.sa + inter * scale_vecs;
-  const int tiles = words_per_row / kF4Wps;
-
-  F4Tile ring[kAhead + 1];
-  first_loads(r, ring, tiles, c);
-  f4_build_pairs(x + (pair / top_k) * stride_x, xp, hidden);
-  __syncthreads();
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-  k_loop(r, ring, xp, tiles, c, acc);
+  row_sums(r, x + (pair / top_k) * stride_x, xp, hidden, words_per_row, c, acc);
   if (c == 0) {
     float gate_v = (acc[0][0] + acc[1][0]) * 0.25f, up_v = (acc[0][2] + acc[1][2]) * 0.25f;
     if (has_limit) {
@@ -116,11 +132,8 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) fp4_down_mma(
     float* __restrict__ y, long long stride_y, int inter) {                             // y float32 [P, H]
   extern __shared__ uint4 smem[];
   uint32_t* xp = reinterpret_cast<uint32_t*>(smem);  // [I / 2] activation pairs
-  const int b = blockIdx.x;
-  if (b >= *num_blocks) return;
-  const int slot = f4_table[table_row + block_expert[b]];
-  if (slot < 0) return;  // not FP4-resident: the W2 kernel's pair
-  const int pair = block_pairs[b];
+  int slot, pair;
+  if (!route(num_blocks, f4_table, table_row, block_expert, block_pairs, slot, pair)) return;
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int n = blockIdx.y * kDownRowsPerBlock + (threadIdx.x >> 5) * 16 + g;  // rows n and n + 8
 
@@ -131,14 +144,8 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) fp4_down_mma(
   r.rb = r.ra + 8 * row_vecs;
   r.sa = reinterpret_cast<const uint2*>(base + scales_off) + n * scale_vecs;
   r.sb = r.sa + 8 * scale_vecs;
-  const int tiles = words_per_row / kF4Wps;
-
-  F4Tile ring[kAhead + 1];
-  first_loads(r, ring, tiles, c);
-  f4_build_pairs(act + pair * stride_act, xp, inter);
-  __syncthreads();
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-  k_loop(r, ring, xp, tiles, c, acc);
+  row_sums(r, act + pair * stride_act, xp, inter, words_per_row, c, acc);
   if (c < 2) {  // lane (g, 0): row n from d0; lane (g, 1): row n + 8 from d2 (all D columns are equal)
     y[pair * stride_y + n + 8 * c] = (c ? acc[0][2] + acc[1][2] : acc[0][0] + acc[1][0]) * 0.25f;
   }

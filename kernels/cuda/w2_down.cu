@@ -108,12 +108,7 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
     float* __restrict__ y, long long stride_y, int inter) {                             // y float32 [P, H]
   extern __shared__ uint4 smem[];
   uint32_t* xp = reinterpret_cast<uint32_t*>(smem);  // [I / 2] activation pairs
-#if W2_ROUTE_MAJOR
-  const unsigned linear = blockIdx.y * gridDim.x + blockIdx.x;  // dispatch order: x fastest
-  const int b = linear / gridDim.y, row_tile = linear % gridDim.y;
-#else
-  const int b = blockIdx.x, row_tile = blockIdx.y;
-#endif
+  const auto [b, row_tile] = block_tile<W2_ROUTE_MAJOR != 0>();  // w2_fragments.cuh
 #if W2_EARLY
   // Round 1: the route words; `|` (not `||`) so that the exit reads all three and none is sunk below it.
   const int route_blocks = *num_blocks, expert = block_expert[b], pair = block_pairs[b];

@@ -17,6 +17,8 @@
 
 #include <cstdint>
 
+#include "bf16_mma.cuh"  // part, mma_bf16, Unit, store_unit
+
 namespace {
 
 constexpr int kWps = 32;                     // words per bit slot
@@ -29,10 +31,6 @@ struct Tile {    // one lane's share of one K tile
   uint4 sa, sb;  // the tile's 16 scale bytes of each of the two rows
 };
 
-__device__ __forceinline__ uint32_t part(const uint4& v, int m) {
-  return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w;
-}
-
 // Scale bytes 2i and 2i+1 of a tile -> (byte 2i << 7) | (byte 2i+1 << 23): both bf16 exponent fields.
 __device__ __forceinline__ uint32_t scale_pair(const uint4& q, int i) {
   return __byte_perm(part(q, i >> 1), 0u, (i & 1) ? 0x4342u : 0x4140u) << 7;
@@ -44,13 +42,6 @@ __device__ __forceinline__ uint32_t w2_pair(uint32_t w, int i, uint32_t scale) {
   const uint32_t mask = rot ? (0x81008100u >> rot) | (0x81008100u << (32u - rot)) : 0x81008100u;
   const uint32_t m = w & mask;
   return __funnelshift_l(m, m, rot) + scale;
-}
-
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // ra / rb: the two rows' words as uint4 [words_per_row / 4]; sa / sb: their scales as uint4 [blocks_per_row / 16].
@@ -68,12 +59,8 @@ __device__ __forceinline__ Tile load_tile(const uint4* ra, const uint4* rb, cons
 
 // build_pairs (in each .cu) turns an activation row a [K] bf16 into xp [K / 2] in B register order, in units
 // of 8 pairs: unit q = (t * 8 + i) * 4 + c is xp[8q .. 8q+7], the pairs of words 4c..4c+3 and 16+4c..16+4c+3
-// of slot pair i of tile t, where the pair of word u is a[t*512 + 64i + u] | a[t*512 + 64i + 32 + u] << 16.
-struct Unit {       // one unit's 16 activations
-  uint2 la, lb;     // slot 2i: words 4c..4c+3, 16+4c..16+4c+3
-  uint2 ha, hb;     // slot 2i+1: same words
-};
-
+// of slot pair i of tile t, where the pair of word u is a[t*512 + 64i + u] | a[t*512 + 64i + 32 + u] << 16
+// (`Unit`, `store_unit`: bf16_mma.cuh).
 __device__ __forceinline__ Unit load_unit(const uint16_t* __restrict__ a, int q) {
   const int k = (q >> 5) * kTileK + ((q >> 2) & 7) * 64 + 4 * (q & 3);
   Unit u;
@@ -82,18 +69,6 @@ __device__ __forceinline__ Unit load_unit(const uint16_t* __restrict__ a, int q)
   u.ha = *reinterpret_cast<const uint2*>(a + k + 32);
   u.hb = *reinterpret_cast<const uint2*>(a + k + 48);
   return u;
-}
-
-// Unit q's pairs into xp[8q .. 8q+7]: xp[8q + 2m + h] = pair of word 16h + 4c + m. One LDS.128 then holds two
-// mmas' B (`tile_mma`).
-__device__ __forceinline__ void store_unit(uint32_t* xp, int q, const Unit& u) {
-  uint4 p, r;
-  p.x = __byte_perm(u.la.x, u.ha.x, 0x5410); p.y = __byte_perm(u.lb.x, u.hb.x, 0x5410);  // m 0, h 0/1
-  p.z = __byte_perm(u.la.x, u.ha.x, 0x7632); p.w = __byte_perm(u.lb.x, u.hb.x, 0x7632);  // m 1
-  r.x = __byte_perm(u.la.y, u.ha.y, 0x5410); r.y = __byte_perm(u.lb.y, u.hb.y, 0x5410);  // m 2
-  r.z = __byte_perm(u.la.y, u.ha.y, 0x7632); r.w = __byte_perm(u.lb.y, u.hb.y, 0x7632);  // m 3
-  *reinterpret_cast<uint4*>(xp + q * 8) = p;
-  *reinterpret_cast<uint4*>(xp + q * 8 + 4) = r;
 }
 
 // One K tile: 8 slot pairs x 4 words = 32 mmas (16 rows x 16 K each).
@@ -109,6 +84,51 @@ __device__ __forceinline__ void tile_mma(const Tile& w, const uint32_t* xp_tile,
       mma_bf16(acc[m & 1], w2_pair(part(w.a0, m), i, sa), w2_pair(part(w.b0, m), i, sb),
                w2_pair(part(w.a1, m), i, sa), w2_pair(part(w.b1, m), i, sb),
                part(bq, 2 * (m & 1)), part(bq, 2 * (m & 1) + 1));
+    }
+  }
+}
+
+
+// A block's (route block b, row tile): blockIdx (x, y), or with kRouteMajor (the v3 W2_ROUTE_MAJOR of w2_gate_up.cu /
+// w2_down.cu) from the dispatch index (x fastest) with the route block slowest.
+struct BlockTile {
+  int b, row_tile;
+};
+
+template <bool kRouteMajor>
+__device__ __forceinline__ BlockTile block_tile() {
+  if (kRouteMajor) {
+    const unsigned linear = blockIdx.y * gridDim.x + blockIdx.x;  // dispatch order: x fastest
+    return {static_cast<int>(linear / gridDim.y), static_cast<int>(linear % gridDim.y)};
+  }
+  return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y)};
+}
+
+// The K loop of one warp over `tiles` K tiles of its two A rows (ra / rb: words, sa / sb: scales, as `load_tile`):
+// a register ring of kAhead + 1 tiles, tile t in ring[t % (kAhead + 1)]; loads past the last tile reload it.
+// load_c: the loads' word vector index (c, or 0 where c is already in ra / rb); `xp` holds the activation pairs
+// (after a barrier). first_loads issues tiles 0 .. kAhead - 1 (before the pairs are built), k_loop the rest.
+struct Rows {
+  const uint4 *ra, *rb, *sa, *sb;
+};
+
+template <int kAhead>
+__device__ __forceinline__ void first_loads(const Rows& r, Tile (&ring)[kAhead + 1], int tiles, int load_c) {
+#pragma unroll
+  for (int j = 0; j < kAhead; ++j) ring[j] = load_tile(r.ra, r.rb, r.sa, r.sb, min(j, tiles - 1), load_c);
+}
+
+template <int kAhead>
+__device__ __forceinline__ void k_loop(const Rows& r, Tile (&ring)[kAhead + 1], const uint32_t* xp, int tiles,
+                                       int load_c, int c, float (&acc)[2][4]) {
+  for (int t0 = 0; t0 < tiles; t0 += kAhead + 1) {
+#pragma unroll
+    for (int j = 0; j <= kAhead; ++j) {
+      const int t = t0 + j;
+      if (t < tiles) {
+        ring[(j + kAhead) % (kAhead + 1)] = load_tile(r.ra, r.rb, r.sa, r.sb, min(t + kAhead, tiles - 1), load_c);
+        tile_mma(ring[j], xp + t * kPairWordsPerTile, c, acc);
+      }
     }
   }
 }

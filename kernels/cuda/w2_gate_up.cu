@@ -92,12 +92,7 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_gate_up_mma(
 #if W2_PDL
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
-#if W2_ROUTE_MAJOR
-  const unsigned linear = blockIdx.y * gridDim.x + blockIdx.x;  // dispatch order: x fastest
-  const int b = linear / gridDim.y, row_tile = linear % gridDim.y;
-#else
-  const int b = blockIdx.x, row_tile = blockIdx.y;
-#endif
+  const auto [b, row_tile] = block_tile<W2_ROUTE_MAJOR != 0>();  // w2_fragments.cuh
 #if W2_EARLY
   // Round 1: the route words; `|` (not `||`) so that the exit reads all three and none is sunk below it.
   const int route_blocks = *num_blocks, expert = block_expert[b], pair = block_pairs[b];
@@ -140,23 +135,15 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_gate_up_mma(
 #endif
   const int tiles = words_per_row / kWps;
 
-  Tile ring[kAhead + 1];  // tile t lives in ring[t % (kAhead + 1)]; loads past the last tile reload it
-#pragma unroll
-  for (int j = 0; j < kAhead; ++j) ring[j] = load_tile(gate, up, gs, us, min(j, tiles - 1), load_c);
+  const Rows rows{gate, up, gs, us};
+
+  Tile ring[kAhead + 1];  // w2_fragments.cuh `k_loop`
+  first_loads<kAhead>(rows, ring, tiles, load_c);
   build_pairs(x + (pair / top_k) * stride_x, xp, hidden);
   __syncthreads();
 
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-  for (int t0 = 0; t0 < tiles; t0 += kAhead + 1) {
-#pragma unroll
-    for (int j = 0; j <= kAhead; ++j) {
-      const int t = t0 + j;
-      if (t < tiles) {
-        ring[(j + kAhead) % (kAhead + 1)] = load_tile(gate, up, gs, us, min(t + kAhead, tiles - 1), load_c);
-        tile_mma(ring[j], xp + t * kPairWordsPerTile, c, acc);
-      }
-    }
-  }
+  k_loop<kAhead>(rows, ring, xp, tiles, load_c, c, acc);
   if (c == 0) {
     float gate_v = acc[0][0] + acc[1][0], up_v = acc[0][2] + acc[1][2];
     if (has_limit) {

@@ -103,29 +103,20 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps) w2_gate_u
   const uint4* up = gate + inter * row_vecs;
   const uint4* gs = reinterpret_cast<const uint4*>(base + scales_off) + n * scale_vecs;
   const uint4* us = gs + inter * scale_vecs;
+  const Rows rows{gate, up, gs, us};
   const int tiles = words_per_row / kWps;
 
   for (int z0 = 0; z0 < fill; z0 += kStage) {  // column groups (passes): pairs z0 .. z0 + count - 1
     const int count = min(fill - z0, kStage);
     const uint32_t* xp_lane = xp + min(g, count - 1) * stride;  // B column g
-    Tile ring[kAhead + 1];  // tile t lives in ring[t % (kAhead + 1)]; loads past the last tile reload it
-#pragma unroll
-    for (int j = 0; j < kAhead; ++j) ring[j] = load_tile(gate, up, gs, us, min(j, tiles - 1), c);
+    Tile ring[kAhead + 1];  // w2_fragments.cuh `k_loop`
+    first_loads<kAhead>(rows, ring, tiles, c);
     if (z0 > 0) __syncthreads();  // every warp is done reading the previous group's columns
     build_pairs_multi(x, stride_x, pairs + z0, top_k, count, xp, stride, hidden);
     __syncthreads();
 
     float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    for (int t0 = 0; t0 < tiles; t0 += kAhead + 1) {
-#pragma unroll
-      for (int j = 0; j <= kAhead; ++j) {
-        const int t = t0 + j;
-        if (t < tiles) {
-          ring[(j + kAhead) % (kAhead + 1)] = load_tile(gate, up, gs, us, min(t + kAhead, tiles - 1), c);
-          tile_mma(ring[j], xp_lane + t * kPairWordsPerTile, c, acc);
-        }
-      }
-    }
+    k_loop<kAhead>(rows, ring, xp_lane, tiles, c, c, acc);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // columns 2c (d0 gate, d2 up) and 2c + 1 (d1, d3)
       if (2 * c + h < count) {

@@ -1,0 +1,41 @@
+// Device code shared by the W2 (w2_fragments.cuh) and FP4 (fp4_fragments.cuh) tensor-core stages: the bf16
+// mma.m16n8k16, a uint4's word m, and the activation pair unit (16 activations) stored in B register order.
+// Only what is the same for both formats; each format's tile, decode and unit loads stay in its own header.
+
+#pragma once
+
+#include <cstdint>
+
+namespace {
+
+__device__ __forceinline__ uint32_t part(const uint4& v, int m) {
+  return m == 0 ? v.x : m == 1 ? v.y : m == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One unit's 16 activations (a format's `load_unit` reads them): slot 2i (la, lb) and slot 2i+1 (ha, hb) of
+// words 4c..4c+3 (la, ha) and 16+4c..16+4c+3 (lb, hb).
+struct Unit {
+  uint2 la, lb;
+  uint2 ha, hb;
+};
+
+// Unit q's pairs into xp[8q .. 8q+7]: xp[8q + 2m + h] = pair of word 16h + 4c + m (low half slot 2i). One LDS.128
+// then holds two mmas' B.
+__device__ __forceinline__ void store_unit(uint32_t* xp, int q, const Unit& u) {
+  uint4 p, r;
+  p.x = __byte_perm(u.la.x, u.ha.x, 0x5410); p.y = __byte_perm(u.lb.x, u.hb.x, 0x5410);  // m 0, h 0/1
+  p.z = __byte_perm(u.la.x, u.ha.x, 0x7632); p.w = __byte_perm(u.lb.x, u.hb.x, 0x7632);  // m 1
+  r.x = __byte_perm(u.la.y, u.ha.y, 0x5410); r.y = __byte_perm(u.lb.y, u.hb.y, 0x5410);  // m 2
+  r.z = __byte_perm(u.la.y, u.ha.y, 0x7632); r.w = __byte_perm(u.lb.y, u.hb.y, 0x7632);  // m 3
+  *reinterpret_cast<uint4*>(xp + q * 8) = p;
+  *reinterpret_cast<uint4*>(xp + q * 8 + 4) = r;
+}
+
+}  // namespace
