@@ -19,9 +19,7 @@ marks its CUDA rows invalid (time kept aside). JSON written after every step.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import signal
 import sys
 import time
 from pathlib import Path
@@ -152,14 +150,9 @@ def _check(kb, cw2, geo, state, kernels: dict, stage: str, tokens) -> dict:
 def _time_case(kb, cw2, geo, state, kernels: dict, tokens, runner) -> list[dict]:
     from tierstore.kernels import MissLog, moe_down, moe_gate_up, moe_mm
 
-    w2, f4, f4_mixed, reps, top_k = state["w2"], state["f4"], state["f4_mixed"], state["reps"], geo.top_k
+    w2, f4, f4_mixed, top_k = state["w2"], state["f4"], state["f4_mixed"], geo.top_k
     expert_bytes = lambda lay: lay.w13.word_bytes + lay.w13.scale_bytes + lay.w2.word_bytes + lay.w2.scale_bytes
-    lay = f4.layout
-    stage_bytes = {"gate_up": lay.w13.word_bytes + lay.w13.scale_bytes, "down": lay.w2.word_bytes + lay.w2.scale_bytes}
-    stage_bytes["whole"] = stage_bytes["gate_up"] + stage_bytes["down"]
-    count = max(4, min(32, int(8 * 2**20 * 60 / (tokens * top_k * stage_bytes["whole"]) + 1)))  # as kernels.py
-    routings = kb._routings(tokens, top_k, geo.num_experts, count, state["gen"], DEVICE)
-    unique = kb._unique_experts(routings)
+    stage_bytes, routings, unique = cw2._timing_routings(kb, geo, state, f4.layout, tokens, DEVICE)
     mixed_bytes = sum(expert_bytes(f4.layout if e % MIXED_EVERY == 0 else w2.layout)
                       for ids, _ in routings for e in torch.unique(ids).tolist()) / len(routings)
     cases = [(torch.randn(tokens, geo.hidden, device=DEVICE, dtype=torch.bfloat16), _workspace(geo, tokens, r[0], state))
@@ -185,21 +178,8 @@ def _time_case(kb, cw2, geo, state, kernels: dict, tokens, runner) -> list[dict]
     rows = []
     for stage, variants in fns.items():
         nbytes = mixed_bytes if stage == "mixed" else unique * stage_bytes[stage]
-        for rnd in range(ROUNDS):
-            for name, calls in variants.items():
-                rows.append(cw2._timed(runner, f"T={tokens} {name} round {rnd}", calls, reps, kb, tokens, stage, name,
-                                       rnd, nbytes, unique, count))
-        if stage == "whole":
-            us, err = runner.attempt(f"T={tokens} bf16", lambda: kb._bf16_case(geo, state["w13_bf16"], state["w2_bf16"],
-                                                                              routings, reps))
-            rows.append(dict(tokens=tokens, stage=stage, variant="bf16_grouped_mm", round=0, us=us,
-                             bytes=unique * 2 * 3 * geo.hidden * geo.expert_inter, unique_experts=unique,
-                             rotations=count, **({"error": err} if err else {})))
-        elif stage != "mixed":
-            copies = 4 if nbytes > 256e6 else max(4, int(4 * 64e6 / nbytes) + 1)
-            us, err = runner.attempt(f"T={tokens} {stage} stream", lambda: kb._stream_us(int(nbytes), copies, reps, DEVICE))
-            rows.append(dict(tokens=tokens, stage=stage, variant=f"stream_read_{stage}", round=0, us=us, bytes=nbytes,
-                             unique_experts=unique, rotations=copies, **({"error": err} if err else {})))
+        rows += cw2._stage_rows(kb, geo, state, runner, tokens, stage, variants, nbytes, unique, routings, DEVICE,
+                                ROUNDS)
     return rows
 
 
@@ -233,53 +213,20 @@ def run(kb, cw2, args, result: dict, emit) -> None:
             result["checks"].append(rows[-1])
             emit(result)
         invalid[tokens] = {name: cw2._invalid(rows, name) for name in kernels}
-    state["w13_bf16"] = torch.randn(geo.num_experts, 2 * geo.expert_inter, geo.hidden, device=DEVICE,
-                                    dtype=torch.bfloat16)
-    state["w2_bf16"] = torch.randn(geo.num_experts, geo.hidden, geo.expert_inter, device=DEVICE, dtype=torch.bfloat16)
-    for tokens in tokens_list:
-        result["status"] = f"running: timing T={tokens}"
-        rows, err = runner.attempt(f"timing T={tokens}", lambda: _time_case(kb, cw2, geo, state, kernels, tokens, runner))
-        rows = rows or [dict(tokens=tokens, stage="all", variant="all", round=0, us=None, error=err)]
-        cw2._derive(rows, invalid[tokens], kb.HBM_BYTES_PER_S)
-        result["cases"] += rows
-        emit(result)
-    result["status"] = (f"stopped early: {runner.poisoned}" if runner.poisoned else
-                        f"complete, {len(runner.errors)} failure(s) recorded in `errors`" if runner.errors else "complete")
+    cw2._time_all(kb, geo, state, runner, tokens_list, invalid, result, emit,
+                  lambda tokens: _time_case(kb, cw2, geo, state, kernels, tokens, runner), DEVICE)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="deepseek-v3")
-    parser.add_argument("--tokens", default="1,8,32")
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--json", required=True)
-    parser.add_argument("--commit", help="commit of the tree being measured (the device copy may have no .git)")
-    args = parser.parse_args(argv)
+    cw2 = _load("cuda_w2")
+    args = cw2._arguments(__doc__.splitlines()[0], argv, variants=False)
     if not torch.cuda.is_available():
         print("cuda_fp4: no CUDA device; this benchmark measures GPU kernels only, nothing was run", file=sys.stderr)
         return 2
-    cw2 = _load("cuda_w2")
     kb = cw2._bench_kernels()
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     result: dict = dict(provenance=cw2._provenance(args.commit), preset=args.preset, rel_tol=cw2.REL_TOL,
                         fp4_resident="every routed expert")
-    emit = lambda r: kb._write_json(args.json, r)
-    previous = signal.signal(signal.SIGTERM, kb._on_sigterm)
-    code = 0
-    try:
-        run(kb, cw2, args, result, emit)
-    except kb._Terminated:
-        result["status"] = f"terminated by SIGTERM ({result.get('status')}); rows so far are kept"
-        code = 124
-    except Exception as exc:  # noqa: BLE001: outside any isolated step (setup): record, keep what was measured
-        result["fatal"] = kb._error_dict(exc)
-        result["status"] = f"fatal {type(exc).__name__} ({result.get('status')}): {str(exc)[:300]}"
-        code = 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    emit(result)
-    cw2._print(result)
-    return code
+    return cw2._run_and_report(kb, args.json, result, lambda emit: run(kb, cw2, args, result, emit))
 
 
 if __name__ == "__main__":

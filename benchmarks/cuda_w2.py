@@ -320,18 +320,23 @@ def _timed(runner, label, calls, reps, kb, tokens, stage, variant, rnd, nbytes, 
                 rotations=rotations, block_tokens=_block_tokens(variant), **({"error": err} if err else {}))
 
 
+def _timing_routings(kb, geo, state, lay, tokens, device) -> tuple[dict, list, int]:
+    """(bytes of one expert's matrices per stage in layout `lay`, the T's rotating routings on `device` (enough to
+    defeat L2, as benchmarks/kernels.py), the experts they route to on average)."""
+    stage_bytes = {"gate_up": lay.w13.word_bytes + lay.w13.scale_bytes, "down": lay.w2.word_bytes + lay.w2.scale_bytes}
+    stage_bytes["whole"] = stage_bytes["gate_up"] + stage_bytes["down"]
+    count = max(4, min(32, int(8 * 2**20 * 60 / (tokens * geo.top_k * stage_bytes["whole"]) + 1)))  # as kernels.py
+    routings = kb._routings(tokens, geo.top_k, geo.num_experts, count, state["gen"], device)
+    return stage_bytes, routings, kb._unique_experts(routings)
+
+
 def _time_case(kb, geo, state, kernels: dict, tokens, runner) -> list[dict]:
     """Rows for one T: per stage the CUDA variants and Triton (ROUNDS each, alternating), then the stage's
     streaming ceiling (gate_up, down) or bf16 `_grouped_mm` (whole)."""
     from tierstore.kernels import MissLog, moe_down, moe_gate_up, moe_mm
 
-    w2, f4, reps = state["w2"], state["f4"], state["reps"]
-    lay = w2.layout
-    stage_bytes = {"gate_up": lay.w13.word_bytes + lay.w13.scale_bytes, "down": lay.w2.word_bytes + lay.w2.scale_bytes}
-    stage_bytes["whole"] = stage_bytes["gate_up"] + stage_bytes["down"]
-    count = max(4, min(32, int(8 * 2**20 * 60 / (tokens * geo.top_k * stage_bytes["whole"]) + 1)))  # as kernels.py
-    routings = kb._routings(tokens, geo.top_k, geo.num_experts, count, state["gen"], DEVICE)
-    unique = kb._unique_experts(routings)
+    w2, f4 = state["w2"], state["f4"]
+    stage_bytes, routings, unique = _timing_routings(kb, geo, state, w2.layout, tokens, DEVICE)
     both = [_workspace(geo, tokens, r, w2, f4) for r in routings]
     for _, wss in both:
         wss[1].act.copy_(torch.randn_like(wss[1].act))  # the down stage alone reads act
@@ -354,22 +359,31 @@ def _time_case(kb, geo, state, kernels: dict, tokens, runner) -> list[dict]:
                                     for (x, ws), o, r in zip(cases, outs, routings)]
     rows = []
     for stage, variants in fns.items():
-        nbytes = unique * stage_bytes[stage]
-        for rnd in range(ROUNDS):
-            for name, calls in variants.items():
-                rows.append(_timed(runner, f"T={tokens} {name} round {rnd}", calls, reps, kb, tokens, stage, name, rnd,
-                                   nbytes, unique, count))
-        if stage == "whole":
-            us, err = runner.attempt(f"T={tokens} bf16", lambda: kb._bf16_case(geo, state["w13_bf16"], state["w2_bf16"],
-                                                                              routings, reps))
-            rows.append(dict(tokens=tokens, stage=stage, variant="bf16_grouped_mm", round=0, us=us,
-                             bytes=unique * 2 * 3 * geo.hidden * geo.expert_inter, unique_experts=unique,
-                             rotations=count, **({"error": err} if err else {})))
-        else:
-            copies = 4 if nbytes > 256e6 else max(4, int(4 * 64e6 / nbytes) + 1)
-            us, err = runner.attempt(f"T={tokens} {stage} stream", lambda: kb._stream_us(int(nbytes), copies, reps, DEVICE))
-            rows.append(dict(tokens=tokens, stage=stage, variant=f"stream_read_{stage}", round=0, us=us, bytes=nbytes,
-                             unique_experts=unique, rotations=copies, **({"error": err} if err else {})))
+        rows += _stage_rows(kb, geo, state, runner, tokens, stage, variants, unique * stage_bytes[stage], unique,
+                            routings, DEVICE)
+    return rows
+
+
+def _stage_rows(kb, geo, state, runner, tokens, stage, variants: dict, nbytes, unique, routings, device,
+                rounds: int = ROUNDS) -> list[dict]:
+    """One stage's rows for one T: its `variants` ({name: calls}, CUDA and Triton) timed `rounds` times, alternating,
+    then its ceiling: bf16 `_grouped_mm` (whole) or the streaming read of `nbytes` (gate_up, down); none otherwise."""
+    reps, count, rows = state["reps"], len(routings), []
+    for rnd in range(rounds):
+        for name, calls in variants.items():
+            rows.append(_timed(runner, f"T={tokens} {name} round {rnd}", calls, reps, kb, tokens, stage, name, rnd,
+                               nbytes, unique, count))
+    if stage == "whole":
+        us, err = runner.attempt(f"T={tokens} bf16", lambda: kb._bf16_case(geo, state["w13_bf16"], state["w2_bf16"],
+                                                                          routings, reps))
+        rows.append(dict(tokens=tokens, stage=stage, variant="bf16_grouped_mm", round=0, us=us,
+                         bytes=unique * 2 * 3 * geo.hidden * geo.expert_inter, unique_experts=unique,
+                         rotations=count, **({"error": err} if err else {})))
+    elif stage in ("gate_up", "down"):
+        copies = 4 if nbytes > 256e6 else max(4, int(4 * 64e6 / nbytes) + 1)
+        us, err = runner.attempt(f"T={tokens} {stage} stream", lambda: kb._stream_us(int(nbytes), copies, reps, device))
+        rows.append(dict(tokens=tokens, stage=stage, variant=f"stream_read_{stage}", round=0, us=us, bytes=nbytes,
+                         unique_experts=unique, rotations=copies, **({"error": err} if err else {})))
     return rows
 
 
@@ -465,12 +479,19 @@ def run(kb, args, result: dict, emit) -> None:
             result["checks"].append(rows[-1])
             emit(result)
         invalid[tokens] = {name: _invalid(rows, name) for stage in kernels for name in kernels[stage]}
-    state["w13_bf16"] = torch.randn(geo.num_experts, 2 * geo.expert_inter, geo.hidden, device=DEVICE,
+    _time_all(kb, geo, state, runner, tokens_list, invalid, result, emit,
+              lambda tokens: _time_case(kb, geo, state, kernels, tokens, runner), DEVICE)
+
+
+def _time_all(kb, geo, state, runner, tokens_list, invalid: dict, result: dict, emit, time_case, device) -> None:
+    """After the checks: the bf16 weights on `device`, then per T the rows of `time_case(T)` (an error row if it
+    raised) with their derived columns (`invalid[T]`: the variants whose check failed), emitted; the final status."""
+    state["w13_bf16"] = torch.randn(geo.num_experts, 2 * geo.expert_inter, geo.hidden, device=device,
                                     dtype=torch.bfloat16)
-    state["w2_bf16"] = torch.randn(geo.num_experts, geo.hidden, geo.expert_inter, device=DEVICE, dtype=torch.bfloat16)
+    state["w2_bf16"] = torch.randn(geo.num_experts, geo.hidden, geo.expert_inter, device=device, dtype=torch.bfloat16)
     for tokens in tokens_list:
         result["status"] = f"running: timing T={tokens}"
-        rows, err = runner.attempt(f"timing T={tokens}", lambda: _time_case(kb, geo, state, kernels, tokens, runner))
+        rows, err = runner.attempt(f"timing T={tokens}", lambda: time_case(tokens))
         rows = rows or [dict(tokens=tokens, stage="all", variant="all", round=0, us=None, error=err)]
         _derive(rows, invalid[tokens], kb.HBM_BYTES_PER_S)
         result["cases"] += rows
@@ -479,26 +500,15 @@ def run(kb, args, result: dict, emit) -> None:
                         f"complete, {len(runner.errors)} failure(s) recorded in `errors`" if runner.errors else "complete")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="deepseek-v3")
-    parser.add_argument("--tokens", default="1,8,32")
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--variants", help="comma-separated CUDA variants to build, check and time (default: all)")
-    parser.add_argument("--json", required=True)
-    parser.add_argument("--commit", help="commit of the tree being measured (the device copy may have no .git)")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("cuda_w2: no CUDA device; this benchmark measures GPU kernels only, nothing was run", file=sys.stderr)
-        return 2
-    kb = _bench_kernels()
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    result: dict = dict(provenance=_provenance(args.commit), preset=args.preset, rel_tol=REL_TOL)
-    emit = lambda r: kb._write_json(args.json, r)
+def _run_and_report(kb, json_path: str, result: dict, run_fn) -> int:
+    """`run_fn(emit)` with `result` written to `json_path` after every step, on SIGTERM and on a fatal error (what was
+    measured is kept), then the table printed; the exit code (0, 124 terminated, 1 fatal)."""
+    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    emit = lambda r: kb._write_json(json_path, r)
     previous = signal.signal(signal.SIGTERM, kb._on_sigterm)
     code = 0
     try:
-        run(kb, args, result, emit)
+        run_fn(emit)
     except kb._Terminated:
         result["status"] = f"terminated by SIGTERM ({result.get('status')}); rows so far are kept"
         code = 124
@@ -511,6 +521,30 @@ def main(argv: list[str] | None = None) -> int:
     emit(result)
     _print(result)
     return code
+
+
+
+def _arguments(description: str, argv: list[str] | None, variants: bool = True) -> argparse.Namespace:
+    """The command line of this script and of cuda_fp4.py (which has no --variants)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--preset", default="deepseek-v3")
+    parser.add_argument("--tokens", default="1,8,32")
+    parser.add_argument("--reps", type=int, default=10)
+    if variants:
+        parser.add_argument("--variants", help="comma-separated CUDA variants to build, check and time (default: all)")
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--commit", help="commit of the tree being measured (the device copy may have no .git)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(__doc__.splitlines()[0], argv)
+    if not torch.cuda.is_available():
+        print("cuda_w2: no CUDA device; this benchmark measures GPU kernels only, nothing was run", file=sys.stderr)
+        return 2
+    kb = _bench_kernels()
+    result: dict = dict(provenance=_provenance(args.commit), preset=args.preset, rel_tol=REL_TOL)
+    return _run_and_report(kb, args.json, result, lambda emit: run(kb, args, result, emit))
 
 
 if __name__ == "__main__":

@@ -12,20 +12,20 @@ hardware; the GPU tests (marker gpu) run the kernels.
 from __future__ import annotations
 
 import re
-import subprocess
 import warnings
 
 import numpy as np
 import pytest
 import torch
 
+from tests.cuda_fixtures import (M32, bench_module, bench_on_cpu, bf16_bits, down_ref, gate_up_ref, launched_twice,
+                                  needs_nvcc, placed, ptxas_report, random_slots, registers, replayed_once, run_whole,
+                                  same_bytes, signature_kinds, slot_rows, to_cuda, w2_pool)
 from tierstore.kernels import MissLog, MoeWorkspace, fp4_tier, moe_gate_up, moe_mm, moe_mm_ref, moe_route, w2_tier
-from tierstore.kernels.cuda import fp4_stages, loader
+from tierstore.kernels.cuda import fp4_stages
 from tierstore.kernels.cuda.fp4_stages import (Fp4DownCuda, Fp4GateUpCuda, check_geometry, fp4_down_ref,
                                                fp4_gate_up_ref)
 from tierstore.kernels.layout import MAX_SCALE_BYTE, fp4_slot_layout, unpack_matrix_ref
-
-M32 = 0xFFFFFFFF
 
 
 def _header_constant(name: str) -> int:
@@ -39,19 +39,10 @@ HI_TABLE = (_header_constant("kHiTable0"), _header_constant("kHiTable1"))
 
 # ---- host side -------------------------------------------------------------------------------------------
 
-def _signature_kinds(source: str, kernel: str) -> str:
-    params = re.search(kernel + r"\((.*?)\)\s*\{", source, re.S).group(1)
-    kinds = ""
-    for p in re.sub(r"//[^\n]*", "", params).split(","):
-        p = p.strip()
-        kinds += "p" if "*" in p else "q" if p.startswith("long long") else "f" if p.startswith("float") else "i"
-    return kinds
-
-
 def test_arg_kinds_match_the_kernel_signatures_and_launch_args():
     text = fp4_stages.SOURCE.read_text()
-    assert _signature_kinds(text, fp4_stages.GATE_UP_KERNEL) == fp4_stages.GATE_UP_ARG_KINDS
-    assert _signature_kinds(text, fp4_stages.DOWN_KERNEL) == fp4_stages.DOWN_ARG_KINDS
+    assert signature_kinds(text, fp4_stages.GATE_UP_KERNEL) == fp4_stages.GATE_UP_ARG_KINDS
+    assert signature_kinds(text, fp4_stages.DOWN_KERNEL) == fp4_stages.DOWN_ARG_KINDS
     f4 = fp4_tier(512, 256, 2, 2, 8, "cpu")
     ws = MoeWorkspace.allocate(1, 2, 8, 512, 256, torch.bfloat16, "cpu", block_tokens=1)
     x = torch.zeros(1, 512, dtype=torch.bfloat16)
@@ -77,15 +68,13 @@ def test_geometry_limits():
         check_geometry(w2_slot_layout(1024, 512))
 
 
-@pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc")
+@needs_nvcc
 @pytest.mark.parametrize("ahead", [1, 2, 3])
 def test_kernels_compile_without_spills(tmp_path, ahead):
-    cmd = loader.nvcc_command(fp4_stages.SOURCE, tmp_path / "k.cubin", "cubin", {"FP4_AHEAD": ahead})
-    proc = subprocess.run(cmd + ["-Xptxas", "-v"], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    report = ptxas_report(fp4_stages.SOURCE, tmp_path / "k.cubin", {"FP4_AHEAD": ahead})
     for kernel in (fp4_stages.GATE_UP_KERNEL, fp4_stages.DOWN_KERNEL):
-        info = proc.stderr.split(f"Compiling entry function '{kernel}'")[1]
-        regs = int(re.search(r"Used (\d+) registers", info).group(1))
+        info = report.split(f"Compiling entry function '{kernel}'")[1]
+        regs = registers(info)
         assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores", info) and regs <= 128  # 4 blocks / SM
 
 
@@ -185,15 +174,6 @@ def decode(w: int, i: int, q: tuple[int, int]) -> tuple[float, float]:
     return bf16_halves(mul_bf16x2(pair_bits(selectors(w), i), scale_pair(q, i)))
 
 
-def _rows(slot: torch.Tensor, layout, which: str) -> tuple[list[list[int]], list[list[int]]]:
-    """A matrix's words [N][words_per_row] and scale words [N][blocks_per_row / 4] as unsigned ints."""
-    m = getattr(layout, which)
-    w_off, s_off = getattr(layout, f"{which}_words_offset"), getattr(layout, f"{which}_scales_offset")
-    words = (slot[w_off: w_off + m.word_bytes].view(torch.int32).to(torch.int64) & M32).view(m.n, m.words_per_row)
-    scales = (slot[s_off: s_off + m.scale_bytes].view(torch.int32).to(torch.int64) & M32).view(m.n, -1)
-    return words.tolist(), scales.tolist()
-
-
 def build_pairs(a_bits: list[int]) -> list[int]:
     """f4_build_pairs: xp[8q + 2m + h] = a[k0 + 16h + m] | a[k0 + 32 + 16h + m] << 16, k0 = 64 (q >> 2) + 4 (q & 3)."""
     xp = [0] * (len(a_bits) // 2)
@@ -230,14 +210,10 @@ def warp_mma(lo, hi, lo_scales, hi_scales, xp, tiles) -> tuple[np.ndarray, np.nd
     return total[:8, 0], total[8:, 0]
 
 
-def _bits(v: torch.Tensor) -> list[int]:
-    return (v.view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
-
-
 def model_gate_up(slot: torch.Tensor, layout, x: torch.Tensor, limit: float | None = None) -> np.ndarray:
     """float64 [I]: what fp4_gate_up_mma writes (before bf16 rounding) for one pair, warp by warp."""
-    words, scales = _rows(slot, layout, "w13")
-    xp, inter, out = build_pairs(_bits(x)), layout.inter, np.zeros(layout.inter)
+    words, scales = slot_rows(slot, layout, "w13")
+    xp, inter, out = build_pairs(bf16_bits(x)), layout.inter, np.zeros(layout.inter)
     for n0 in range(0, inter, 8):  # one warp: gate rows n0.., up rows n0 + I..
         gate, up = warp_mma(words[n0: n0 + 8], words[inter + n0: inter + n0 + 8], scales[n0: n0 + 8],
                             scales[inter + n0: inter + n0 + 8], xp, layout.w13.words_per_row // 32)
@@ -249,8 +225,8 @@ def model_gate_up(slot: torch.Tensor, layout, x: torch.Tensor, limit: float | No
 
 def model_down(slot: torch.Tensor, layout, act: torch.Tensor) -> np.ndarray:
     """float64 [H]: what fp4_down_mma writes for one pair (a warp: rows n0..n0+15 = one mma A tile)."""
-    words, scales = _rows(slot, layout, "w2")
-    xp, out = build_pairs(_bits(act)), np.zeros(layout.hidden)
+    words, scales = slot_rows(slot, layout, "w2")
+    xp, out = build_pairs(bf16_bits(act)), np.zeros(layout.hidden)
     for n0 in range(0, layout.hidden, 16):
         out[n0: n0 + 8], out[n0 + 8: n0 + 16] = warp_mma(words[n0: n0 + 8], words[n0 + 8: n0 + 16], scales[n0: n0 + 8],
                                                           scales[n0 + 8: n0 + 16], xp, layout.w2.words_per_row // 32)
@@ -275,7 +251,7 @@ def test_model_decode_is_exact_for_every_code_slot_and_scale_byte():
     layout = fp4_slot_layout(256, 256)  # w13: 512 rows x one 32-word tile
     slot = _every_code_slot(layout)
     ref = unpack_matrix_ref(slot, layout, "w13")  # [512, 256] float32
-    words, scales = _rows(slot, layout, "w13")
+    words, scales = slot_rows(slot, layout, "w13")
     seen = set()
     for r in range(layout.w13.n):
         for u in range(32):
@@ -289,10 +265,7 @@ def test_model_decode_is_exact_for_every_code_slot_and_scale_byte():
 
 
 def _random_fp4_slot(layout, gen, lo=116, hi=128) -> torch.Tensor:
-    slot = torch.randint(0, 256, (layout.slot_bytes,), generator=gen, dtype=torch.uint8)
-    for offset, m in ((layout.w13_scales_offset, layout.w13), (layout.w2_scales_offset, layout.w2)):
-        slot[offset: offset + m.scale_bytes] = torch.randint(lo, hi, (m.scale_bytes,), generator=gen, dtype=torch.uint8)
-    return slot
+    return random_slots(torch.empty(1, layout.slot_bytes, dtype=torch.uint8), layout, gen, lo, hi)[0]
 
 
 @pytest.mark.parametrize("limit", [None, 0.75])
@@ -324,30 +297,17 @@ def test_model_of_the_down_kernel_matches_the_reference():
 HIDDEN, INTER, EXPERTS, TOP_K = 1024, 512, 8, 3  # W2 stages need multiples of 512; FP4 K tiles: 4 (gate_up), 2 (down)
 FP4_EXPERTS = {1: 0, 2: 1, 4: 2}  # expert -> FP4 slot; expert 2 is in both tiers (FP4 wins)
 MISSING = 6
-needs_nvcc = pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc")
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    view = torch.int16 if a.element_size() == 2 else torch.int32
-    return torch.equal(a.view(view), b.view(view))  # NaN rows compare too
 
 
 @pytest.fixture(scope="module")
 def case():
     gen = torch.Generator().manual_seed(13)
-    w2 = w2_tier(HIDDEN, INTER, EXPERTS, 1, EXPERTS, "cpu")
-    w2.slots.copy_(torch.randint(0, 256, w2.slots.shape, generator=gen, dtype=torch.uint8))
-    for offset, m in ((w2.layout.w13_scales_offset, w2.layout.w13), (w2.layout.w2_scales_offset, w2.layout.w2)):
-        w2.slots[:, offset: offset + m.scale_bytes] = torch.randint(112, 124, (EXPERTS, m.scale_bytes), generator=gen,
-                                                                    dtype=torch.uint8)
-    w2.table[0] = torch.arange(EXPERTS, dtype=torch.int32)
-    w2.table[0, MISSING] = -1
+    w2 = w2_pool(HIDDEN, INTER, EXPERTS, gen, (112, 124), missing=MISSING)
     f4 = fp4_tier(HIDDEN, INTER, len(FP4_EXPERTS), 1, EXPERTS, "cpu")
     for expert, slot in FP4_EXPERTS.items():
         f4.slots[slot] = _random_fp4_slot(f4.layout, gen)
         f4.table[0, expert] = slot
-    to = lambda pool: type(pool)(pool.slots.cuda(), pool.table.cuda(), pool.layout)
-    return dict(w2=to(w2), f4=to(f4), gen=gen, gate_up={a: Fp4GateUpCuda(ahead=a) for a in (1, 2, 3)},
+    return dict(w2=to_cuda(w2), f4=to_cuda(f4), gen=gen, gate_up={a: Fp4GateUpCuda(ahead=a) for a in (1, 2, 3)},
                 down={a: Fp4DownCuda(ahead=a) for a in (1, 2, 3)})
 
 
@@ -404,18 +364,15 @@ def _no_less_accurate_than_triton(got, tri, ref, limit):
 def test_fp4_gate_up_matches_reference_and_leaves_other_pairs(case, tokens, limit):
     ids, ws = _routed(case, tokens)
     x = torch.randn(tokens, HIDDEN, generator=case["gen"]).to(torch.bfloat16).cuda()
-    outs = {}
-    for ahead, kernel in case["gate_up"].items():
-        outs[ahead] = [torch.full_like(ws.act, float("nan")) for _ in range(2)]
-        for out in outs[ahead]:
-            kernel(x, TOP_K, case["f4"], 0, ws, out=out, swiglu_limit=limit)
+    outs = launched_twice(case["gate_up"], ws.act, float("nan"),
+                          lambda kernel, out: kernel(x, TOP_K, case["f4"], 0, ws, out=out, swiglu_limit=limit))
     torch.cuda.synchronize()
     ref = fp4_gate_up_ref(x, ids, case["f4"], 0, swiglu_limit=limit)
     rows = _fp4_rows(ids)
     first = outs[2][0]
     assert rows.any() and first[~rows].isnan().all() and not first[rows].isnan().any()
     assert float((first[rows].float() - ref[rows]).norm() / ref[rows].norm()) <= 1e-2
-    assert all(_same_bytes(o, first) for pair in outs.values() for o in pair)  # repeats, prefetch depth
+    assert all(same_bytes(o, first) for pair in outs.values() for o in pair)  # repeats, prefetch depth
     ws.act.fill_(float("nan"))
     moe_gate_up(x, TOP_K, case["w2"], case["f4"], 0, ws, limit)
     _no_less_accurate_than_triton(first[rows], ws.act[rows], ref[rows], limit)
@@ -427,18 +384,14 @@ def test_fp4_gate_up_matches_reference_and_leaves_other_pairs(case, tokens, limi
 def test_fp4_down_matches_reference_and_leaves_other_pairs(case, tokens):
     ids, ws = _routed(case, tokens)
     ws.act.copy_(torch.randn(ws.act.shape, generator=case["gen"]).to(torch.bfloat16))
-    outs = {}
-    for ahead, kernel in case["down"].items():
-        outs[ahead] = [torch.full_like(ws.y, -7.0) for _ in range(2)]
-        for out in outs[ahead]:
-            kernel(case["f4"], 0, ws, out=out)
+    outs = launched_twice(case["down"], ws.y, -7.0, lambda kernel, out: kernel(case["f4"], 0, ws, out=out))
     torch.cuda.synchronize()
     ref = fp4_down_ref(ws.act, ids, case["f4"], 0)
     rows = _fp4_rows(ids)
     first = outs[2][0]
     assert (first[~rows] == -7.0).all() and not first[rows].isnan().any()
     assert float((first[rows] - ref[rows]).norm() / ref[rows].norm()) <= 1e-5  # fp32 sums of exact products
-    assert all(_same_bytes(o, first) for pair in outs.values() for o in pair)
+    assert all(same_bytes(o, first) for pair in outs.values() for o in pair)
 
 
 @pytest.mark.gpu
@@ -465,15 +418,7 @@ def test_fp4_down_decodes_every_scale_byte_exactly_on_the_device(case):
 
 
 def _whole(case, ids, x, weights, cuda_w2, limit=None, out=None):
-    tokens = ids.shape[0]
-    ws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, INTER, torch.bfloat16, "cuda", block_tokens=1)
-    ws.act.fill_(float("nan"))
-    ws.y.fill_(float("nan"))
-    misses = MissLog.allocate(8, "cuda")
-    out = torch.full_like(x, float("nan")) if out is None else out
-    moe_mm(x, ids, weights, case["w2"], case["f4"], 0, misses, ws, out=out, swiglu_limit=limit, cuda_w2=cuda_w2)
-    torch.cuda.synchronize()
-    return out, misses.counts.tolist(), misses.entries.tolist()
+    return run_whole(x, ids, weights, case["w2"], case["f4"], cuda_w2, INTER, EXPERTS, 8, limit=limit, out=out)
 
 
 @pytest.mark.gpu
@@ -493,7 +438,7 @@ def test_tier_moe_matches_reference_with_mixed_residency(case, tier, tokens, lim
     assert float((out.float() - ref).norm() / ref.norm()) <= 1e-2
     assert counts == [missing_pairs, len(missing)] and [tuple(e) for e in entries[: len(missing)]] == missing
     again, _, _ = _whole(case, ids, x, weights, tier, limit)
-    assert _same_bytes(out, again)
+    assert same_bytes(out, again)
     tri, tri_counts, tri_entries = _whole(case, ids, x, weights, None, limit)
     assert tri_counts == counts and tri_entries == entries
     _no_less_accurate_than_triton(out, tri, ref, limit)
@@ -511,30 +456,18 @@ def test_tier_moe_replays_in_a_cuda_graph(case, tier):
     misses = MissLog.allocate(8, "cuda")
     out = torch.full_like(x, float("nan"))
     call = lambda: moe_mm(x, ids, weights, case["w2"], case["f4"], 0, misses, ws, out=out, cuda_w2=tier)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # Triton compiles outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    misses.reset()
-    out.fill_(float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        call()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert _same_bytes(out, eager) and misses.counts.tolist() == counts  # one replay counts the misses once
+    replayed_once(call, misses, out)  # Triton compiles outside capture
+    assert same_bytes(out, eager) and misses.counts.tolist() == counts  # one replay counts the misses once
 
 
 # ---- benchmarks/cuda_fp4.py bookkeeping (no GPU: Triton interpreter, stand-ins for the CUDA kernels) --------
 
 def _fp4_blocks(ws, f4, layer):
-    """(pair, FP4 slot) of each route block whose expert is FP4-resident."""
-    for b in range(int(ws.num_blocks[0])):
-        slot = int(f4.table[layer, int(ws.block_expert[b])])
+    """(pair, FP4 slot) of each routed pair whose expert is FP4-resident."""
+    for expert, pair in placed(ws):
+        slot = int(f4.table[layer, expert])
         if slot >= 0:
-            yield int(ws.block_pairs[b]), f4.slots[slot]
+            yield pair, f4.slots[slot]
 
 
 class _GateUpStandIn:
@@ -543,8 +476,7 @@ class _GateUpStandIn:
     def __call__(self, x, top_k, f4, layer, ws, out=None, swiglu_limit=None):
         out = ws.act if out is None else out
         for pair, slot in _fp4_blocks(ws, f4, layer):
-            gate, up = (unpack_matrix_ref(slot, f4.layout, "w13") @ x[pair // top_k].float()).chunk(2)
-            out[pair] = (torch.nn.functional.silu(gate) * up).to(out.dtype)
+            out[pair] = gate_up_ref(slot, f4.layout, x[pair // top_k]).to(out.dtype)
         return out
 
 
@@ -554,7 +486,7 @@ class _DownStandIn:
     def __call__(self, f4, layer, ws, out=None):
         out = ws.y if out is None else out
         for pair, slot in _fp4_blocks(ws, f4, layer):
-            out[pair] = unpack_matrix_ref(slot, f4.layout, "w2") @ ws.act[pair].float()
+            out[pair] = down_ref(slot, f4.layout, ws.act[pair])
         return out
 
 
@@ -562,34 +494,22 @@ class _TierStandIn:
     """Stands in for TierMoeCuda: W2 pairs in plain torch, then the FP4 stand-ins."""
 
     def __call__(self, hidden, top_k, w2, f4, layer, ws, swiglu_limit=None):
-        for b in range(int(ws.num_blocks[0])):
-            expert, pair = int(ws.block_expert[b]), int(ws.block_pairs[b])
+        for expert, pair in placed(ws):
             if int(f4.table[layer, expert]) < 0:
                 slot = w2.slots[int(w2.table[layer, expert])]
-                gate, up = (unpack_matrix_ref(slot, w2.layout, "w13") @ hidden[pair // top_k].float()).chunk(2)
-                ws.act[pair] = (torch.nn.functional.silu(gate) * up).to(ws.act.dtype)
-                ws.y[pair] = unpack_matrix_ref(slot, w2.layout, "w2") @ ws.act[pair].float()
+                ws.act[pair] = gate_up_ref(slot, w2.layout, hidden[pair // top_k]).to(ws.act.dtype)
+                ws.y[pair] = down_ref(slot, w2.layout, ws.act[pair])
         _GateUpStandIn()(hidden, top_k, f4, layer, ws)
         _DownStandIn()(f4, layer, ws)
 
 
 def _bench_module():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_fp4.py"
-    spec = importlib.util.spec_from_file_location("bench_cuda_fp4_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("cuda_fp4")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernels in the CPU interpreter (set without CUDA)")
 def test_bench_runs_end_to_end_on_cpu_with_stand_in_kernels(monkeypatch):
     import argparse
-
-    import tierstore.geometry
-    from tierstore.geometry import _preset
 
     bench = _bench_module()
     cw2 = bench._load("cuda_w2")
@@ -601,12 +521,7 @@ def test_bench_runs_end_to_end_on_cpu_with_stand_in_kernels(monkeypatch):
         built = {"gate_up": stages.gate_up, "down": stages.down, "whole": stages, "mixed": _TierStandIn()}[stage]
         return built, dict(stage=stage, ahead=ahead)
 
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
-    monkeypatch.setattr(bench, "_build", build)
-    monkeypatch.setattr(tierstore.geometry, "get_preset", lambda name: _preset("tiny", 1, 8, 2, 256, 256))
-    monkeypatch.setattr(kb, "_graph_time_us", lambda fns, reps: (fns[0](), 10.0)[1])  # one launch of each variant
-    monkeypatch.setattr(kb, "_stream_us", lambda nbytes, copies, reps, device: 5.0)
-    monkeypatch.setattr(kb, "_bf16_case", lambda geo, w13, w2d, routings, reps: 50.0)
+    bench_on_cpu(monkeypatch, bench, kb, build, (8, 2, 256, 256))
     result, emitted = {}, []
     bench.run(kb, cw2, argparse.Namespace(preset="tiny", tokens="2", reps=1), result,
               lambda r: emitted.append(r["status"]))

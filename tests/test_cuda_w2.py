@@ -18,6 +18,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.cuda_fixtures import (M32, bench_module, bench_on_cpu, bf16_bits, captured, down_ref, fp4_pool, gate_up_ref,
+                                  launched_twice, needs_nvcc, placed, ptxas_report, random_pool, registers,
+                                  replayed_once, run_whole, same_bytes, side_stream, signature_kinds, slot_rows,
+                                  to_cuda, w2_pool, warm_up)
 from tierstore.kernels import (MissLog, MoeWorkspace, fp4_tier, moe_down, moe_gate_up, moe_mm, moe_mm_ref, moe_route,
                                w2_tier)
 from tierstore.kernels.cuda import loader, w2_down
@@ -29,32 +33,13 @@ from tierstore.kernels.layout import unpack_matrix_ref, w2_slot_layout
 
 HIDDEN, INTER, EXPERTS, TOP_K = 1024, 64, 8, 2
 DOWN_INTER = 1024  # the down kernel's K: two 512-K tiles, so the ring crosses tile and group boundaries
-M32 = 0xFFFFFFFF
-
-
-def _random_pool(pool, gen, lo=110, hi=131):
-    """Random code words, scale bytes in [lo, hi)."""
-    pool.slots.copy_(torch.randint(0, 256, pool.slots.shape, generator=gen, dtype=torch.uint8))
-    lay = pool.layout
-    for offset, m in ((lay.w13_scales_offset, lay.w13), (lay.w2_scales_offset, lay.w2)):
-        part = torch.randint(lo, hi, (pool.slots.shape[0], m.scale_bytes), generator=gen, dtype=torch.uint8)
-        pool.slots[:, offset: offset + m.scale_bytes] = part
 
 
 # ---- host side -------------------------------------------------------------------------------------------
 
-def _signature_kinds(source: str, kernel: str = "w2_gate_up_mma") -> str:
-    params = re.search(kernel + r"\((.*?)\)\s*\{", source, re.S).group(1)
-    params = re.sub(r"//[^\n]*", "", params)
-    kinds = ""
-    for p in params.split(","):
-        p = p.strip()
-        kinds += "p" if "*" in p else "q" if p.startswith("long long") else "f" if p.startswith("float") else "i"
-    return kinds
-
 
 def test_arg_kinds_match_the_kernel_signature_and_launch_args():
-    assert _signature_kinds(SOURCE.read_text()) == ARG_KINDS
+    assert signature_kinds(SOURCE.read_text()) == ARG_KINDS
     w2 = w2_tier(HIDDEN, INTER, 2, 1, EXPERTS, "cpu")
     f4 = fp4_tier(HIDDEN, INTER, 1, 1, EXPERTS, "cpu")
     ws = MoeWorkspace.allocate(1, TOP_K, EXPERTS, HIDDEN, INTER, torch.bfloat16, "cpu", block_tokens=1)
@@ -78,7 +63,7 @@ def test_pack_args_points_at_each_value():
 
 
 def test_down_arg_kinds_match_the_kernel_signature_and_launch_args():
-    assert _signature_kinds(w2_down.SOURCE.read_text(), w2_down.KERNEL) == w2_down.ARG_KINDS
+    assert signature_kinds(w2_down.SOURCE.read_text(), w2_down.KERNEL) == w2_down.ARG_KINDS
     w2 = w2_tier(HIDDEN, DOWN_INTER, 2, 1, EXPERTS, "cpu")
     f4 = fp4_tier(HIDDEN, DOWN_INTER, 1, 1, EXPERTS, "cpu")
     ws = MoeWorkspace.allocate(1, TOP_K, EXPERTS, HIDDEN, DOWN_INTER, torch.bfloat16, "cpu", block_tokens=1)
@@ -100,24 +85,18 @@ def test_geometry_limits():
         w2_down.check_geometry(w2_slot_layout(1088, 512), 2)
 
 
-@pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc")
+@needs_nvcc
 @pytest.mark.parametrize("ahead", [1, 2])
 def test_kernel_compiles_without_spills(tmp_path, ahead):
-    cmd = loader.nvcc_command(SOURCE, tmp_path / "k.cubin", "cubin", {"W2_AHEAD": ahead}) + ["-Xptxas", "-v"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    regs = int(re.search(r"Used (\d+) registers", proc.stderr).group(1))
-    assert "0 bytes spill stores" in proc.stderr and regs <= 128  # 4 blocks of 128 threads per SM
+    report = ptxas_report(SOURCE, tmp_path / "k.cubin", {"W2_AHEAD": ahead})
+    assert "0 bytes spill stores" in report and registers(report) <= 128  # 4 blocks of 128 threads per SM
 
 
-@pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc")
+@needs_nvcc
 @pytest.mark.parametrize("ahead,groups", [(2, 1), (2, 2)])
 def test_down_kernel_compiles_without_spills(tmp_path, ahead, groups):
-    cmd = loader.nvcc_command(w2_down.SOURCE, tmp_path / "k.cubin", "cubin", {"W2_AHEAD": ahead, "W2_GROUPS": groups})
-    proc = subprocess.run(cmd + ["-Xptxas", "-v"], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    regs = int(re.search(r"Used (\d+) registers", proc.stderr).group(1))
-    assert "0 bytes spill stores" in proc.stderr and regs <= 128
+    report = ptxas_report(w2_down.SOURCE, tmp_path / "k.cubin", {"W2_AHEAD": ahead, "W2_GROUPS": groups})
+    assert "0 bytes spill stores" in report and registers(report) <= 128
 
 
 # ---- numpy model of w2_gate_up.cu ------------------------------------------------------------------------
@@ -164,19 +143,19 @@ def build_pairs(x_bits: list[int], k_len: int) -> list[int]:
     return xp
 
 
-def _rows(slot: torch.Tensor, layout, which: str) -> tuple[list[list[int]], list[list[int]]]:
-    """A matrix's words [N][words_per_row] and scale words [N][blocks_per_row / 4] as unsigned ints."""
-    m = getattr(layout, which)
-    w_off, s_off = getattr(layout, f"{which}_words_offset"), getattr(layout, f"{which}_scales_offset")
-    words = (slot[w_off: w_off + m.word_bytes].view(torch.int32).to(torch.int64) & M32).view(m.n, m.words_per_row)
-    scales = (slot[s_off: s_off + m.scale_bytes].view(torch.int32).to(torch.int64) & M32).view(m.n, -1)
-    return words.tolist(), scales.tolist()
+def put_a(a_mat: np.ndarray, lo, hi, lo_scales, hi_scales, t: int, i: int, mm: int, g: int, c: int) -> None:
+    """Lane (g, c)'s four A registers of K tile t, pair i, word mm into the 16 x 16 A tile: rows g (`lo`) and g + 8
+    (`hi`), columns 2c and 2c + 8 (PTX ISA: A fragment of m16n8k16)."""
+    sl, sh = scale_pair(lo_scales[g][4 * t: 4 * t + 4], i), scale_pair(hi_scales[g][4 * t: 4 * t + 4], i)
+    a = (w2_pair(lo[g][32 * t + 4 * c + mm], i, sl), w2_pair(hi[g][32 * t + 4 * c + mm], i, sh),
+         w2_pair(lo[g][32 * t + 16 + 4 * c + mm], i, sl), w2_pair(hi[g][32 * t + 16 + 4 * c + mm], i, sh))
+    for reg, (row, col) in enumerate(((g, 2 * c), (g + 8, 2 * c), (g, 2 * c + 8), (g + 8, 2 * c + 8))):
+        a_mat[row, col: col + 2] = bf16_halves(a[reg])
 
 
-def warp_mma(lo, hi, lo_scales, hi_scales, xp, tiles) -> tuple[np.ndarray, np.ndarray]:
-    """One warp's K loop as both .cu files run it: A rows 0..7 = `lo` (8 rows), 8..15 = `hi`; returns the D
-    columns the storing lanes read: rows g (lane (g, 0), d0 = column 0) and g + 8 (d2 of lane (g, 0) in
-    w2_gate_up.cu, of lane (g, 1) = column 2 in w2_down.cu: the columns are equal)."""
+def warp_acc(lo, hi, lo_scales, hi_scales, xp, column_base, tiles) -> np.ndarray:
+    """One warp's K loop: A rows 0..7 = `lo` (8 rows), 8..15 = `hi`; B column g read at xp[column_base[g] + ...] (the
+    lane's xp_lane); the two accumulators [2, 16, 8] (words mm even / odd)."""
     acc = np.zeros((2, 16, 8))
     for t in range(tiles):
         for i in range(8):
@@ -184,26 +163,30 @@ def warp_mma(lo, hi, lo_scales, hi_scales, xp, tiles) -> tuple[np.ndarray, np.nd
                 a_mat, b_mat = np.zeros((16, 16)), np.zeros((16, 8))
                 for lane in range(32):
                     g, c = lane >> 2, lane & 3
-                    sl, sh = scale_pair(lo_scales[g][4 * t: 4 * t + 4], i), scale_pair(hi_scales[g][4 * t: 4 * t + 4], i)
-                    a = (w2_pair(lo[g][32 * t + 4 * c + mm], i, sl), w2_pair(hi[g][32 * t + 4 * c + mm], i, sh),
-                         w2_pair(lo[g][32 * t + 16 + 4 * c + mm], i, sl), w2_pair(hi[g][32 * t + 16 + 4 * c + mm], i, sh))
-                    b = xp[t * 256 + i * 32 + 8 * c + 2 * mm: t * 256 + i * 32 + 8 * c + 2 * mm + 2]
-                    for reg, (row, col) in enumerate(((g, 2 * c), (g + 8, 2 * c), (g, 2 * c + 8), (g + 8, 2 * c + 8))):
-                        a_mat[row, col: col + 2] = bf16_halves(a[reg])  # PTX ISA: A fragment of m16n8k16
+                    put_a(a_mat, lo, hi, lo_scales, hi_scales, t, i, mm, g, c)
+                    at = column_base[g] + t * 256 + i * 32 + 8 * c + 2 * mm
                     for reg in range(2):
-                        b_mat[2 * c + 8 * reg: 2 * c + 8 * reg + 2, g] = bf16_halves(b[reg])
+                        b_mat[2 * c + 8 * reg: 2 * c + 8 * reg + 2, g] = bf16_halves(xp[at + reg])  # B: column g
                 acc[mm & 1] += a_mat @ b_mat
+    return acc
+
+
+def warp_mma(lo, hi, lo_scales, hi_scales, xp, tiles) -> tuple[np.ndarray, np.ndarray]:
+    """One warp's K loop as both .cu files run it (every B column the same pairs); returns the D columns the storing
+    lanes read: rows g (lane (g, 0), d0 = column 0) and g + 8 (d2 of lane (g, 0) in w2_gate_up.cu, of lane (g, 1) =
+    column 2 in w2_down.cu: the columns are equal)."""
+    acc = warp_acc(lo, hi, lo_scales, hi_scales, xp, [0] * 8, tiles)
     assert np.all(acc[:, :, 0] == acc[:, :, 2])  # B is the same in every column
     return acc[:, :8, 0].sum(0), acc[:, 8:, 2].sum(0)
 
 
 def _pairs(v: torch.Tensor) -> list[int]:
-    return build_pairs((v.view(torch.int16).to(torch.int64) & 0xFFFF).tolist(), v.numel())
+    return build_pairs(bf16_bits(v), v.numel())
 
 
 def model_gate_up(slot: torch.Tensor, layout, x: torch.Tensor) -> np.ndarray:
     """float64 [I]: what w2_gate_up_mma writes (before bf16 rounding) for one pair, lane by lane."""
-    words, scales = _rows(slot, layout, "w13")
+    words, scales = slot_rows(slot, layout, "w13")
     xp, inter, out = _pairs(x), layout.inter, np.zeros(layout.inter)
     for n0 in range(0, inter, 8):  # one warp: gate rows n0.., up rows n0 + I..
         gate_v, up_v = warp_mma(words[n0: n0 + 8], words[inter + n0: inter + n0 + 8], scales[n0: n0 + 8],
@@ -214,7 +197,7 @@ def model_gate_up(slot: torch.Tensor, layout, x: torch.Tensor) -> np.ndarray:
 
 def model_down(slot: torch.Tensor, layout, act: torch.Tensor) -> np.ndarray:
     """float64 [H]: what w2_down_mma writes for one pair, lane by lane (a row group of 16 = one mma A tile)."""
-    words, scales = _rows(slot, layout, "w2")
+    words, scales = slot_rows(slot, layout, "w2")
     xp, out = _pairs(act), np.zeros(layout.hidden)
     for n0 in range(0, layout.hidden, 16):
         out[n0: n0 + 8], out[n0 + 8: n0 + 16] = warp_mma(words[n0: n0 + 8], words[n0 + 8: n0 + 16], scales[n0: n0 + 8],
@@ -239,7 +222,7 @@ def test_model_decode_is_exact_for_every_code_and_scale_byte():
 def test_model_of_the_kernel_matches_the_reference():
     gen = torch.Generator().manual_seed(3)
     w2 = w2_tier(HIDDEN, INTER, 1, 1, EXPERTS, "cpu")
-    _random_pool(w2, gen)
+    random_pool(w2, gen)
     x = torch.randn(HIDDEN, generator=gen).to(torch.bfloat16)
     w13 = unpack_matrix_ref(w2.slots[0], w2.layout, "w13").double()
     gate, up = (w13 @ x.double()).chunk(2)
@@ -251,7 +234,7 @@ def test_model_of_the_kernel_matches_the_reference():
 def test_model_of_the_down_kernel_matches_the_reference():
     gen = torch.Generator().manual_seed(4)
     w2 = w2_tier(128, DOWN_INTER, 1, 1, EXPERTS, "cpu")
-    _random_pool(w2, gen)
+    random_pool(w2, gen)
     act = torch.randn(DOWN_INTER, generator=gen).to(torch.bfloat16)
     ref = (unpack_matrix_ref(w2.slots[0], w2.layout, "w2").double() @ act.double()).numpy()
     got = model_down(w2.slots[0], w2.layout, act)
@@ -259,13 +242,6 @@ def test_model_of_the_down_kernel_matches_the_reference():
 
 
 # ---- the moe_mm switch (CPU, Triton interpreter, a stand-in for W2MoeCuda) -----------------------------------
-
-def _placed(ws):
-    """(expert, pair) of every routed pair of a workspace's route output, any block size."""
-    for b in range(int(ws.num_blocks[0])):
-        for j in range(int(ws.block_fill[b])):
-            yield int(ws.block_expert[b]), int(ws.block_pairs[b * ws.block_tokens + j])
-
 
 class _ReferenceStages:
     """Stands in for W2MoeCuda: act and y of the W2 pairs from the route output (plain torch), NaN y rows for
@@ -276,26 +252,18 @@ class _ReferenceStages:
 
     def __call__(self, hidden, top_k, w2, fp4, layer, ws, swiglu_limit=None):
         self.calls += 1
-        for expert, pair in _placed(ws):
+        for expert, pair in placed(ws):
             if int(fp4.table[layer, expert]) >= 0:
                 ws.y[pair] = float("nan")
                 continue
             slot = w2.slots[int(w2.table[layer, expert])]
-            gate, up = (unpack_matrix_ref(slot, w2.layout, "w13") @ hidden[pair // top_k].float()).chunk(2)
-            if swiglu_limit is not None:
-                gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
-            ws.act[pair] = (torch.nn.functional.silu(gate) * up).to(ws.act.dtype)
-            ws.y[pair] = unpack_matrix_ref(slot, w2.layout, "w2") @ ws.act[pair].float()
+            ws.act[pair] = gate_up_ref(slot, w2.layout, hidden[pair // top_k], swiglu_limit).to(ws.act.dtype)
+            ws.y[pair] = down_ref(slot, w2.layout, ws.act[pair])
 
 
 def _switch_case(gen, fp4_expert=None):
-    w2 = w2_tier(HIDDEN, INTER, EXPERTS, 1, EXPERTS, "cpu")
-    _random_pool(w2, gen)
-    w2.table[0] = torch.arange(EXPERTS, dtype=torch.int32)
-    w2.table[0, 5] = -1  # expert 5 missing: its pairs are misses
-    f4 = fp4_tier(HIDDEN, INTER, 1, 1, EXPERTS, "cpu")
-    if fp4_expert is not None:
-        f4.table[0, fp4_expert] = 0
+    w2 = w2_pool(HIDDEN, INTER, EXPERTS, gen, missing=5)  # expert 5 missing: its pairs are misses
+    f4 = fp4_pool(HIDDEN, INTER, EXPERTS, fp4_expert)
     ids = torch.tensor([[5, 1], [2, 5], [0, 7]], dtype=torch.int32)
     weights = torch.rand(3, TOP_K, generator=gen) + 0.05
     x = torch.randn(3, HIDDEN, generator=gen)
@@ -329,23 +297,12 @@ def test_moe_mm_cuda_w2_marks_an_fp4_pair_with_nan():
 
 # ---- the kernels on a GPU ---------------------------------------------------------------------------------
 
-needs_nvcc = pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc")
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.int16), b.view(torch.int16))  # NaN rows compare too
-
-
 @pytest.fixture(scope="module")
 def gpu_case():
     gen = torch.Generator().manual_seed(5)
-    w2 = w2_tier(HIDDEN, INTER, EXPERTS, 1, EXPERTS, "cpu")
-    _random_pool(w2, gen)
-    w2.table[0] = torch.arange(EXPERTS, dtype=torch.int32)
-    f4 = fp4_tier(HIDDEN, INTER, 1, 1, EXPERTS, "cpu")
-    f4.table[0, 3] = 0  # expert 3 is FP4-resident: not the W2 kernel's work
-    to = lambda pool: type(pool)(pool.slots.cuda(), pool.table.cuda(), pool.layout)
-    return dict(w2=to(w2), f4=to(f4), cuda=W2GateUpCuda(), cuda2=W2GateUpCuda(ahead=2), gen=gen)
+    w2 = w2_pool(HIDDEN, INTER, EXPERTS, gen)
+    f4 = fp4_pool(HIDDEN, INTER, EXPERTS, 3)  # expert 3 is FP4-resident: not the W2 kernel's work
+    return dict(w2=to_cuda(w2), f4=to_cuda(f4), cuda=W2GateUpCuda(), cuda2=W2GateUpCuda(ahead=2), gen=gen)
 
 
 def _routed(case, tokens, limit=None):
@@ -376,8 +333,8 @@ def test_cuda_gate_up_matches_reference_and_triton(gpu_case, tokens):
     assert out[~w2_rows].isnan().all() and not out[w2_rows].isnan().any()  # FP4 pairs untouched, W2 rows written
     rel = float((out[w2_rows].float() - ref[w2_rows]).norm() / ref[w2_rows].norm())
     assert rel <= 1e-2
-    assert _same_bytes(out, _run(gpu_case, x, ws))  # repeat launch
-    assert _same_bytes(out, _run(gpu_case, x, ws, kernel="cuda2"))  # prefetch depth changes no arithmetic
+    assert same_bytes(out, _run(gpu_case, x, ws))  # repeat launch
+    assert same_bytes(out, _run(gpu_case, x, ws, kernel="cuda2"))  # prefetch depth changes no arithmetic
     ws.act.fill_(float("nan"))
     moe_gate_up(x, TOP_K, gpu_case["w2"], gpu_case["f4"], 0, ws)
     tri = ws.act[w2_rows].float()
@@ -399,29 +356,19 @@ def test_cuda_gate_up_replays_in_a_cuda_graph(gpu_case):
     x, ws, _ = _routed(gpu_case, 4)
     eager = _run(gpu_case, x, ws)
     out = torch.full_like(ws.act, float("nan"))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        gpu_case["cuda"](x, TOP_K, gpu_case["w2"], gpu_case["f4"], 0, ws, out=out)
+    graph = captured(lambda: gpu_case["cuda"](x, TOP_K, gpu_case["w2"], gpu_case["f4"], 0, ws, out=out), side_stream())
     graph.replay()
     torch.cuda.synchronize()
-    assert _same_bytes(out, eager)
+    assert same_bytes(out, eager)
 
 
 @pytest.fixture(scope="module")
 def down_case():
     """HIDDEN x DOWN_INTER pools: expert 3 FP4-resident (f4_with), expert 6 missing; kernels and whole-op paths."""
     gen = torch.Generator().manual_seed(8)
-    w2 = w2_tier(HIDDEN, DOWN_INTER, EXPERTS, 1, EXPERTS, "cpu")
-    _random_pool(w2, gen, 112, 124)
-    w2.table[0] = torch.arange(EXPERTS, dtype=torch.int32)
-    w2.table[0, 6] = -1
-    f4_with = fp4_tier(HIDDEN, DOWN_INTER, 1, 1, EXPERTS, "cpu")
-    f4_with.table[0, 3] = 0
-    f4_none = fp4_tier(HIDDEN, DOWN_INTER, 1, 1, EXPERTS, "cpu")
-    to = lambda pool: type(pool)(pool.slots.cuda(), pool.table.cuda(), pool.layout)
-    return dict(w2=to(w2), f4_with=to(f4_with), f4_none=to(f4_none), gen=gen,
+    w2 = w2_pool(HIDDEN, DOWN_INTER, EXPERTS, gen, (112, 124), missing=6)
+    f4_with, f4_none = fp4_pool(HIDDEN, DOWN_INTER, EXPERTS, 3), fp4_pool(HIDDEN, DOWN_INTER, EXPERTS)
+    return dict(w2=to_cuda(w2), f4_with=to_cuda(f4_with), f4_none=to_cuda(f4_none), gen=gen,
                 down={(a, g): W2DownCuda(ahead=a, groups=g) for a, g in ((2, 1), (2, 2), (1, 1))},
                 whole={g: W2MoeCuda(down_groups=g) for g in (1, 2)})
 
@@ -449,11 +396,7 @@ def test_cuda_down_matches_reference_and_triton(down_case, tokens):
     ws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, DOWN_INTER, torch.bfloat16, "cuda", block_tokens=1)
     moe_route(ids, w2, f4, 0, MissLog.allocate(4, "cuda"), ws)
     ws.act.copy_(torch.randn(ws.act.shape, generator=down_case["gen"]).to(torch.bfloat16))
-    outs = {}
-    for key, kernel in down_case["down"].items():
-        outs[key] = [torch.full_like(ws.y, -7.0) for _ in range(2)]
-        for out in outs[key]:
-            kernel(w2, f4, 0, ws, out=out)
+    outs = launched_twice(down_case["down"], ws.y, -7.0, lambda kernel, out: kernel(w2, f4, 0, ws, out=out))
     torch.cuda.synchronize()
     ref = w2_down_ref(ws.act, ids, w2, f4, 0)
     flat = ids.reshape(-1).cpu()
@@ -466,7 +409,7 @@ def test_cuda_down_matches_reference_and_triton(down_case, tokens):
     assert not got.isnan().any()
     assert float((got - ref[w2_rows.cuda()]).norm() / ref[w2_rows.cuda()].norm()) <= 1e-5  # fp32 sums of exact products
     for a, b in outs.values():
-        assert _same_bytes(a, first) and _same_bytes(b, first)  # repeats, prefetch depth and row grouping
+        assert same_bytes(a, first) and same_bytes(b, first)  # repeats, prefetch depth and row grouping
     ws.y.fill_(float("nan"))
     moe_down(TOP_K, w2, f4, 0, ws)  # Triton computes the FP4 pair too: compare the W2 rows
     tri = ws.y[w2_rows.cuda()]
@@ -485,26 +428,15 @@ def test_cuda_down_replays_in_a_cuda_graph(down_case):
     eager = torch.full_like(ws.y, float("nan"))
     kernel(w2, f4, 0, ws, out=eager)
     out = torch.full_like(ws.y, float("nan"))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        kernel(w2, f4, 0, ws, out=out)
+    graph = captured(lambda: kernel(w2, f4, 0, ws, out=out), side_stream())
     graph.replay()
     torch.cuda.synchronize()
-    assert _same_bytes(out, eager)
+    assert same_bytes(out, eager)
 
 
 def _whole(case, f4, ids, x, cuda_w2, out=None, limit=None):
-    tokens = ids.shape[0]
-    ws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, DOWN_INTER, torch.bfloat16, "cuda", block_tokens=1)
-    ws.act.fill_(float("nan"))
-    ws.y.fill_(float("nan"))
-    misses = MissLog.allocate(4, "cuda")
-    out = torch.full_like(x, float("nan")) if out is None else out
-    moe_mm(x, ids, case["weights"][:tokens], case["w2"], f4, 0, misses, ws, out=out, swiglu_limit=limit, cuda_w2=cuda_w2)
-    torch.cuda.synchronize()
-    return out, misses.counts.tolist(), misses.entries.tolist()
+    return run_whole(x, ids, case["weights"][: ids.shape[0]], case["w2"], f4, cuda_w2, DOWN_INTER, EXPERTS, 4,
+                     limit=limit, out=out)
 
 
 @pytest.mark.gpu
@@ -523,7 +455,7 @@ def test_moe_mm_cuda_w2_matches_reference_with_misses(down_case, tokens, limit):
     assert counts == [missing_pairs, len(missing)] and [tuple(e) for e in entries[: len(missing)]] == missing
     again, counts2, _ = _whole(down_case, f4, ids, x, down_case["whole"][1], limit=limit)
     grouped, _, _ = _whole(down_case, f4, ids, x, down_case["whole"][2], limit=limit)
-    assert _same_bytes(out, again) and _same_bytes(out, grouped) and counts2 == counts
+    assert same_bytes(out, again) and same_bytes(out, grouped) and counts2 == counts
     tri, tri_counts, _ = _whole(down_case, f4, ids, x, None, limit=limit)
     assert tri_counts == counts and float((out.float() - tri.float()).norm() / tri.float().norm()) <= 1e-2
 
@@ -541,20 +473,8 @@ def test_moe_mm_cuda_w2_replays_in_a_cuda_graph(down_case):
     out = torch.full_like(x, float("nan"))
     call = lambda: moe_mm(x, ids, down_case["weights"][:tokens], down_case["w2"], f4, 0, misses, ws, out=out,
                           cuda_w2=down_case["whole"][2])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # Triton compiles outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    misses.reset()
-    out.fill_(float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        call()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert _same_bytes(out, eager) and misses.counts.tolist() == counts  # one replay counts the misses once
+    replayed_once(call, misses, out)  # Triton compiles outside capture
+    assert same_bytes(out, eager) and misses.counts.tolist() == counts  # one replay counts the misses once
 
 
 @pytest.mark.gpu
@@ -573,14 +493,7 @@ def test_moe_mm_cuda_w2_gives_nan_rows_for_fp4_pairs(down_case):
 # ---- benchmarks/cuda_w2.py bookkeeping (no GPU) ----------------------------------------------------------
 
 def _bench_module():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_w2.py"
-    spec = importlib.util.spec_from_file_location("bench_cuda_w2_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("cuda_w2")
 
 
 def test_bench_marks_failed_checks_invalid_and_derives_ratios(capsys):
@@ -617,38 +530,33 @@ class _ReferenceKernel:
     """Stands in for W2GateUpCuda in the CPU run of the benchmark: writes the reference from the route output."""
 
     def __call__(self, x, top_k, w2, f4, layer, ws, out):
-        for expert, pair in _placed(ws):
+        for expert, pair in placed(ws):
             if int(f4.table[layer, expert]) < 0:
-                w13 = unpack_matrix_ref(w2.slots[int(w2.table[layer, expert])], w2.layout, "w13")
-                gate, up = (w13 @ x[pair // top_k].float()).chunk(2)
-                out[pair] = (torch.nn.functional.silu(gate) * up).to(out.dtype)
+                slot = w2.slots[int(w2.table[layer, expert])]
+                out[pair] = gate_up_ref(slot, w2.layout, x[pair // top_k]).to(out.dtype)
 
 
 class _ReferenceDown:
     """Stands in for W2DownCuda in the CPU run of the benchmark."""
 
     def __call__(self, w2, f4, layer, ws, out):
-        for expert, pair in _placed(ws):
-            slot = w2.slots[int(w2.table[layer, expert])]
-            out[pair] = unpack_matrix_ref(slot, w2.layout, "w2") @ ws.act[pair].float()
+        for expert, pair in placed(ws):
+            out[pair] = down_ref(w2.slots[int(w2.table[layer, expert])], w2.layout, ws.act[pair])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernels in the CPU interpreter (set without CUDA)")
+def _stand_in_build(stage, opts, multi, geo):
+    """benchmarks/cuda_w2.py `_build` with the stand-ins for the CUDA kernels."""
+    stand_in = {"gate_up": _ReferenceKernel, "down": _ReferenceDown, "whole": _ReferenceStages}
+    return stand_in[stage](), dict(stage=stage, **opts)
+
+
 def test_bench_runs_end_to_end_on_cpu_with_stand_in_kernels(monkeypatch):
     import argparse
 
-    import tierstore.geometry
-    from tierstore.geometry import _preset
-
     bench = _bench_module()
     kb = bench._bench_kernels()
-    stand_in = {"gate_up": _ReferenceKernel, "down": _ReferenceDown, "whole": _ReferenceStages}
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
-    monkeypatch.setattr(bench, "_build", lambda stage, opts, multi, geo: (stand_in[stage](), dict(stage=stage, **opts)))
-    monkeypatch.setattr(tierstore.geometry, "get_preset", lambda name: _preset("tiny", 1, EXPERTS, TOP_K, HIDDEN, INTER))
-    monkeypatch.setattr(kb, "_graph_time_us", lambda fns, reps: (fns[0](), 10.0)[1])  # one launch of each variant
-    monkeypatch.setattr(kb, "_stream_us", lambda nbytes, copies, reps, device: 5.0)
-    monkeypatch.setattr(kb, "_bf16_case", lambda geo, w13, w2d, routings, reps: 50.0)
+    bench_on_cpu(monkeypatch, bench, kb, _stand_in_build, (EXPERTS, TOP_K, HIDDEN, INTER))
     result, emitted = {}, []
     bench.run(kb, argparse.Namespace(preset="tiny", tokens="1,2", reps=1, variants=None), result,
               lambda r: emitted.append(r["status"]))
@@ -744,11 +652,9 @@ def _cuobjdump():
 def _sass(tmp_path, source, defines: dict, name: str) -> tuple[list[str], str]:
     """(SASS instruction lines without addresses and encodings, ptxas -v output) of one sm_90a build."""
     cubin = tmp_path / f"{name}.cubin"
-    proc = subprocess.run(loader.nvcc_command(source, cubin, "cubin", defines) + ["-Xptxas", "-v"], capture_output=True,
-                          text=True)
-    assert proc.returncode == 0, proc.stderr
+    report = ptxas_report(source, cubin, defines)
     text = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+([^;]*;)", text)], proc.stderr
+    return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+([^;]*;)", text)], report
 
 
 def _prologue(lines: list[str]) -> str:
@@ -771,11 +677,9 @@ needs_sass = pytest.mark.skipif(loader.nvcc_path() is None or _cuobjdump() is No
                                             ("down", {"W2_AHEAD": 2, "W2_GROUPS": 2})])
 def test_v3_builds_compile_without_spills(tmp_path, kernel, defines, options):
     source = SOURCE if kernel == "gate_up" else w2_down.SOURCE
-    cmd = loader.nvcc_command(source, tmp_path / "k.cubin", "cubin", defines | _v3_defines(options))
-    proc = subprocess.run(cmd + ["-Xptxas", "-v"], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    regs = int(re.search(r"Used (\d+) registers", proc.stderr).group(1))
-    assert "0 bytes spill stores" in proc.stderr and regs <= 128  # 4 blocks of 128 threads per SM, as the defaults
+    report = ptxas_report(source, tmp_path / "k.cubin", defines | _v3_defines(options))
+    regs = registers(report)
+    assert "0 bytes spill stores" in report and regs <= 128  # 4 blocks of 128 threads per SM, as the defaults
 
 
 @needs_sass
@@ -939,7 +843,7 @@ def test_v3_kernels_bytes_equal_the_default_kernels(gpu_case, down_case, tokens)
             kernel(x, TOP_K, gpu_case["w2"], gpu_case["f4"], 0, ws, out=out)
         torch.cuda.synchronize()
         assert not outs[0][w2_rows].isnan().any() and outs[0][~w2_rows].isnan().all()
-        assert _same_bytes(outs[0], default) and _same_bytes(outs[1], default), ("gate_up", options)
+        assert same_bytes(outs[0], default) and same_bytes(outs[1], default), ("gate_up", options)
 
     w2, f4 = down_case["w2"], down_case["f4_with"]
     ids = _ids(down_case, tokens)
@@ -975,7 +879,7 @@ def test_v3_kernels_bytes_equal_the_default_kernels(gpu_case, down_case, tokens)
         moe = W2MoeCuda(gate_single=options, down_single=options)
         for _ in range(2):
             out, counts, _ = _whole(down_case, f4_none, wids, xw, moe)
-            assert _same_bytes(out, base) and counts == base_counts, ("whole", options)
+            assert same_bytes(out, base) and counts == base_counts, ("whole", options)
 
 
 @needs_sass
@@ -1047,24 +951,18 @@ def test_v3_pdl_whole_op_replays_in_a_cuda_graph(down_case):
     misses = MissLog.allocate(4, "cuda")
     out = torch.full_like(x, float("nan"))
     call = lambda: moe_mm(x, ids, down_case["weights"][:tokens], down_case["w2"], f4, 0, misses, ws, out=out, cuda_w2=moe)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    assert _same_bytes(out, eager)
+    stream = side_stream()
+    warm_up(call, stream)
+    assert same_bytes(out, eager)
     misses.reset()
     out.fill_(float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        call()
+    graph = captured(call, stream)
     for _ in range(3):
         misses.reset()
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert _same_bytes(out, eager) and misses.counts.tolist() == counts
+        assert same_bytes(out, eager) and misses.counts.tolist() == counts
 
 
 def test_v3_pairs_grid_covers_every_route_block_at_block_tokens_1():
