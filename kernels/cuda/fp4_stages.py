@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..layout import FP4_VALUES_PER_WORD, SlotLayout, unpack_matrix_ref
-from . import loader
+from . import loader, w2_down, w2_gate_up
 
 SOURCE = Path(__file__).with_name("fp4_moe.cu")
 GATE_UP_KERNEL, DOWN_KERNEL = "fp4_gate_up_mma", "fp4_down_mma"
@@ -42,23 +42,16 @@ def check_geometry(layout: SlotLayout) -> None:
 
 def gate_up_args(hidden, top_k: int, fp4, layer: int, ws, out, swiglu_limit: float | None) -> list:
     """fp4_gate_up_mma's arguments in GATE_UP_ARG_KINDS order (pointers as ints)."""
-    lay = fp4.layout
-    m = lay.w13
-    return [hidden.data_ptr(), hidden.stride(0), fp4.slots.data_ptr(), lay.slot_bytes, lay.w13_words_offset,
-            lay.w13_scales_offset, m.words_per_row, m.blocks_per_row, fp4.table.data_ptr(), layer * fp4.table.shape[1],
+    return [hidden.data_ptr(), hidden.stride(0), *w2_gate_up.slot_args(fp4, (fp4,), layer, "w13"),
             ws.block_expert.data_ptr(), ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(), top_k, out.data_ptr(),
-            out.stride(0), lay.inter, lay.hidden, 0.0 if swiglu_limit is None else float(swiglu_limit),
-            int(swiglu_limit is not None)]
+            out.stride(0), fp4.layout.inter, fp4.layout.hidden, *w2_gate_up.limit_args(swiglu_limit)]
 
 
 def down_args(fp4, layer: int, ws, out) -> list:
     """fp4_down_mma's arguments in DOWN_ARG_KINDS order (pointers as ints)."""
-    lay = fp4.layout
-    m = lay.w2
-    return [ws.act.data_ptr(), ws.act.stride(0), fp4.slots.data_ptr(), lay.slot_bytes, lay.w2_words_offset,
-            lay.w2_scales_offset, m.words_per_row, m.blocks_per_row, fp4.table.data_ptr(), layer * fp4.table.shape[1],
+    return [ws.act.data_ptr(), ws.act.stride(0), *w2_gate_up.slot_args(fp4, (fp4,), layer, "w2"),
             ws.block_expert.data_ptr(), ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(), out.data_ptr(),
-            out.stride(0), lay.inter]
+            out.stride(0), fp4.layout.inter]
 
 
 def _check_common(fp4, ws) -> None:
@@ -69,20 +62,12 @@ def _check_common(fp4, ws) -> None:
 
 def check_gate_up_inputs(hidden, fp4, ws, out) -> None:
     _check_common(fp4, ws)
-    if hidden.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or not hidden.is_cuda:
-        raise ValueError("hidden and out must be bfloat16 CUDA tensors")
-    if hidden.shape[1] != fp4.layout.hidden or hidden.stride(1) != 1 or hidden.stride(0) % 8:
-        raise ValueError("hidden must be [T, H] with unit inner stride and 16-byte aligned rows")
-    if out.shape != ws.act.shape or out.stride(1) != 1:
-        raise ValueError(f"out must be [P, I] = {tuple(ws.act.shape)} with unit inner stride")
+    w2_gate_up.check_hidden_out(hidden, out, ws, fp4.layout.hidden)
 
 
 def check_down_inputs(fp4, ws, out) -> None:
     _check_common(fp4, ws)
-    if ws.act.dtype != torch.bfloat16 or not ws.act.is_cuda or ws.act.stride(1) != 1 or ws.act.stride(0) % 8:
-        raise ValueError("act must be a bfloat16 CUDA tensor [P, I] with unit inner stride, 16-byte aligned rows")
-    if out.dtype != torch.float32 or out.shape != ws.y.shape or out.stride(1) != 1:
-        raise ValueError(f"out must be float32 [P, H] = {tuple(ws.y.shape)} with unit inner stride")
+    w2_down.check_act_out(ws, out)
 
 
 def build_image(ahead: int) -> bytes:

@@ -77,12 +77,9 @@ def check_geometry(layout: SlotLayout, groups: int = 1) -> None:
 
 def launch_args(w2, fp4, layer: int, ws, out) -> list:
     """The kernel's arguments in ARG_KINDS order (pointers as ints)."""
-    lay = w2.layout
-    m = lay.w2
-    return [ws.act.data_ptr(), ws.act.stride(0), w2.slots.data_ptr(), lay.slot_bytes, lay.w2_words_offset,
-            lay.w2_scales_offset, m.words_per_row, m.blocks_per_row, w2.table.data_ptr(), fp4.table.data_ptr(),
-            layer * w2.table.shape[1], ws.block_expert.data_ptr(), ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(),
-            out.data_ptr(), out.stride(0), lay.inter]
+    return [ws.act.data_ptr(), ws.act.stride(0), *w2_gate_up.slot_args(w2, (w2, fp4), layer, "w2"),
+            ws.block_expert.data_ptr(), ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(), out.data_ptr(),
+            out.stride(0), w2.layout.inter]
 
 
 def _check_inputs(w2, fp4, ws, out, groups: int) -> None:
@@ -94,12 +91,18 @@ def _check_inputs(w2, fp4, ws, out, groups: int) -> None:
 
 def check_tensors(w2, fp4, ws, out) -> None:
     """dtypes, shapes and strides of ws.act and `out` (shared with the multi-token kernel, w2_multi.py)."""
+    check_act_out(ws, out)
+    if fp4.table.shape != w2.table.shape:
+        raise ValueError("the W2 and FP4 tables must have the same shape")
+
+
+def check_act_out(ws, out) -> None:
+    """ws.act [P, I] bf16 and out [P, H] float32: CUDA act, unit inner strides, 16-byte aligned act rows (also
+    fp4_stages.py)."""
     if ws.act.dtype != torch.bfloat16 or not ws.act.is_cuda or ws.act.stride(1) != 1 or ws.act.stride(0) % 8:
         raise ValueError("act must be a bfloat16 CUDA tensor [P, I] with unit inner stride, 16-byte aligned rows")
     if out.dtype != torch.float32 or out.shape != ws.y.shape or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [P, H] = {tuple(ws.y.shape)} with unit inner stride")
-    if fp4.table.shape != w2.table.shape:
-        raise ValueError("the W2 and FP4 tables must have the same shape")
 
 
 class W2DownCuda:

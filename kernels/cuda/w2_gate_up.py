@@ -34,15 +34,27 @@ def check_geometry(layout: SlotLayout) -> None:
         raise ValueError(f"hidden must be a multiple of {K_MULTIPLE}, got {layout.hidden}")
 
 
+def slot_args(pool, tables, layer: int, matrix: str) -> list:
+    """The weight arguments of every stage kernel (W2 and FP4, single- and multi-token), after its activations and
+    their stride: `pool`'s slots pointer, slot_bytes, `matrix`'s ("w13" or "w2") words and scales offsets, its words
+    and scale blocks per row, then the table pointer of each tier in `tables` and the layer's table row."""
+    lay = pool.layout
+    m = getattr(lay, matrix)
+    return [pool.slots.data_ptr(), lay.slot_bytes, getattr(lay, f"{matrix}_words_offset"),
+            getattr(lay, f"{matrix}_scales_offset"), m.words_per_row, m.blocks_per_row,
+            *(tier.table.data_ptr() for tier in tables), layer * pool.table.shape[1]]
+
+
+def limit_args(swiglu_limit: float | None) -> list:
+    """The gate_up kernels' last two arguments: limit, has_limit."""
+    return [0.0 if swiglu_limit is None else float(swiglu_limit), int(swiglu_limit is not None)]
+
+
 def launch_args(hidden, top_k, w2, fp4, layer: int, ws, out, swiglu_limit: float | None) -> list:
     """The kernel's arguments in ARG_KINDS order (pointers as ints)."""
-    lay = w2.layout
-    m = lay.w13
-    return [hidden.data_ptr(), hidden.stride(0), w2.slots.data_ptr(), lay.slot_bytes, lay.w13_words_offset,
-            lay.w13_scales_offset, m.words_per_row, m.blocks_per_row, w2.table.data_ptr(), fp4.table.data_ptr(),
-            layer * w2.table.shape[1], ws.block_expert.data_ptr(), ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(),
-            top_k, out.data_ptr(), out.stride(0), lay.inter, lay.hidden,
-            0.0 if swiglu_limit is None else float(swiglu_limit), int(swiglu_limit is not None)]
+    return [hidden.data_ptr(), hidden.stride(0), *slot_args(w2, (w2, fp4), layer, "w13"), ws.block_expert.data_ptr(),
+            ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(), top_k, out.data_ptr(), out.stride(0),
+            w2.layout.inter, w2.layout.hidden, *limit_args(swiglu_limit)]
 
 
 def _check_inputs(hidden, w2, fp4, ws, out) -> None:
@@ -54,14 +66,19 @@ def _check_inputs(hidden, w2, fp4, ws, out) -> None:
 
 def check_tensors(hidden, w2, fp4, ws, out) -> None:
     """dtypes, shapes and strides of the inputs and `out` (shared with the multi-token kernel, w2_multi.py)."""
+    check_hidden_out(hidden, out, ws, w2.layout.hidden)
+    if fp4.table.shape != w2.table.shape:
+        raise ValueError("the W2 and FP4 tables must have the same shape")
+
+
+def check_hidden_out(hidden, out, ws, hidden_size: int) -> None:
+    """hidden [T, H] and out [P, I]: bf16, CUDA, unit inner strides, 16-byte aligned rows (also fp4_stages.py)."""
     if hidden.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or not hidden.is_cuda:
         raise ValueError("hidden and out must be bfloat16 CUDA tensors")
-    if hidden.shape[1] != w2.layout.hidden or hidden.stride(1) != 1 or hidden.stride(0) % 8:
+    if hidden.shape[1] != hidden_size or hidden.stride(1) != 1 or hidden.stride(0) % 8:
         raise ValueError("hidden must be [T, H] with unit inner stride and 16-byte aligned rows")
     if out.shape != ws.act.shape or out.stride(1) != 1:
         raise ValueError(f"out must be [P, I] = {tuple(ws.act.shape)} with unit inner stride")
-    if fp4.table.shape != w2.table.shape:
-        raise ValueError("the W2 and FP4 tables must have the same shape")
 
 
 def build_defines(ahead: int, early: bool = False, route_major: bool = False, pdl: bool = False) -> dict:

@@ -66,25 +66,23 @@ def gate_check_geometry(layout, rows_per_block: int = GATE_ROWS_PER_BLOCK) -> No
         raise ValueError(f"inter must be a multiple of {rows_per_block}, got {layout.inter}")
 
 
+def _route_args(ws) -> list:
+    """Both kernels' route arguments: block_expert, block_fill, block_pairs, num_blocks, block_tokens."""
+    return [ws.block_expert.data_ptr(), ws.block_fill.data_ptr(), ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(),
+            ws.block_tokens]
+
+
 def gate_launch_args(hidden, top_k, w2, fp4, layer: int, ws, out, swiglu_limit: float | None) -> list:
     """The gate_up kernel's arguments in GATE_ARG_KINDS order (pointers as ints)."""
-    lay = w2.layout
-    m = lay.w13
-    return [hidden.data_ptr(), hidden.stride(0), w2.slots.data_ptr(), lay.slot_bytes, lay.w13_words_offset,
-            lay.w13_scales_offset, m.words_per_row, m.blocks_per_row, w2.table.data_ptr(), fp4.table.data_ptr(),
-            layer * w2.table.shape[1], ws.block_expert.data_ptr(), ws.block_fill.data_ptr(), ws.block_pairs.data_ptr(),
-            ws.num_blocks.data_ptr(), ws.block_tokens, top_k, out.data_ptr(), out.stride(0), lay.inter, lay.hidden,
-            0.0 if swiglu_limit is None else float(swiglu_limit), int(swiglu_limit is not None)]
+    return [hidden.data_ptr(), hidden.stride(0), *w2_gate_up.slot_args(w2, (w2, fp4), layer, "w13"),
+            *_route_args(ws), top_k, out.data_ptr(), out.stride(0), w2.layout.inter, w2.layout.hidden,
+            *w2_gate_up.limit_args(swiglu_limit)]
 
 
 def down_launch_args(w2, fp4, layer: int, ws, out) -> list:
     """The down kernel's arguments in DOWN_ARG_KINDS order (pointers as ints)."""
-    lay = w2.layout
-    m = lay.w2
-    return [ws.act.data_ptr(), ws.act.stride(0), w2.slots.data_ptr(), lay.slot_bytes, lay.w2_words_offset,
-            lay.w2_scales_offset, m.words_per_row, m.blocks_per_row, w2.table.data_ptr(), fp4.table.data_ptr(),
-            layer * w2.table.shape[1], ws.block_expert.data_ptr(), ws.block_fill.data_ptr(), ws.block_pairs.data_ptr(),
-            ws.num_blocks.data_ptr(), ws.block_tokens, out.data_ptr(), out.stride(0), lay.inter]
+    return [ws.act.data_ptr(), ws.act.stride(0), *w2_gate_up.slot_args(w2, (w2, fp4), layer, "w2"), *_route_args(ws),
+            out.data_ptr(), out.stride(0), w2.layout.inter]
 
 
 def gate_check_inputs(hidden, w2, fp4, ws, out, rows_per_block: int = GATE_ROWS_PER_BLOCK) -> None:
