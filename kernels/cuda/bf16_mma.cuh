@@ -1,6 +1,7 @@
 // Device code shared by the W2 (w2_fragments.cuh) and FP4 (fp4_fragments.cuh) tensor-core stages: the bf16
-// mma.m16n8k16, a uint4's word m, and the activation pair unit (16 activations) stored in B register order.
-// Only what is the same for both formats; each format's tile, decode and unit loads stay in its own header.
+// mma.m16n8k16, a uint4's word m, a lane's 16-byte tile loads, and the activation pair unit (16 activations)
+// stored in B register order. Only what is the same for both formats; each format's decode, tile mmas and unit
+// loads stay in its own header.
 
 #pragma once
 
@@ -17,6 +18,30 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One lane's share of one K tile: A rows 0..7 (row g) words 4c..4c+3 (a0) and 16+4c..16+4c+3 (a1), A rows 8..15
+// (row g of the second half, b0 / b1) the same words, and the tile's scale bytes of each of the two rows (Scales:
+// W2 16 bytes, uint4; FP4 8 bytes, uint2).
+template <class Scales>
+struct WordTile {
+  uint4 a0, a1;
+  uint4 b0, b1;
+  Scales sa, sb;
+};
+
+// ra / rb: the two rows' words as uint4 [words_per_row / 4]; sa / sb: their scales, one Scales per tile.
+template <class Scales>
+__device__ __forceinline__ WordTile<Scales> load_tile(const uint4* ra, const uint4* rb, const Scales* sa,
+                                                      const Scales* sb, int t, int c) {
+  WordTile<Scales> r;
+  r.a0 = __ldg(ra + 8 * t + c);
+  r.a1 = __ldg(ra + 8 * t + 4 + c);
+  r.b0 = __ldg(rb + 8 * t + c);
+  r.b1 = __ldg(rb + 8 * t + 4 + c);
+  r.sa = __ldg(sa + t);
+  r.sb = __ldg(sb + t);
+  return r;
 }
 
 // One unit's 16 activations (a format's `load_unit` reads them): slot 2i (la, lb) and slot 2i+1 (ha, hb) of

@@ -1,7 +1,7 @@
 // Device code of the FP4 tensor-core stages (fp4_moe.cu): the FP4 word tile, the exact e2m1 -> bf16x2 decode
 // with the layout's scales, a lane's 16-byte tile loads, the 16 mma.m16n8k16 of one K tile and the activation
 // pairs in shared memory. Independent of the W2 headers (so the W2 files can change independently) but for
-// bf16_mma.cuh: the mma, `part` and the pair unit's store, the same for both formats.
+// bf16_mma.cuh: the mma, `part`, the tile loads and the pair unit's store, the same for both formats.
 //
 // Layout (kernels/layout.py, fp4_slot_layout, K a multiple of 256): a row's words are cut into tiles of 32
 // words x 8 nibbles = 256 K values; value k = 32 j + u of a tile is nibble j (bits 4j..4j+3) of word u, so
@@ -28,7 +28,7 @@
 
 #include <cstdint>
 
-#include "bf16_mma.cuh"  // part, mma_bf16, Unit, store_unit
+#include "bf16_mma.cuh"  // part, mma_bf16, WordTile, load_tile, Unit, store_unit
 
 namespace {
 
@@ -41,11 +41,7 @@ constexpr int kF4TilePairs = kF4TileK / 2;  // 128 activation pairs per tile in 
 constexpr uint32_t kLoTable0 = 0xC0800000u, kLoTable1 = 0xC0804000u;
 constexpr uint32_t kHiTable0 = 0x40003F00u, kHiTable1 = 0xC080BF80u;
 
-struct F4Tile {    // one lane's share of one K tile
-  uint4 a0, a1;    // A rows 0..7 (row g): words 4c..4c+3, 16+4c..16+4c+3
-  uint4 b0, b1;    // A rows 8..15 (row g of the second half), same words
-  uint2 sa, sb;    // the tile's 8 scale bytes of each of the two rows
-};
+using F4Tile = WordTile<uint2>;  // one lane's share of one K tile (bf16_mma.cuh), 8 scale bytes per row
 
 // The word's PRMT selectors: lo nibble k = v_k; hi nibble k = s_k << 2 | e1_k << 1 | (v_k != 0). Bit 3 of each
 // selector nibble is 0 (PRMT's sign-replicate mode is never used).
@@ -90,19 +86,6 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
-}
-
-// ra / rb: the two rows' words as uint4 [words_per_row / 4]; sa / sb: their scales as uint2 [blocks_per_row / 8].
-__device__ __forceinline__ F4Tile f4_load_tile(const uint4* ra, const uint4* rb, const uint2* sa, const uint2* sb,
-                                               int t, int c) {
-  F4Tile r;
-  r.a0 = __ldg(ra + 8 * t + c);
-  r.a1 = __ldg(ra + 8 * t + 4 + c);
-  r.b0 = __ldg(rb + 8 * t + c);
-  r.b1 = __ldg(rb + 8 * t + 4 + c);
-  r.sa = __ldg(sa + t);
-  r.sb = __ldg(sb + t);
-  return r;
 }
 
 // One K tile: 4 words x 4 bytes = 16 mmas (16 rows x 16 K each), word by word (the word's four pairs decoded

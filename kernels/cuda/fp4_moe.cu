@@ -46,7 +46,7 @@ __device__ __forceinline__ void k_loop(const Rows& r, F4Tile (&ring)[kAhead + 1]
     for (int j = 0; j <= kAhead; ++j) {
       const int t = t0 + j;
       if (t < tiles) {
-        ring[(j + kAhead) % (kAhead + 1)] = f4_load_tile(r.ra, r.rb, r.sa, r.sb, min(t + kAhead, tiles - 1), c);
+        ring[(j + kAhead) % (kAhead + 1)] = load_tile(r.ra, r.rb, r.sa, r.sb, min(t + kAhead, tiles - 1), c);
         f4_tile_mma(ring[j], xp + t * kF4TilePairs, c, acc);
       }
     }
@@ -55,7 +55,7 @@ __device__ __forceinline__ void k_loop(const Rows& r, F4Tile (&ring)[kAhead + 1]
 
 __device__ __forceinline__ void first_loads(const Rows& r, F4Tile (&ring)[kAhead + 1], int tiles, int c) {
 #pragma unroll
-  for (int j = 0; j < kAhead; ++j) ring[j] = f4_load_tile(r.ra, r.rb, r.sa, r.sb, min(j, tiles - 1), c);
+  for (int j = 0; j < kAhead; ++j) ring[j] = load_tile(r.ra, r.rb, r.sa, r.sb, min(j, tiles - 1), c);
 }
 
 // Both kernels' prologue: the block's FP4 slot and pair, or false (the block exits) past the route or when its

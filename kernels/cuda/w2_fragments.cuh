@@ -17,7 +17,7 @@
 
 #include <cstdint>
 
-#include "bf16_mma.cuh"  // part, mma_bf16, Unit, store_unit
+#include "bf16_mma.cuh"  // part, mma_bf16, WordTile, load_tile, Unit, store_unit
 
 namespace {
 
@@ -25,11 +25,7 @@ constexpr int kWps = 32;                     // words per bit slot
 constexpr int kTileK = 16 * kWps;            // 512 K values per word tile
 constexpr int kPairWordsPerTile = 8 * kWps;  // 256 activation pairs per tile in shared memory
 
-struct Tile {    // one lane's share of one K tile
-  uint4 a0, a1;  // A rows 0..7 (row g): words 4c..4c+3, 16+4c..16+4c+3
-  uint4 b0, b1;  // A rows 8..15 (row g of the second half), same words
-  uint4 sa, sb;  // the tile's 16 scale bytes of each of the two rows
-};
+using Tile = WordTile<uint4>;  // one lane's share of one K tile (bf16_mma.cuh), 16 scale bytes per row
 
 // Scale bytes 2i and 2i+1 of a tile -> (byte 2i << 7) | (byte 2i+1 << 23): both bf16 exponent fields.
 __device__ __forceinline__ uint32_t scale_pair(const uint4& q, int i) {
@@ -42,19 +38,6 @@ __device__ __forceinline__ uint32_t w2_pair(uint32_t w, int i, uint32_t scale) {
   const uint32_t mask = rot ? (0x81008100u >> rot) | (0x81008100u << (32u - rot)) : 0x81008100u;
   const uint32_t m = w & mask;
   return __funnelshift_l(m, m, rot) + scale;
-}
-
-// ra / rb: the two rows' words as uint4 [words_per_row / 4]; sa / sb: their scales as uint4 [blocks_per_row / 16].
-__device__ __forceinline__ Tile load_tile(const uint4* ra, const uint4* rb, const uint4* sa, const uint4* sb,
-                                          int t, int c) {
-  Tile r;
-  r.a0 = __ldg(ra + 8 * t + c);
-  r.a1 = __ldg(ra + 8 * t + 4 + c);
-  r.b0 = __ldg(rb + 8 * t + c);
-  r.b1 = __ldg(rb + 8 * t + 4 + c);
-  r.sa = __ldg(sa + t);
-  r.sb = __ldg(sb + t);
-  return r;
 }
 
 // build_pairs (in each .cu) turns an activation row a [K] bf16 into xp [K / 2] in B register order, in units
