@@ -387,7 +387,7 @@ def _stage_rows(kb, geo, state, runner, tokens, stage, variants: dict, nbytes, u
     return rows
 
 
-def _derive(rows: list[dict], invalid: dict[str, list[str]], hbm: float) -> None:
+def _derive(rows: list[dict], invalid: dict[str, list[str]], hbm: float, baselines: dict | None = None) -> None:
     """One T's rows: a CUDA row whose check failed keeps its time as `invalid_us`; every timed row gets GB/s,
     %HBM, % of its stage's ceiling, its stage's Triton best round over this row's time and (whole op) bf16's."""
     best = {}
@@ -403,8 +403,9 @@ def _derive(rows: list[dict], invalid: dict[str, list[str]], hbm: float) -> None
         r.update(gb_per_s=r["bytes"] / r["us"] / 1e3, pct_hbm=100 * r["bytes"] / (r["us"] * 1e-6) / hbm)
         if f"stream_read_{stage}" in best:
             r["pct_of_stream"] = 100 * best[f"stream_read_{stage}"] / r["us"]
-        if TRITON[stage] in best:
-            r["triton_over_this"] = best[TRITON[stage]] / r["us"]
+        baseline = (TRITON if baselines is None else baselines).get(stage)
+        if baseline in best:
+            r["triton_over_this"] = best[baseline] / r["us"]
         if stage == "whole" and "bf16_grouped_mm" in best:
             r["bf16_over_this"] = best["bf16_grouped_mm"] / r["us"]
 
@@ -483,9 +484,11 @@ def run(kb, args, result: dict, emit) -> None:
               lambda tokens: _time_case(kb, geo, state, kernels, tokens, runner), DEVICE)
 
 
-def _time_all(kb, geo, state, runner, tokens_list, invalid: dict, result: dict, emit, time_case, device) -> None:
+def _time_all(kb, geo, state, runner, tokens_list, invalid: dict, result: dict, emit, time_case, device,
+              baselines: dict | None = None) -> None:
     """After the checks: the bf16 weights on `device`, then per T the rows of `time_case(T)` (an error row if it
-    raised) with their derived columns (`invalid[T]`: the variants whose check failed), emitted; the final status."""
+    raised) with their derived columns (`invalid[T]`: the variants whose check failed; `baselines`: stage -> the
+    Triton variant of its triton_over_this, default TRITON), emitted; the final status."""
     state["w13_bf16"] = torch.randn(geo.num_experts, 2 * geo.expert_inter, geo.hidden, device=device,
                                     dtype=torch.bfloat16)
     state["w2_bf16"] = torch.randn(geo.num_experts, geo.hidden, geo.expert_inter, device=device, dtype=torch.bfloat16)
@@ -493,7 +496,7 @@ def _time_all(kb, geo, state, runner, tokens_list, invalid: dict, result: dict, 
         result["status"] = f"running: timing T={tokens}"
         rows, err = runner.attempt(f"timing T={tokens}", lambda: time_case(tokens))
         rows = rows or [dict(tokens=tokens, stage="all", variant="all", round=0, us=None, error=err)]
-        _derive(rows, invalid[tokens], kb.HBM_BYTES_PER_S)
+        _derive(rows, invalid[tokens], kb.HBM_BYTES_PER_S, baselines)
         result["cases"] += rows
         emit(result)
     result["status"] = (f"stopped early: {runner.poisoned}" if runner.poisoned else
