@@ -6,6 +6,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 extras="${TIERSTORE_EXTRAS:-dev}"
+export PIP_NO_CACHE_DIR=1  # a CI disk can be small: keep no second copy of the wheels
 python="${PYTHON:-python3}"
 
 if [ ! -x .venv/bin/python ]; then
