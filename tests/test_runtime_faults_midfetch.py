@@ -5,6 +5,7 @@ succeeded"), a coherent pool; the next step and a retry of the failed one equal 
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from test_runtime_fixtures import ToyMoE
@@ -52,44 +53,51 @@ def faulted_step_batch(packed, model):  # noqa: F811
     return batches[0]
 
 
-def row_offset(packed, key):  # noqa: F811
-    probe = open_base_rows(packed[0], packed[1], direct=False)
+def row_offset(ckpt, packs, key) -> int:
+    """The pack file offset of row `key`: what FaultPlan matches."""
+    probe = open_base_rows(ckpt, packs, direct=False)
     offset = probe.pack.spec.row_offset(*key)
     probe.close()
     return offset
+
+
+def pool_state(pool) -> list[np.ndarray]:
+    """Table, mirror [L, E], owners [S, 2] and slot generations [S], copied."""
+    return [pool.table.cpu().numpy().copy(), pool.mirror.copy(), pool.owner.copy(), pool.generation.copy()]
 
 
 @pytest.mark.parametrize("position", ["middle", "last"])
 @pytest.mark.parametrize("fault", ["eio", "flip"])
 def test_one_row_faulting_mid_batch_fails_closed_and_next_and_retry_are_exact(packed, fault, position):  # noqa: F811
     """Only one row of the step's batch faults (rows before it read fine): the step raises naming that
-    row, the pool's tables, mirror, owners and generations are those from before the step, no key of
+    row, the pool's table, mirror, owners and generations are those from before the step, no key of
     the batch is in the arena, and the next step and the retry equal the all-resident logits."""
-    model = ToyMoE(packed[2], seed=2)
+    ckpt, packs, g = packed
+    model = ToyMoE(g, seed=2)
     want = resident_logits(packed, model)
     batch = faulted_step_batch(packed, model)
     assert len(batch) >= 3  # a middle row has rows read before and after it
     bad = batch[len(batch) // 2] if position == "middle" else batch[-1]
-    offset = row_offset(packed, bad)
+    offset = row_offset(ckpt, packs, bad)
     plan = FaultPlan(eio_offsets={offset}) if fault == "eio" else FaultPlan(flip_offsets={offset})
     runtime, rows = faulty_runtime(packed, plan)
+    if fault == "eio":
+        error, message = ReadError, f"1 of {len(batch)} reads of .* offset {offset}: Input/output error"
+    else:
+        error, message = PackFormatError, re.escape(f"1 row(s) of {rows.pack.path} fail their checksum: {bad};")
     with runtime:
         assert torch.equal(run(runtime, model, WARM), want[WARM])
-        pool = runtime.pool
-        before = (pool.mirror.copy(), pool.owner.copy(), pool.generation.copy(), pool.table.clone())
+        before = pool_state(runtime.pool)
         arena_before = set(runtime.arena._table.hottest_first())
-        error, message = (ReadError, f"1 of {len(batch)} reads of .* offset {offset}: Input/output error") \
-            if fault == "eio" else (PackFormatError, re.escape(f"1 row(s) of {rows.pack.path} fail their checksum: {bad};"))
         with pytest.raises(error, match=message):
             run(runtime, model, FAULTED)
         assert rows.reader.fired == [(fault, offset)]
-        assert all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(before, (
-            pool.mirror, pool.owner, pool.generation, pool.table)))
-        pool.check_coherent()
+        assert all(np.array_equal(a, b) for a, b in zip(before, pool_state(runtime.pool)))
+        runtime.pool.check_coherent()
         arena_after = set(runtime.arena._table.hottest_first())
         assert arena_after <= arena_before and not arena_after & set(batch)  # rows read fine are not published either
         assert torch.equal(run(runtime, model, NEXT), want[NEXT])
         assert torch.equal(run(runtime, model, FAULTED), want[FAULTED])
-        pool.check_coherent()
+        runtime.pool.check_coherent()
         stats = runtime.stats()
         assert (stats.steps, stats.failed_steps) == (3, 1)
