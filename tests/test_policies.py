@@ -188,3 +188,62 @@ def test_expert_key_roundtrip_and_bounds():
     assert expert_key(3, 5, 64) == 197 and split_key(197, 64) == (3, 5)
     with pytest.raises(ValueError):
         expert_key(0, 64, 64)
+
+
+def policy_state(policy: EvictionPolicy) -> tuple:
+    return dict(policy.sizes), set(policy.pinned), policy.version, list(policy.eviction_order())
+
+
+def singly(policy: EvictionPolicy, victims: list[int], accessed: list[int]) -> None:
+    for key in victims:
+        policy.on_evict(key)
+    for key in victims:
+        policy.on_insert(key)
+    for key in accessed:
+        policy.on_access(key)
+
+
+def batched(policy: EvictionPolicy, victims: list[int], accessed: list[int]) -> None:
+    policy.on_evict_many(victims)
+    policy.on_insert_many(victims)
+    policy.on_access_many(accessed)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_batch_hooks_leave_the_state_the_single_hooks_leave(name):
+    one, many = filled(name), filled(name)
+    one.pin(KEYS[-1])
+    many.pin(KEYS[-1])
+    victims = list(one.eviction_order())[:3]
+    accessed = [KEYS[5], KEYS[1], KEYS[-1], KEYS[5]]
+    singly(one, victims, accessed)
+    batched(many, victims, accessed)
+    assert policy_state(many) == policy_state(one)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_batch_hooks_raise_where_the_single_hooks_raise(name):
+    one, many = filled(name), filled(name)
+    for hook, keys in (("on_access", [KEYS[2], 99, KEYS[3]]), ("on_evict", [KEYS[4], 99, KEYS[6]]),
+                       ("on_insert", [100, KEYS[7], 101])):
+        with pytest.raises(KeyError) as single_error:
+            for key in keys:
+                getattr(one, hook)(key)
+        with pytest.raises(KeyError) as batch_error:
+            getattr(many, f"{hook}_many")(keys)
+        assert str(batch_error.value) == str(single_error.value)
+        assert policy_state(many) == policy_state(one)
+
+
+def test_a_subclass_of_lru_gets_its_own_single_hooks_in_a_batch():
+    lru = get_policy("lru")
+
+    class CountingLRU(type(lru)):
+        def on_access(self, key: int) -> None:
+            self.counted = getattr(self, "counted", 0) + 1
+            super().on_access(key)
+
+    policy = CountingLRU()
+    policy.on_insert_many([1, 2, 3])
+    policy.on_access_many([3, 1])
+    assert policy.counted == 2 and list(policy.eviction_order()) == [2, 3, 1]

@@ -10,6 +10,9 @@ never decides capacity, which stays with the pool. Hook protocol, in the pool's 
 - ``on_insert(key, size)`` when a key becomes resident, ``on_access(key)`` on a hit,
   ``on_evict(key)`` when the pool removes the key it asked `victim` for, ``on_remove(key)``
   when a key leaves for any other reason;
+- ``on_insert_many`` / ``on_access_many`` / ``on_evict_many``: the same hook for each key of a
+  batch, in order (a pool's install or step close); a policy may override them with a faster loop
+  that leaves the same state;
 - ``victim(exclude)`` names the key to evict next, never a pinned or excluded one, and
   changes nothing observable: asking twice gives the same answer.
 """
@@ -83,6 +86,21 @@ class EvictionPolicy:
     def on_evict(self, key: int) -> None:
         """Remove `key` because it was chosen as victim (sweeping policies settle their hand here)."""
         self.on_remove(key)
+
+    def on_insert_many(self, keys: Iterable[int]) -> None:
+        """`on_insert(key)` (size 1) for each key in order; a policy may do the same faster."""
+        for key in keys:
+            self.on_insert(key)
+
+    def on_access_many(self, keys: Iterable[int]) -> None:
+        """`on_access(key)` for each key in order; a policy may do the same faster."""
+        for key in keys:
+            self.on_access(key)
+
+    def on_evict_many(self, keys: Iterable[int]) -> None:
+        """`on_evict(key)` for each key in order; a policy may do the same faster."""
+        for key in keys:
+            self.on_evict(key)
 
     def pin(self, key: int) -> None:
         self._require(key)

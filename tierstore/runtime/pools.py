@@ -153,8 +153,7 @@ class DevicePool:
         """Replay the deferred hits into the policy, oldest first (`policy` does it when read)."""
         if self._stamped != self._settled:
             touched = np.flatnonzero(self._hit_stamp > self._settled)
-            for key_id in touched[np.argsort(self._hit_stamp[touched])].tolist():
-                self._policy.on_access(key_id)
+            self._policy.on_access_many(touched[np.argsort(self._hit_stamp[touched])].tolist())
             self._settled = self._stamped
 
     def touch(self, keys: Iterable[Key], now: float) -> None:
@@ -170,8 +169,7 @@ class DevicePool:
             self._stamped += len(hits)
             return
         self._policy.observe(ids.tolist())
-        for key_id in hits.tolist():
-            self._policy.on_access(key_id)
+        self._policy.on_access_many(hits.tolist())
 
     def wait_layer(self, layer: int) -> None:
         """Make the current stream wait until `layer`'s rows of the last install are in place (with
@@ -235,8 +233,7 @@ class DevicePool:
         if victims:
             self.mirror.reshape(-1)[victims] = -1
             self.owner[victim_slots] = -1
-            for victim in victims:
-                self.policy.on_evict(victim)
+            self.policy.on_evict_many(victims)
             self._push_table()
         return slots
 
@@ -275,8 +272,7 @@ class DevicePool:
         self.mirror.reshape(-1)[ids] = slots
         self.owner[list(slots)] = keys
         self.generation[list(slots)] += 1
-        for key_id in ids:
-            self.policy.on_insert(key_id)
+        self.policy.on_insert_many(ids)
         self._push_table()
 
     def release_reserved(self, slots: Sequence[int]) -> None:
@@ -313,14 +309,12 @@ class DevicePool:
         policy, mirror = self.policy, self.mirror.reshape(-1)
         mirror[victims] = -1
         self.owner[victim_slots] = -1
-        for victim in victims:
-            policy.on_evict(victim)
+        policy.on_evict_many(victims)
         del self._free[len(self._free) - (len(slots) - len(victims)):]
         mirror[ids] = slots
         self.owner[slots] = keys
         self.generation[slots] += 1
-        for key_id in ids:
-            policy.on_insert(key_id)
+        policy.on_insert_many(ids)
 
     def _write_device(self, rows, slots: list[int], ids: list[int], victims: list[int]) -> None:
         """Stage the table, issue the copies (with `overlap`, the compute stream waits for them)."""
