@@ -9,7 +9,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -181,6 +181,18 @@ case "$step" in
         --steps 220 --warmup 20 --coverages 0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
         --compare-config copy_streams=2 --commit "$commit" --out "$work/replay_streams_$round.json"
     done
+    ;;
+  recorded)  # the trace recorded by `tierstore generate` (benchmarks/traces/README.md): ds-v2-lite (8 layers) and
+    # qwen3-30b-a3b (16 layers, trace layers tiled) at 10 / 25 / 50 / 100%, 4 GiB arena preloaded and no arena
+    # (stage limits 240 + 240 s; not yet run)
+    stage replay-generated-ds 240 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4,0 --arena-preload --dtype bfloat16 --no-synthetic \
+      --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first --trace-top-k trace \
+      --commit "$commit" --out "$work/replay_generated_ds.json"
+    stage replay-generated-qwen3 240 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+      --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4,0 --arena-preload --dtype bfloat16 --no-synthetic \
+      --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers tile --trace-top-k trace \
+      --commit "$commit" --out "$work/replay_generated_qwen3.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
