@@ -124,3 +124,28 @@ def test_a_fill_through_the_arena_or_staging_is_one_copy(arena_slots):
         for key in keys:
             assert torch.equal(rt.pool.slots[rt.pool.slot_of(key), :source.row_bytes], source.rows[key])
         rt.pool.check_coherent()
+
+
+def test_an_install_given_the_evictable_victims_equals_one_that_asks_the_policy():
+    asked, given = pool(slots=4), pool(slots=4)
+    keys = [(0, e) for e in range(4)]
+    for p in (asked, given):
+        p.install(keys, list(host_rows(4)), exclude=keys)
+        p.touch([(0, 2), (0, 0)], now=1.0)
+    new, protect = [(1, 0), (1, 1)], [(0, 0), (1, 0), (1, 1)]
+    victims = given.evictable(protect, len(new) - given.num_free)
+    assert victims == [1, 3]  # least recently used first, (0, 0) protected
+    asked.install(new, list(host_rows(2, seed=1)), exclude=protect)
+    given.install(new, list(host_rows(2, seed=1)), exclude=protect, victims=victims)
+    for name in ("mirror", "owner", "generation"):
+        assert np.array_equal(getattr(given, name), getattr(asked, name))
+    assert list(given.policy.eviction_order()) == list(asked.policy.eviction_order())
+    assert given._free == asked._free and torch.equal(given.slots, asked.slots)
+    given.check_coherent()
+    assert given.evictable([], 9) == list(given.policy.eviction_order())  # fewer when there are not that many
+
+
+def test_missing_keeps_the_keys_that_are_not_resident_in_order():
+    p = pool(slots=4)
+    p.install([(0, 1), (1, 3)], list(host_rows(2)), exclude=[])
+    assert p.missing([(1, 3), (1, 7), (0, 1), (0, 0)]) == [(1, 7), (0, 0)]

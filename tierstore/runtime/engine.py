@@ -183,11 +183,14 @@ class TieredRuntime:
         (`DevicePool` with `overlap`). Fails closed: on a read error nothing is mapped and the
         error propagates."""
         self.settle()
-        keys = [k for k in dict.fromkeys(keys) if not self.pool.is_resident(k)]
+        keys = self.pool.missing(dict.fromkeys(keys))
         if not keys:
             return 0
         protect = set(protect)
-        room = self.pool.capacity_for(protect, enough=len(keys))
+        # the install's victims, walked once (here): nothing changes the pool's policy before the install
+        lacking = len(keys) - self.pool.num_free
+        victims = self.pool.evictable(protect, lacking) if lacking > 0 else []
+        room = min(len(keys), self.pool.num_free + len(victims))  # = capacity_for(protect, enough=len(keys))
         if len(keys) > room:
             if not partial:
                 raise CapacityError(
@@ -201,7 +204,7 @@ class TieredRuntime:
         looked_up = time.perf_counter()
         rows = self.arena.fetch(keys, scan=scan)
         installing = time.perf_counter()
-        self.pool.install(keys, rows, protect)
+        self.pool.install(keys, rows, protect, victims)
         done = time.perf_counter()
         self._stats.add_fetch(len(keys), sum(r.numel() for r in rows), done - started, installing - looked_up,
                               done - installing)

@@ -128,6 +128,11 @@ class DevicePool:
     def is_resident(self, key: Key) -> bool:
         return self.mirror[key] >= 0
 
+    def missing(self, keys: Iterable[Key]) -> list[Key]:
+        """The keys that are not resident, in order (`is_resident` of each, without its call)."""
+        mirror = self.mirror
+        return [key for key in keys if mirror[key] < 0]
+
     def resident_keys(self) -> list[Key]:
         return [(int(l), int(e)) for l, e in self.owner if l >= 0]
 
@@ -141,6 +146,11 @@ class DevicePool:
         if enough is not None:
             order = islice(order, enough - self.num_free)
         return self.num_free + sum(1 for _ in order)
+
+    def evictable(self, exclude: Iterable[Key], count: int) -> list[int]:
+        """The first `count` key ids (fewer when there are not that many) the policy would evict
+        without evicting any of `exclude`: the victims of an install that lacks `count` free slots."""
+        return list(islice(self.policy.eviction_order(set(self.key_ids(exclude))), count))
 
     # -- policy hooks ---------------------------------------------------------------------------
     @property
@@ -181,13 +191,16 @@ class DevicePool:
                 stream.wait_event(self._side_ready[layer])
 
     # -- mutation -------------------------------------------------------------------------------
-    def install(self, keys: Sequence[Key], rows: Sequence[torch.Tensor], exclude: Iterable[Key]) -> None:
+    def install(self, keys: Sequence[Key], rows: Sequence[torch.Tensor], exclude: Iterable[Key],
+                victims: list[int] | None = None) -> None:
         """Copy host rows (uint8 [<= slot_bytes], pinned on CUDA) into slots and map them.
 
         Takes free slots first, then victims from the policy that are not in `exclude` (the
         step's routed set); raises CapacityError, changing nothing, when that is not enough.
-        Returns when the copies are done, or with `overlap` as soon as they are issued (see the
-        module doc).
+        `victims`: those victims when the caller has just asked `evictable(exclude, len(keys) -
+        num_free)` for them and got them all (the policy unchanged since: no second walk of its
+        order). Returns when the copies are done, or with `overlap` as soon as they are issued
+        (see the module doc).
         """
         if len(keys) != len(rows):
             raise ValueError(f"{len(keys)} keys but {len(rows)} rows")
@@ -198,7 +211,8 @@ class DevicePool:
         if len(set(ids)) != len(ids) or (self.mirror.reshape(-1)[ids] >= 0).any():
             raise ValueError("install() takes distinct keys that are not resident")
         self._check_rows(rows)
-        victims = self._victims(len(ids) - self.num_free, exclude, ids)
+        if victims is None:
+            victims = self._victims(len(ids) - self.num_free, exclude, ids)
         victim_slots = self.mirror.reshape(-1)[victims].tolist()
         slots = self._free[len(self._free) - min(len(keys), self.num_free):][::-1] + victim_slots  # pop() order
         self._write_device(rows, slots, ids, victims)
@@ -208,7 +222,7 @@ class DevicePool:
 
     def _check_rows(self, rows) -> None:
         for row in rows:
-            if row.dtype != torch.uint8 or row.dim() != 1 or not row.is_contiguous() or row.device.type != "cpu":
+            if row.dtype != torch.uint8 or row.dim() != 1 or not row.is_contiguous() or not row.is_cpu:
                 raise ValueError(f"rows must be contiguous 1-D uint8 host tensors, got {row.dtype} {tuple(row.shape)} "
                                  f"on {row.device}")
             if row.numel() > self.slot_bytes:
