@@ -370,6 +370,16 @@ def test_keys_outside_the_source_are_refused(pack):
             arena.fetch([key])
 
 
+def test_a_refused_key_fails_the_batch_before_any_read(pack):
+    arena, source = open_arena(pack, "memory", 4)
+    with pytest.raises(PackFormatError, match=rf"^row \(0, {EXPERTS}\) is outside {LAYERS} layers x {EXPERTS} experts$"):
+        arena.fetch([(0, 1), (0, EXPERTS)])
+    source.has_layer = lambda layer: layer != 2
+    with pytest.raises(PackFormatError, match="^layer 2 is not available from the row source$"):
+        arena.fetch([(1, 1), (2, 0)])
+    assert source.reads == {} and len(arena._table) == 0
+
+
 def test_arena_sizing():
     stride = 1 << 20
     assert arena_slots("auto", stride, 400 * stride) == 100

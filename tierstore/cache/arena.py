@@ -168,29 +168,35 @@ class Arena:
         return key in self._table
 
     # -- fetch -------------------------------------------------------------------------------
-    def _check_key(self, key: Key) -> Key:
-        layer, expert = key
-        if not (0 <= layer < self.source.num_layers and 0 <= expert < self.source.num_experts):
-            raise PackFormatError(f"row {key} is outside {self.source.num_layers} layers x "
-                                  f"{self.source.num_experts} experts")
-        if not self.source.has_layer(layer):
-            raise PackFormatError(f"layer {layer} is not available from the row source")
-        return (int(layer), int(expert))
+    def _checked_keys(self, keys: Sequence[Key]) -> list[Key]:
+        """`keys` as (int, int), each a row the source holds; PackFormatError at the first that is not."""
+        source = self.source
+        num_layers, num_experts, has_layer = source.num_layers, source.num_experts, source.has_layer
+        checked = []
+        for key in keys:
+            layer, expert = key
+            if not (0 <= layer < num_layers and 0 <= expert < num_experts):
+                raise PackFormatError(f"row {key} is outside {num_layers} layers x {num_experts} experts")
+            if not has_layer(layer):
+                raise PackFormatError(f"layer {layer} is not available from the row source")
+            checked.append((int(layer), int(expert)))
+        return checked
 
     def fetch(self, keys: Sequence[Key], scan: bool = False) -> list[torch.Tensor]:
         """Rows for `keys` as uint8 tensors [row_bytes]. `scan` (prefill): fill free slots only,
         never evict."""
         started = time.perf_counter()
-        keys = [self._check_key(key) for key in keys]
+        keys = self._checked_keys(keys)
         resident: dict[Key, torch.Tensor] = {}
         busy: set[int] = set()
+        hit, rows = self._table.hit, self._rows
         for key in keys:
             if key in resident:
                 continue
-            slot = self._table.hit(key)
+            slot = hit(key)
             if slot is not None:
                 busy.add(slot)
-                resident[key] = self._rows[slot]
+                resident[key] = rows[slot]
         hit_rows = len(resident)
         missing = [key for key in dict.fromkeys(keys) if key not in resident]
         placed: list[tuple[Key, int]] = []
