@@ -149,3 +149,30 @@ def test_with_an_fp4_tier_the_base_pool_policy_still_hears_of_a_step_at_the_next
             assert runtime.stats().replayed_steps > 0
     assert orders[0] == orders[1]
     assert all(torch.equal(a, b) for a, b in zip(*outputs))
+
+
+def test_all_fp4_tells_whether_the_last_pass_routed_only_fp4_resident_experts():
+    model, x = ToyMoE(GEOMETRY), decode_inputs(GEOMETRY, 1, seed=8)[0]
+    with tiered(GEOMETRY, ROWS, pool_slots=ALL, fp4_slots=ALL, fp4_policy="freq") as runtime:
+        runtime.preload()
+        assert runtime.pause_fp4_manager(10)
+        _, outcome = runtime.step(lambda: model.forward(runtime, x), lambda: None)
+        assert outcome.all_fp4 is False  # nothing FP4 yet
+        first_layer = {key for key in outcome.last_pass.routed_keys if key[0] == 0}  # routed from x alone
+        everything = [divmod(i, GEOMETRY.num_experts) for i in range(ALL)]
+        runtime.preload_fp4([key for key in everything if key not in first_layer])
+        _, outcome = runtime.step(lambda: model.forward(runtime, x), lambda: None)
+        assert first_layer <= set(outcome.last_pass.routed_keys) and outcome.all_fp4 is False
+        runtime.preload_fp4(sorted(first_layer))
+        _, outcome = runtime.step(lambda: model.forward(runtime, x), lambda: None)
+        assert outcome.all_fp4 is True
+        runtime.resume_fp4_manager()
+
+
+def test_with_all_fp4_equals_dataclasses_replace():
+    from dataclasses import fields, replace
+
+    from tierstore.runtime.step import StepOutcome
+
+    outcome = StepOutcome(*(object() for _ in fields(StepOutcome)))  # a distinct value in every field
+    assert outcome.with_all_fp4(True) == replace(outcome, all_fp4=True)

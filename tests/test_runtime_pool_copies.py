@@ -149,3 +149,10 @@ def test_missing_keeps_the_keys_that_are_not_resident_in_order():
     p = pool(slots=4)
     p.install([(0, 1), (1, 3)], list(host_rows(2)), exclude=[])
     assert p.missing([(1, 3), (1, 7), (0, 1), (0, 0)]) == [(1, 7), (0, 0)]
+
+
+def test_all_resident_of_key_ids():
+    p = pool(slots=4)
+    p.install([(0, 1), (1, 3)], list(host_rows(2)), exclude=[])
+    assert p.all_resident(np.array([1, EXPERTS + 3])) and p.all_resident(np.array([], dtype=np.int64))
+    assert not p.all_resident(np.array([1, 2]))

@@ -13,7 +13,6 @@ confidence gate on decode steps (docs/precision-tier.md).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -46,6 +45,7 @@ log = logging.getLogger("tierstore.runtime")
 
 Key = tuple[int, int]
 BACKENDS = ("auto", "torch", "triton")
+NO_LOCK = nullcontext()  # a step's safe point without an FP4 tier (reusable: it holds nothing)
 COUNTERS = ("steps", "replays", "fetched_bytes", "fetch_s", "arena_hit_rows", "arena_miss_rows", "arena_s",
             "install_s", "copy_s", "copy_wait_s", "read_s")  # TieredRuntime.counters()
 
@@ -229,7 +229,7 @@ class TieredRuntime:
         step_routed: set = set()  # every pass's routed keys, kept only when the gate fires
         try:
             # the safe point: the FP4 manager mutates only while nobody holds the tier's lock
-            with self.fp4.lock if self.fp4 is not None else nullcontext():
+            with self.fp4.lock if self.fp4 is not None else NO_LOCK:
                 gated = self.gate is not None and not prefill
                 if gated:
                     forward = self._with_signal(forward, logits_of or (lambda r: r))
@@ -238,8 +238,7 @@ class TieredRuntime:
                 if gated:
                     result, outcome = self._gated(first, forward, rewind, logits_of, step_routed)
                 if self.fp4 is not None:  # read under the lock: the manager cannot change residency here
-                    resident = self.fp4.pool.mirror.reshape(-1)[outcome.last_pass.routed_ids] >= 0
-                    outcome = dataclasses.replace(outcome, all_fp4=bool(resident.all()))
+                    outcome = outcome.with_all_fp4(self.fp4.pool.all_resident(outcome.last_pass.routed_ids))
         except BaseException:
             self.settle()
             self._stats.failed += 1

@@ -128,6 +128,10 @@ class DevicePool:
     def is_resident(self, key: Key) -> bool:
         return self.mirror[key] >= 0
 
+    def all_resident(self, ids: np.ndarray) -> bool:
+        """Whether every key id of `ids` (int [N]) is resident."""
+        return not np.count_nonzero(self.mirror.reshape(-1)[ids] < 0)
+
     def missing(self, keys: Iterable[Key]) -> list[Key]:
         """The keys that are not resident, in order (`is_resident` of each, without its call)."""
         mirror = self.mirror

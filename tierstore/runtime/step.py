@@ -43,6 +43,11 @@ class StepOutcome:
     gate: FireRecord | None = None  # set when the confidence gate fired on this step
     all_fp4: bool | None = None  # with an FP4 tier: the last pass routed only FP4-resident experts
 
+    def with_all_fp4(self, all_fp4: bool) -> StepOutcome:
+        """This outcome with `all_fp4` set: `dataclasses.replace` without its walk over the fields."""
+        return StepOutcome(self.replays, self.first_pass_missing_pairs, self.residue_pairs, self.tolerated,
+                           self.last_pass, self.gate, all_fp4)
+
 
 def run_step(forward: Callable[[], T], rewind: Callable[[], None], read_pass: Callable[[], PassReport],
              fetch: Callable[[tuple, set, bool], int], config: RuntimeConfig) -> tuple[T, StepOutcome]:
