@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The H200 measurements of main, in device calls of under 10 minutes each (kernels, runtime and runtime2 ran
-# at 5d57fd6; kernels2 and runtime3 at 79126e2; final measures what followed). Run from the repository root on the GPU machine:
+# The H200 measurements of main, in device calls of under 10 minutes each (one step per call; each step's
+# comment below says what it measures; the last one run is verify, at ab6ed8d). Run from the repository root on
+# the GPU machine:
 #   TIERSTORE_COMMIT=<sha of the tree, taken on the dev machine> bash benchmarks/h200_session.sh kernels
 #   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime      (carry .whl for liburing)
 #   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime2     (carry .whl for liburing)
