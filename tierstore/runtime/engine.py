@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 
 from tierstore.cache.arena import Arena, RowSource
@@ -129,6 +130,7 @@ class TieredRuntime:
         self._on_close = list(on_close)
         self.last_pass: PassReport | None = None
         self._untouched = None  # (routed ids, time) of the last step, not yet told to the pool's policy
+        self._decode_hot = np.empty(0, dtype=np.int64)  # [n] key ids the last decode step routed: prefill evicts them last
         self.closed = False
         log.info("device pool: %d slots x %.2f MiB = %.3f GiB (%.1f%% of %d experts) on %s, backend %s; arena %d slots",
                  self.pool.num_slots, self.layout.slot_bytes / 2**20, self.pool.num_slots * self.layout.slot_bytes / 2**30,
@@ -189,7 +191,7 @@ class TieredRuntime:
         protect = set(protect)
         # the install's victims, walked once (here): nothing changes the pool's policy before the install
         lacking = len(keys) - self.pool.num_free
-        victims = self.pool.evictable(protect, lacking) if lacking > 0 else []
+        victims = self._victims(protect, lacking, scan) if lacking > 0 else []
         room = min(len(keys), self.pool.num_free + len(victims))  # = capacity_for(protect, enough=len(keys))
         if len(keys) > room:
             if not partial:
@@ -199,6 +201,8 @@ class TieredRuntime:
             keys = keys[:room]
             if not keys:
                 return 0
+        if scan and self._decode_hot.size and victims:
+            self._stats.prefill_hot_evictions += int(np.isin(victims, self._decode_hot).sum())
         started = time.perf_counter()
         self.pool.wait()  # the arena may rewrite rows the last install's copies read
         looked_up = time.perf_counter()
@@ -209,6 +213,18 @@ class TieredRuntime:
         self._stats.add_fetch(len(keys), sum(r.numel() for r in rows), done - started, installing - looked_up,
                               done - installing)
         return len(keys)
+
+    def _victims(self, protect: set, lacking: int, scan: bool) -> list[int]:
+        """Key ids an install lacking `lacking` free slots evicts, never one of `protect`. A prefill
+        (`scan`) fetch takes them outside the decode hot set (the last decode step's routed experts)
+        when the pool has that much room there, so a long prompt does not flush what decode needs;
+        otherwise, since the layer must run, from the policy's plain order."""
+        if scan and self._decode_hot.size:
+            hot = {divmod(key_id, self.pool.num_experts) for key_id in self._decode_hot.tolist()}
+            victims = self.pool.evictable(protect | hot, lacking)
+            if len(victims) == lacking:
+                return victims
+        return self.pool.evictable(protect, lacking)
 
     def preload(self, keys: Iterable[Key] | None = None) -> None:
         """Install `keys` (default: every expert, which needs a pool that holds them all)."""
@@ -252,6 +268,8 @@ class TieredRuntime:
         # forward is then running on the device) or when anything uses the pool first: off the
         # host path between a no-miss step's sync and its return (the FP4 tier never uses this pool)
         self._untouched = self.last_pass.routed_ids, time.monotonic()
+        if not prefill:
+            self._decode_hot = self.last_pass.routed_ids
         if self.fp4 is not None:
             self.fp4.close_step(step_routed if outcome.gate is not None else self.last_pass.routed_ids)
             self._fp4_snapshot.push(self.log.host_seen())  # the last read's counts: no device work

@@ -30,6 +30,7 @@ class RuntimeStats:
     arena_hit_share: float  # share of fetched rows the arena served without a pack read
     pool_slots: int
     pool_coverage: float  # pool slots / routed experts of the model
+    prefill_hot_evictions: int  # decode hot-set experts a prefill fetch had to evict (the pool lacked room)
 
     @property
     def replay_rate(self) -> float:
@@ -57,6 +58,7 @@ class StatsRecorder:
         self.first_pass_misses = 0
         self.fetched_rows = self.fetched_bytes = 0
         self.fetch_seconds = 0.0
+        self.prefill_hot_evictions = 0
         self.arena_seconds = self.install_seconds = 0.0  # the parts of fetch_seconds in the arena and the pool
         self.read_seconds = 0.0  # pass-log reads (their sync waits for the forward and any copies in flight)
         self.step_seconds: deque[float] = deque(maxlen=WINDOW)
@@ -94,6 +96,7 @@ class StatsRecorder:
             step_p50_s=float(np.percentile(times, 50)), step_p99_s=float(np.percentile(times, 99)),
             arena_hit_share=arena_hits / looked_up if looked_up else 0.0,
             pool_slots=self.pool_slots, pool_coverage=self.pool_slots / self.total_experts,
+            prefill_hot_evictions=self.prefill_hot_evictions,
         )
 
     def kpi_line(self, last: int, arena_hits: int, arena_misses: int, copy_seconds: float) -> str:
@@ -116,6 +119,8 @@ class StatsRecorder:
             line += f" | DEGRADED: {stats.tolerated_steps} steps kept misses under the tolerance"
         if stats.residue_steps:
             line += f" | DEGRADED: {stats.residue_steps} steps with residue ({stats.residue_pairs} pairs)"
+        if stats.prefill_hot_evictions:
+            line += f" | prefill evicted {stats.prefill_hot_evictions} decode-hot experts (pool short of room)"
         return line
 
 
