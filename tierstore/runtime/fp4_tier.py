@@ -172,12 +172,10 @@ class Fp4Tier:
             resident = self.pool.mirror >= 0
             self.routed_pairs += int(counts.sum())
             self.fp4_pairs += int(counts[resident].sum())
-            ids = (routed[:, 0] * self.geometry.num_experts + routed[:, 1]).tolist()
+            ids = routed[:, 0] * self.geometry.num_experts + routed[:, 1]  # [N] routed key ids, ascending
             self.policy.begin_step(now)
             self.policy.observe(np.repeat(ids, counts[counts > 0]).tolist())  # window-weighted
-            for key_id, (layer, expert) in zip(ids, routed.tolist()):
-                if resident[layer, expert]:
-                    self.policy.on_access(key_id)
+            self.policy.on_access_many(ids[resident[routed[:, 0], routed[:, 1]]].tolist())
             return [(int(l), int(e)) for l, e in routed]
 
     def promote_lazy(self, window: list[Key]) -> int:
