@@ -10,7 +10,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -194,6 +194,70 @@ case "$step" in
       --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4,0 --arena-preload --dtype bfloat16 --no-synthetic \
       --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers tile --trace-top-k trace \
       --commit "$commit" --out "$work/replay_generated_qwen3.json"
+    ;;
+  resume)  # first call of the next session: the GPU tests of the CPU-only changes after ab6ed8d (c33c4d1, f70be4b,
+    # 8407196, db42f67, f321e34: policy batch hooks, victim walk, arena key checks, engine.step, prefill victims), the
+    # full preset x T kernel test (not re-run in full since the v9 down launch), the quality checkpoint tiered ==
+    # resident, and one replay round of closing's replay-waits-1 (1.25x-of-floor target with the current code).
+    # Stage limits 100 + 110 + 40 + 140 + 170 = 560 s. Estimates (not measured for this tree) from the summary.txt of
+    # earlier runs of the same commands: runtime-tests ~50 s (closing 48 s, layers 55 / 47 s, same file set);
+    # cuda-tests ~60 s (cuda step: test_cuda_w2_multi + test_cuda_w2 42 s, test_cuda_fp4 16 s); generate-quality
+    # ~22 s (closing 21 s, layers 22 s); replay-waits ~80-100 s (closing 77 s, layers 101 / 88 s); kernel-presets-test
+    # at most ~160 s (the kernels step ran test_kernels_moe.py + all of test_kernels_gpu.py in 166 s; this is part of
+    # that), last so that a run past its limit costs nothing else
+    stage runtime-tests 100 python3 -m pytest tests/test_runtime_gpu.py tests/test_runtime_pool_copies.py \
+      tests/test_runtime_layer_waits.py tests/test_runtime_fetch_split.py tests/test_fp4_gpu.py \
+      tests/test_runtime_cuda_w2.py -m gpu -q
+    stage cuda-tests 110 python3 -m pytest tests/test_cuda_w2.py tests/test_cuda_w2_multi.py tests/test_cuda_fp4.py \
+      -m gpu -q
+    stage generate-quality 40 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    stage replay-waits 140 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --compare-layer-waits --commit "$commit" --out "$work/replay_waits.json"
+    stage kernel-presets-test 170 python3 -m pytest tests/test_kernels_gpu.py -m gpu -q -k test_presets_match_reference
+    ;;
+  matrix)  # issue #5's benchmark matrix cells never measured with the current code (docs/runtime.md, "What of the
+    # issue's benchmark matrix is measured"): synthetic trace, bf16, 220 steps (20 cold): ds-v2-lite (8 layers) with
+    # no arena at 10 / 25 / 50 / 100%; qwen3-30b-a3b (16 layers) with the 4 GiB arena preloaded at 10 / 50%, then
+    # 25 / 100% (never measured preloaded either). Stage limits 200 + 170 + 150 = 520 s. Estimates, not measured:
+    # replay-none-ds ~105 s (bf18a97's no-arena rows, replay_h200_steady.json: 20.5 s of timed steps over the four
+    # coverages at 60 steps, x 220/60 = ~75 s, plus ~30 s of imports, compiles and pack build as sized in
+    # docs/runtime.md "runtime2: commands and sizing"); each qwen3 stage ~70-90 s (runtime2 / runtime3's replay-qwen3,
+    # the same preset, layers and steps at 25 / 100% with a cold arena: 66 s / 65 s, plus the preloads of 2.5 GiB)
+    stage replay-none-ds 200 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 0 --dtype bfloat16 --commit "$commit" \
+      --out "$work/replay_none_ds.json"
+    stage replay-preloaded-qwen3 170 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b \
+      --layers 16 --steps 220 --warmup 20 --coverages 0.1,0.5 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --commit "$commit" --out "$work/replay_preloaded_qwen3.json"
+    stage replay-preloaded-qwen3-b 150 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b \
+      --layers 16 --steps 220 --warmup 20 --coverages 0.25,1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --commit "$commit" --out "$work/replay_preloaded_qwen3_b.json"
+    ;;
+  presets)  # issue #9 s. 3: the Triton kernels (benchmarks/kernels.py: W2 / FP4 fused, stages, bf16 _grouped_mm, the
+    # streaming ceilings) on the DESIGN.md presets never measured with the current kernels, T = 1 / 8 / 32 / 64 / 512,
+    # and deepseek-v3 at T = 64 / 512; then the CUDA C++ W2 whole op (benchmarks/cuda_w2.py, verify's variants) on the
+    # presets whose shapes it accepts (hidden and inter multiples of 512: olmoe-1b-7b, mixtral-8x7b, ds4-flash,
+    # kimi-k2; not ds-v2-lite (inter 1408) or qwen3-30b-a3b (768)) at T = 1 / 8 / 32. Variants not timed here: the
+    # plain-Triton decode twins, dequantize-then-_grouped_mm and the down64w8 candidate (as in the kernels2 / final
+    # runs). Stage limits 60 + 6 x 60 + 4 x 35 = 560 s. Estimates, not measured: ~25-40 s per kernels.py run (the
+    # deepseek-v3 runs at T = 1 / 8 / 32 took 38 s (kernels), 26 s (kernels2), 24 s (final), mostly start-up and
+    # checks; T = 64 / 512 were never timed with these kernels); ~13 s per cuda_w2.py run (verify: 13 s, the same
+    # variants at T = 1 / 8 / 32 on deepseek-v3). Each JSON is rewritten after every stage, so a run stopped at its
+    # limit keeps the T values it finished.
+    skip=w2_fused_plain,w2_gate_up_plain,dequant_grouped_mm,w2_fused_down64w8,fp4_fused_down64w8
+    stage kernels-deepseek-v3 60 python3 benchmarks/kernels.py --preset deepseek-v3 --tokens 64,512 --config 64,8 \
+      --skip "$skip" --commit "$commit" --json "$work/kernels-deepseek-v3-t64-512.json"
+    for preset in olmoe-1b-7b ds-v2-lite qwen3-30b-a3b mixtral-8x7b ds4-flash kimi-k2; do
+      stage "kernels-$preset" 60 python3 benchmarks/kernels.py --preset "$preset" --tokens 1,8,32,64,512 --config 64,8 \
+        --skip "$skip" --commit "$commit" --json "$work/kernels-$preset.json"
+    done
+    for preset in olmoe-1b-7b mixtral-8x7b ds4-flash kimi-k2; do
+      stage "cuda-w2-$preset" 35 python3 benchmarks/cuda_w2.py --preset "$preset" --tokens 1,8,32 \
+        --variants cuda_mma_ahead2,cuda_down,cuda_whole,cuda_whole_egp,cuda_whole_multi,cuda_whole_multi_s4e \
+        --commit "$commit" --json "$work/cuda-w2-$preset.json"
+    done
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
