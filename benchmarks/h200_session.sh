@@ -196,9 +196,11 @@ case "$step" in
       --commit "$commit" --out "$work/replay_generated_qwen3.json"
     ;;
   resume)  # first call of the next session: the GPU tests of the CPU-only changes after ab6ed8d (c33c4d1, f70be4b,
-    # 8407196, db42f67, f321e34: policy batch hooks, victim walk, arena key checks, engine.step, prefill victims), the
-    # full preset x T kernel test (not re-run in full since the v9 down launch), the quality checkpoint tiered ==
-    # resident, and one replay round of closing's replay-waits-1 (1.25x-of-floor target with the current code).
+    # 8407196, db42f67, f321e34: policy batch hooks, victim walk, arena key checks, engine.step, prefill victims; and
+    # the early_fetch option with its GPU tests in test_runtime_early_fetch.py), the full preset x T kernel test (not
+    # re-run in full since the v9 down launch), the quality checkpoint tiered == resident, and one replay round of
+    # closing's replay-waits-1 (1.25x-of-floor target with the current code), side by side with early_fetch on (the
+    # compared run replaces closing's layer_waits-off run, which 18 earlier rounds measured).
     # Stage limits 100 + 110 + 40 + 140 + 170 = 560 s. Estimates (not measured for this tree) from the summary.txt of
     # earlier runs of the same commands: runtime-tests ~50 s (closing 48 s, layers 55 / 47 s, same file set);
     # cuda-tests ~60 s (cuda step: test_cuda_w2_multi + test_cuda_w2 42 s, test_cuda_fp4 16 s); generate-quality
@@ -207,14 +209,14 @@ case "$step" in
     # that), last so that a run past its limit costs nothing else
     stage runtime-tests 100 python3 -m pytest tests/test_runtime_gpu.py tests/test_runtime_pool_copies.py \
       tests/test_runtime_layer_waits.py tests/test_runtime_fetch_split.py tests/test_fp4_gpu.py \
-      tests/test_runtime_cuda_w2.py -m gpu -q
+      tests/test_runtime_cuda_w2.py tests/test_runtime_early_fetch.py -m gpu -q
     stage cuda-tests 110 python3 -m pytest tests/test_cuda_w2.py tests/test_cuda_w2_multi.py tests/test_cuda_fp4.py \
       -m gpu -q
     stage generate-quality 40 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     stage replay-waits 140 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
       --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --compare-layer-waits --commit "$commit" --out "$work/replay_waits.json"
+      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_early_fetch.json"
     stage kernel-presets-test 170 python3 -m pytest tests/test_kernels_gpu.py -m gpu -q -k test_presets_match_reference
     ;;
   matrix)  # issue #5's benchmark matrix cells never measured with the current code (docs/runtime.md, "What of the

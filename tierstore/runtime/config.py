@@ -63,6 +63,12 @@ class RuntimeConfig:
     - `copy_streams` (1 or 2, default 1; with `layer_waits`): a fetch's row copies alternate between this
       many copy streams, so one copy's set-up overlaps another's transfer (each MoE layer then waits on one
       event per stream).
+    - `early_fetch` (default off; with `layer_waits`, decode steps): while a pass runs, the host reads each
+      finished MoE layer's routed experts (copied to pinned memory by the pass itself) and fetches the
+      missing ones at once, evicting only experts of finished layers that the pass did not route, so the
+      copies overlap the rest of the pass; what is still missing at the pass-log read is fetched as before.
+      Same bytes and kernels: the replay's result is unchanged; the pass pays two small device-to-host
+      copies per MoE layer. Not measured on a GPU yet.
 
     Kernels:
 
@@ -107,6 +113,7 @@ class RuntimeConfig:
     gate_dump: str = ""
     layer_waits: bool = True
     copy_streams: int = 1
+    early_fetch: bool = False
     cuda_w2: bool = False
 
     def __post_init__(self) -> None:

@@ -108,8 +108,13 @@ class TieredRuntime:
         self._early_hits = self.device.type == "cuda" and self.pool.num_slots < geometry.total_routed_experts
         self.arena = Arena(source, arena_slots, heat_path=heat_path, pin=self.device.type == "cuda")
         self.source = source
+        # early_fetch: a pool that can miss reads each finished layer's routing while the pass runs (`moe`, `step`)
+        self._early = self.config.early_fetch and slots < geometry.total_routed_experts
+        if self._early and self.device.type == "cuda" and not self.pool.layer_waits:
+            raise ConfigError("early_fetch needs layer_waits: the copies it starts during a pass must be waited for "
+                              "per layer by the replay")
         self.log = PassLog(*shape, geometry.top_k, capacity=shape[0] * shape[1], device=self.device,
-                           record_tokens=record_tokens, output_words=output_words)
+                           record_tokens=record_tokens, output_words=output_words, early_layers=self._early)
         self.backend = _resolve_backend(backend, self.device)
         self.fp4, self.gate, self._fp4_manager, self._gate_budget = None, None, None, None
         self._setup_precision_tier(fp4_source, fp4_slots, fp4_arena_slots)
@@ -169,7 +174,10 @@ class TieredRuntime:
                 self.fp4.force_promote(keys, keys, None, prefill=True)  # KV written at FP4 where the pool allows
             self.fetch(keys, keys, scan=True)
         self.pool.wait_layer(layer)  # this layer's rows of the last fetch (the only readers of the pool are here)
-        return self.experts(layer, hidden, topk_ids, topk_weights)
+        out = self.experts(layer, hidden, topk_ids, topk_weights)
+        if self._early:
+            self.log.publish_layer(layer)  # after the layer's MoE: its routing reaches the host during the pass
+        return out
 
     def publish(self, values: torch.Tensor) -> None:
         """Hand `values` (e.g. the sampled token ids, int [T]) to the step's pass-log read: call it
@@ -178,12 +186,15 @@ class TieredRuntime:
         self.log.publish(values)
 
     # -- fetch --------------------------------------------------------------------------------
-    def fetch(self, keys: Iterable[Key], protect: Iterable[Key], scan: bool = False, partial: bool = False) -> int:
+    def fetch(self, keys: Iterable[Key], protect: Iterable[Key], scan: bool = False, partial: bool = False,
+              finished_layers: int | None = None) -> int:
         """Make `keys` resident in one batch (arena hits are zero-copy; misses read the source),
         never evicting `protect`. Returns how many were installed, on CUDA with their copies still
         in flight: work launched after it on the current stream waits for them on the device
         (`DevicePool` with `overlap`). Fails closed: on a read error nothing is mapped and the
-        error propagates."""
+        error propagates. `finished_layers` (early fetch, while a pass runs that has finished its
+        first `finished_layers` MoE layers): victims come from those layers only, and the copies
+        do not wait for the pass."""
         self.settle()
         keys = self.pool.missing(dict.fromkeys(keys))
         if not keys:
@@ -191,7 +202,8 @@ class TieredRuntime:
         protect = set(protect)
         # the install's victims, walked once (here): nothing changes the pool's policy before the install
         lacking = len(keys) - self.pool.num_free
-        victims = self._victims(protect, lacking, scan) if lacking > 0 else []
+        below = None if finished_layers is None else finished_layers * self.geometry.num_experts
+        victims = self._victims(protect, lacking, scan, below) if lacking > 0 else []
         room = min(len(keys), self.pool.num_free + len(victims))  # = capacity_for(protect, enough=len(keys))
         if len(keys) > room:
             if not partial:
@@ -208,23 +220,45 @@ class TieredRuntime:
         looked_up = time.perf_counter()
         rows = self.arena.fetch(keys, scan=scan)
         installing = time.perf_counter()
-        self.pool.install(keys, rows, protect, victims)
+        self.pool.install(keys, rows, protect, victims, after_compute=finished_layers is None)
         done = time.perf_counter()
         self._stats.add_fetch(len(keys), sum(r.numel() for r in rows), done - started, installing - looked_up,
-                              done - installing)
+                              done - installing, during_pass=finished_layers is not None)
         return len(keys)
 
-    def _victims(self, protect: set, lacking: int, scan: bool) -> list[int]:
-        """Key ids an install lacking `lacking` free slots evicts, never one of `protect`. A prefill
-        (`scan`) fetch takes them outside the decode hot set (the last decode step's routed experts)
-        when the pool has that much room there, so a long prompt does not flush what decode needs;
-        otherwise, since the layer must run, from the policy's plain order."""
+    def _victims(self, protect: set, lacking: int, scan: bool, below: int | None = None) -> list[int]:
+        """Key ids an install lacking `lacking` free slots evicts, never one of `protect` (nor an id
+        at or above `below`). A prefill (`scan`) fetch takes them outside the decode hot set (the last
+        decode step's routed experts) when the pool has that much room there, so a long prompt does
+        not flush what decode needs; otherwise, since the layer must run, from the policy's plain order."""
         if scan and self._decode_hot.size:
             hot = {divmod(key_id, self.pool.num_experts) for key_id in self._decode_hot.tolist()}
-            victims = self.pool.evictable(protect | hot, lacking)
+            victims = self.pool.evictable(protect | hot, lacking, below)
             if len(victims) == lacking:
                 return victims
-        return self.pool.evictable(protect, lacking)
+        return self.pool.evictable(protect, lacking, below)
+
+    def _fetch_during_pass(self) -> None:
+        """`early_fetch`: while the launched pass runs, read each finished MoE layer's routing (in
+        layer order, polling its host copy), and whenever the last install's copies are done fetch
+        what the finished layers miss, evicting only their experts that this pass did not route.
+        Returns at the last layer, or when the pass ended without publishing the next one."""
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        routed: list[Key] = []  # this pass's routed experts of its finished layers
+        pending: list[Key] = []  # of those, the ones not resident and not fetched yet
+        for layer in range(self.geometry.num_moe_layers):
+            seen = self.log.layer_seen(layer)  # int32 [E] or None
+            while seen is None:
+                done = stream is None or stream.query()
+                seen = self.log.layer_seen(layer)
+                if seen is None and done:
+                    return
+            layer_routed = [(layer, expert) for expert in np.flatnonzero(seen).tolist()]
+            routed += layer_routed
+            pending += self.pool.missing(layer_routed)
+            if pending and self.pool.idle():
+                self.fetch(pending, routed, partial=True, finished_layers=layer + 1)
+                pending = []
 
     def preload(self, keys: Iterable[Key] | None = None) -> None:
         """Install `keys` (default: every expert, which needs a pool that holds them all)."""
@@ -249,10 +283,13 @@ class TieredRuntime:
                 gated = self.gate is not None and not prefill
                 if gated:
                     forward = self._with_signal(forward, logits_of or (lambda r: r))
-                first = run_step(forward, rewind, self._read_pass, self._fetch_for_step, self.config)
+                during_pass = None
+                if self._early and not prefill:
+                    forward, during_pass = self._with_cleared_layers(forward), self._fetch_during_pass
+                first = run_step(forward, rewind, self._read_pass, self._fetch_for_step, self.config, during_pass)
                 result, outcome = first
                 if gated:
-                    result, outcome = self._gated(first, forward, rewind, logits_of, step_routed)
+                    result, outcome = self._gated(first, forward, rewind, logits_of, step_routed, during_pass)
                 if self.fp4 is not None:  # read under the lock: the manager cannot change residency here
                     outcome = outcome.with_all_fp4(self.fp4.pool.all_resident(outcome.last_pass.routed_ids))
         except BaseException:
@@ -290,10 +327,18 @@ class TieredRuntime:
             return result
         return run
 
-    def _gated(self, first, forward, rewind, logits_of, step_routed: set):
+    def _with_cleared_layers(self, forward: Callable[[], object]):
+        """`forward` after zeroing the pass log's host stamps (early fetch: no stamp of the last pass
+        may pass for this one's)."""
+        def run():
+            self.log.clear_layers()
+            return forward()
+        return run
+
+    def _gated(self, first, forward, rewind, logits_of, step_routed: set, during_pass=None):
         def rerun():
             rewind()
-            again = run_step(forward, rewind, self._read_pass, self._fetch_for_step, self.config)
+            again = run_step(forward, rewind, self._read_pass, self._fetch_for_step, self.config, during_pass)
             step_routed.update(again[1].last_pass.routed_keys)
             return again
 

@@ -7,6 +7,12 @@ device-to-host copy into pinned memory and one synchronisation, the only ones of
 All of them are views of one int32 device buffer, laid out [counts | seen | entries | routing |
 outputs]: `reset()` zeroes the first two with one fill and `read()` copies the whole buffer at once.
 
+With `early_layers` (the runtime's `early_fetch`), `publish_layer(layer)` (capturable, called after a
+layer's MoE) also copies that layer's `seen` row to pinned host memory, then a stamp after it on the
+same stream, so the host can read a finished layer's routed experts while the pass still runs:
+`clear_layers()` zeroes the host stamps before a pass is launched and `layer_seen(layer)` returns the
+row once its stamp has landed (the row landed first), without any synchronisation.
+
 `outputs` (`output_words` int32, 0 by default) is for what the caller reads back every step anyway,
 e.g. a decoder's sampled token: `publish(values)` at the end of the forward (capturable) writes it
 into the buffer, so the pass-log read that the step protocol makes is also the decoder's readback
@@ -47,7 +53,7 @@ class PassLog:
     outputs int32 [output_words] written by `publish`."""
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, capacity: int, device,
-                 record_tokens: int = 0, output_words: int = 0):
+                 record_tokens: int = 0, output_words: int = 0, early_layers: bool = False):
         self.device = torch.device(device)
         self.num_experts = num_experts
         self.record_tokens = record_tokens
@@ -64,6 +70,13 @@ class PassLog:
         host = self._host.numpy()
         self._host_counts, self._host_seen, self._host_entries, self._host_routing, self._host_outputs = np.split(
             host, np.cumsum(sizes)[:4])
+        self._layer_rows = self._layer_stamps = None
+        if early_layers:
+            pin = self.device.type == "cuda"
+            self._layer_rows = torch.zeros(num_layers, num_experts, dtype=torch.int32, pin_memory=pin)  # [L, E]
+            self._layer_stamps = torch.zeros(num_layers, dtype=torch.int32, pin_memory=pin)  # [L] 1 = row landed
+            self._stamp = torch.ones(1, dtype=torch.int32, device=self.device)  # what publish_layer copies
+            self._host_layer_rows, self._host_layer_stamps = self._layer_rows.numpy(), self._layer_stamps.numpy()
 
     def reset(self) -> None:
         """Start a pass (called from the first MoE layer; capturable): one fill of counts and seen."""
@@ -86,6 +99,22 @@ class PassLog:
         if flat.numel() > self.outputs.numel():
             raise ValueError(f"{flat.numel()} values do not fit {self.outputs.numel()} output words")
         self.outputs[:flat.numel()].copy_(flat)
+
+    def publish_layer(self, layer: int) -> None:
+        """Copy `layer`'s routed counts, then its stamp, to pinned host memory (asynchronous on CUDA;
+        capturable). Call it after the layer's MoE, so a landed stamp means the layer is done."""
+        self._layer_rows[layer].copy_(self.seen[layer], non_blocking=True)
+        self._layer_stamps[layer:layer + 1].copy_(self._stamp, non_blocking=True)
+
+    def clear_layers(self) -> None:
+        """Zero the host stamps; call it before launching a pass (the last pass has been read, so
+        none of its copies is still in flight)."""
+        self._host_layer_stamps[:] = 0
+
+    def layer_seen(self, layer: int) -> np.ndarray | None:
+        """int32 [E]: `layer`'s routed pairs per expert in the running pass, or None while its
+        copy has not landed."""
+        return self._host_layer_rows[layer] if self._host_layer_stamps[layer] else None
 
     def host_seen(self) -> np.ndarray:
         """int32 [L, E]: the routed pairs per expert of the last `read()` (a view of its host copy,

@@ -151,10 +151,14 @@ class DevicePool:
             order = islice(order, enough - self.num_free)
         return self.num_free + sum(1 for _ in order)
 
-    def evictable(self, exclude: Iterable[Key], count: int) -> list[int]:
+    def evictable(self, exclude: Iterable[Key], count: int, below: int | None = None) -> list[int]:
         """The first `count` key ids (fewer when there are not that many) the policy would evict
-        without evicting any of `exclude`: the victims of an install that lacks `count` free slots."""
-        return list(islice(self.policy.eviction_order(set(self.key_ids(exclude))), count))
+        without evicting any of `exclude`: the victims of an install that lacks `count` free slots.
+        `below`: only key ids under it (the layers a running pass has finished)."""
+        order = self.policy.eviction_order(set(self.key_ids(exclude)))
+        if below is not None:
+            order = (key_id for key_id in order if key_id < below)
+        return list(islice(order, count))
 
     # -- policy hooks ---------------------------------------------------------------------------
     @property
@@ -196,7 +200,7 @@ class DevicePool:
 
     # -- mutation -------------------------------------------------------------------------------
     def install(self, keys: Sequence[Key], rows: Sequence[torch.Tensor], exclude: Iterable[Key],
-                victims: list[int] | None = None) -> None:
+                victims: list[int] | None = None, after_compute: bool = True) -> None:
         """Copy host rows (uint8 [<= slot_bytes], pinned on CUDA) into slots and map them.
 
         Takes free slots first, then victims from the policy that are not in `exclude` (the
@@ -204,7 +208,11 @@ class DevicePool:
         `victims`: those victims when the caller has just asked `evictable(exclude, len(keys) -
         num_free)` for them and got them all (the policy unchanged since: no second walk of its
         order). Returns when the copies are done, or with `overlap` as soon as they are issued
-        (see the module doc).
+        (see the module doc). `after_compute` False (CUDA, `layer_waits`): the copies do not wait
+        for the work launched on the compute stream, for a caller that installs while a pass runs
+        and whose victims and new keys all belong to layers the pass has finished (it knows that
+        from the host: `PassLog.layer_seen`); the table copy then rewrites the running pass's later
+        layers with the values they already hold.
         """
         if len(keys) != len(rows):
             raise ValueError(f"{len(keys)} keys but {len(rows)} rows")
@@ -219,7 +227,7 @@ class DevicePool:
             victims = self._victims(len(ids) - self.num_free, exclude, ids)
         victim_slots = self.mirror.reshape(-1)[victims].tolist()
         slots = self._free[len(self._free) - min(len(keys), self.num_free):][::-1] + victim_slots  # pop() order
-        self._write_device(rows, slots, ids, victims)
+        self._write_device(rows, slots, ids, victims, after_compute)
         self._map(keys, ids, slots, victims, victim_slots)
         if not self.overlap:
             self.wait()
@@ -334,7 +342,8 @@ class DevicePool:
         self.generation[slots] += 1
         policy.on_insert_many(ids)
 
-    def _write_device(self, rows, slots: list[int], ids: list[int], victims: list[int]) -> None:
+    def _write_device(self, rows, slots: list[int], ids: list[int], victims: list[int],
+                      after_compute: bool = True) -> None:
         """Stage the table, issue the copies (with `overlap`, the compute stream waits for them)."""
         (unmapped, final), (unmapped_ids, final_ids) = self._staged, self._staged_ids
         final_ids[:] = self.mirror.reshape(-1)
@@ -349,7 +358,8 @@ class DevicePool:
             return
         # streams passed explicitly: torch.cuda.current_stream(device) costs ~10 us of host time per call
         compute, copy = torch.cuda.current_stream(self.device), self._stream
-        copy.wait_stream(compute)
+        if after_compute or not self.layer_waits:
+            copy.wait_stream(compute)
         start, end = self._marks
         start.record(copy)
         if self.layer_waits:
@@ -407,6 +417,11 @@ class DevicePool:
         self.wait_seconds += time.perf_counter() - started
         self.copy_seconds += start.elapsed_time(end) / 1e3
         self._in_flight = False
+
+    def idle(self) -> bool:
+        """Whether the last install's copies are done (never blocks; `collect()` first)."""
+        self.collect()
+        return not self._in_flight
 
     def collect(self) -> None:
         """`wait()` if the copies are already done (never blocks): brings `copy_seconds` up to date."""

@@ -30,6 +30,7 @@ class RuntimeStats:
     arena_hit_share: float  # share of fetched rows the arena served without a pack read
     pool_slots: int
     pool_coverage: float  # pool slots / routed experts of the model
+    early_fetched_rows: int  # of fetched_rows, those fetched while their pass still ran (config early_fetch)
     prefill_hot_evictions: int  # decode hot-set experts a prefill fetch had to evict (the pool lacked room)
 
     @property
@@ -56,7 +57,7 @@ class StatsRecorder:
         self.steps = self.replayed = self.replays = self.second_order = 0
         self.tolerated = self.residue_steps = self.residue_pairs = self.failed = 0
         self.first_pass_misses = 0
-        self.fetched_rows = self.fetched_bytes = 0
+        self.fetched_rows = self.fetched_bytes = self.early_fetched_rows = 0
         self.fetch_seconds = 0.0
         self.prefill_hot_evictions = 0
         self.arena_seconds = self.install_seconds = 0.0  # the parts of fetch_seconds in the arena and the pool
@@ -64,8 +65,10 @@ class StatsRecorder:
         self.step_seconds: deque[float] = deque(maxlen=WINDOW)
         self.recent: deque[tuple[bool, int]] = deque(maxlen=WINDOW)  # (replayed, first-pass missing pairs)
 
-    def add_fetch(self, rows: int, nbytes: int, seconds: float, arena_seconds: float, install_seconds: float) -> None:
+    def add_fetch(self, rows: int, nbytes: int, seconds: float, arena_seconds: float, install_seconds: float,
+                  during_pass: bool = False) -> None:
         self.fetched_rows += rows
+        self.early_fetched_rows += rows if during_pass else 0
         self.fetched_bytes += nbytes
         self.fetch_seconds += seconds
         self.arena_seconds += arena_seconds
@@ -96,7 +99,7 @@ class StatsRecorder:
             step_p50_s=float(np.percentile(times, 50)), step_p99_s=float(np.percentile(times, 99)),
             arena_hit_share=arena_hits / looked_up if looked_up else 0.0,
             pool_slots=self.pool_slots, pool_coverage=self.pool_slots / self.total_experts,
-            prefill_hot_evictions=self.prefill_hot_evictions,
+            early_fetched_rows=self.early_fetched_rows, prefill_hot_evictions=self.prefill_hot_evictions,
         )
 
     def kpi_line(self, last: int, arena_hits: int, arena_misses: int, copy_seconds: float) -> str:
@@ -119,6 +122,8 @@ class StatsRecorder:
             line += f" | DEGRADED: {stats.tolerated_steps} steps kept misses under the tolerance"
         if stats.residue_steps:
             line += f" | DEGRADED: {stats.residue_steps} steps with residue ({stats.residue_pairs} pairs)"
+        if stats.early_fetched_rows:
+            line += f" | {stats.early_fetched_rows} rows fetched during their pass"
         if stats.prefill_hot_evictions:
             line += f" | prefill evicted {stats.prefill_hot_evictions} decode-hot experts (pool short of room)"
         return line

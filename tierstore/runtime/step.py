@@ -50,9 +50,12 @@ class StepOutcome:
 
 
 def run_step(forward: Callable[[], T], rewind: Callable[[], None], read_pass: Callable[[], PassReport],
-             fetch: Callable[[tuple, set, bool], int], config: RuntimeConfig) -> tuple[T, StepOutcome]:
+             fetch: Callable[[tuple, set, bool], int], config: RuntimeConfig,
+             during_pass: Callable[[], None] | None = None) -> tuple[T, StepOutcome]:
     """Run one step to its fixed point. `fetch(keys, routed, partial)` makes keys resident without
-    evicting `routed` (partial: as many as fit) and returns how many it installed.
+    evicting `routed` (partial: as many as fit) and returns how many it installed. `during_pass`,
+    when given, runs after each `forward()` returns and before its pass is read (on CUDA the pass
+    is then still running on the device).
 
     Fetches protect the routed set of the pass just read: after its sync nothing reads the pool,
     and experts routed only by an earlier, degraded pass are not needed by the replay (protecting
@@ -65,6 +68,8 @@ def run_step(forward: Callable[[], T], rewind: Callable[[], None], read_pass: Ca
     approximate = config.replay_mode == "approximate"
     while True:
         result = forward()
+        if during_pass is not None:
+            during_pass()
         report = read_pass()
         first = report.missing_pairs if first is None else first
         misses = report.missing_pairs
