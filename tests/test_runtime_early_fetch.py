@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fp4_fixtures import decode_inputs, tier_rows, tiered
 from test_runtime_core import make_runtime, resident_run, tokens
 from test_runtime_fixtures import ToyMoE, memory_source, toy_geometry
 from test_runtime_layer_waits import _hold_rows, _resident_outputs, _steps
@@ -132,3 +133,33 @@ def test_layer_rows_match_the_pass_logs_seen_counts_after_a_pass():
         runtime.step(lambda: model.forward(runtime, tokens(g, 3)), lambda: None)
         for layer in range(g.num_moe_layers):
             assert np.array_equal(runtime.log.layer_seen(layer), runtime.log.host_seen()[layer])
+
+
+def test_experts_resident_at_fp4_are_not_fetched_during_the_pass():
+    """An FP4-resident pair does not miss: fetches during a pass leave those experts alone, and the
+    steps equal the same run without early fetch bit for bit."""
+    g = toy_geometry()
+    rows, model, xs = tier_rows(g), ToyMoE(g), decode_inputs(g, 24)
+    fp4_keys = [(layer, expert) for layer in range(g.num_moe_layers) for expert in range(0, g.num_experts, 2)]
+
+    def run(early: bool):
+        fetched = []
+        with tiered(g, rows, pool_slots=g.total_routed_experts // 2, fp4_slots=len(fp4_keys), fp4_policy="need",
+                    early_fetch=early) as runtime:
+            runtime.preload_fp4(fp4_keys)
+            fetch = runtime.fetch
+
+            def recording_fetch(keys, protect, scan=False, partial=False, finished_layers=None):
+                if finished_layers is not None:
+                    fetched.extend(keys)
+                return fetch(keys, protect, scan, partial, finished_layers)
+
+            runtime.fetch = recording_fetch
+            outs = [runtime.step(lambda x=x: model.forward(runtime, x), lambda: None)[0] for x in xs]
+        return outs, fetched
+
+    plain, _ = run(False)
+    early, fetched = run(True)
+    assert fetched and not set(fetched) & set(fp4_keys)
+    for step, (a, b) in enumerate(zip(early, plain)):
+        assert torch.equal(a, b), f"step {step} differs from the run without early fetch"

@@ -244,8 +244,9 @@ class TieredRuntime:
         what the finished layers miss, evicting only their experts that this pass did not route.
         Returns at the last layer, or when the pass ended without publishing the next one."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        fp4 = self.fp4.pool if self.fp4 is not None else None  # its residency holds still: the step has its lock
         routed: list[Key] = []  # this pass's routed experts of its finished layers
-        pending: list[Key] = []  # of those, the ones not resident and not fetched yet
+        pending: list[Key] = []  # of those, the ones the pass missed (in neither pool) and not fetched yet
         for layer in range(self.geometry.num_moe_layers):
             seen = self.log.layer_seen(layer)  # int32 [E] or None
             while seen is None:
@@ -255,7 +256,8 @@ class TieredRuntime:
                     return
             layer_routed = [(layer, expert) for expert in np.flatnonzero(seen).tolist()]
             routed += layer_routed
-            pending += self.pool.missing(layer_routed)
+            missed = self.pool.missing(layer_routed)
+            pending += fp4.missing(missed) if fp4 is not None else missed  # an FP4-resident pair does not miss
             if pending and self.pool.idle():
                 self.fetch(pending, routed, partial=True, finished_layers=layer + 1)
                 pending = []
