@@ -163,3 +163,29 @@ def test_experts_resident_at_fp4_are_not_fetched_during_the_pass():
     assert fetched and not set(fetched) & set(fp4_keys)
     for step, (a, b) in enumerate(zip(early, plain)):
         assert torch.equal(a, b), f"step {step} differs from the run without early fetch"
+
+
+def test_a_read_error_during_the_pass_fails_the_step_closed_and_the_next_steps_are_exact():
+    g = toy_geometry()
+    model = ToyMoE(g)
+    expected = resident_run(g, model, 12)
+    with make_runtime(g, 0.25, early_fetch=True) as runtime:
+        fetch, read, failures = runtime.fetch, runtime.arena.fetch, []
+
+        def failing_read(keys, scan=False):
+            failures.append(list(keys))
+            raise OSError(5, "Input/output error (injected)")
+
+        def fetch_failing_once_during_a_pass(keys, protect, scan=False, partial=False, finished_layers=None):
+            runtime.arena.fetch = failing_read if finished_layers is not None and not failures else read
+            return fetch(keys, protect, scan, partial, finished_layers)
+
+        runtime.fetch = fetch_failing_once_during_a_pass
+        for step, want in enumerate(expected):
+            try:
+                got, _ = runtime.step(lambda x=tokens(g, step): model.forward(runtime, x), lambda: None)
+            except OSError:
+                runtime.pool.check_coherent()
+                got, _ = runtime.step(lambda x=tokens(g, step): model.forward(runtime, x), lambda: None)
+            assert torch.equal(got, want), f"step {step} differs"
+        assert failures and runtime.stats().failed_steps == 1

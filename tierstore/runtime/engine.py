@@ -242,8 +242,18 @@ class TieredRuntime:
         """`early_fetch`: while the launched pass runs, read each finished MoE layer's routing (in
         layer order, polling its host copy), and whenever the last install's copies are done fetch
         what the finished layers miss, evicting only their experts that this pass did not route.
-        Returns at the last layer, or when the pass ended without publishing the next one."""
+        Returns at the last layer, or when the pass ended without publishing the next one. If a fetch
+        fails, the pass is waited for before the error propagates: none of its host copies may land
+        after the next pass has zeroed the stamps."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        try:
+            self._fetch_finished_layers(stream)
+        except BaseException:
+            if stream is not None:
+                stream.synchronize()
+            raise
+
+    def _fetch_finished_layers(self, stream: torch.cuda.Stream | None) -> None:
         fp4 = self.fp4.pool if self.fp4 is not None else None  # its residency holds still: the step has its lock
         routed: list[Key] = []  # this pass's routed experts of its finished layers
         pending: list[Key] = []  # of those, the ones the pass missed (in neither pool) and not fetched yet
@@ -331,10 +341,16 @@ class TieredRuntime:
 
     def _with_cleared_layers(self, forward: Callable[[], object]):
         """`forward` after zeroing the pass log's host stamps (early fetch: no stamp of the last pass
-        may pass for this one's)."""
+        may pass for this one's); a forward that raises is waited for on the device first, so that
+        none of the host copies it launched lands after the next pass has zeroed the stamps."""
         def run():
             self.log.clear_layers()
-            return forward()
+            try:
+                return forward()
+            except BaseException:
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+                raise
         return run
 
     def _gated(self, first, forward, rewind, logits_of, step_routed: set, during_pass=None):
