@@ -1,6 +1,6 @@
 // Device code shared by the W2 (w2_fragments.cuh) and FP4 (fp4_fragments.cuh) tensor-core stages: the bf16
-// mma.m16n8k16, a uint4's word m, a lane's 16-byte tile loads, and the activation pair unit (16 activations)
-// stored in B register order. Only what is the same for both formats; each format's decode, tile mmas and unit
+// mma.m16n8k16, a uint4's word m, a lane's 16-byte tile loads and the K loop's register ring over them, and the
+// activation pair unit (16 activations) stored in B register order. Only what is the same for both formats; each format's decode, tile mmas and unit
 // loads stay in its own header.
 
 #pragma once
@@ -42,6 +42,41 @@ __device__ __forceinline__ WordTile<Scales> load_tile(const uint4* ra, const uin
   r.sa = __ldg(sa + t);
   r.sb = __ldg(sb + t);
   return r;
+}
+
+// One warp's two A rows for the K loop: words (ra / rb, uint4 [words_per_row / 4]) and scales (sa / sb, one Scales
+// per tile), as `load_tile` takes them.
+template <class Scales>
+struct TileRows {
+  const uint4 *ra, *rb;
+  const Scales *sa, *sb;
+};
+
+// The K loop of one warp over `tiles` K tiles of its two A rows: a register ring of kAhead + 1 tiles, tile t in
+// ring[t % (kAhead + 1)]; loads past the last tile reload it. load_c: the loads' word vector index (c, or 0 where c
+// is already in ra / rb); `xp` holds the activation pairs, kPairWords words per tile (after a barrier); each tile
+// goes to the format's `tile_mma` (w2_fragments.cuh, fp4_fragments.cuh; chosen by the tile type). first_loads
+// issues tiles 0 .. kAhead - 1 (before the pairs are built), k_loop the rest.
+template <int kAhead, class Scales>
+__device__ __forceinline__ void first_loads(const TileRows<Scales>& r, WordTile<Scales> (&ring)[kAhead + 1], int tiles,
+                                            int load_c) {
+#pragma unroll
+  for (int j = 0; j < kAhead; ++j) ring[j] = load_tile(r.ra, r.rb, r.sa, r.sb, min(j, tiles - 1), load_c);
+}
+
+template <int kAhead, int kPairWords, class Scales>
+__device__ __forceinline__ void k_loop(const TileRows<Scales>& r, WordTile<Scales> (&ring)[kAhead + 1],
+                                       const uint32_t* xp, int tiles, int load_c, int c, float (&acc)[2][4]) {
+  for (int t0 = 0; t0 < tiles; t0 += kAhead + 1) {
+#pragma unroll
+    for (int j = 0; j <= kAhead; ++j) {
+      const int t = t0 + j;
+      if (t < tiles) {
+        ring[(j + kAhead) % (kAhead + 1)] = load_tile(r.ra, r.rb, r.sa, r.sb, min(t + kAhead, tiles - 1), load_c);
+        tile_mma(ring[j], xp + t * kPairWords, c, acc);
+      }
+    }
+  }
 }
 
 // One unit's 16 activations (a format's `load_unit` reads them): slot 2i (la, lb) and slot 2i+1 (ha, hb) of

@@ -90,7 +90,7 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
 
 // One K tile: 4 words x 4 bytes = 16 mmas (16 rows x 16 K each), word by word (the word's four pairs decoded
 // once); acc[i & 1] alternate.
-__device__ __forceinline__ void f4_tile_mma(const F4Tile& w, const uint32_t* xp_tile, int c, float (&acc)[2][4]) {
+__device__ __forceinline__ void tile_mma(const F4Tile& w, const uint32_t* xp_tile, int c, float (&acc)[2][4]) {
   const uint2 qa = f4_biased(w.sa), qb = f4_biased(w.sb);
   uint32_t sa[4], sb[4];
 #pragma unroll

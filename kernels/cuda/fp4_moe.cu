@@ -32,31 +32,7 @@ constexpr int kWarps = 4;
 constexpr int kGateRowsPerBlock = kWarps * 8;   // 32
 constexpr int kDownRowsPerBlock = kWarps * 16;  // 64
 
-// The K loop of one warp over `tiles` K tiles of rows (ra, rb): a register ring of kAhead + 1 tiles, tile t in
-// ring[t % (kAhead + 1)]; loads past the last tile reload it. `xp` holds the activation pairs (after a barrier).
-struct Rows {
-  const uint4 *ra, *rb;
-  const uint2 *sa, *sb;
-};
-
-__device__ __forceinline__ void k_loop(const Rows& r, F4Tile (&ring)[kAhead + 1], const uint32_t* xp, int tiles,
-                                       int c, float (&acc)[2][4]) {
-  for (int t0 = 0; t0 < tiles; t0 += kAhead + 1) {
-#pragma unroll
-    for (int j = 0; j <= kAhead; ++j) {
-      const int t = t0 + j;
-      if (t < tiles) {
-        ring[(j + kAhead) % (kAhead + 1)] = load_tile(r.ra, r.rb, r.sa, r.sb, min(t + kAhead, tiles - 1), c);
-        f4_tile_mma(ring[j], xp + t * kF4TilePairs, c, acc);
-      }
-    }
-  }
-}
-
-__device__ __forceinline__ void first_loads(const Rows& r, F4Tile (&ring)[kAhead + 1], int tiles, int c) {
-#pragma unroll
-  for (int j = 0; j < kAhead; ++j) ring[j] = load_tile(r.ra, r.rb, r.sa, r.sb, min(j, tiles - 1), c);
-}
+using Rows = TileRows<uint2>;  // a warp's two A rows for first_loads / k_loop (bf16_mma.cuh)
 
 // Both kernels' prologue: the block's FP4 slot and pair, or false (the block exits) past the route or when its
 // expert is not FP4-resident (the W2 kernel's pair).
@@ -77,10 +53,10 @@ __device__ __forceinline__ void row_sums(const Rows& r, const uint16_t* __restri
                                          int words_per_row, int c, float (&acc)[2][4]) {
   const int tiles = words_per_row / kF4Wps;
   F4Tile ring[kAhead + 1];
-  first_loads(r, ring, tiles, c);
+  first_loads<kAhead>(r, ring, tiles, c);
   f4_build_pairs(a, xp, k_len);
   __syncthreads();
-  k_loop(r, ring, xp, tiles, c, acc);
+  k_loop<kAhead, kF4TilePairs>(r, ring, xp, tiles, c, c, acc);
 }
 
 }  // namespace

@@ -87,33 +87,6 @@ __device__ __forceinline__ BlockTile block_tile() {
   return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y)};
 }
 
-// The K loop of one warp over `tiles` K tiles of its two A rows (ra / rb: words, sa / sb: scales, as `load_tile`):
-// a register ring of kAhead + 1 tiles, tile t in ring[t % (kAhead + 1)]; loads past the last tile reload it.
-// load_c: the loads' word vector index (c, or 0 where c is already in ra / rb); `xp` holds the activation pairs
-// (after a barrier). first_loads issues tiles 0 .. kAhead - 1 (before the pairs are built), k_loop the rest.
-struct Rows {
-  const uint4 *ra, *rb, *sa, *sb;
-};
-
-template <int kAhead>
-__device__ __forceinline__ void first_loads(const Rows& r, Tile (&ring)[kAhead + 1], int tiles, int load_c) {
-#pragma unroll
-  for (int j = 0; j < kAhead; ++j) ring[j] = load_tile(r.ra, r.rb, r.sa, r.sb, min(j, tiles - 1), load_c);
-}
-
-template <int kAhead>
-__device__ __forceinline__ void k_loop(const Rows& r, Tile (&ring)[kAhead + 1], const uint32_t* xp, int tiles,
-                                       int load_c, int c, float (&acc)[2][4]) {
-  for (int t0 = 0; t0 < tiles; t0 += kAhead + 1) {
-#pragma unroll
-    for (int j = 0; j <= kAhead; ++j) {
-      const int t = t0 + j;
-      if (t < tiles) {
-        ring[(j + kAhead) % (kAhead + 1)] = load_tile(r.ra, r.rb, r.sa, r.sb, min(t + kAhead, tiles - 1), load_c);
-        tile_mma(ring[j], xp + t * kPairWordsPerTile, c, acc);
-      }
-    }
-  }
-}
+using Rows = TileRows<uint4>;  // a warp's two A rows for first_loads / k_loop (bf16_mma.cuh)
 
 }  // namespace

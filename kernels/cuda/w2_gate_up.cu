@@ -137,13 +137,13 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_gate_up_mma(
 
   const Rows rows{gate, up, gs, us};
 
-  Tile ring[kAhead + 1];  // w2_fragments.cuh `k_loop`
+  Tile ring[kAhead + 1];  // bf16_mma.cuh `k_loop`
   first_loads<kAhead>(rows, ring, tiles, load_c);
   build_pairs(x + (pair / top_k) * stride_x, xp, hidden);
   __syncthreads();
 
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-  k_loop<kAhead>(rows, ring, xp, tiles, load_c, c, acc);
+  k_loop<kAhead, kPairWordsPerTile>(rows, ring, xp, tiles, load_c, c, acc);
   if (c == 0) {
     float gate_v = acc[0][0] + acc[1][0], up_v = acc[0][2] + acc[1][2];
     if (has_limit) {

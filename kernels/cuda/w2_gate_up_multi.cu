@@ -109,14 +109,14 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 16 / kWarps) w2_gate_u
   for (int z0 = 0; z0 < fill; z0 += kStage) {  // column groups (passes): pairs z0 .. z0 + count - 1
     const int count = min(fill - z0, kStage);
     const uint32_t* xp_lane = xp + min(g, count - 1) * stride;  // B column g
-    Tile ring[kAhead + 1];  // w2_fragments.cuh `k_loop`
+    Tile ring[kAhead + 1];  // bf16_mma.cuh `k_loop`
     first_loads<kAhead>(rows, ring, tiles, c);
     if (z0 > 0) __syncthreads();  // every warp is done reading the previous group's columns
     build_pairs_multi(x, stride_x, pairs + z0, top_k, count, xp, stride, hidden);
     __syncthreads();
 
     float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    k_loop<kAhead>(rows, ring, xp_lane, tiles, c, c, acc);
+    k_loop<kAhead, kPairWordsPerTile>(rows, ring, xp_lane, tiles, c, c, acc);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // columns 2c (d0 gate, d2 up) and 2c + 1 (d1, d3)
       if (2 * c + h < count) {
