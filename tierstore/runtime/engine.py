@@ -242,18 +242,8 @@ class TieredRuntime:
         """`early_fetch`: while the launched pass runs, read each finished MoE layer's routing (in
         layer order, polling its host copy), and whenever the last install's copies are done fetch
         what the finished layers miss, evicting only their experts that this pass did not route.
-        Returns at the last layer, or when the pass ended without publishing the next one. If a fetch
-        fails, the pass is waited for before the error propagates: none of its host copies may land
-        after the next pass has zeroed the stamps."""
+        Returns at the last layer, or when the pass ended without publishing the next one."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        try:
-            self._fetch_finished_layers(stream)
-        except BaseException:
-            if stream is not None:
-                stream.synchronize()
-            raise
-
-    def _fetch_finished_layers(self, stream: torch.cuda.Stream | None) -> None:
         fp4 = self.fp4.pool if self.fp4 is not None else None  # its residency holds still: the step has its lock
         routed: list[Key] = []  # this pass's routed experts of its finished layers
         pending: list[Key] = []  # of those, the ones the pass missed (in neither pool) and not fetched yet
@@ -305,6 +295,8 @@ class TieredRuntime:
                 if self.fp4 is not None:  # read under the lock: the manager cannot change residency here
                     outcome = outcome.with_all_fp4(self.fp4.pool.all_resident(outcome.last_pass.routed_ids))
         except BaseException:
+            if self._early and self.device.type == "cuda":  # a pass that failed before its read may still run:
+                torch.cuda.current_stream(self.device).synchronize()  # its host copies land before the next clear
             self.settle()
             self._stats.failed += 1
             raise
@@ -341,16 +333,10 @@ class TieredRuntime:
 
     def _with_cleared_layers(self, forward: Callable[[], object]):
         """`forward` after zeroing the pass log's host stamps (early fetch: no stamp of the last pass
-        may pass for this one's); a forward that raises is waited for on the device first, so that
-        none of the host copies it launched lands after the next pass has zeroed the stamps."""
+        may pass for this one's)."""
         def run():
             self.log.clear_layers()
-            try:
-                return forward()
-            except BaseException:
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()
-                raise
+            return forward()
         return run
 
     def _gated(self, first, forward, rewind, logits_of, step_routed: set, during_pass=None):
