@@ -44,15 +44,43 @@ from tierstore.kernels import (ABI_TAG, MissLog, MoeWorkspace, fp4_tier, moe_com
 HBM_BYTES_PER_S = 4.8e12
 
 
+INT32_MAX = 2**31 - 1
+STREAM_CONFIGS = ((2048, 4), (4096, 8), (8192, 4))  # (BLOCK, ITERS) of the streaming read; the best one counts
+
+
 @triton.jit
-def _stream_read_kernel(src_ptr, partial_ptr, n_words, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+def _stream_block_start(pid, i, BLOCK: tl.constexpr, ITERS: tl.constexpr, WIDE: tl.constexpr):
+    """First word index of iteration i of program pid (int32, as tl.program_id). WIDE: in int64, which a read
+    of more than 2^31 words (8 GiB) needs; in int32 the index wraps negative there and the load faults (kimi-k2
+    T = 512, fp4_fused: 2.25e9 words). The int32 form is the code that measured every earlier ceiling."""
+    if WIDE:
+        pid = pid.to(tl.int64)
+    return (pid * ITERS + i) * BLOCK
+
+
+@triton.jit
+def _stream_read_kernel(src_ptr, partial_ptr, n_words, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                        WIDE: tl.constexpr = False):
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.int32)
     for i in range(ITERS):
-        idx = (pid * ITERS + i) * BLOCK + offs
+        idx = _stream_block_start(pid, i, BLOCK, ITERS, WIDE) + offs
         acc += tl.load(src_ptr + idx, mask=idx < n_words, other=0)
     tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
+
+
+def _stream_wide(words: int, block: int, iters: int) -> bool:
+    """Whether the streaming read of `words` int32 words needs int64 word indices: its largest index is
+    programs * iters * block - 1 (programs = cdiv(words, block * iters))."""
+    return triton.cdiv(words, block * iters) * iters * block - 1 > INT32_MAX
+
+
+def _stream_launch(src, partial, words: int, block: int, iters: int):
+    """One streaming read of src[:words] (int32) by cdiv(words, block * iters) programs into partial."""
+    programs = triton.cdiv(words, block * iters)
+    return _stream_read_kernel[(programs,)](src, partial, words, BLOCK=block, ITERS=iters,
+                                           WIDE=_stream_wide(words, block, iters), num_warps=8)
 
 
 @triton.jit
@@ -114,11 +142,9 @@ def _stream_us(nbytes: int, copies: int, reps: int, device: str = "cuda") -> flo
     words = nbytes // 4
     src = torch.randint(0, 1 << 20, (copies * words,), dtype=torch.int32, device=device)
     best = float("inf")
-    for block, iters in ((2048, 4), (4096, 8), (8192, 4)):
-        programs = triton.cdiv(words, block * iters)
-        partial = torch.empty(programs, dtype=torch.int32, device=device)
-        fns = [lambda c=c: _stream_read_kernel[(programs,)](src[c * words:], partial, words, BLOCK=block, ITERS=iters,
-                                                            num_warps=8) for c in range(copies)]
+    for block, iters in STREAM_CONFIGS:
+        partial = torch.empty(triton.cdiv(words, block * iters), dtype=torch.int32, device=device)
+        fns = [lambda c=c: _stream_launch(src[c * words:], partial, words, block, iters) for c in range(copies)]
         best = min(best, _graph_time_us(fns, reps))
     return best
 
