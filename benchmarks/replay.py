@@ -190,7 +190,9 @@ def main() -> None:
                               f"{t['steady']['step_ms']:.3f} ms vs {result['compared_config']} "
                               f"{f['step_ms']:.3f} ms ({result['tiered_over_flipped']:.3f}x; flipped "
                               f"{result['flipped_over_floor']:.2f}x the floor, tokens match resident: "
-                              f"{result['flipped_tokens_match_resident']})", flush=True)
+                              f"{result['flipped_tokens_match_resident']}; steady rows fetched during their pass "
+                              f"{t.get('steady_early_fetched_rows', 0)} vs "
+                              f"{runs['tiered_flipped'].get('steady_early_fetched_rows', 0)})", flush=True)
                     split = b.get("fetch_step_median_ms")
                     if b.get("fetch_steps"):
                         print(f"  steady steps that fetched {b['fetch_steps']}, medians: step {split['ms']:.3f} ms, "

@@ -18,6 +18,7 @@ from test_runtime_layer_waits import _hold_rows, _resident_outputs, _steps
 from tierstore.errors import ConfigError
 from tierstore.runtime import RuntimeConfig, TieredRuntime
 from tierstore.runtime.passlog import PassLog
+from tierstore.runtime.replay import preload_arena
 
 STEPS = 40
 
@@ -97,7 +98,10 @@ def test_early_fetch_leaves_prefill_and_a_full_pool_alone():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_rows_fetched_during_the_pass_and_held_back_are_waited_for(graph):
+@pytest.mark.parametrize("arena", ["small", "whole"])
+def test_rows_fetched_during_the_pass_and_held_back_are_waited_for(graph, arena):
+    """`whole`: every fetch is an arena hit, so the fetch after the pass-log read does not wait for the
+    held-back copies of the fetches during the pass (two installs in flight); `small`: it does."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     g = toy_geometry(hidden=128, inter=64)
@@ -105,13 +109,26 @@ def test_rows_fetched_during_the_pass_and_held_back_are_waited_for(graph):
     model.routers = model.routers.cuda()
     want = _resident_outputs(g, model)
     config = RuntimeConfig(kpi_every=0, early_fetch=True)
-    with TieredRuntime(g, memory_source(g, 0), pool_slots=round(0.25 * g.total_routed_experts), arena_slots=16,
-                       device="cuda", backend="triton", config=config) as small:
+    arena_slots = 16 if arena == "small" else g.total_routed_experts
+    with TieredRuntime(g, memory_source(g, 0), pool_slots=round(0.25 * g.total_routed_experts),
+                       arena_slots=arena_slots, device="cuda", backend="triton", config=config) as small:
+        if arena == "whole":
+            preload_arena(small)
         _hold_rows(small.pool)
+        in_flight = []  # installs with copies in flight right after each install
+        install = small.pool.install
+
+        def counted(*args, **kwargs):
+            install(*args, **kwargs)
+            in_flight.append(len(small.pool._in_flight))
+
+        small.pool.install = counted
         got = _steps(small, model, g, graph)
         stats = small.stats()
         small.pool.check_coherent()
     assert stats.early_fetched_rows > 0
+    if arena == "whole":
+        assert max(in_flight) == 2
     for step, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"step {step} differs from the all-resident run"
 

@@ -156,3 +156,55 @@ def test_all_resident_of_key_ids():
     p.install([(0, 1), (1, 3)], list(host_rows(2)), exclude=[])
     assert p.all_resident(np.array([1, EXPERTS + 3])) and p.all_resident(np.array([], dtype=np.int64))
     assert not p.all_resident(np.array([1, 2]))
+
+
+@pytest.mark.gpu
+def test_two_installs_in_flight_keep_their_own_staging_and_a_third_waits_for_the_first():
+    """Copies held back on the copy stream: two installs return without waiting on the host, each
+    with its own staged tables; the third waits for the first. Bytes and tables exact at the end."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    p = DevicePool(4, SLOT, LAYERS, EXPERTS, "cuda", get_policy("lru"), layer_waits=True)
+    p.slots.fill_(0xA5)
+    copy_rows = p._copy_rows
+
+    def held(rows, slots, stream):
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(20_000_000)  # ~10 ms on the copy stream before each install's rows
+        copy_rows(rows, slots, stream)
+
+    p._copy_rows = held
+    first, second, third = [(0, 1), (0, 2)], [(1, 3), (1, 4)], [(0, 5), (1, 6)]
+    rows = host_rows(6, seed=7, pin=True)
+    p.install(first, [rows[0], rows[1]], exclude=first)
+    p.install(second, [rows[2], rows[3]], exclude=second)
+    assert len(p._in_flight) == 2 and p.wait_seconds == 0.0  # neither install blocked the host
+    p.install(third, [rows[4], rows[5]], exclude=third)  # evicts two of the first four (pool of 4)
+    assert p.wait_seconds > 0.0 and len(p._in_flight) <= 2  # it waited for the first install's copies
+    p.wait()
+    resident = [key for key in first + second + third if p.is_resident(key)]
+    assert len(resident) == 4 and set(third) <= set(resident)
+    by_key = dict(zip(first + second + third, rows))
+    assert_bytes(p, resident, [by_key[key] for key in resident])
+    assert np.array_equal(p.table.cpu().numpy(), p.mirror)
+    p.check_coherent()
+
+
+def test_a_fetch_waits_for_copies_in_flight_only_when_the_arena_will_rewrite_rows():
+    """Arena hits are views of rows nothing rewrites, so their fetch issues its install behind copies
+    still in flight; a fetch that reads the source into the arena (which may evict rows those copies
+    read) waits for them first."""
+    from test_runtime_fixtures import memory_source, toy_geometry
+
+    from tierstore.runtime import RuntimeConfig, TieredRuntime
+    from tierstore.runtime.replay import preload_arena
+
+    g = toy_geometry()
+    with TieredRuntime(g, memory_source(g), pool_slots=8, arena_slots=4, config=RuntimeConfig(kpi_every=0)) as runtime:
+        preload_arena(runtime)  # keys (0, 0) .. (0, 3)
+        waits = []
+        runtime.pool.wait = lambda: waits.append(True)
+        runtime.fetch([(0, 0), (0, 1)], protect=[])
+        assert waits == []
+        runtime.fetch([(0, 2), (1, 0)], protect=[])  # (1, 0) is read from the source
+        assert waits == [True]

@@ -21,11 +21,13 @@ def allocation(tensor: torch.Tensor) -> torch.Tensor:
 
 def host_buffers(runtime) -> dict[str, weakref.ref]:
     """Weak references to the runtime's host allocations (pinned on CUDA) and the arena itself."""
+    staged = {f"pool staged table {i}.{j}": weakref.ref(allocation(table))
+              for i, buffers in enumerate(runtime.pool._installs) for j, table in enumerate(buffers.staged)}
     return {
         "arena": weakref.ref(runtime.arena),
         "arena slot memory": weakref.ref(allocation(runtime.arena.memory)),
         "arena staging": weakref.ref(allocation(runtime.arena._staging)),
-        "pool staged tables": weakref.ref(allocation(runtime.pool._staged[0])),
+        **staged,
         "pass log host copy": weakref.ref(allocation(runtime.log._host)),
     }
 

@@ -216,7 +216,8 @@ class TieredRuntime:
         if scan and self._decode_hot.size and victims:
             self._stats.prefill_hot_evictions += int(np.isin(victims, self._decode_hot).sum())
         started = time.perf_counter()
-        self.pool.wait()  # the arena may rewrite rows the last install's copies read
+        if not all(key in self.arena for key in keys):
+            self.pool.wait()  # the arena will rewrite rows, maybe ones that copies still in flight read
         looked_up = time.perf_counter()
         rows = self.arena.fetch(keys, scan=scan)
         installing = time.perf_counter()

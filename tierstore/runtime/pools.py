@@ -8,8 +8,10 @@ the compute stream (nothing launched before still reads a victim), victims are u
 before their slots are rewritten, and the new mappings are written after the copies. The host
 state changes while the copies run; `install` returns once they are done, or, with `overlap`,
 at once: the compute stream then waits for them on the device (an event), so nothing launched
-after `install` reads a slot before its bytes land, and the host rows and the staging tables
-must stay untouched until `wait()` (the next `install` waits first).
+after `install` reads a slot before its bytes land, and the host rows must stay untouched until
+`wait()` (or `idle()`). Up to `INSTALLS_IN_FLIGHT` installs may have copies in flight at once, in
+order on the copy stream, each with its own staging tables: an install waits on the host only
+for the install that last used its staging set.
 
 With `layer_waits` (CUDA, implies `overlap`) the compute stream does not wait for a whole install:
 each layer's reader calls `wait_layer(layer)` first, a wait on that layer's event, which an install
@@ -36,6 +38,7 @@ order into free slots in order) are merged into one copy per run.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import islice
 
@@ -48,6 +51,18 @@ from tierstore.errors import CapacityError
 from tierstore.runtime.h2d import HostToDevice
 
 Key = tuple[int, int]
+
+INSTALLS_IN_FLIGHT = 2  # installs whose copies may run at once (each has its own staging tables)
+
+
+class _InstallBuffers:
+    """One install's host staging of the table ([0] victims unmapped, [1] final; pinned on CUDA)
+    and the device events that time its copies (CUDA)."""
+
+    def __init__(self, num_layers: int, num_experts: int, pin: bool, timed: bool):
+        self.staged = [torch.empty(num_layers, num_experts, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.staged_ids = [t.numpy().reshape(-1) for t in self.staged]  # [L * E] views by key id
+        self.marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if timed else None
 
 
 class DevicePool:
@@ -84,9 +99,12 @@ class DevicePool:
         self._reserve_marks = ([torch.cuda.Event(enable_timing=True) for _ in range(2)]
                                if self._stream is not None else None)
         pin = self.device.type == "cuda"
-        # host staging of the table: [0] victims unmapped, [1] final; reused once the copies are done
-        self._staged = [torch.empty(num_layers, num_experts, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self._staged_ids = [t.numpy().reshape(-1) for t in self._staged]  # [L * E] views by key id
+        # per install in flight: host staging of the table ([0] victims unmapped, [1] final) and the copies' timing
+        # events; an install takes the next set and first waits for the install that used it last
+        self._installs = [_InstallBuffers(num_layers, num_experts, pin, timed=self._stream is not None)
+                          for _ in range(INSTALLS_IN_FLIGHT)]
+        self._next_install = 0
+        self._in_flight: deque[_InstallBuffers] = deque()  # issued on the copy stream, oldest first
         self.layer_waits = layer_waits and self._stream is not None
         self.overlap = overlap or self.layer_waits
         # per layer: the last install's rows of that layer (and the table) landed; recorded once here, because
@@ -99,9 +117,6 @@ class DevicePool:
         self._side_done = torch.cuda.Event() if self._side is not None else None
         for event in (self._layer_ready or []) + (self._side_ready or []):
             event.record(torch.cuda.current_stream(self.device))
-        # the last install's copies on the copy stream, timed on the device; in flight until wait()
-        self._marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self._stream is not None else None
-        self._in_flight = False
         self.copies = 0  # row copies issued (a merged run counts once)
         self.copy_seconds = 0.0  # the copies' own time (device events on CUDA; the memcpys on CPU)
         self.wait_seconds = 0.0  # host time blocked on copies
@@ -218,7 +233,7 @@ class DevicePool:
             raise ValueError(f"{len(keys)} keys but {len(rows)} rows")
         if not keys:
             return
-        self.wait()
+        buffers = self._take_install_buffers()
         ids = self.key_ids(keys)
         if len(set(ids)) != len(ids) or (self.mirror.reshape(-1)[ids] >= 0).any():
             raise ValueError("install() takes distinct keys that are not resident")
@@ -227,7 +242,7 @@ class DevicePool:
             victims = self._victims(len(ids) - self.num_free, exclude, ids)
         victim_slots = self.mirror.reshape(-1)[victims].tolist()
         slots = self._free[len(self._free) - min(len(keys), self.num_free):][::-1] + victim_slots  # pop() order
-        self._write_device(rows, slots, ids, victims, after_compute)
+        self._write_device(buffers, rows, slots, ids, victims, after_compute)
         self._map(keys, ids, slots, victims, victim_slots)
         if not self.overlap:
             self.wait()
@@ -310,7 +325,8 @@ class DevicePool:
 
     def _push_table(self) -> None:
         """The device table := the mirror, done on return (a table-only change between forwards)."""
-        final, final_ids = self._staged[1], self._staged_ids[1]
+        buffers = self._take_install_buffers()  # (the caller waited: nothing is in flight)
+        final, final_ids = buffers.staged[1], buffers.staged_ids[1]
         final_ids[:] = self.mirror.reshape(-1)
         if self._stream is None:
             self.table.copy_(final)
@@ -342,10 +358,19 @@ class DevicePool:
         self.generation[slots] += 1
         policy.on_insert_many(ids)
 
-    def _write_device(self, rows, slots: list[int], ids: list[int], victims: list[int],
+    def _take_install_buffers(self) -> _InstallBuffers:
+        """The next install's staging tables and events, once the install that used them last is done
+        (and with it every install before it: they share the copy stream)."""
+        buffers = self._installs[self._next_install]
+        self._next_install = (self._next_install + 1) % len(self._installs)
+        if buffers in self._in_flight:
+            self._wait_until(buffers)
+        return buffers
+
+    def _write_device(self, buffers: _InstallBuffers, rows, slots: list[int], ids: list[int], victims: list[int],
                       after_compute: bool = True) -> None:
         """Stage the table, issue the copies (with `overlap`, the compute stream waits for them)."""
-        (unmapped, final), (unmapped_ids, final_ids) = self._staged, self._staged_ids
+        (unmapped, final), (unmapped_ids, final_ids) = buffers.staged, buffers.staged_ids
         final_ids[:] = self.mirror.reshape(-1)
         if victims:
             final_ids[victims] = -1
@@ -360,7 +385,7 @@ class DevicePool:
         compute, copy = torch.cuda.current_stream(self.device), self._stream
         if after_compute or not self.layer_waits:
             copy.wait_stream(compute)
-        start, end = self._marks
+        start, end = buffers.marks
         start.record(copy)
         if self.layer_waits:
             self._copy_by_layer(rows, slots, ids, victims, final, copy)
@@ -369,7 +394,7 @@ class DevicePool:
         end.record(copy)
         if self.overlap and not self.layer_waits:  # otherwise install waits on the host first
             compute.wait_event(end)
-        self._in_flight = True
+        self._in_flight.append(buffers)
 
     def _copy_by_layer(self, rows, slots: list[int], ids: list[int], victims: list[int], final: torch.Tensor,
                        stream: torch.cuda.Stream) -> None:
@@ -407,26 +432,35 @@ class DevicePool:
         stream.wait_event(self._side_done)
 
     def wait(self) -> None:
-        """Block until the last install's copies are done (its host rows and the staging tables
+        """Block until every install's copies are done (their host rows and the staging tables
         may then be reused); adds their device time to `copy_seconds`."""
-        if not self._in_flight:
-            return
-        start, end = self._marks
+        if self._in_flight:
+            self._wait_until(self._in_flight[-1])
+
+    def _wait_until(self, buffers: _InstallBuffers) -> None:
+        """Block until the install that used `buffers` and every earlier one are done."""
         started = time.perf_counter()
-        end.synchronize()
+        buffers.marks[1].synchronize()
         self.wait_seconds += time.perf_counter() - started
+        while self._in_flight:
+            done = self._in_flight.popleft()
+            self._count_copies(done)
+            if done is buffers:
+                break
+
+    def _count_copies(self, done: _InstallBuffers) -> None:
+        start, end = done.marks
         self.copy_seconds += start.elapsed_time(end) / 1e3
-        self._in_flight = False
 
     def idle(self) -> bool:
-        """Whether the last install's copies are done (never blocks; `collect()` first)."""
+        """Whether every install's copies are done (never blocks; `collect()` first)."""
         self.collect()
         return not self._in_flight
 
     def collect(self) -> None:
-        """`wait()` if the copies are already done (never blocks): brings `copy_seconds` up to date."""
-        if self._in_flight and self._marks[1].query():
-            self.wait()
+        """Retire the installs whose copies are done (never blocks): brings `copy_seconds` up to date."""
+        while self._in_flight and self._in_flight[0].marks[1].query():
+            self._count_copies(self._in_flight.popleft())
 
     def _copy(self, rows, slots, unmapped: torch.Tensor | None, final: torch.Tensor, stream) -> None:
         if unmapped is not None:

@@ -198,6 +198,7 @@ def _run(geometry, source_factory, steps, *, pool_slots: int, arena_slots: int, 
         out = drive(runtime, steps, **drive_args)
     return {"graph": out["graph"], "preloaded": preload, "arena_preloaded_rows": preloaded_rows,
             "readback": drive_args.get("readback", "none"), "tokens": out["tokens"],
+            "steady_early_fetched_rows": out["steady_early_fetched_rows"],
             "cold": out["cold"].as_dict(), "steady": out["steady"].as_dict()}
 
 
