@@ -241,8 +241,9 @@ class TieredRuntime:
 
     def _fetch_during_pass(self) -> None:
         """`early_fetch`: while the launched pass runs, read each finished MoE layer's routing (in
-        layer order, polling its host copy), and whenever the last install's copies are done fetch
-        what the finished layers miss, evicting only their experts that this pass did not route.
+        layer order, polling its host copy), and whenever an install would not wait for earlier copies
+        (fewer than `INSTALLS_IN_FLIGHT` in flight) fetch what the finished layers miss, evicting only
+        their experts that this pass did not route.
         Returns at the last layer, or when the pass ended without publishing the next one."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         fp4 = self.fp4.pool if self.fp4 is not None else None  # its residency holds still: the step has its lock
@@ -259,7 +260,7 @@ class TieredRuntime:
             routed += layer_routed
             missed = self.pool.missing(layer_routed)
             pending += fp4.missing(missed) if fp4 is not None else missed  # an FP4-resident pair does not miss
-            if pending and self.pool.idle():
+            if pending and self.pool.can_issue():
                 self.fetch(pending, routed, partial=True, finished_layers=layer + 1)
                 pending = []
 

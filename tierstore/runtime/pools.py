@@ -457,6 +457,11 @@ class DevicePool:
         self.collect()
         return not self._in_flight
 
+    def can_issue(self) -> bool:
+        """Whether an install now would not wait on the host for earlier copies (never blocks)."""
+        self.collect()
+        return len(self._in_flight) < len(self._installs)
+
     def collect(self) -> None:
         """Retire the installs whose copies are done (never blocks): brings `copy_seconds` up to date."""
         while self._in_flight and self._in_flight[0].marks[1].query():
