@@ -10,7 +10,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -260,6 +260,35 @@ case "$step" in
         --variants cuda_mma_ahead2,cuda_down,cuda_whole,cuda_whole_egp,cuda_whole_multi,cuda_whole_multi_s4e \
         --commit "$commit" --json "$work/cuda-w2-$preset.json"
     done
+    ;;
+  inflight)  # early_fetch with two installs in flight (1673507, 9207eba): the fetch after the pass-log read no longer
+    # waits for the copies fetched during the pass (resume measured early_fetch at 0.84-1.02x the default before this).
+    # GPU tests of the pool and early fetch, then early_fetch=1 side by side with the default on ds-v2-lite (synthetic,
+    # two rounds), the generate-recorded trace and qwen3-30b-a3b, all with the 4 GiB arena preloaded (the change only
+    # helps arena hits); generate on the quality checkpoint with early fetch on, tiered == resident; kimi-k2 T = 512
+    # after the stream ceiling's fix. Stage limits 100 + 130 + 70 + 90 + 90 + 40 + 45 = 565 s. Estimates from resume /
+    # matrix / recorded at 54fb697 (not measured for this tree): tests ~50 s, ds-v2-lite 4 coverages ~80 s, 2 ~45 s,
+    # recorded 3 coverages ~60 s, qwen3 2 coverages ~50 s, generate ~20 s, kimi-k2 ~15 s.
+    stage tests 100 python3 -m pytest tests/test_runtime_pool_copies.py tests/test_runtime_early_fetch.py \
+      tests/test_runtime_layer_waits.py tests/test_runtime_gpu.py tests/test_runtime_fetch_split.py -m gpu -q
+    stage replay-early-1 130 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_inflight_1.json"
+    stage replay-early-2 70 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_inflight_2.json"
+    stage replay-early-recorded 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 --no-synthetic \
+      --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first --trace-top-k trace \
+      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_inflight_recorded.json"
+    stage replay-early-qwen3 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+      --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_inflight_qwen3.json"
+    stage generate-early 40 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --early-fetch --verify-resident
+    stage kernels-kimi-k2-t512 45 python3 benchmarks/kernels.py --preset kimi-k2 --tokens 512 --config 64,8 \
+      --skip w2_fused_plain,w2_gate_up_plain,dequant_grouped_mm,w2_fused_down64w8,fp4_fused_down64w8 \
+      --commit "$commit" --json "$work/kernels-kimi-k2-t512.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -28,6 +28,8 @@ def register(subparsers) -> None:
     parser.add_argument("--fp-max", type=int, default=32, help="replays per step before strict mode gives up")
     parser.add_argument("--force-pool", action="store_true", help="start even below the per-step working set")
     parser.add_argument("--no-cuda-graph", action="store_true", help="run the decode step eagerly on cuda")
+    parser.add_argument("--early-fetch", action="store_true",
+                        help="fetch each finished MoE layer's misses while the decode pass still runs (config early_fetch)")
     parser.add_argument("--verify-resident", action="store_true",
                         help="rerun all-resident and compare every step's logits bit for bit")
     parser.add_argument("--record-trace", help="save the decode steps' routing as a tierstore trace (.npz)")

@@ -54,7 +54,8 @@ def generate_command(args, out) -> int:
         print(f"pack: {report.packs[tag]} (built {len(report.written[tag])} layers, reused "
               f"{len(report.skipped[tag])}) in {time.perf_counter() - started:.1f} s", file=out)
     config = RuntimeConfig(replay_mode=args.replay_mode, miss_tolerance=args.miss_tol, fp_max=args.fp_max,
-                           policy=args.policy, force_pool=args.force_pool, kpi_every=0, **fp4_config(args))
+                           policy=args.policy, force_pool=args.force_pool, early_fetch=args.early_fetch, kpi_every=0,
+                           **fp4_config(args))
     slot_bytes = w2_slot_layout(geometry.hidden, geometry.expert_inter).slot_bytes
     fraction = args.gpu_pool_frac if args.gpu_pool_frac is not None else (None if args.gpu_pool_gb else 0.25)
     pool_slots = slots_for(geometry, slot_bytes, gib=args.gpu_pool_gb, fraction=fraction)
