@@ -17,6 +17,7 @@ from test_runtime_fixtures import ToyMoE, memory_source, toy_geometry
 from tierstore.errors import ConfigError
 from tierstore.runtime import RuntimeConfig, TieredRuntime
 from tierstore.runtime.pools import DevicePool
+from tierstore.runtime.step import ReplayLimitError
 
 STEPS = 12
 HOLD_CYCLES = 20_000_000  # ~10 ms at the H200's clock: far longer than a toy forward
@@ -114,6 +115,10 @@ def test_negative_control_without_any_wait_reads_stale_rows(case):
     with _runtime(g, 0.25, True) as small:
         _hold_rows(small.pool)
         small.pool.wait_layer = lambda layer: None  # with layer_waits nothing else makes the compute stream wait
-        got = _steps(small, model, g, graph=True)
+        try:
+            got = _steps(small, model, g, graph=True)
+            stale = any(not torch.equal(a, b) for a, b in zip(got, want))
+        except ReplayLimitError:  # replays read a table whose copy had not landed yet: they kept missing
+            stale = True
         torch.cuda.synchronize()
-    assert any(not torch.equal(a, b) for a, b in zip(got, want)), "no step read a stale row: the test cannot fail"
+    assert stale, "no step read a stale row or table: the test cannot fail"
