@@ -10,7 +10,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -289,6 +289,28 @@ case "$step" in
     stage kernels-kimi-k2-t512 45 python3 benchmarks/kernels.py --preset kimi-k2 --tokens 512 --config 64,8 \
       --skip w2_fused_plain,w2_gate_up_plain,dequant_grouped_mm,w2_fused_down64w8,fp4_fused_down64w8 \
       --commit "$commit" --json "$work/kernels-kimi-k2-t512.json"
+    ;;
+  ahead)  # early_fetch with evict-ahead (9b810c6: freed slots for the fetches during the pass, which inflight showed
+    # overriding LRU by evicting only finished layers' experts) and idle-gated during-pass installs; the same
+    # side-by-side stages as inflight, kimi-k2 dropped (measured there). Stage limits 100 + 120 + 70 + 90 + 80 + 40 =
+    # 500 s. Estimates: inflight's stage times at 7cb5f06 (45, 91, 32, 45, 59, 17 s).
+    stage tests 100 python3 -m pytest tests/test_runtime_pool_copies.py tests/test_runtime_early_fetch.py \
+      tests/test_runtime_layer_waits.py tests/test_runtime_gpu.py tests/test_runtime_fetch_split.py -m gpu -q
+    stage replay-ahead-1 120 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_ahead_1.json"
+    stage replay-ahead-2 70 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_ahead_2.json"
+    stage replay-ahead-recorded 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 --no-synthetic \
+      --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first --trace-top-k trace \
+      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_ahead_recorded.json"
+    stage replay-ahead-qwen3 80 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+      --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_ahead_qwen3.json"
+    stage generate-early 40 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --early-fetch --verify-resident
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
