@@ -85,37 +85,6 @@ def test_fetches_during_a_pass_evict_only_finished_layers_experts_it_did_not_rou
     assert all(i["after_compute"] for i in installs if i["finished"] is None and "victims" in i)
 
 
-def test_after_each_decode_step_the_pool_frees_about_what_steps_fetch_outside_the_routed_set():
-    """Evict-ahead: after a decode step at least as many slots are free as the running average of the
-    rows steps fetch (fewer only when the rest hold that step's routed experts, which stay resident);
-    the fetches during the next pass then take free slots before evicting."""
-    g = toy_geometry()
-    model = ToyMoE(g)
-    early_installs = []  # (keys, victims) of each install made while a pass ran
-    with make_runtime(g, 0.5, early_fetch=True) as runtime:
-        fetch, install = runtime.fetch, runtime.pool.install
-
-        def recording_fetch(keys, protect, scan=False, partial=False, finished_layers=None):
-            runtime.pool.install = recording_install if finished_layers is not None else install
-            return fetch(keys, protect, scan, partial, finished_layers)
-
-        def recording_install(keys, rows, exclude, victims=None, after_compute=True):
-            early_installs.append((len(keys), len(victims or [])))
-            install(keys, rows, exclude, victims, after_compute)
-
-        runtime.fetch = recording_fetch
-        expected = 0.0
-        for step in range(STEPS):
-            before = runtime.stats().fetched_rows
-            runtime.step(lambda x=tokens(g, step): model.forward(runtime, x), lambda: None)
-            expected = 0.5 * expected + 0.5 * (runtime.stats().fetched_rows - before)
-            routed = runtime.last_pass.routed_ids
-            assert (runtime.pool.mirror.reshape(-1)[routed] >= 0).all(), "evicted an expert the step routed"
-            assert runtime.pool.num_free >= min(round(expected), runtime.pool.num_slots - routed.size)
-            runtime.pool.check_coherent()
-    assert any(victims < keys for keys, victims in early_installs), "no fetch during a pass used a freed slot"
-
-
 def test_early_fetch_leaves_prefill_and_a_full_pool_alone():
     g = toy_geometry()
     model = ToyMoE(g)

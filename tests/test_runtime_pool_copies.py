@@ -209,24 +209,3 @@ def test_a_fetch_waits_for_copies_in_flight_only_when_the_arena_will_rewrite_row
         runtime.fetch([(0, 2), (1, 0)], protect=[])  # (1, 0) is read from the source
         assert waits == [True]
 
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_evict_unmaps_and_frees_and_the_next_install_takes_those_slots(device):
-    p = pool(slots=4, device=device)
-    keys = [(0, 0), (0, 1), (1, 2), (1, 3)]
-    p.install(keys, list(host_rows(4, pin=device != "cpu")), exclude=keys)
-    slots = [p.slot_of((0, 1)), p.slot_of((1, 3))]
-    p.evict(p.key_ids([(0, 1), (1, 3)]))
-    p.wait()
-    assert p.num_free == 2 and not p.is_resident((0, 1)) and not p.is_resident((1, 3))
-    assert np.array_equal(p.table.cpu().numpy(), p.mirror)
-    assert set(p.key_ids([(0, 1), (1, 3)])).isdisjoint(p.policy.eviction_order(set()))
-    p.check_coherent()
-    fresh = host_rows(2, seed=9, pin=device != "cpu")
-    p.install([(0, 7), (1, 7)], list(fresh), exclude=[])
-    assert sorted(p.slot_of(k) for k in [(0, 7), (1, 7)]) == sorted(slots)  # free slots, nothing evicted
-    assert all(p.is_resident(k) for k in [(0, 0), (1, 2)])
-    assert_bytes(p, [(0, 7), (1, 7)], fresh)
-    with pytest.raises(ValueError, match="resident"):
-        p.evict(p.key_ids([(0, 1)]))
-    p.check_coherent()

@@ -135,7 +135,6 @@ class TieredRuntime:
         self._on_close = list(on_close)
         self.last_pass: PassReport | None = None
         self._untouched = None  # (routed ids, time) of the last step, not yet told to the pool's policy
-        self._expected_fetch = 0.0  # early_fetch: rows a decode step fetches, a running average (`_evict_ahead`)
         self._decode_hot = np.empty(0, dtype=np.int64)  # [n] key ids the last decode step routed: prefill evicts them last
         self.closed = False
         log.info("device pool: %d slots x %.2f MiB = %.3f GiB (%.1f%% of %d experts) on %s, backend %s; arena %d slots",
@@ -243,8 +242,7 @@ class TieredRuntime:
     def _fetch_during_pass(self) -> None:
         """`early_fetch`: while the launched pass runs, read each finished MoE layer's routing (in
         layer order, polling its host copy), and whenever the last install's copies are done fetch
-        what the finished layers miss: into the slots `_evict_ahead` freed, then evicting only the
-        finished layers' experts that this pass did not route.
+        what the finished layers miss, evicting only their experts that this pass did not route.
         Returns at the last layer, or when the pass ended without publishing the next one."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         fp4 = self.fp4.pool if self.fp4 is not None else None  # its residency holds still: the step has its lock
@@ -280,7 +278,6 @@ class TieredRuntime:
         decode step (not `prefill`) whose logits (`logits_of(result)`, default the result itself)
         fire is re-run with its routed experts forced to FP4 (`outcome.gate` tells how)."""
         started = time.perf_counter()
-        fetched_before = self._stats.fetched_rows
         self._scan = prefill
         step_routed: set = set()  # every pass's routed keys, kept only when the gate fires
         try:
@@ -315,8 +312,6 @@ class TieredRuntime:
         self._untouched = self.last_pass.routed_ids, time.monotonic()
         if not prefill:
             self._decode_hot = self.last_pass.routed_ids
-            if self._early:
-                self._evict_ahead(self._stats.fetched_rows - fetched_before)
         if self.fp4 is not None:
             self.fp4.close_step(step_routed if outcome.gate is not None else self.last_pass.routed_ids)
             self._fp4_snapshot.push(self.log.host_seen())  # the last read's counts: no device work
@@ -327,21 +322,6 @@ class TieredRuntime:
         if every and self._stats.steps % every == 0:
             log.info(self.kpi_line(every))
         return result, outcome
-
-    def _evict_ahead(self, fetched: int) -> None:
-        """`early_fetch`, after a decode step: keep as many slots free as decode steps fetch (a running
-        average), freeing them now, between passes, with the policy's own choice outside this step's
-        routed experts. The next pass's fetches while it runs then take free slots instead of evicting
-        only what its finished layers hold, which overrides the policy (the H200 run at 7cb5f06 fetched
-        up to 1.5x the bytes of the default run that way)."""
-        self._expected_fetch = 0.5 * self._expected_fetch + 0.5 * fetched
-        lacking = round(self._expected_fetch) - self.pool.num_free
-        if lacking <= 0:
-            return
-        self.settle()  # the policy hears of this step first
-        experts = self.geometry.num_experts
-        routed = [divmod(key_id, experts) for key_id in self.last_pass.routed_ids.tolist()]
-        self.pool.evict(self.pool.evictable(routed, lacking))
 
     def _with_signal(self, forward: Callable[[], object], logits_of: Callable[[object], torch.Tensor]):
         """`forward` followed by the gate's signal on the device and its asynchronous copy to the

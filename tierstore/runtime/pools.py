@@ -247,25 +247,6 @@ class DevicePool:
         if not self.overlap:
             self.wait()
 
-    def evict(self, victims: list[int]) -> None:
-        """Unmap `victims` (resident key ids) and free their slots, between forwards. The table copy
-        goes like an install's (after the work launched so far; with `layer_waits` a later reader of a
-        victim's layer waits for it, otherwise the compute stream does), so nothing launched after this
-        maps a victim. Their bytes are left as they are."""
-        if not victims:
-            return
-        mirror = self.mirror.reshape(-1)
-        victim_slots = mirror[victims].tolist()
-        if len(set(victims)) != len(victims) or min(victim_slots) < 0:
-            raise ValueError("evict() takes distinct resident key ids")
-        self._write_device(self._take_install_buffers(), [], [], [], victims)
-        mirror[victims] = -1
-        self.owner[victim_slots] = -1
-        self.policy.on_evict_many(victims)
-        self._free.extend(victim_slots)
-        if not self.overlap:
-            self.wait()
-
     def _check_rows(self, rows) -> None:
         for row in rows:
             if row.dtype != torch.uint8 or row.dim() != 1 or not row.is_contiguous() or not row.is_cpu:
