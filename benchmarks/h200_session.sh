@@ -10,7 +10,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -311,6 +311,14 @@ case "$step" in
       --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_ahead_qwen3.json"
     stage generate-early 40 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --early-fetch --verify-resident
+    ;;
+  idle)  # the early_fetch variant left on main after evict-ahead's revert (idle-gated during-pass installs, the
+    # fetch after the pass-log read not waiting for them; the code of 1673507, never measured on its own): its GPU
+    # tests and one side-by-side round at 50 / 25% (~2 min; the device time left in the session was 257 s)
+    stage tests 60 python3 -m pytest tests/test_runtime_pool_copies.py tests/test_runtime_early_fetch.py -m gpu -q
+    stage replay-idle 70 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_idle.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
