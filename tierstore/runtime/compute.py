@@ -76,19 +76,24 @@ def cuda_w2_block_tokens(pairs: int, experts: int, fp4: bool = False) -> int | N
     """The route block size config `cuda_w2` gives a batch of `pairs` routed pairs, None where the CUDA kernels
     do not serve it (the Triton stages on moe_mm's default workspace).
 
-    Without an FP4 pool: decode batches (pairs <= experts) below experts / 2 pairs: 1 (the single-token kernels,
-    one pair per block); from there: 16 (the multi-token kernels, each expert's tile decoded once for up to 8 of
-    its pairs). The switch sits where uniform routing gives ~1.27 pairs per routed expert (P / (E (1 - e^(-P/E)))
-    at P = E / 2). Measured on DeepSeek-V3 shapes (E = 256, cuda-w2-multi-deepseek-v3.json): 64 pairs single
-    311.6 vs multi 348.8 us, 256 pairs 1140.2 vs 959.4 us; between them not measured.
+    Without an FP4 pool: below experts / 2 pairs 1 (the single-token kernels, one pair per block); from there up to
+    8 pairs per expert on average (8 x experts pairs) 16 (the multi-token kernels, each expert's tile decoded once
+    for up to 8 of its pairs); above that None. The 1 -> 16 switch sits where uniform routing gives ~1.27 pairs
+    per routed expert (P / (E (1 - e^(-P/E))) at P = E / 2); measured on DeepSeek-V3 shapes (E = 256,
+    cuda-w2-multi-deepseek-v3.json): 64 pairs single 311.6 vs multi 348.8 us, 256 pairs 1140.2 vs 959.4 us.
+    Above experts pairs the multi-token kernels were measured against the Triton stages the runtime would run
+    instead (its default tensor-core blocks; cuda-w2-*-54fb697.json vs kernels-*-54fb697.json, H200, whole op,
+    outputs checked, byte-identical to the single-token kernels): mixtral-8x7b (E = 8) 16 pairs 200.7 vs 1108.8 us,
+    64 pairs 465.2 vs 1236.2 us; olmoe-1b-7b (E = 64) 256 pairs 111.5 vs 408.5 us. Not measured: above 8 pairs
+    per expert, and any preset with E >= 128 above experts pairs (e.g. DeepSeek-V3 at T = 64).
 
     With an FP4 pool (`TierMoeCuda`, one pair per block only): 1 from experts / 4 to experts pairs, else None.
     Measured on DeepSeek-V3 shapes with every 4th expert FP4 (cuda-fp4-deepseek-v3.json): 0.83x the Triton op at
     8 pairs, 1.25x at 64 (= experts / 4), 1.29x at 256; between 8 and 64 not measured."""
-    if pairs > experts:
-        return None
     if fp4:
-        return 1 if 4 * pairs >= experts else None
+        return 1 if experts <= 4 * pairs and pairs <= experts else None
+    if pairs > 8 * experts:
+        return None
     return 16 if 2 * pairs >= experts else 1
 
 

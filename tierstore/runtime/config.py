@@ -75,8 +75,8 @@ class RuntimeConfig:
     - `cuda_w2` (default off): the triton backend runs gate_up and down with the CUDA C++ whole op between the
       Triton route and combine (`tierstore.kernels.cuda`: `W2MoeCuda`, with an FP4 pool `TierMoeCuda`, which adds
       the FP4 stages; benchmarks/cuda-w2-notes.md, cuda-fp4-notes.md) for the batch sizes where it was measured
-      faster (`compute.cuda_w2_block_tokens`): without an FP4 pool every decode-sized batch (pairs <= routed
-      experts; one pair per block below experts / 2 pairs, 16-pair expert blocks for the multi-token kernels from
+      faster (`compute.cuda_w2_block_tokens`): without an FP4 pool batches up to 8 routed pairs per expert on
+      average (one pair per block below experts / 2 pairs, 16-pair expert blocks for the multi-token kernels from
       there), with one from experts / 4 to experts pairs; other batches keep the Triton stages. Other kernels,
       other summation order: logits may differ in the last bits from a run with the knob off. Checked at boot,
       each unmet condition a ConfigError: hidden and expert inter multiples of 512, the triton backend on a
