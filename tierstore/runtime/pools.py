@@ -403,7 +403,7 @@ class DevicePool:
         layer's row runs alternate between the two (it starts after the table), each stream records its own
         event for the layer when it copied some of its rows, and the copy stream waits for the second one at
         the end (so `end` covers both). A stream that copied none of a layer's rows keeps its last record of
-        that layer, from an earlier install, done before this one began (`install` waits first)."""
+        that layer, from an earlier install issued before this one on the same stream (so it completes first)."""
         self._copy_table(final, stream)  # no reader of a touched layer runs before its event
         experts = self.num_experts
         by_layer: dict[int, list[int]] = {}
