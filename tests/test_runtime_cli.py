@@ -36,6 +36,20 @@ def test_generate_with_early_fetch_fetches_during_the_pass_and_stays_bit_identic
     assert "rows fetched during their pass" in out  # the KPI line names them only when there were some
 
 
+def test_generate_prefills_in_steps_when_one_layer_of_the_prompt_cannot_fit_and_stays_bit_identical(
+        tmp_path, monkeypatch, capsys):
+    """A 20-slot pool (16%) passes the start-up check (4 layers x top-4 x 1.15 = 19) but one layer of a 40-token
+    prompt may route all 32 experts: the prompt runs in prefill steps of 20 // 4 = 5 tokens, the resident run
+    repeats them, and every step matches (before, the prefill failed with CapacityError)."""
+    monkeypatch.setenv("TIERSTORE_CACHE_DIR", str(tmp_path))
+    code = main(["generate", "--demo", "--prompt", "a longer prompt that routes many experts", "--max-new-tokens", "4",
+                 "--gpu-pool-frac", "0.16", "--verify-resident"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "(40 tokens, ByteTokenizer); prefill in steps of 5 tokens" in out
+    assert "bit-identical: yes (4 steps)" in out
+
+
 def test_generate_refuses_a_pool_below_the_working_set(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TIERSTORE_CACHE_DIR", str(tmp_path))
     assert main(["generate", "--demo", "--max-new-tokens", "2", "--gpu-pool-frac", "0.1"]) == 2

@@ -54,12 +54,13 @@ def tiered(ckpt, packs, fraction, **config):
     return runtime, model
 
 
-def generate(ckpt, packs, fraction, steps, **config):
+def generate(ckpt, packs, fraction, steps, prefill_chunk=None, **config):
     runtime, model = tiered(ckpt, packs, fraction, **config)
     with runtime:
         if fraction == 1.0:
             runtime.preload()
-        out = TieredGenerator(model, runtime, max_length=len(PROMPT) + steps + 1).generate(PROMPT, steps, keep_logits=True)
+        out = TieredGenerator(model, runtime, max_length=len(PROMPT) + steps + 1).generate(
+            PROMPT, steps, keep_logits=True, prefill_chunk=prefill_chunk)
         return out, runtime.stats()
 
 
@@ -105,8 +106,8 @@ def test_quarter_pool_is_bit_identical_to_all_resident_over_64_steps(model_type,
     """(b) with 25% of the experts on the device, every step's logits equal the all-resident run."""
     ckpt, packs = checkpoints(model_type)
     steps = 64
-    resident, _ = generate(ckpt, packs, 1.0, steps)
     small, stats = generate(ckpt, packs, 0.25, steps)
+    resident, _ = generate(ckpt, packs, 1.0, steps, prefill_chunk=small.prefill_chunk)  # the same prefill steps
     assert small.new_ids == resident.new_ids
     assert len(small.step_logits) == steps
     for step, (a, b) in enumerate(zip(small.step_logits, resident.step_logits)):

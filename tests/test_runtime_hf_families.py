@@ -6,16 +6,17 @@ the same check."""
 import pytest
 from checkpoint_fixtures import save_hf_checkpoint
 from test_runtime_fixtures import runtime_hf_model
+from test_runtime_hf import PROMPT, generate
 from test_runtime_hf import test_quarter_pool_is_bit_identical_to_all_resident_over_64_steps as quarter_pool_check
 
+from tierstore.errors import CapacityError
 from tierstore.runtime.packs import ensure_base_pack
 
 pytest.importorskip("transformers")
 
-# With one dense layer of three, 25% of these families' 32 routed experts is 8 slots, fewer than the
-# 6-token prompt may route in one layer (12): the prefill then refuses (CapacityError, strict).
-# Built with every layer MoE, 25% is 12 slots.
-ALL_MOE = {"qwen2_moe": dict(mlp_only_layers=[]), "deepseek_v2": dict(first_k_dense_replace=0)}
+# qwen2_moe and deepseek_v2 keep their dense first layer: 25% of their 32 routed experts is 8 slots,
+# fewer than the 6-token prompt may route in one layer (12), so their prefill runs in steps of 4 tokens
+# (`TieredGenerator.prefill_chunk`), and the resident run repeats those steps.
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def family_checkpoints(tmp_path_factory):
     """model_type -> (checkpoint dir, pack dir) of a seeded tiny model of that family."""
     def build(model_type):
         root = tmp_path_factory.mktemp(model_type)
-        model = runtime_hf_model(model_type, seed=3, **ALL_MOE.get(model_type, {}))
+        model = runtime_hf_model(model_type, seed=3)
         ckpt = save_hf_checkpoint(model, root / "ckpt")
         ensure_base_pack(ckpt, root / "packs", device="cpu")
         return ckpt, root / "packs"
@@ -36,3 +37,13 @@ def test_quarter_pool_is_bit_identical_over_64_steps_for_the_other_families(mode
     """64 decode steps at 25% coverage replay (and fetch more rows than the pool holds) and return the
     all-resident logits and tokens exactly."""
     quarter_pool_check(model_type, family_checkpoints)
+
+
+def test_a_prompt_whose_layer_cannot_fit_the_pool_prefills_in_steps(family_checkpoints):
+    """qwen2_moe at 25% (8 slots, top-2): the 6-token prompt runs in prefill steps of 4 tokens and the run
+    matches the resident one (test above); the same prompt in one prefill step cannot fit and is refused."""
+    ckpt, packs = family_checkpoints("qwen2_moe")
+    small, _ = generate(ckpt, packs, 0.25, 2)
+    assert small.prefill_chunk == 4 < len(PROMPT)
+    with pytest.raises(CapacityError, match="cannot hold"):
+        generate(ckpt, packs, 0.25, 2, prefill_chunk=len(PROMPT))

@@ -74,7 +74,9 @@ def generate_command(args, out) -> int:
         stats = runtime.stats()
         kpi = runtime.kpi_line()
     decode_steps = max(len(result.new_ids) - 1, 0)
-    print(f"prompt: {args.prompt!r} ({len(prompt)} tokens, {type(tokenizer).__name__})", file=out)
+    chunked = (f"; prefill in steps of {result.prefill_chunk} tokens (a layer's routed experts for the whole prompt "
+               f"would not fit the pool)" if result.prefill_chunk < len(prompt) else "")
+    print(f"prompt: {args.prompt!r} ({len(prompt)} tokens, {type(tokenizer).__name__}){chunked}", file=out)
     print(f"output: {tokenizer.decode(result.new_ids)!r}", file=out)
     print(f"tokens: {len(result.new_ids)} new in {result.seconds:.2f} s "
           f"({decode_steps / result.decode_seconds if result.decode_seconds else 0:.1f} decode steps/s); device {device}, "
@@ -94,7 +96,8 @@ def generate_command(args, out) -> int:
             all_fp4.preload_fp4()
             install_tiered_experts(model, all_fp4)
             reference = TieredGenerator(model, all_fp4, max_length, use_graph).generate(
-                prompt, args.max_new_tokens, keep_logits=True, forced_ids=result.new_ids)
+                prompt, args.max_new_tokens, keep_logits=True, forced_ids=result.new_ids,
+                prefill_chunk=result.prefill_chunk)
         status = report_fp4_verification(result, reference, out)
     if not args.verify_resident:
         return status
@@ -105,7 +108,7 @@ def generate_command(args, out) -> int:
         resident.preload()
         install_tiered_experts(model, resident)
         reference = TieredGenerator(model, resident, max_length, use_graph).generate(
-            prompt, args.max_new_tokens, keep_logits=True)
+            prompt, args.max_new_tokens, keep_logits=True, prefill_chunk=result.prefill_chunk)
     differs = first_differing_step(result.step_logits, reference.step_logits)
     if differs is None:
         print(f"bit-identical: yes ({len(result.step_logits)} steps)", file=out)

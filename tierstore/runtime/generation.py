@@ -34,6 +34,7 @@ class GenerationResult:
     seconds: float = 0.0
     decode_seconds: float = 0.0
     cuda_graph: bool = False
+    prefill_chunk: int = 0  # prompt tokens per prefill step (the whole prompt: one step)
 
 
 class TieredGenerator:
@@ -96,28 +97,47 @@ class TieredGenerator:
         return self._decode_eager()
 
     # -- generation -----------------------------------------------------------------------------
+    def prefill_chunk(self, prompt_tokens: int) -> int:
+        """Prompt tokens per prefill step: the whole prompt when the device pool can hold every expert
+        one MoE layer may route for it (min(experts, tokens x top-k) slots), else the most tokens whose
+        worst case fits (pool slots // top-k): a prefill step fetches a layer's whole routed set first."""
+        g, slots = self.runtime.geometry, self.runtime.pool.num_slots
+        if min(g.num_experts, prompt_tokens * g.top_k) <= slots:
+            return prompt_tokens
+        return max(1, slots // g.top_k)
+
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, *, keep_logits: bool = False,
                  record_routing: bool = False, eos_token_id: int | None = None,
-                 forced_ids: list[int] | None = None) -> GenerationResult:
+                 forced_ids: list[int] | None = None, prefill_chunk: int | None = None) -> GenerationResult:
         """Greedy decoding; `forced_ids` feeds these tokens instead of the argmax (teacher forcing,
-        to compare another run's logits step by step on the same sequence)."""
+        to compare another run's logits step by step on the same sequence). The prompt runs in prefill
+        steps of `prefill_chunk` tokens (default `self.prefill_chunk(len(prompt_ids))`); a run compared
+        with another bit for bit must use the other's chunk (`result.prefill_chunk`): the logits of
+        one prefill step and of several differ in the last bits."""
         if not prompt_ids:
             raise ConfigError("the prompt is empty")
+        chunk = self.prefill_chunk(len(prompt_ids)) if prefill_chunk is None else prefill_chunk
+        if chunk < 1:
+            raise ConfigError(f"prefill_chunk must be >= 1, got {chunk}")
         if len(prompt_ids) + max_new_tokens > self.max_length:
             raise ConfigError(f"prompt ({len(prompt_ids)}) + new tokens ({max_new_tokens}) exceed the static "
                               f"cache of {self.max_length} positions")
         if record_routing and self.runtime.log.routing is None:
             raise ConfigError("routing can be recorded only by a runtime made with record_tokens >= 1")
-        result = GenerationResult(list(prompt_ids), [], cuda_graph=False)
+        result = GenerationResult(list(prompt_ids), [], cuda_graph=False, prefill_chunk=chunk)
         started = time.perf_counter()
         prompt = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1, P]
         positions = torch.arange(len(prompt_ids), device=self.device)[None]  # [1, P]
-        self._rewind(0)
-        logits, outcome = self.runtime.step(lambda: self._forward(prompt, positions), lambda: self._rewind(0),
-                                            prefill=True)
+        prefill_all_fp4: list[bool | None] = []
+        for start in range(0, len(prompt_ids), chunk):
+            ids, at = prompt[:, start:start + chunk], positions[:, start:start + chunk]  # [1, C]
+            self._rewind(start)
+            logits, outcome = self.runtime.step(lambda ids=ids, at=at: self._forward(ids, at),
+                                                lambda start=start: self._rewind(start), prefill=True)
+            prefill_all_fp4.append(outcome.all_fp4)
         result.fired.append(False)
-        result.all_fp4.append(outcome.all_fp4)
+        result.all_fp4.append(None if None in prefill_all_fp4 else all(prefill_all_fp4))
         decode_started = time.perf_counter()
         published = None  # the last decode step's argmax, from its pass-log read
         for position in range(len(prompt_ids), len(prompt_ids) + max_new_tokens):
