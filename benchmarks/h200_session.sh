@@ -261,56 +261,36 @@ case "$step" in
         --commit "$commit" --json "$work/cuda-w2-$preset.json"
     done
     ;;
-  inflight)  # early_fetch with two installs in flight (1673507, 9207eba): the fetch after the pass-log read no longer
-    # waits for the copies fetched during the pass (resume measured early_fetch at 0.84-1.02x the default before this).
-    # GPU tests of the pool and early fetch, then early_fetch=1 side by side with the default on ds-v2-lite (synthetic,
-    # two rounds), the generate-recorded trace and qwen3-30b-a3b, all with the 4 GiB arena preloaded (the change only
-    # helps arena hits); generate on the quality checkpoint with early fetch on, tiered == resident; kimi-k2 T = 512
-    # after the stream ceiling's fix. Stage limits 100 + 130 + 70 + 90 + 90 + 40 + 45 = 565 s. Estimates from resume /
-    # matrix / recorded at 54fb697 (not measured for this tree): tests ~50 s, ds-v2-lite 4 coverages ~80 s, 2 ~45 s,
-    # recorded 3 coverages ~60 s, qwen3 2 coverages ~50 s, generate ~20 s, kimi-k2 ~15 s.
+  inflight|ahead)  # early_fetch side by side with the default: inflight at 7cb5f06 (two installs in flight, 1673507 /
+    # 9207eba: the fetch after the pass-log read no longer waits for the copies fetched during the pass; resume had
+    # measured early_fetch at 0.84-1.02x the default before) and ahead at 6506a1c (evict-ahead, 9b810c6, reverted
+    # since). GPU tests of the pool and early fetch; ds-v2-lite synthetic (two runs), the generate-recorded trace and
+    # qwen3-30b-a3b, all with the 4 GiB arena preloaded (the change helps arena hits only); generate --early-fetch on
+    # the quality checkpoint, tiered == resident; inflight also re-ran kimi-k2 T = 512 after the stream ceiling's fix.
+    # Stage limits 100 + 130 + 70 + 90 + 90 + 40 (+ 45) = 520 (565) s; measured: inflight 45, 91, 32, 45, 59, 17, 32 s;
+    # ahead 38, 76, 34, 54, 61, 19 s (summary.txt of each).
     stage tests 100 python3 -m pytest tests/test_runtime_pool_copies.py tests/test_runtime_early_fetch.py \
       tests/test_runtime_layer_waits.py tests/test_runtime_gpu.py tests/test_runtime_fetch_split.py -m gpu -q
-    stage replay-early-1 130 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+    stage "replay-$step-1" 130 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
       --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_inflight_1.json"
-    stage replay-early-2 70 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_${step}_1.json"
+    stage "replay-$step-2" 70 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
       --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_inflight_2.json"
-    stage replay-early-recorded 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_${step}_2.json"
+    stage "replay-$step-recorded" 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
       --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 --no-synthetic \
       --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first --trace-top-k trace \
-      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_inflight_recorded.json"
-    stage replay-early-qwen3 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_${step}_recorded.json"
+    stage "replay-$step-qwen3" 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
       --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_inflight_qwen3.json"
+      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_${step}_qwen3.json"
     stage generate-early 40 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --early-fetch --verify-resident
-    stage kernels-kimi-k2-t512 45 python3 benchmarks/kernels.py --preset kimi-k2 --tokens 512 --config 64,8 \
-      --skip w2_fused_plain,w2_gate_up_plain,dequant_grouped_mm,w2_fused_down64w8,fp4_fused_down64w8 \
-      --commit "$commit" --json "$work/kernels-kimi-k2-t512.json"
-    ;;
-  ahead)  # early_fetch with evict-ahead (9b810c6: freed slots for the fetches during the pass, which inflight showed
-    # overriding LRU by evicting only finished layers' experts) and idle-gated during-pass installs; the same
-    # side-by-side stages as inflight, kimi-k2 dropped (measured there). Stage limits 100 + 120 + 70 + 90 + 80 + 40 =
-    # 500 s. Estimates: inflight's stage times at 7cb5f06 (45, 91, 32, 45, 59, 17 s).
-    stage tests 100 python3 -m pytest tests/test_runtime_pool_copies.py tests/test_runtime_early_fetch.py \
-      tests/test_runtime_layer_waits.py tests/test_runtime_gpu.py tests/test_runtime_fetch_split.py -m gpu -q
-    stage replay-ahead-1 120 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
-      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_ahead_1.json"
-    stage replay-ahead-2 70 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
-      --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_ahead_2.json"
-    stage replay-ahead-recorded 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
-      --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 --no-synthetic \
-      --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first --trace-top-k trace \
-      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_ahead_recorded.json"
-    stage replay-ahead-qwen3 80 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
-      --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_ahead_qwen3.json"
-    stage generate-early 40 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
-      --max-new-tokens 48 --gpu-pool-frac 0.25 --early-fetch --verify-resident
+    if [ "$step" = inflight ]; then
+      stage kernels-kimi-k2-t512 45 python3 benchmarks/kernels.py --preset kimi-k2 --tokens 512 --config 64,8 \
+        --skip w2_fused_plain,w2_gate_up_plain,dequant_grouped_mm,w2_fused_down64w8,fp4_fused_down64w8 \
+        --commit "$commit" --json "$work/kernels-kimi-k2-t512.json"
+    fi
     ;;
   idle)  # the early_fetch variant left on main after evict-ahead's revert (idle-gated during-pass installs, the
     # fetch after the pass-log read not waiting for them; the code of 1673507, never measured on its own): its GPU
