@@ -157,3 +157,15 @@ def runtime_slot_bytes(ckpt, packs, expert, layer=0):
     rows.read_rows([(layer, expert)], [memoryview(dest)])
     rows.close()
     return torch.frombuffer(dest, dtype=torch.uint8)[:rows.row_bytes].clone()
+
+
+def test_a_prefill_in_steps_continues_the_cache_like_one_prefill_step(checkpoints):
+    """The prompt in prefill steps of 2 tokens (the KV cache rewound to each step's first position) gives the
+    logits of one prefill step within float32 rounding, and the same greedy tokens."""
+    ckpt, packs = checkpoints("qwen3_moe")
+    whole, _ = generate(ckpt, packs, 1.0, 8, prefill_chunk=len(PROMPT))
+    steps, _ = generate(ckpt, packs, 1.0, 8, prefill_chunk=2)
+    assert (whole.prefill_chunk, steps.prefill_chunk) == (len(PROMPT), 2)
+    assert steps.new_ids == whole.new_ids
+    for a, b in zip(steps.step_logits, whole.step_logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
