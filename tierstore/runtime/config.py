@@ -65,10 +65,12 @@ class RuntimeConfig:
       event per stream).
     - `early_fetch` (default off; with `layer_waits`, decode steps): while a pass runs, the host reads each
       finished MoE layer's routed experts (copied to pinned memory by the pass itself) and fetches the
-      missing ones at once, evicting only experts of finished layers that the pass did not route, so the
-      copies overlap the rest of the pass; what is still missing at the pass-log read is fetched as before.
-      Same bytes and kernels: the replay's result is unchanged; the pass pays two small device-to-host
-      copies per MoE layer. Not measured on a GPU yet.
+      missing ones whenever the last such fetch's copies are done, evicting only experts of finished layers
+      that the pass did not route, so the copies overlap the rest of the pass; what is still missing at the
+      pass-log read is fetched as before, without waiting for those copies. Same bytes and kernels: the
+      replay's result is unchanged; the pass pays two small device-to-host copies per MoE layer. On the H200
+      it was slower than the default in 16 of 24 cells and faster in 8, by at most 1.22x (docs/runtime.md,
+      "Early fetch"), hence off.
 
     Kernels:
 
