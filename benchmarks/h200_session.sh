@@ -300,19 +300,18 @@ case "$step" in
       --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
       --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_idle.json"
     ;;
-  next)  # prepared 2026-11-30, not run (no device time left): the GPU tests changed after 8f33af4 (prefill_chunk passed
-    # to the compared runs in test_runtime_gpu / test_runtime_cuda_w2; the cuda_w2 rule to 8 pairs per expert, 50c0de3),
-    # and the multi-token CUDA whole op at deepseek-v3 T = 64 (2 pairs per expert, which the new rule sends to it; never
-    # timed) beside the Triton stages it replaces, in the same call. Stage limits 150 + 60 + 60 + 40 = 310 s. Estimates,
-    # not measured: tests ~60-90 s (resume's runtime-tests 50 s and cuda-tests 37 s cover most of these files); cuda_w2
-    # ~15 s (verify: 13 s at T = 1 / 8 / 32); kernels.py ~25 s (presets: deepseek-v3 T = 64 / 512 in 25 s)
+  next)  # 2026-11-30 (third session): the GPU tests changed after 8f33af4 (prefill_chunk passed to the compared runs in
+    # test_runtime_gpu / test_runtime_cuda_w2; the cuda_w2 rule to 8 pairs per expert, 50c0de3); then the CUDA
+    # multi-token whole op at T = 64 / 512 (never timed there; the Triton tensor-core path it would replace runs at
+    # 0.30x - 0.78x bf16 at these T, kernels-*-54fb697.json) on every preset whose shapes it accepts, bf16 in the same
+    # run; then generate --verify-resident. Stage limits 150 + 5 x 45 + 40 = 415 s. Estimates, not measured: tests
+    # ~60-90 s; cuda_w2 ~10-20 s per preset (presets: 5-7 s at T = 1 / 8 / 32; T = 512 adds the Triton BT = 1 op).
     stage tests 150 python3 -m pytest tests/test_runtime_gpu.py tests/test_runtime_cuda_w2.py tests/test_fp4_gpu.py \
       tests/test_runtime_pool_copies.py tests/test_runtime_early_fetch.py tests/test_runtime_layer_waits.py -m gpu -q
-    stage cuda-w2-t64 60 python3 benchmarks/cuda_w2.py --preset deepseek-v3 --tokens 64 \
-      --variants cuda_whole_multi,cuda_whole_multi_s4e --commit "$commit" --json "$work/cuda-w2-deepseek-v3-t64.json"
-    stage kernels-t64 60 python3 benchmarks/kernels.py --preset deepseek-v3 --tokens 64 --config 64,8 \
-      --skip w2_fused_plain,w2_gate_up_plain,dequant_grouped_mm,w2_fused_down64w8,fp4_fused_down64w8 \
-      --commit "$commit" --json "$work/kernels-deepseek-v3-t64.json"
+    for preset in deepseek-v3 kimi-k2 ds4-flash mixtral-8x7b olmoe-1b-7b; do
+      stage "cuda-w2-$preset-t64-512" 45 python3 benchmarks/cuda_w2.py --preset "$preset" --tokens 64,512 \
+        --variants cuda_whole_multi,cuda_whole_multi_s4e --commit "$commit" --json "$work/cuda-w2-$preset-t64-512.json"
+    done
     stage generate-quality 40 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     ;;
