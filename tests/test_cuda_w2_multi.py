@@ -373,6 +373,35 @@ def test_multi_whole_op_matches_reference_with_misses(case, tokens):
 
 @pytest.mark.gpu
 @needs_nvcc
+@pytest.mark.parametrize("tokens,wide", [(8, False), (16, False), (17, True), (32, True)])
+def test_whole_op_picks_the_gate_up_width_by_pairs_per_expert(case, tokens, wide):
+    """Above WIDE_FROM (4) pairs per expert (here 16 pairs over 8 experts at 8 tokens, 34 at 17) the whole op runs the
+    8-column gate_up, else the 4-column one; either gives the same bytes (each pair's arithmetic is the same)."""
+    from tierstore.kernels.cuda.w2_moe import GATE_MULTI, WIDE_FROM, W2MoeCuda
+
+    assert WIDE_FROM == 4
+    moe = case["whole"]
+    ran, kernels = [], {name: getattr(moe, name) for name in ("gate_up_multi", "gate_up_multi_wide")}
+    for name, kernel in kernels.items():
+        setattr(moe, name, lambda *a, _k=kernel, _n=name, **kw: (ran.append(_n), _k(*a, **kw))[1])
+    try:
+        ids = _ids(case, tokens, with_fp4=False)
+        x = torch.randn(tokens, HIDDEN, generator=case["gen"]).to(torch.bfloat16).cuda()
+        weights = (torch.rand(tokens, TOP_K, generator=case["gen"]) + 0.05).cuda()
+        out, counts, _ = _whole(case, ids, x, weights, BT)
+    finally:
+        for name, kernel in kernels.items():
+            setattr(moe, name, kernel)
+    assert ran == ["gate_up_multi_wide" if wide else "gate_up_multi"]
+    narrow_only = W2MoeCuda(gate_multi_wide=GATE_MULTI)  # the 4-column kernel at every fill
+    again, counts2, _ = run_whole(x, ids, weights, case["w2"], case["f4_none"], narrow_only, INTER, EXPERTS, 4, BT)
+    assert not out.isnan().any() and same_bytes(out, again) and counts2 == counts
+    ref, _, _ = moe_mm_ref(x, ids, weights, case["w2"], case["f4_none"], 0, act_dtype=torch.bfloat16)
+    assert float((out.float() - ref).norm() / ref.norm()) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_nvcc
 def test_multi_whole_op_gives_nan_rows_for_fp4_pairs(case):
     ids = torch.tensor([[FP4_EXPERT, 0], [1, 2], [0, 1]], dtype=torch.int32).cuda()  # token 0 routes to FP4
     x = torch.randn(3, HIDDEN, generator=case["gen"]).to(torch.bfloat16).cuda()

@@ -107,12 +107,14 @@ class _Calls:
 
 
 def test_block_size_rule_of_the_knob():
-    pairs = (8, 64, 127, 128, 256, 257, 2048, 2049)
-    assert [compute.cuda_w2_block_tokens(p, 256) for p in pairs] == [1, 1, 1, 16, 16, 16, 16, None]
-    assert [compute.cuda_w2_block_tokens(p, 16) for p in (2, 7, 8, 16, 17, 128, 129)] == [1, 1, 16, 16, 16, 16, None]
-    # mixtral-8x7b (E = 8, top-2) at T = 8 and 32, olmoe-1b-7b (E = 64, top-8) at T = 32: the multi-token kernels
-    assert [compute.cuda_w2_block_tokens(p, 8) for p in (16, 64, 65)] == [16, 16, None]
-    assert compute.cuda_w2_block_tokens(256, 64) == 16
+    assert compute.CUDA_MULTI_MAX_PAIRS_PER_EXPERT == 64
+    pairs = (8, 64, 127, 128, 256, 257, 4096, 16384, 16385)
+    assert [compute.cuda_w2_block_tokens(p, 256) for p in pairs] == [1, 1, 1, 16, 16, 16, 16, 16, None]
+    assert [compute.cuda_w2_block_tokens(p, 16) for p in (2, 7, 8, 16, 17, 1024, 1025)] == [1, 1, 16, 16, 16, 16, None]
+    # mixtral-8x7b (E = 8, top-2) at T = 8, 32 and 64, olmoe-1b-7b (E = 64, top-8) at T = 32, 64 and 512: the
+    # multi-token kernels; mixtral-8x7b at T = 512 (128 pairs per expert): the Triton stages
+    assert [compute.cuda_w2_block_tokens(p, 8) for p in (16, 64, 128, 512, 513, 1024)] == [16, 16, 16, 16, None, None]
+    assert [compute.cuda_w2_block_tokens(p, 64) for p in (256, 512, 4096)] == [16, 16, 16]
     # with an FP4 pool: one pair per block from experts / 4 pairs (TierMoeCuda), the Triton stages elsewhere
     assert [compute.cuda_w2_block_tokens(p, 256, fp4=True) for p in (8, 63, 64, 256, 257)] == [None, None, 1, 1, None]
 
@@ -142,17 +144,17 @@ def test_triton_backend_passes_the_kernels_to_moe_mm_only_with_the_knob(monkeypa
     with TieredRuntime(g, memory_source(g), pool_slots=16, backend="triton",
                        config=RuntimeConfig(cuda_w2=knob, kpi_every=0)) as runtime:
         runtime.preload()
-        # 2 / 6 pairs < 8: one pair per block; 8 / 16 / 18 pairs (experts / 2 .. 8 x experts): 16-pair expert
-        # blocks (the multi-token kernels); 130 pairs > 8 x 16 experts: the default workspace, Triton stages
-        for tokens in (1, 3, 1, 4, 8, 9, 65):
+        # 2 / 6 pairs < 8: one pair per block; 8 .. 1024 pairs (experts / 2 .. 64 x experts): 16-pair expert
+        # blocks (the multi-token kernels); 1026 pairs > 64 x 16 experts: the default workspace, Triton stages
+        for tokens in (1, 3, 1, 4, 8, 9, 65, 512, 513):
             x = torch.randn(tokens, g.hidden).to(torch.bfloat16)
             runtime.moe(0, x, *model.route(0, x.float()))
     assert calls.builds == int(knob)  # once per runtime, at boot
     want = calls.kernels if knob else None
     if knob:
-        assert calls.passed == [(1, want)] * 3 + [(16, want)] * 3 + [(16, None)]
-    else:  # moe_mm's own rule: one pair per block up to `experts` pairs
-        assert calls.passed == [(1, None)] * 5 + [(16, None)] * 2
+        assert calls.passed == [(1, want)] * 3 + [(16, want)] * 5 + [(64, None)]
+    else:  # moe_mm's own rule: one pair per block up to `experts` pairs, 16 up to 16 x experts, then 64
+        assert calls.passed == [(1, None)] * 5 + [(16, None)] * 2 + [(64, None)] * 2
 
 
 def test_the_knob_refuses_hidden_states_other_than_bfloat16(monkeypatch):

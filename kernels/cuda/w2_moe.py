@@ -7,7 +7,8 @@ once, by the route, and the combine reads y exactly as on the default path.
 
 The kernels follow the workspace's block size: block_tokens 1 runs the single-token kernels (one routed pair per
 CUDA block: w2_gate_up.cu, w2_down.cu); a multiple of 8 (16, 32, 64) runs the multi-token kernels (one expert's
-weights decoded once for up to 8 of its pairs: w2_multi.py). Same outputs per pair either way.
+weights decoded once for up to 8 of its pairs: w2_multi.py), with the gate_up kernel picked by the batch's pairs per
+expert (`WIDE_FROM`). Same outputs per pair either way.
 
 Restriction: the Triton stages compute W2 and FP4 pairs in one launch (per block, by the expert's tier); they
 have no switch to leave W2 pairs out, and running them whole beside the CUDA kernels would do the W2 work twice.
@@ -29,6 +30,16 @@ from .w2_multi import W2DownMultiCuda, W2GateUpMultiCuda
 # at T = 32 851.7 vs 961.5 us with the first multi kernel (1.13x), 311.2 vs 347.5 at T = 8, byte-identical outputs.
 GATE_MULTI = dict(warps=8, stage_cols=4, carveout="fit", early=True)
 
+# Batches with more than WIDE_FROM routed pairs per expert on average run the multi-token gate_up with all 8 columns
+# staged (GATE_MULTI_WIDE: the v1 kernel, W2GateUpMultiCuda's defaults) instead of GATE_MULTI's 4: a block then
+# decodes its expert's tile once per 8 pairs instead of once per 4. H200 at cf5719c (cuda-w2-*-t64-512-cf5719c.json,
+# whole op, byte-identical outputs): 4 columns faster at 1.33 / 1.5 / 2 pairs per expert (kimi-k2 / ds4-flash /
+# deepseek-v3 at T = 64: 1468 vs 1621, 654 vs 700, 1224 vs 1326 us), 8 columns faster from 8 (olmoe-1b-7b T = 64:
+# 149 vs 178 us) to 128 (mixtral-8x7b T = 512: 3824 vs 5139 us; deepseek-v3 T = 512, 16: 4271 vs 5340 us). Between
+# 2 and 8 not measured: the switch is set halfway.
+WIDE_FROM = 4
+GATE_MULTI_WIDE: dict = {}
+
 
 # The single-token kernels' options (W2GateUpCuda / W2DownCuda): "v3 egp", adopted by the rule of cuda-w2-notes.md from
 # the H200 run at 6f908d0 (cuda-w2-v3-deepseek-v3.json): the early prologue, a grid of the routed pairs only, the down
@@ -40,16 +51,20 @@ SINGLE = dict(early=True, pairs_grid=True, pdl=True)
 class W2MoeCuda:
     """gate_ahead: W2_AHEAD of both gate_up kernels (2: the measured faster one); down_ahead / down_groups: both
     down kernels' (w2_down.py); gate_multi: the multi-token gate_up's other options (None: GATE_MULTI);
+    gate_multi_wide: the same for batches above WIDE_FROM pairs per expert (None: GATE_MULTI_WIDE);
     gate_single / down_single: the single-token kernels' v3 options (W2GateUpCuda / W2DownCuda; None: SINGLE; {}:
     the kernels before v3)."""
 
     def __init__(self, gate_ahead: int = 2, down_ahead: int = 2, down_groups: int = 1, device: int | None = None,
-                 gate_multi: dict | None = None, gate_single: dict | None = None, down_single: dict | None = None):
+                 gate_multi: dict | None = None, gate_single: dict | None = None, down_single: dict | None = None,
+                 gate_multi_wide: dict | None = None):
         self.gate_up = W2GateUpCuda(ahead=gate_ahead, device=device, **(SINGLE if gate_single is None else gate_single))
         self.down = W2DownCuda(ahead=down_ahead, groups=down_groups, device=device,
                                **(SINGLE if down_single is None else down_single))
         self.gate_up_multi = W2GateUpMultiCuda(ahead=gate_ahead, device=device,
                                                **(GATE_MULTI if gate_multi is None else gate_multi))
+        self.gate_up_multi_wide = W2GateUpMultiCuda(
+            ahead=gate_ahead, device=device, **(GATE_MULTI_WIDE if gate_multi_wide is None else gate_multi_wide))
         self.down_multi = W2DownMultiCuda(ahead=down_ahead, groups=down_groups, device=device)
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None) -> None:
@@ -60,6 +75,7 @@ class W2MoeCuda:
         else:
             w2_multi.gate_check_inputs(hidden, w2, fp4, ws, ws.act)
             w2_multi.down_check_inputs(w2, fp4, ws, ws.y, self.down.groups)
-            gate_up, down = self.gate_up_multi, self.down_multi
+            wide = hidden.shape[0] * top_k > WIDE_FROM * w2.table.shape[1]  # pairs per expert above WIDE_FROM
+            gate_up, down = (self.gate_up_multi_wide if wide else self.gate_up_multi), self.down_multi
         gate_up(hidden, top_k, w2, fp4, layer, ws, swiglu_limit=swiglu_limit)
         down(w2, fp4, layer, ws)

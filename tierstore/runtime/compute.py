@@ -72,27 +72,34 @@ def load_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torc
     return kernels
 
 
+CUDA_MULTI_MAX_PAIRS_PER_EXPERT = 64  # cuda_w2_block_tokens: the multi-token kernels' last measured win
+
+
 def cuda_w2_block_tokens(pairs: int, experts: int, fp4: bool = False) -> int | None:
     """The route block size config `cuda_w2` gives a batch of `pairs` routed pairs, None where the CUDA kernels
     do not serve it (the Triton stages on moe_mm's default workspace).
 
     Without an FP4 pool: below experts / 2 pairs 1 (the single-token kernels, one pair per block); from there up to
-    8 pairs per expert on average (8 x experts pairs) 16 (the multi-token kernels, each expert's tile decoded once
-    for up to 8 of its pairs); above that None. The 1 -> 16 switch sits where uniform routing gives ~1.27 pairs
-    per routed expert (P / (E (1 - e^(-P/E))) at P = E / 2); measured on DeepSeek-V3 shapes (E = 256,
-    cuda-w2-multi-deepseek-v3.json): 64 pairs single 311.6 vs multi 348.8 us, 256 pairs 1140.2 vs 959.4 us.
-    Above experts pairs the multi-token kernels were measured against the Triton stages the runtime would run
-    instead (its default tensor-core blocks; cuda-w2-*-54fb697.json vs kernels-*-54fb697.json, H200, whole op,
-    outputs checked, byte-identical to the single-token kernels): mixtral-8x7b (E = 8) 16 pairs 200.7 vs 1108.8 us,
-    64 pairs 465.2 vs 1236.2 us; olmoe-1b-7b (E = 64) 256 pairs 111.5 vs 408.5 us. Not measured: above 8 pairs
-    per expert, and any preset with E >= 128 above experts pairs (e.g. DeepSeek-V3 at T = 64).
+    CUDA_MULTI_MAX_PAIRS_PER_EXPERT pairs per expert on average 16 (the multi-token kernels, each expert's tile
+    decoded once per column group of its pairs; W2MoeCuda picks the group width by pairs per expert); above that None.
+    The 1 -> 16 switch sits where uniform routing gives ~1.27 pairs per routed expert (P / (E (1 - e^(-P/E))) at
+    P = E / 2); measured on DeepSeek-V3 shapes (E = 256, cuda-w2-multi-deepseek-v3.json): 64 pairs single 311.6 vs
+    multi 348.8 us, 256 pairs 1140.2 vs 959.4 us. Above experts pairs the multi-token kernels were measured against
+    the Triton stages the runtime would run instead (its default tensor-core blocks, kernels-*-54fb697.json; H200,
+    whole op, outputs checked, byte-identical to the single-token kernels), CUDA first, us: mixtral-8x7b (E = 8)
+    16 pairs 200.7 vs 1108.8, 64 pairs 465.2 vs 1236.2 (cuda-w2-*-54fb697.json); at T = 64 / 512
+    (cuda-w2-*-t64-512-cf5719c.json) deepseek-v3 2 / 16 pairs per expert 1223.8 vs 7836.8, 4271.0 vs 13261.8;
+    kimi-k2 1.33 / 10.7: 1468.1 vs 9985.9, 4780.4 vs 14690.3; ds4-flash 1.5 / 12: 652.9 vs 4308.0, 2102.7 vs
+    6490.1; olmoe-1b-7b 8 / 64: 148.9 vs 430.2, 820.5 vs 1011.7; mixtral-8x7b 16 / 128: 613.5 vs 1770.8, 3823.6 vs
+    3475.1 (Triton faster). The Triton times are another run's (bf16 in both within 10 %), hence the margin: the
+    limit is the last measured win, 64.
 
     With an FP4 pool (`TierMoeCuda`, one pair per block only): 1 from experts / 4 to experts pairs, else None.
     Measured on DeepSeek-V3 shapes with every 4th expert FP4 (cuda-fp4-deepseek-v3.json): 0.83x the Triton op at
     8 pairs, 1.25x at 64 (= experts / 4), 1.29x at 256; between 8 and 64 not measured."""
     if fp4:
         return 1 if experts <= 4 * pairs and pairs <= experts else None
-    if pairs > 8 * experts:
+    if pairs > CUDA_MULTI_MAX_PAIRS_PER_EXPERT * experts:
         return None
     return 16 if 2 * pairs >= experts else 1
 
