@@ -32,7 +32,12 @@ ROUNDS = 2
 VARIANTS = {"cuda_fp4_gate_up": ("gate_up", 2), "cuda_fp4_gate_up_a3": ("gate_up", 3), "cuda_fp4_gate_up_a1": ("gate_up", 1),
             "cuda_fp4_down": ("down", 2), "cuda_fp4_down_a3": ("down", 3), "cuda_fp4_down_a1": ("down", 1),
             "cuda_fp4_whole": ("whole", 2), "cuda_fp4_whole_a3": ("whole", 3), "cuda_fp4_only": ("whole", 2),
-            "cuda_tier_mixed": ("mixed", 2)}
+            "cuda_tier_mixed": ("mixed", 2), "cuda_fp4_whole_multi": ("whole", 2), "cuda_fp4_whole_multi_s8": ("whole", 2),
+            "cuda_tier_mixed_multi": ("mixed", 2)}
+# multi-token variants (TierMoeCuda on a block_tokens MULTI_BT workspace: fp4_multi.py and w2_multi.py) -> the FP4
+# gate_up's options (Fp4GateUpMultiCuda); their bytes must equal the stage's first variant's (one pair per block)
+MULTI = {"cuda_fp4_whole_multi": {}, "cuda_fp4_whole_multi_s8": dict(stage_cols=8), "cuda_tier_mixed_multi": {}}
+MULTI_BT = 16
 FIRST = {"gate_up": "cuda_fp4_gate_up", "down": "cuda_fp4_down", "whole": "cuda_fp4_whole", "mixed": "cuda_tier_mixed"}
 MIXED_EVERY = 4  # the mixed-residency stage: experts e % 4 == 0 FP4-resident, the others W2
 DEVICE = "cuda"  # the CPU test of this script's bookkeeping sets "cpu"
@@ -67,8 +72,10 @@ def _build(name: str) -> tuple[object, dict]:
         attrs = {f"{k}_{a}": v for k, s in (("gate_up", built.gate_up), ("down", built.down))
                  for a, v in s.attributes().items()}
     elif stage in ("whole", "mixed"):
-        built = TierMoeCuda(fp4_ahead=ahead)
-        attrs = {f"fp4_{k}_{a}": v for k, s in (("gate_up", built.fp4_gate_up), ("down", built.fp4_down))
+        built = TierMoeCuda(fp4_ahead=ahead, fp4_gate_multi=MULTI.get(name))
+        multi = name in MULTI
+        attrs = {f"fp4_{k}_{a}": v for k, s in (("gate_up", built.fp4_gate_up_multi if multi else built.fp4_gate_up),
+                                                ("down", built.fp4_down_multi if multi else built.fp4_down))
                  for a, v in s.attributes().items()}
     else:
         built = (Fp4GateUpCuda if stage == "gate_up" else Fp4DownCuda)(ahead)
@@ -76,11 +83,11 @@ def _build(name: str) -> tuple[object, dict]:
     return built, dict(stage=stage, ahead=ahead, seconds=round(time.perf_counter() - started, 2), **attrs)
 
 
-def _workspace(geo, tokens, ids, state, f4=None):
+def _workspace(geo, tokens, ids, state, f4=None, block_tokens=1):
     from tierstore.kernels import MissLog, MoeWorkspace, moe_route
 
     ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, torch.bfloat16,
-                               DEVICE, block_tokens=1)
+                               DEVICE, block_tokens=block_tokens)
     moe_route(ids, state["w2"], state["f4"] if f4 is None else f4, 0, MissLog.allocate(16, DEVICE), ws)
     return ws
 
@@ -109,10 +116,11 @@ def _check(kb, cw2, geo, state, kernels: dict, stage: str, tokens) -> dict:
     ids, weights = kb._routings(tokens, top_k, geo.num_experts, 1, state["gen"], DEVICE)[0]
     x = torch.randn(tokens, geo.hidden, device=DEVICE, dtype=torch.bfloat16)
     ws = _workspace(geo, tokens, ids, state, f4)
+    ws_multi = _workspace(geo, tokens, ids, state, f4, MULTI_BT)
     names = [n for n in kernels if VARIANTS[n][0] == stage]
     outs, extra = {}, {}
     if stage in ("whole", "mixed"):
-        def run(cuda):
+        def run(cuda, ws=ws):
             ws.act.fill_(float("nan"))
             ws.y.fill_(float("nan"))
             misses = MissLog.allocate(16, DEVICE)
@@ -121,7 +129,8 @@ def _check(kb, cw2, geo, state, kernels: dict, stage: str, tokens) -> dict:
         tri, tri_misses = run(None)
         ref, missing_pairs, _ = moe_mm_ref(x, ids, weights, w2, f4, 0, act_dtype=torch.bfloat16)
         for name in names:
-            (a, misses_a), (b, _) = run(kernels[name]), run(kernels[name])
+            on = ws_multi if name in MULTI else ws
+            (a, misses_a), (b, _) = run(kernels[name], on), run(kernels[name], on)
             outs[name] = (a, b)
             extra[name] = dict(misses_equal_triton=misses_a == tri_misses)
     else:
@@ -157,6 +166,9 @@ def _time_case(kb, cw2, geo, state, kernels: dict, tokens, runner) -> list[dict]
                       for ids, _ in routings for e in torch.unique(ids).tolist()) / len(routings)
     cases = [(torch.randn(tokens, geo.hidden, device=DEVICE, dtype=torch.bfloat16), _workspace(geo, tokens, r[0], state))
              for r in routings]
+    # the multi-token variants' workspaces: the same routings on block_tokens MULTI_BT (each tier's table routes them)
+    multi_ws = {key: [_workspace(geo, tokens, r[0], state, f, MULTI_BT) for r in routings]
+                for key, f in (("whole", f4), ("mixed", f4_mixed))}
     for _, ws in cases:
         ws.act.copy_(torch.randn_like(ws.act))  # the down stage alone reads act
     misses = MissLog.allocate(16, DEVICE)
@@ -169,8 +181,15 @@ def _time_case(kb, cw2, geo, state, kernels: dict, tokens, runner) -> list[dict]
                             for (x, ws), o, r in zip(cases, outs, routings)],
         "mixed": lambda k: [lambda x=x, ws=ws, o=o, r=r: moe_mm(x, r[0], r[1], w2, f4_mixed, 0, misses, ws, out=o,
                                                                 cuda_w2=k) for (x, ws), o, r in zip(cases, outs, routings)]}
-    fns = {stage: {name: stage_calls[stage](k) for name, k in kernels.items() if VARIANTS[name][0] == stage}
-           for stage in stage_calls}
+    fns = {stage: {name: stage_calls[stage](k) for name, k in kernels.items()
+                   if VARIANTS[name][0] == stage and name not in MULTI} for stage in stage_calls}
+    for name, k in kernels.items():
+        if name in MULTI:
+            stage = VARIANTS[name][0]
+            f = f4_mixed if stage == "mixed" else f4
+            fns[stage][name] = [lambda x=x, ws=ws, o=o, r=r, k=k, f=f: moe_mm(x, r[0], r[1], w2, f, 0, misses, ws, out=o,
+                                                                              cuda_w2=k)
+                                for (x, _), ws, o, r in zip(cases, multi_ws[stage], outs, routings)]
     fns["gate_up"]["triton_gate_up"] = [lambda x=x, ws=ws: moe_gate_up(x, top_k, w2, f4, 0, ws) for x, ws in cases]
     fns["down"]["triton_down"] = [lambda ws=ws: moe_down(top_k, w2, f4, 0, ws) for _, ws in cases]
     fns["whole"]["triton_whole"] = stage_calls["whole"](None)

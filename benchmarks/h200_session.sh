@@ -10,7 +10,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -314,6 +314,20 @@ case "$step" in
     done
     stage generate-quality 40 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    ;;
+  fp4multi)  # 2026-11-30 (third session): the multi-token FP4 kernels (fp4_moe_multi.cu, TierMoeCuda on block_tokens 16)
+    # against the single-token ones, Triton and bf16 at deepseek-v3 T = 1 / 8 / 32 / 64 (the FP4 >= 3x target is
+    # missed at T = 32: 2.25x, cuda-fp4-deepseek-v3.json); the GPU tests of the new kernels, of the W2 multi-token
+    # kernels (their pair staging now goes through bf16_mma.cuh's build_columns) and of the runtime's cuda_w2 rule
+    # (64 pairs per expert, the 8-column gate_up above 4); then the W2 whole op at T = 8 / 32 beside the presets
+    # run's numbers (the refactor must not slow it). Stage limits 150 + 200 + 45 = 395 s. Estimates, not measured:
+    # tests ~90 s (cuda step: test_cuda_w2_multi + test_cuda_w2 42 s, test_cuda_fp4 16 s), cuda_fp4 ~60-120 s.
+    stage tests 150 python3 -m pytest tests/test_cuda_fp4.py tests/test_cuda_w2_multi.py tests/test_runtime_cuda_w2.py \
+      -m gpu -q
+    stage cuda-fp4 200 python3 benchmarks/cuda_fp4.py --tokens 1,8,32,64 --commit "$commit" \
+      --json "$work/cuda-fp4-multi-deepseek-v3.json"
+    stage cuda-w2 45 python3 benchmarks/cuda_w2.py --preset deepseek-v3 --tokens 8,32 \
+      --variants cuda_whole_egp,cuda_whole_multi_s4e --commit "$commit" --json "$work/cuda-w2-deepseek-v3-t8-32.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

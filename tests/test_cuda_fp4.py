@@ -22,7 +22,7 @@ from tests.cuda_fixtures import (M32, bench_module, bench_on_cpu, bf16_bits, dow
                                   needs_nvcc, placed, ptxas_report, random_slots, registers, replayed_once, run_whole,
                                   same_bytes, signature_kinds, slot_rows, to_cuda, w2_pool)
 from tierstore.kernels import MissLog, MoeWorkspace, fp4_tier, moe_gate_up, moe_mm, moe_mm_ref, moe_route, w2_tier
-from tierstore.kernels.cuda import fp4_stages
+from tierstore.kernels.cuda import fp4_multi, fp4_stages
 from tierstore.kernels.cuda.fp4_stages import (Fp4DownCuda, Fp4GateUpCuda, check_geometry, fp4_down_ref,
                                                fp4_gate_up_ref)
 from tierstore.kernels.layout import MAX_SCALE_BYTE, fp4_slot_layout, unpack_matrix_ref
@@ -78,6 +78,49 @@ def test_kernels_compile_without_spills(tmp_path, ahead):
         assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores", info) and regs <= 128  # 4 blocks / SM
 
 
+def test_multi_arg_kinds_match_the_kernel_signatures_and_launch_args():
+    text = fp4_multi.SOURCE.read_text()
+    assert signature_kinds(text, fp4_multi.GATE_KERNEL) == fp4_multi.GATE_ARG_KINDS
+    assert signature_kinds(text, fp4_multi.DOWN_KERNEL) == fp4_multi.DOWN_ARG_KINDS
+    f4 = fp4_tier(512, 256, 2, 2, 8, "cpu")
+    ws = MoeWorkspace.allocate(4, 2, 8, 512, 256, torch.bfloat16, "cpu", block_tokens=16)
+    x = torch.zeros(4, 512, dtype=torch.bfloat16)
+    gate = fp4_multi.gate_launch_args(x, 2, f4, 1, ws, ws.act, 0.5)
+    down = fp4_multi.down_launch_args(f4, 1, ws, ws.y)
+    for kinds, args in ((fp4_multi.GATE_ARG_KINDS, gate), (fp4_multi.DOWN_ARG_KINDS, down)):
+        assert len(args) == len(kinds)
+        for kind, value in zip(kinds, args):
+            assert isinstance(value, float if kind == "f" else int)
+    assert gate[6:8] == [512 // 8, 512 // 32] and gate[9] == 8 and gate[14:16] == [16, 2] and gate[-2:] == [0.5, 1]
+    assert gate[11] == ws.block_fill.data_ptr() and down[11] == ws.block_fill.data_ptr() and down[14] == 16
+    assert down[4:8] == [f4.layout.w2_words_offset, f4.layout.w2_scales_offset, 256 // 8, 256 // 32]
+
+
+def test_multi_shared_memory_and_the_pad():
+    """Columns of K / 2 + 2 words: 8-byte aligned (the units' stores) and 2 mod 32 words apart (no bank conflict in
+    a half warp's B reads, fp4_moe_multi.cu); DeepSeek-V3: 57.4 KB gate_up (4 columns), 32.8 KB down (8)."""
+    assert fp4_multi.shared_bytes(7168, 4) == 4 * 4 * 3586 and fp4_multi.shared_bytes(2048, 8) == 4 * 8 * 1026
+    for k in (256, 1024, 2048, 7168):
+        stride = k // 2 + fp4_multi.PAD_WORDS
+        assert stride % 2 == 0 and stride % 32 == 2
+        banks = {(g * stride + 8 * c) % 32 for g in range(4) for c in range(4)}  # a half warp's first words
+        assert banks == set(range(0, 32, 2))
+    with pytest.raises(ValueError, match="warps 4 or 8"):
+        fp4_multi.Fp4GateUpMultiCuda(warps=6)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("defines", [{"FP4_AHEAD": 2}, {"FP4_AHEAD": 1}, {"FP4_AHEAD": 2, "FP4_STAGE_COLS": 8},
+                                     {"FP4_AHEAD": 2, "FP4_WARPS": 4, "FP4_STAGE_COLS": 8}])
+def test_multi_kernels_compile_without_spills(tmp_path, defines):
+    report = ptxas_report(fp4_multi.SOURCE, tmp_path / "k.cubin", defines)
+    for kernel, blocks in ((fp4_multi.GATE_KERNEL, 16 // defines.get("FP4_WARPS", 8)), (fp4_multi.DOWN_KERNEL, 3)):
+        info = report.split(f"Compiling entry function '{kernel}'")[1]
+        threads = 32 * defines.get("FP4_WARPS", 8) if kernel == fp4_multi.GATE_KERNEL else 128
+        assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores", info), info[:400]
+        assert registers(info) * threads * blocks <= 65536  # the launch bounds' blocks per SM fit the registers
+
+
 class _Recorder:
     def __init__(self, name, log):
         self.name, self.log = name, log
@@ -90,20 +133,25 @@ def _tier_with_recorders(log):
     from tierstore.kernels.cuda.tier_moe import TierMoeCuda
 
     tier = object.__new__(TierMoeCuda)  # no build: the launches are recorders
-    tier.w2, tier.fp4_gate_up, tier.fp4_down = (_Recorder(n, log) for n in ("w2 stages", "fp4 gate_up", "fp4 down"))
+    tier.w2, tier.fp4_gate_up, tier.fp4_down, tier.fp4_gate_up_multi, tier.fp4_down_multi = (
+        _Recorder(n, log) for n in ("w2 stages", "fp4 gate_up", "fp4 down", "fp4 gate_up multi", "fp4 down multi"))
+    tier.fp4_gate_up_multi.rows_per_block = 64
     return tier
 
 
-def test_tier_moe_launches_w2_stages_before_the_fp4_down_and_checks_first(monkeypatch):
-    from tierstore.kernels.cuda import tier_moe
+@pytest.mark.parametrize("block_tokens,fp4_stages_run", [(1, ["fp4 gate_up", "fp4 down"]),
+                                                         (16, ["fp4 gate_up multi", "fp4 down multi"])])
+def test_tier_moe_launches_w2_stages_before_the_fp4_down_and_checks_first(monkeypatch, block_tokens, fp4_stages_run):
+    from tierstore.kernels.cuda import fp4_multi
 
-    monkeypatch.setattr(tier_moe, "check_gate_up_inputs", lambda *a: None)  # CPU tensors: no CUDA check here
-    monkeypatch.setattr(tier_moe, "check_down_inputs", lambda *a: None)
+    for module in (fp4_stages, fp4_multi):  # CPU tensors: no CUDA check here
+        monkeypatch.setattr(module, "check_gate_up_inputs", lambda *a: None)
+        monkeypatch.setattr(module, "check_down_inputs", lambda *a: None)
     log = []
     w2, f4 = w2_tier(1024, 512, 1, 1, 8, "cpu"), fp4_tier(1024, 512, 1, 1, 8, "cpu")
-    ws = MoeWorkspace.allocate(1, 2, 8, 1024, 512, torch.bfloat16, "cpu", block_tokens=1)
+    ws = MoeWorkspace.allocate(1, 2, 8, 1024, 512, torch.bfloat16, "cpu", block_tokens=block_tokens)
     _tier_with_recorders(log)(torch.zeros(1, 1024, dtype=torch.bfloat16), 2, w2, f4, 0, ws)
-    assert log == ["w2 stages", "fp4 gate_up", "fp4 down"]  # the FP4 down overwrites the W2 down's NaN rows
+    assert log == ["w2 stages"] + fp4_stages_run  # the FP4 down overwrites the W2 down's NaN rows
     log.clear()
     with pytest.raises(ValueError, match="same shape"):
         _tier_with_recorders(log)(torch.zeros(1, 1024, dtype=torch.bfloat16), 2, w2, fp4_tier(1024, 512, 1, 2, 8, "cpu"),
@@ -111,13 +159,13 @@ def test_tier_moe_launches_w2_stages_before_the_fp4_down_and_checks_first(monkey
     assert log == []  # nothing launched
 
 
-def test_tier_moe_refuses_bad_fp4_inputs_before_any_launch():
+@pytest.mark.parametrize("block_tokens", [1, 16])
+def test_tier_moe_refuses_bad_fp4_inputs_before_any_launch(block_tokens):
     log = []
-    f4 = fp4_tier(1024, 512, 1, 1, 8, "cpu")
-    ws = MoeWorkspace.allocate(1, 2, 8, 1024, 512, torch.bfloat16, "cpu", block_tokens=16)
-    with pytest.raises(ValueError, match="block_tokens 1"):
-        _tier_with_recorders(log)(torch.zeros(1, 1024, dtype=torch.bfloat16), 2, w2_tier(1024, 512, 1, 1, 8, "cpu"), f4,
-                                  0, ws)
+    w2 = w2_tier(1024, 512, 1, 1, 8, "cpu")
+    ws = MoeWorkspace.allocate(1, 2, 8, 1024, 512, torch.bfloat16, "cpu", block_tokens=block_tokens)
+    with pytest.raises(ValueError, match="FP4 slots only"):  # a W2 tier passed as the FP4 one
+        _tier_with_recorders(log)(torch.zeros(1, 1024, dtype=torch.bfloat16), 2, w2, w2, 0, ws)
     assert log == []
 
 
@@ -417,6 +465,70 @@ def test_fp4_down_decodes_every_scale_byte_exactly_on_the_device(case):
             assert torch.equal(out[p], col), p
 
 
+@pytest.fixture(scope="module")
+def multi():
+    """The multi-token FP4 kernels: gate_up in the default build and two others, down at two prefetch depths."""
+    return dict(gate_up={"w8s4": fp4_multi.Fp4GateUpMultiCuda(), "w8s8": fp4_multi.Fp4GateUpMultiCuda(stage_cols=8),
+                         "w4s8max": fp4_multi.Fp4GateUpMultiCuda(warps=4, stage_cols=8, carveout="max"),
+                         "a1": fp4_multi.Fp4GateUpMultiCuda(ahead=1)},
+                down={a: fp4_multi.Fp4DownMultiCuda(ahead=a) for a in (1, 2)})
+
+
+def _routed_bt(case, ids, block_tokens):
+    ws = MoeWorkspace.allocate(ids.shape[0], TOP_K, EXPERTS, HIDDEN, INTER, torch.bfloat16, "cuda",
+                               block_tokens=block_tokens)
+    moe_route(ids, case["w2"], case["f4"], 0, MissLog.allocate(8, "cuda"), ws)
+    return ws
+
+
+MULTI_TOKENS = [(1, None), (2, None), (8, None), (32, None), (64, None), (32, 0.75)]
+
+
+@pytest.mark.gpu
+@needs_nvcc
+@pytest.mark.parametrize("tokens,limit", MULTI_TOKENS)
+def test_fp4_multi_gate_up_equals_the_single_token_kernel(case, multi, tokens, limit):
+    """Each pair's act bytes equal the single-token kernel's (same mma column arithmetic) in every build; at 32 and
+    64 tokens an FP4 expert's 16-pair route blocks run several passes and (64) several route blocks."""
+    ids, ws1 = _routed(case, tokens)
+    ws = _routed_bt(case, ids, 16)
+    if tokens >= 32:
+        assert int(ws.block_fill[: int(ws.num_blocks[0])].max()) > 8
+    x = torch.randn(tokens, HIDDEN, generator=case["gen"]).to(torch.bfloat16).cuda()
+    outs = launched_twice(multi["gate_up"], ws.act, float("nan"),
+                          lambda kernel, out: kernel(x, TOP_K, case["f4"], 0, ws, out=out, swiglu_limit=limit))
+    single = case["gate_up"][2](x, TOP_K, case["f4"], 0, ws1, out=torch.full_like(ws1.act, float("nan")),
+                                swiglu_limit=limit)
+    torch.cuda.synchronize()
+    rows = _fp4_rows(ids)
+    first = outs["w8s4"][0]
+    assert rows.any() and first[~rows].isnan().all() and not first[rows].isnan().any()
+    ref = fp4_gate_up_ref(x, ids, case["f4"], 0, swiglu_limit=limit)
+    assert float((first[rows].float() - ref[rows]).norm() / ref[rows].norm()) <= 1e-2
+    assert same_bytes(first, single)
+    assert all(same_bytes(o, first) for pair in outs.values() for o in pair)  # repeats, builds
+
+
+@pytest.mark.gpu
+@needs_nvcc
+@pytest.mark.parametrize("tokens", [1, 2, 8, 32, 64])
+def test_fp4_multi_down_equals_the_single_token_kernel(case, multi, tokens):
+    ids, ws1 = _routed(case, tokens)
+    ws = _routed_bt(case, ids, 16)
+    ws.act.copy_(torch.randn(ws.act.shape, generator=case["gen"]).to(torch.bfloat16))
+    ws1.act.copy_(ws.act)
+    outs = launched_twice(multi["down"], ws.y, -7.0, lambda kernel, out: kernel(case["f4"], 0, ws, out=out))
+    single = case["down"][2](case["f4"], 0, ws1, out=torch.full_like(ws1.y, -7.0))
+    torch.cuda.synchronize()
+    rows = _fp4_rows(ids)
+    first = outs[2][0]
+    assert (first[~rows] == -7.0).all() and not first[rows].isnan().any()
+    ref = fp4_down_ref(ws.act, ids, case["f4"], 0)
+    assert float((first[rows] - ref[rows]).norm() / ref[rows].norm()) <= 1e-5
+    assert same_bytes(first, single)
+    assert all(same_bytes(o, first) for pair in outs.values() for o in pair)
+
+
 def _whole(case, ids, x, weights, cuda_w2, limit=None, out=None):
     return run_whole(x, ids, weights, case["w2"], case["f4"], cuda_w2, INTER, EXPERTS, 8, limit=limit, out=out)
 
@@ -442,6 +554,40 @@ def test_tier_moe_matches_reference_with_mixed_residency(case, tier, tokens, lim
     tri, tri_counts, tri_entries = _whole(case, ids, x, weights, None, limit)
     assert tri_counts == counts and tri_entries == entries
     _no_less_accurate_than_triton(out, tri, ref, limit)
+
+
+@pytest.mark.gpu
+@needs_nvcc
+@pytest.mark.parametrize("tokens,limit", [(2, None), (8, None), (32, None), (64, None), (32, 0.75)])
+def test_tier_moe_with_expert_blocks_equals_one_pair_per_block(case, tier, tokens, limit):
+    """block_tokens 16 (the multi-token kernels of both tiers) gives the bytes of block_tokens 1 (the single-token
+    ones) and the same misses."""
+    ids = _ids(case, tokens)
+    x = torch.randn(tokens, HIDDEN, generator=case["gen"]).to(torch.bfloat16).cuda()
+    weights = (torch.rand(tokens, TOP_K, generator=case["gen"]) + 0.05).cuda()
+    single, counts, entries = _whole(case, ids, x, weights, tier, limit)
+    out, counts16, entries16 = run_whole(x, ids, weights, case["w2"], case["f4"], tier, INTER, EXPERTS, 8, 16,
+                                         limit=limit)
+    assert not out.isnan().any() and counts16 == counts and entries16 == entries
+    ref, _, _ = moe_mm_ref(x, ids, weights, case["w2"], case["f4"], 0, swiglu_limit=limit, act_dtype=torch.bfloat16)
+    assert float((out.float() - ref).norm() / ref.norm()) <= 1e-2
+    assert same_bytes(out, single)
+
+
+@pytest.mark.gpu
+@needs_nvcc
+def test_tier_moe_with_expert_blocks_replays_in_a_cuda_graph(case, tier):
+    tokens = 32
+    ids = _ids(case, tokens)
+    x = torch.randn(tokens, HIDDEN, generator=case["gen"]).to(torch.bfloat16).cuda()
+    weights = (torch.rand(tokens, TOP_K, generator=case["gen"]) + 0.05).cuda()
+    eager, counts, _ = run_whole(x, ids, weights, case["w2"], case["f4"], tier, INTER, EXPERTS, 8, 16)
+    ws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, INTER, torch.bfloat16, "cuda", block_tokens=16)
+    misses = MissLog.allocate(8, "cuda")
+    out = torch.full_like(x, float("nan"))
+    call = lambda: moe_mm(x, ids, weights, case["w2"], case["f4"], 0, misses, ws, out=out, cuda_w2=tier)
+    replayed_once(call, misses, out)
+    assert same_bytes(out, eager) and misses.counts.tolist() == counts
 
 
 @pytest.mark.gpu

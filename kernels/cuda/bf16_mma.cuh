@@ -87,15 +87,64 @@ struct Unit {
 };
 
 // Unit q's pairs into xp[8q .. 8q+7]: xp[8q + 2m + h] = pair of word 16h + 4c + m (low half slot 2i). One LDS.128
-// then holds two mmas' B.
-__device__ __forceinline__ void store_unit(uint32_t* xp, int q, const Unit& u) {
+// then holds two mmas' B. unit_words gives the 8 words (p: m = 0, 1; r: m = 2, 3); store_unit stores them as two
+// 16-byte words (xp 16-byte aligned), store_unit_8 as four 8-byte words (xp 8-byte aligned: fp4_moe_multi.cu's
+// columns).
+struct UnitWords {
   uint4 p, r;
-  p.x = __byte_perm(u.la.x, u.ha.x, 0x5410); p.y = __byte_perm(u.lb.x, u.hb.x, 0x5410);  // m 0, h 0/1
-  p.z = __byte_perm(u.la.x, u.ha.x, 0x7632); p.w = __byte_perm(u.lb.x, u.hb.x, 0x7632);  // m 1
-  r.x = __byte_perm(u.la.y, u.ha.y, 0x5410); r.y = __byte_perm(u.lb.y, u.hb.y, 0x5410);  // m 2
-  r.z = __byte_perm(u.la.y, u.ha.y, 0x7632); r.w = __byte_perm(u.lb.y, u.hb.y, 0x7632);  // m 3
-  *reinterpret_cast<uint4*>(xp + q * 8) = p;
-  *reinterpret_cast<uint4*>(xp + q * 8 + 4) = r;
+};
+
+__device__ __forceinline__ UnitWords unit_words(const Unit& u) {
+  UnitWords w;
+  w.p.x = __byte_perm(u.la.x, u.ha.x, 0x5410); w.p.y = __byte_perm(u.lb.x, u.hb.x, 0x5410);  // m 0, h 0/1
+  w.p.z = __byte_perm(u.la.x, u.ha.x, 0x7632); w.p.w = __byte_perm(u.lb.x, u.hb.x, 0x7632);  // m 1
+  w.r.x = __byte_perm(u.la.y, u.ha.y, 0x5410); w.r.y = __byte_perm(u.lb.y, u.hb.y, 0x5410);  // m 2
+  w.r.z = __byte_perm(u.la.y, u.ha.y, 0x7632); w.r.w = __byte_perm(u.lb.y, u.hb.y, 0x7632);  // m 3
+  return w;
+}
+
+__device__ __forceinline__ void store_unit(uint32_t* xp, int q, const Unit& u) {
+  const UnitWords w = unit_words(u);
+  *reinterpret_cast<uint4*>(xp + q * 8) = w.p;
+  *reinterpret_cast<uint4*>(xp + q * 8 + 4) = w.r;
+}
+
+__device__ __forceinline__ void store_unit_8(uint32_t* xp, int q, const Unit& u) {
+  const UnitWords w = unit_words(u);
+  uint2* out = reinterpret_cast<uint2*>(xp + q * 8);
+  out[0] = make_uint2(w.p.x, w.p.y);
+  out[1] = make_uint2(w.p.z, w.p.w);
+  out[2] = make_uint2(w.r.x, w.r.y);
+  out[3] = make_uint2(w.r.z, w.r.w);
+}
+
+// The activation rows of `count` pairs as `count` columns in B register order: column j (at xp + j * stride) from
+// row pairs[j] / divisor of a (rows stride_a apart), k_len / 16 units each. divisor: top_k when the rows are tokens
+// (gate_up's x), 1 when they are pairs (down's act). load(row, q) -> Unit reads a format's unit q of a row;
+// store(column, q, unit) writes it. All of a block's threads, kUnroll units per thread per round, every load of a
+// round issued before its stores.
+template <class Load, class Store>
+__device__ __forceinline__ void build_columns(const uint16_t* __restrict__ a, long long stride_a,
+                                              const int* __restrict__ pairs, int divisor, int count, uint32_t* xp,
+                                              int stride, int k_len, Load load, Store store) {
+  constexpr int kUnroll = 4;
+  const int units = k_len / 16, total = count * units;
+  const int step = static_cast<int>(blockDim.x);
+  for (int q0 = threadIdx.x; q0 < total; q0 += kUnroll * step) {
+    Unit u[kUnroll];
+    int col[kUnroll], q[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int idx = min(q0 + j * step, total - 1);
+      col[j] = idx / units;
+      q[j] = idx - col[j] * units;
+      u[j] = load(a + static_cast<long long>(pairs[col[j]] / divisor) * stride_a, q[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      if (q0 + j * step < total) store(xp + col[j] * stride, q[j], u[j]);
+    }
+  }
 }
 
 }  // namespace

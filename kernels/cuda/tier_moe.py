@@ -9,32 +9,48 @@ sync), in this order:
 3. FP4 gate_up (fp4_moe.cu): act of the FP4 pairs; W2 pairs skipped;
 4. FP4 down (fp4_moe.cu): y of the FP4 pairs, overwriting the NaN rows of step 2. It must run after step 2.
 
+A workspace of block_tokens 1 runs the single-token kernels named above; one of a multiple of 8 (16, 32, 64) the
+multi-token kernels of each tier (w2_multi.py, fp4_multi.py: an expert's tile decoded once for several of its
+pairs), in the same order with the same roles.
+
 So every resident pair's act and y are written exactly once by the tier that holds it (plus the NaN marker
 in between), missing pairs are left to the combine as on the Triton path, and the W2 files are unchanged:
-`W2MoeCuda` (steps 1 and 2) keeps its W2-only behaviour. Requires BT = 1, bfloat16, hidden and inter
-multiples of 512 (the W2 stages'; the FP4 stages need 256).
+`W2MoeCuda` (steps 1 and 2) keeps its W2-only behaviour. Requires bfloat16, hidden and inter multiples of 512
+(the W2 stages'; the FP4 stages need 256).
 """
 
 from __future__ import annotations
 
-from .fp4_stages import Fp4DownCuda, Fp4GateUpCuda, check_down_inputs, check_gate_up_inputs
+from . import fp4_multi, fp4_stages
+from .fp4_multi import Fp4DownMultiCuda, Fp4GateUpMultiCuda
+from .fp4_stages import Fp4DownCuda, Fp4GateUpCuda
 from .w2_moe import W2MoeCuda
 
 
 class TierMoeCuda:
-    """w2: the W2 stages (a `W2MoeCuda`, built with its defaults when None); fp4_ahead: FP4_AHEAD of both FP4
-    kernels."""
+    """w2: the W2 stages (a `W2MoeCuda`, built with its defaults when None); fp4_ahead: FP4_AHEAD of the FP4
+    kernels; fp4_gate_multi: the multi-token FP4 gate_up's options (Fp4GateUpMultiCuda; None: its defaults)."""
 
-    def __init__(self, w2: W2MoeCuda | None = None, fp4_ahead: int = 2, device: int | None = None):
+    def __init__(self, w2: W2MoeCuda | None = None, fp4_ahead: int = 2, device: int | None = None,
+                 fp4_gate_multi: dict | None = None):
         self.w2 = W2MoeCuda(device=device) if w2 is None else w2
         self.fp4_gate_up = Fp4GateUpCuda(ahead=fp4_ahead, device=device)
         self.fp4_down = Fp4DownCuda(ahead=fp4_ahead, device=device)
+        self.fp4_gate_up_multi = Fp4GateUpMultiCuda(ahead=fp4_ahead, device=device, **(fp4_gate_multi or {}))
+        self.fp4_down_multi = Fp4DownMultiCuda(ahead=fp4_ahead, device=device)
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None) -> None:
-        check_gate_up_inputs(hidden, fp4, ws, ws.act)  # the FP4 stages' inputs before any launch (W2MoeCuda
-        check_down_inputs(fp4, ws, ws.y)               # checks its own before its first launch)
+        # the FP4 stages' inputs before any launch (W2MoeCuda checks its own before its first launch)
+        if ws.block_tokens == 1:
+            fp4_stages.check_gate_up_inputs(hidden, fp4, ws, ws.act)
+            fp4_stages.check_down_inputs(fp4, ws, ws.y)
+            gate_up, down = self.fp4_gate_up, self.fp4_down
+        else:
+            fp4_multi.check_gate_up_inputs(hidden, fp4, ws, ws.act, self.fp4_gate_up_multi.rows_per_block)
+            fp4_multi.check_down_inputs(fp4, ws, ws.y)
+            gate_up, down = self.fp4_gate_up_multi, self.fp4_down_multi
         if fp4.table.shape != w2.table.shape:
             raise ValueError("the W2 and FP4 tables must have the same shape")
         self.w2(hidden, top_k, w2, fp4, layer, ws, swiglu_limit)
-        self.fp4_gate_up(hidden, top_k, fp4, layer, ws, swiglu_limit=swiglu_limit)
-        self.fp4_down(fp4, layer, ws)  # after the W2 down: overwrites its NaN rows of FP4 pairs
+        gate_up(hidden, top_k, fp4, layer, ws, swiglu_limit=swiglu_limit)
+        down(fp4, layer, ws)  # after the W2 down: overwrites its NaN rows of FP4 pairs

@@ -30,24 +30,9 @@ constexpr int kPadWords = 4;   // per-column shared-memory pad (16 bytes)
 // divisor: top_k when the rows are tokens (gate_up's x), 1 when they are pairs (down's act).
 __device__ void build_pairs_multi(const uint16_t* __restrict__ a, long long stride_a, const int* __restrict__ pairs,
                                   int divisor, int count, uint32_t* xp, int stride, int k_len) {
-  constexpr int kUnroll = 4;  // units per thread per round: all their loads are issued before any store
-  const int units = k_len / 16, total = count * units;
-  const int step = static_cast<int>(blockDim.x);
-  for (int q0 = threadIdx.x; q0 < total; q0 += kUnroll * step) {
-    Unit u[kUnroll];
-    int col[kUnroll], q[kUnroll];
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int idx = min(q0 + j * step, total - 1);
-      col[j] = idx / units;
-      q[j] = idx - col[j] * units;
-      u[j] = load_unit(a + static_cast<long long>(pairs[col[j]] / divisor) * stride_a, q[j]);
-    }
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      if (q0 + j * step < total) store_unit(xp + col[j] * stride, q[j], u[j]);
-    }
-  }
+  build_columns(a, stride_a, pairs, divisor, count, xp, stride, k_len,
+                [](const uint16_t* row, int q) { return load_unit(row, q); },
+                [](uint32_t* column, int q, const Unit& u) { store_unit(column, q, u); });
 }
 
 }  // namespace

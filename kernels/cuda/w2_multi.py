@@ -55,7 +55,7 @@ def fit_carveout(smem: int, blocks: int) -> int:
     return -(-100 * kb // CARVEOUT_KB[-1])
 
 
-def _check_block_tokens(ws) -> None:
+def check_block_tokens(ws) -> None:
     if ws.block_tokens % COLS:
         raise ValueError(f"the multi-token CUDA kernels need block_tokens a multiple of {COLS}, got {ws.block_tokens}")
 
@@ -87,13 +87,13 @@ def down_launch_args(w2, fp4, layer: int, ws, out) -> list:
 
 def gate_check_inputs(hidden, w2, fp4, ws, out, rows_per_block: int = GATE_ROWS_PER_BLOCK) -> None:
     gate_check_geometry(w2.layout, rows_per_block)
-    _check_block_tokens(ws)
+    check_block_tokens(ws)
     w2_gate_up.check_tensors(hidden, w2, fp4, ws, out)
 
 
 def down_check_inputs(w2, fp4, ws, out, groups: int) -> None:
     w2_down.check_geometry(w2.layout, groups)
-    _check_block_tokens(ws)
+    check_block_tokens(ws)
     w2_down.check_tensors(w2, fp4, ws, out)
 
 

@@ -1,0 +1,179 @@
+// FP4 gate_up and down stages, multi-token: one CUDA block decodes one FP4 expert's weight tile once for up to
+// kCols routed pairs of that expert, one pair per mma column (the FP4 counterparts of w2_gate_up_multi.cu and
+// w2_down_multi.cu; single-token kernels: fp4_moe.cu).
+//
+//   fp4_gate_up_multi:  act[pair, n] = SwiGLU(W13_e[n] . x[token], W13_e[n + I] . x[token])   (bf16, K = H)
+//   fp4_down_multi:     y[pair, n] = W2_e[n] . act[pair]                                        (float32, K = I)
+//
+// Route: block_tokens BT (a multiple of 8) gives block b -> expert, its pairs block_pairs[b * BT ..] and their count
+// block_fill[b]. A block whose expert is not FP4-resident exits (the W2 kernels compute those pairs; the W2 down
+// marks FP4 pairs' y rows NaN and this down overwrites them: kernels/cuda/tier_moe.py). A block runs its pairs in
+// passes of kCols columns; a second pass re-reads the expert's bytes the block has just read (L2).
+//
+// Same decode, tile loads and tile mmas as fp4_moe.cu (fp4_fragments.cuh); B column g = the activation pairs of the
+// pass's pair g (columns past the pass's count read the last pair's; their D columns are never stored). Lane (g, c)
+// holds D columns 2c (d0 row g, d2 row g + 8) and 2c + 1 (d1, d3). Each column's arithmetic is the single-token
+// kernel's (same A, same K order, same accumulators, the same 0.25), so a pair's bytes should not depend on which
+// kernel ran it. No atomics, fixed order: repeated launches give identical bytes.
+//
+// Shared memory: column j's K / 2 pairs at xp + j * stride, stride = K / 2 + kPadWords, kPadWords = 2: K / 2 is a
+// multiple of 128, so stride = 2 (mod 32) words and the 16 lanes of a half warp's LDS.64 (g = 0..3, c = 0..3, words
+// 2g + 8c + const) cover the 32 banks once: no bank conflict. Columns are then 8-byte aligned only, so the units
+// are stored as 8-byte words (`store_unit_8`).
+//
+// gate_up: FP4_WARPS warps of 8 rows (mma rows 0..7 the gate rows, 8..15 the up rows), FP4_STAGE_COLS columns per
+// pass (4: 57.4 KB at H = 7168, two blocks of 8 warps per SM, as the W2 kernel's adopted s4e). down: 4 warps of 16
+// rows, 8 columns per pass (32.8 KB at I = 2048), at least 3 blocks per SM: at 4 (128 registers) ptxas spilled 128
+// bytes with FP4_AHEAD 2, at 3 it uses 164 registers and spills none (nvcc 13.0, sm_90a).
+
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#include "fp4_fragments.cuh"
+
+#ifndef FP4_AHEAD
+#define FP4_AHEAD 2  // K tiles whose loads are in flight while one is computed
+#endif
+
+#ifndef FP4_WARPS
+#define FP4_WARPS 8  // gate_up warps per block
+#endif
+
+#ifndef FP4_STAGE_COLS
+#define FP4_STAGE_COLS 4  // gate_up columns staged in shared memory per pass
+#endif
+
+namespace {
+
+constexpr int kAhead = FP4_AHEAD;
+constexpr int kGateWarps = FP4_WARPS;
+constexpr int kGateCols = FP4_STAGE_COLS;
+constexpr int kGateRowsPerBlock = kGateWarps * 8;
+constexpr int kDownWarps = 4;
+constexpr int kDownCols = 8;
+constexpr int kDownRowsPerBlock = kDownWarps * 16;
+constexpr int kPadWords = 2;
+static_assert(kGateWarps == 4 || kGateWarps == 8, "FP4_WARPS must be 4 or 8");
+static_assert(kGateCols >= 1 && kGateCols <= 8, "FP4_STAGE_COLS must be 1..8");
+
+using Rows = TileRows<uint2>;  // a warp's two A rows for first_loads / k_loop (bf16_mma.cuh)
+
+// The block's FP4 slot, fill and pairs, or false (the block exits) past the route or when its expert is not
+// FP4-resident.
+__device__ __forceinline__ bool route(const int* __restrict__ num_blocks, const int* __restrict__ f4_table,
+                                      int table_row, const int* __restrict__ block_expert,
+                                      const int* __restrict__ block_fill, const int* __restrict__ block_pairs,
+                                      int block_tokens, int& slot, int& fill, const int*& pairs) {
+  const int b = blockIdx.x;
+  if (b >= *num_blocks) return false;
+  slot = f4_table[table_row + block_expert[b]];
+  if (slot < 0) return false;
+  fill = block_fill[b];
+  pairs = block_pairs + b * block_tokens;
+  return true;
+}
+
+// A lane's two A rows: ra (scales sa) at row n, rb (sb) `apart` rows further.
+__device__ __forceinline__ Rows rows_at(const uint8_t* base, long long words_off, long long scales_off,
+                                        int words_per_row, int blocks_per_row, int n, int apart) {
+  const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 8;
+  Rows r;
+  r.ra = reinterpret_cast<const uint4*>(base + words_off) + n * row_vecs;
+  r.rb = r.ra + apart * row_vecs;
+  r.sa = reinterpret_cast<const uint2*>(base + scales_off) + n * scale_vecs;
+  r.sb = r.sa + apart * scale_vecs;
+  return r;
+}
+
+// One pass: the first loads, the pass's `count` columns of activation rows a into xp (after the previous pass's
+// reads), a barrier, the K loop over column min(g, count - 1).
+__device__ __forceinline__ void pass_sums(const Rows& r, const uint16_t* __restrict__ a, long long stride_a,
+                                          const int* pairs, int divisor, int count, bool after_pass, uint32_t* xp,
+                                          int k_len, int words_per_row, int g, int c, float (&acc)[2][4]) {
+  const int tiles = words_per_row / kF4Wps, stride = k_len / 2 + kPadWords;
+  F4Tile ring[kAhead + 1];
+  first_loads<kAhead>(r, ring, tiles, c);
+  if (after_pass) __syncthreads();  // every warp is done reading the previous pass's columns
+  build_columns(a, stride_a, pairs, divisor, count, xp, stride, k_len,
+                [](const uint16_t* row, int q) { return f4_load_unit(row, q); },
+                [](uint32_t* column, int q, const Unit& u) { store_unit_8(column, q, u); });
+  __syncthreads();
+  k_loop<kAhead, kF4TilePairs>(r, ring, xp + min(g, count - 1) * stride, tiles, c, c, acc);
+}
+
+}  // namespace
+
+// Grid (route blocks, I / kGateRowsPerBlock), kGateWarps * 32 threads; dynamic shared memory
+// kGateCols * (2 * H + 8) bytes.
+extern "C" __global__ void __launch_bounds__(kGateWarps * 32, 16 / kGateWarps) fp4_gate_up_multi(
+    const uint16_t* __restrict__ x, long long stride_x,              // activations bf16 [T, H]
+    const uint8_t* __restrict__ slots, long long slot_bytes,         // FP4 pool uint8 [S, slot_bytes]
+    long long words_off, long long scales_off, int words_per_row, int blocks_per_row,
+    const int* __restrict__ f4_table, int table_row,                                   // [layers * E]
+    const int* __restrict__ block_expert, const int* __restrict__ block_fill,           // route, BT = block_tokens
+    const int* __restrict__ block_pairs, const int* __restrict__ num_blocks, int block_tokens, int top_k,
+    __nv_bfloat16* __restrict__ act, long long stride_act, int inter, int hidden,       // act bf16 [P, I]
+    float limit, int has_limit) {
+  extern __shared__ uint4 smem[];
+  uint32_t* xp = reinterpret_cast<uint32_t*>(smem);  // [kGateCols][H / 2 + kPadWords] activation pairs
+  int slot, fill;
+  const int* pairs;
+  if (!route(num_blocks, f4_table, table_row, block_expert, block_fill, block_pairs, block_tokens, slot, fill, pairs)) {
+    return;
+  }
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int n = blockIdx.y * kGateRowsPerBlock + (threadIdx.x >> 5) * 8 + g;  // gate row n, up row n + I
+  const Rows r = rows_at(slots + static_cast<long long>(slot) * slot_bytes, words_off, scales_off, words_per_row,
+                         blocks_per_row, n, inter);
+  for (int z0 = 0; z0 < fill; z0 += kGateCols) {  // passes: pairs z0 .. z0 + count - 1
+    const int count = min(fill - z0, kGateCols);
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    pass_sums(r, x, stride_x, pairs + z0, top_k, count, z0 > 0, xp, hidden, words_per_row, g, c, acc);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // columns 2c (d0 gate, d2 up) and 2c + 1 (d1, d3)
+      if (2 * c + h < count) {
+        float gate_v = (acc[0][h] + acc[1][h]) * 0.25f, up_v = (acc[0][2 + h] + acc[1][2 + h]) * 0.25f;
+        if (has_limit) {
+          gate_v = fminf(gate_v, limit);
+          up_v = fminf(fmaxf(up_v, -limit), limit);
+        }
+        act[pairs[z0 + 2 * c + h] * stride_act + n] = __float2bfloat16_rn(gate_v / (1.0f + __expf(-gate_v)) * up_v);
+      }
+    }
+  }
+}
+
+// Grid (route blocks, H / kDownRowsPerBlock), 128 threads; dynamic shared memory kDownCols * (2 * I + 8) bytes.
+extern "C" __global__ void __launch_bounds__(kDownWarps * 32, 3) fp4_down_multi(
+    const uint16_t* __restrict__ act, long long stride_act,                              // act bf16 [P, I]
+    const uint8_t* __restrict__ slots, long long slot_bytes, long long words_off,
+    long long scales_off, int words_per_row, int blocks_per_row,
+    const int* __restrict__ f4_table, int table_row,                                   // [layers * E]
+    const int* __restrict__ block_expert, const int* __restrict__ block_fill,           // route, BT = block_tokens
+    const int* __restrict__ block_pairs, const int* __restrict__ num_blocks, int block_tokens,
+    float* __restrict__ y, long long stride_y, int inter) {                             // y float32 [P, H]
+  extern __shared__ uint4 smem[];
+  uint32_t* xp = reinterpret_cast<uint32_t*>(smem);  // [kDownCols][I / 2 + kPadWords] activation pairs
+  int slot, fill;
+  const int* pairs;
+  if (!route(num_blocks, f4_table, table_row, block_expert, block_fill, block_pairs, block_tokens, slot, fill, pairs)) {
+    return;
+  }
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int n = blockIdx.y * kDownRowsPerBlock + (threadIdx.x >> 5) * 16 + g;  // rows n and n + 8
+  const Rows r = rows_at(slots + static_cast<long long>(slot) * slot_bytes, words_off, scales_off, words_per_row,
+                         blocks_per_row, n, 8);
+  for (int z0 = 0; z0 < fill; z0 += kDownCols) {
+    const int count = min(fill - z0, kDownCols);
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    pass_sums(r, act, stride_act, pairs + z0, 1, count, z0 > 0, xp, inter, words_per_row, g, c, acc);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // column 2c + h: row n from d[h], row n + 8 from d[2 + h]
+      if (2 * c + h < count) {
+        float* y_row = y + pairs[z0 + 2 * c + h] * stride_y;
+        y_row[n] = (acc[0][h] + acc[1][h]) * 0.25f;
+        y_row[n + 8] = (acc[0][2 + h] + acc[1][2 + h]) * 0.25f;
+      }
+    }
+  }
+}

@@ -1,0 +1,132 @@
+"""Multi-token CUDA C++ FP4 stages (fp4_moe_multi.cu): one CUDA block decodes an FP4 expert's weight tile once for up
+to 8 routed pairs of that expert (the mma's columns).
+
+They take a workspace routed with block_tokens a multiple of 8 (`MoeWorkspace.allocate(..., block_tokens=16)`).
+Outputs are the single-token FP4 kernels' (fp4_stages.py), indexed by pair, so their references apply unchanged:
+`Fp4GateUpMultiCuda()(hidden, top_k, fp4, layer, ws)` writes ws.act of the FP4 pairs, `Fp4DownMultiCuda()(fp4,
+layer, ws)` ws.y of the FP4 pairs; every other pair's row is left untouched (kernels/cuda/tier_moe.py runs both
+tiers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import loader, w2_down, w2_gate_up, w2_multi
+from .fp4_stages import check_geometry
+
+SOURCE = Path(__file__).with_name("fp4_moe_multi.cu")
+GATE_KERNEL, DOWN_KERNEL = "fp4_gate_up_multi", "fp4_down_multi"
+PAD_WORDS = 2  # kPadWords: per-column shared-memory pad (8 bytes)
+DOWN_COLS = 8  # kDownCols: the down kernel's columns per pass
+DOWN_THREADS = 128
+DOWN_ROWS_PER_BLOCK = 64  # 4 warps x 16 rows
+# x, stride_x, slots, slot_bytes, words_off, scales_off, words_per_row, blocks_per_row, f4_table, table_row,
+# block_expert, block_fill, block_pairs, num_blocks, block_tokens, top_k, act, stride_act, inter, hidden, limit,
+# has_limit
+GATE_ARG_KINDS = "pqpqqqiipippppiipqiifi"
+# act, stride_act, slots, slot_bytes, words_off, scales_off, words_per_row, blocks_per_row, f4_table, table_row,
+# block_expert, block_fill, block_pairs, num_blocks, block_tokens, y, stride_y, inter
+DOWN_ARG_KINDS = "pqpqqqiipippppipqi"
+
+
+def shared_bytes(k_len: int, cols: int) -> int:
+    """Dynamic shared memory of a block: `cols` columns of k_len / 2 activation pairs plus the pad, 4 bytes each."""
+    return 4 * cols * (k_len // 2 + PAD_WORDS)
+
+
+def _route_args(ws) -> list:
+    return [ws.block_expert.data_ptr(), ws.block_fill.data_ptr(), ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(),
+            ws.block_tokens]
+
+
+def gate_launch_args(hidden, top_k: int, fp4, layer: int, ws, out, swiglu_limit: float | None) -> list:
+    """fp4_gate_up_multi's arguments in GATE_ARG_KINDS order (pointers as ints)."""
+    return [hidden.data_ptr(), hidden.stride(0), *w2_gate_up.slot_args(fp4, (fp4,), layer, "w13"), *_route_args(ws),
+            top_k, out.data_ptr(), out.stride(0), fp4.layout.inter, fp4.layout.hidden,
+            *w2_gate_up.limit_args(swiglu_limit)]
+
+
+def down_launch_args(fp4, layer: int, ws, out) -> list:
+    """fp4_down_multi's arguments in DOWN_ARG_KINDS order (pointers as ints)."""
+    return [ws.act.data_ptr(), ws.act.stride(0), *w2_gate_up.slot_args(fp4, (fp4,), layer, "w2"), *_route_args(ws),
+            out.data_ptr(), out.stride(0), fp4.layout.inter]
+
+
+def check_gate_up_inputs(hidden, fp4, ws, out, rows_per_block: int) -> None:
+    check_geometry(fp4.layout)
+    if fp4.layout.inter % rows_per_block:
+        raise ValueError(f"inter must be a multiple of {rows_per_block}, got {fp4.layout.inter}")
+    w2_multi.check_block_tokens(ws)
+    w2_gate_up.check_hidden_out(hidden, out, ws, fp4.layout.hidden)
+
+
+def check_down_inputs(fp4, ws, out) -> None:
+    check_geometry(fp4.layout)  # hidden a multiple of 256: of the 64 rows per block too
+    w2_multi.check_block_tokens(ws)
+    w2_down.check_act_out(ws, out)
+
+
+class _Built:
+    def __init__(self, kernel: str, defines: dict, device: int | None) -> None:
+        self.device = torch.cuda.current_device() if device is None else device
+        torch.cuda.init()
+        self.kernel = loader.load(loader.build(SOURCE, defines), kernel, self.device)
+        self.kernel.prefer_max_shared()
+
+    def attributes(self) -> dict:
+        return {name: self.kernel.attribute(name) for name in ("num_regs", "local_bytes", "shared_bytes", "max_threads")}
+
+
+class Fp4GateUpMultiCuda(_Built):
+    """Builds (nvcc, cached) and loads fp4_gate_up_multi once; each call launches it on the current stream.
+    ahead: FP4_AHEAD; warps: FP4_WARPS (4 or 8; 8 rows each); stage_cols: FP4_STAGE_COLS (1..8, pairs per pass);
+    carveout: "fit" (the smallest shared-memory capacity holding 16 / warps blocks, the rest stays L1) or "max".
+    Per pair the bytes do not depend on these (same arithmetic)."""
+
+    def __init__(self, ahead: int = 2, warps: int = 8, stage_cols: int = 4, carveout: str = "fit",
+                 device: int | None = None) -> None:
+        if warps not in (4, 8) or not 1 <= stage_cols <= 8 or carveout not in ("max", "fit"):
+            raise ValueError(f"warps 4 or 8, stage_cols 1..8, carveout 'max' or 'fit'; got {warps}, {stage_cols}, "
+                             f"{carveout!r}")
+        self.ahead, self.warps, self.stage_cols, self.carveout = ahead, warps, stage_cols, carveout
+        self.threads, self.rows_per_block = 32 * warps, 8 * warps
+        super().__init__(GATE_KERNEL, {"FP4_AHEAD": ahead, "FP4_WARPS": warps, "FP4_STAGE_COLS": stage_cols}, device)
+        self._carveout_k = None  # the K the "fit" carveout was set for
+
+    def _set_carveout(self, k_len: int) -> None:
+        if self.carveout == "fit" and self._carveout_k != k_len:
+            pct = w2_multi.fit_carveout(shared_bytes(k_len, self.stage_cols), 16 // self.warps)
+            loader.driver().check("cuFuncSetAttribute", self.kernel.function,
+                                  loader._CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_CARVEOUT, pct)
+            self._carveout_k = k_len
+
+    def __call__(self, hidden, top_k: int, fp4, layer: int, ws, out=None, swiglu_limit: float | None = None):
+        out = ws.act if out is None else out
+        check_gate_up_inputs(hidden, fp4, ws, out, self.rows_per_block)
+        smem = shared_bytes(fp4.layout.hidden, self.stage_cols)
+        self.kernel.allow_shared(smem)
+        self._set_carveout(fp4.layout.hidden)
+        self.kernel.launch((ws.block_expert.numel(), fp4.layout.inter // self.rows_per_block), (self.threads,), smem,
+                           torch.cuda.current_stream().cuda_stream, GATE_ARG_KINDS,
+                           gate_launch_args(hidden, top_k, fp4, layer, ws, out, swiglu_limit))
+        return out
+
+
+class Fp4DownMultiCuda(_Built):
+    """As Fp4GateUpMultiCuda, for the down kernel (4 warps of 16 rows, 8 columns per pass)."""
+
+    def __init__(self, ahead: int = 2, device: int | None = None) -> None:
+        self.ahead = ahead
+        super().__init__(DOWN_KERNEL, {"FP4_AHEAD": ahead}, device)
+
+    def __call__(self, fp4, layer: int, ws, out=None):
+        out = ws.y if out is None else out
+        check_down_inputs(fp4, ws, out)
+        smem = shared_bytes(fp4.layout.inter, DOWN_COLS)
+        self.kernel.allow_shared(smem)
+        self.kernel.launch((ws.block_expert.numel(), fp4.layout.hidden // DOWN_ROWS_PER_BLOCK), (DOWN_THREADS,), smem,
+                           torch.cuda.current_stream().cuda_stream, DOWN_ARG_KINDS, down_launch_args(fp4, layer, ws, out))
+        return out
