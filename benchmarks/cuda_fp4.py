@@ -33,10 +33,14 @@ VARIANTS = {"cuda_fp4_gate_up": ("gate_up", 2), "cuda_fp4_gate_up_a3": ("gate_up
             "cuda_fp4_down": ("down", 2), "cuda_fp4_down_a3": ("down", 3), "cuda_fp4_down_a1": ("down", 1),
             "cuda_fp4_whole": ("whole", 2), "cuda_fp4_whole_a3": ("whole", 3), "cuda_fp4_only": ("whole", 2),
             "cuda_tier_mixed": ("mixed", 2), "cuda_fp4_whole_multi": ("whole", 2), "cuda_fp4_whole_multi_s8": ("whole", 2),
-            "cuda_tier_mixed_multi": ("mixed", 2)}
+            "cuda_tier_mixed_multi": ("mixed", 2), "cuda_fp4_whole_multi_e": ("whole", 2),
+            "cuda_tier_mixed_multi_e": ("mixed", 2)}
 # multi-token variants (TierMoeCuda on a block_tokens MULTI_BT workspace: fp4_multi.py and w2_multi.py) -> the FP4
-# gate_up's options (Fp4GateUpMultiCuda); their bytes must equal the stage's first variant's (one pair per block)
-MULTI = {"cuda_fp4_whole_multi": {}, "cuda_fp4_whole_multi_s8": dict(stage_cols=8), "cuda_tier_mixed_multi": {}}
+# kernels' options (Fp4GateUpMultiCuda, Fp4DownMultiCuda); their bytes must equal the stage's first variant's (one
+# pair per block)
+EARLY = dict(gate=dict(early=True), down=dict(early=True))
+MULTI = {"cuda_fp4_whole_multi": {}, "cuda_fp4_whole_multi_s8": dict(gate=dict(stage_cols=8)),
+         "cuda_tier_mixed_multi": {}, "cuda_fp4_whole_multi_e": EARLY, "cuda_tier_mixed_multi_e": EARLY}
 MULTI_BT = 16
 FIRST = {"gate_up": "cuda_fp4_gate_up", "down": "cuda_fp4_down", "whole": "cuda_fp4_whole", "mixed": "cuda_tier_mixed"}
 MIXED_EVERY = 4  # the mixed-residency stage: experts e % 4 == 0 FP4-resident, the others W2
@@ -72,7 +76,8 @@ def _build(name: str) -> tuple[object, dict]:
         attrs = {f"{k}_{a}": v for k, s in (("gate_up", built.gate_up), ("down", built.down))
                  for a, v in s.attributes().items()}
     elif stage in ("whole", "mixed"):
-        built = TierMoeCuda(fp4_ahead=ahead, fp4_gate_multi=MULTI.get(name))
+        options = MULTI.get(name, {})
+        built = TierMoeCuda(fp4_ahead=ahead, fp4_gate_multi=options.get("gate"), fp4_down_multi=options.get("down"))
         multi = name in MULTI
         attrs = {f"fp4_{k}_{a}": v for k, s in (("gate_up", built.fp4_gate_up_multi if multi else built.fp4_gate_up),
                                                 ("down", built.fp4_down_multi if multi else built.fp4_down))

@@ -10,7 +10,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -328,6 +328,14 @@ case "$step" in
       --json "$work/cuda-fp4-multi-deepseek-v3.json"
     stage cuda-w2 45 python3 benchmarks/cuda_w2.py --preset deepseek-v3 --tokens 8,32 \
       --variants cuda_whole_egp,cuda_whole_multi_s4e --commit "$commit" --json "$work/cuda-w2-deepseek-v3-t8-32.json"
+    ;;
+  fp4early)  # the multi-token FP4 kernels with FP4_EARLY (2 round trips in the prologue) beside the default at
+    # deepseek-v3 T = 32 (where fp4multi measured 3.02x / 2.91x bf16 in its two rounds), 64 and 512 (never run: the
+    # runtime rule's upper limit with an FP4 pool). Stage limits 90 + 240 = 330 s. Estimates, not measured: tests
+    # ~40 s, cuda_fp4 ~90 s (fp4multi: 29 s for T = 1 / 8 / 32 / 64).
+    stage tests 90 python3 -m pytest tests/test_cuda_fp4.py -m gpu -q
+    stage cuda-fp4 240 python3 benchmarks/cuda_fp4.py --tokens 32,64,512 --commit "$commit" \
+      --json "$work/cuda-fp4-early-deepseek-v3.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -111,7 +111,8 @@ def test_multi_shared_memory_and_the_pad():
 
 @needs_nvcc
 @pytest.mark.parametrize("defines", [{"FP4_AHEAD": 2}, {"FP4_AHEAD": 1}, {"FP4_AHEAD": 2, "FP4_STAGE_COLS": 8},
-                                     {"FP4_AHEAD": 2, "FP4_WARPS": 4, "FP4_STAGE_COLS": 8}])
+                                     {"FP4_AHEAD": 2, "FP4_WARPS": 4, "FP4_STAGE_COLS": 8},
+                                     {"FP4_AHEAD": 2, "FP4_EARLY": 1}])
 def test_multi_kernels_compile_without_spills(tmp_path, defines):
     report = ptxas_report(fp4_multi.SOURCE, tmp_path / "k.cubin", defines)
     for kernel, blocks in ((fp4_multi.GATE_KERNEL, 16 // defines.get("FP4_WARPS", 8)), (fp4_multi.DOWN_KERNEL, 3)):
@@ -467,11 +468,12 @@ def test_fp4_down_decodes_every_scale_byte_exactly_on_the_device(case):
 
 @pytest.fixture(scope="module")
 def multi():
-    """The multi-token FP4 kernels: gate_up in the default build and two others, down at two prefetch depths."""
+    """The multi-token FP4 kernels: gate_up in the default build and four others, down in three builds."""
     return dict(gate_up={"w8s4": fp4_multi.Fp4GateUpMultiCuda(), "w8s8": fp4_multi.Fp4GateUpMultiCuda(stage_cols=8),
                          "w4s8max": fp4_multi.Fp4GateUpMultiCuda(warps=4, stage_cols=8, carveout="max"),
-                         "a1": fp4_multi.Fp4GateUpMultiCuda(ahead=1)},
-                down={a: fp4_multi.Fp4DownMultiCuda(ahead=a) for a in (1, 2)})
+                         "a1": fp4_multi.Fp4GateUpMultiCuda(ahead=1), "early": fp4_multi.Fp4GateUpMultiCuda(early=True)},
+                down={2: fp4_multi.Fp4DownMultiCuda(), 1: fp4_multi.Fp4DownMultiCuda(ahead=1),
+                      "early": fp4_multi.Fp4DownMultiCuda(early=True)})
 
 
 def _routed_bt(case, ids, block_tokens):

@@ -43,6 +43,10 @@
 #define FP4_STAGE_COLS 4  // gate_up columns staged in shared memory per pass
 #endif
 
+#ifndef FP4_EARLY
+#define FP4_EARLY 0  // 1: both kernels load the block's route and table words in two round trips (see `route`)
+#endif
+
 namespace {
 
 constexpr int kAhead = FP4_AHEAD;
@@ -59,16 +63,25 @@ static_assert(kGateCols >= 1 && kGateCols <= 8, "FP4_STAGE_COLS must be 1..8");
 using Rows = TileRows<uint2>;  // a warp's two A rows for first_loads / k_loop (bf16_mma.cuh)
 
 // The block's FP4 slot, fill and pairs, or false (the block exits) past the route or when its expert is not
-// FP4-resident.
+// FP4-resident. FP4_EARLY 1: num_blocks, block_expert[b] and block_fill[b] (both have gridDim.x entries) in one
+// round trip, the table entry in a second, one exit after both (nvcc sinks a load below any exit that does not
+// need it): 2 dependent L2 latencies before the first weight load instead of 3 (w2_gate_up_multi.cu's W2_EARLY).
 __device__ __forceinline__ bool route(const int* __restrict__ num_blocks, const int* __restrict__ f4_table,
                                       int table_row, const int* __restrict__ block_expert,
                                       const int* __restrict__ block_fill, const int* __restrict__ block_pairs,
                                       int block_tokens, int& slot, int& fill, const int*& pairs) {
   const int b = blockIdx.x;
+#if FP4_EARLY
+  const int route_blocks = *num_blocks, routed = block_expert[b];
+  fill = block_fill[b];
+  slot = f4_table[table_row + (b < route_blocks ? routed : 0)];  // past the route: any valid entry (not used)
+  if (b >= route_blocks || slot < 0 || fill < 1) return false;
+#else
   if (b >= *num_blocks) return false;
   slot = f4_table[table_row + block_expert[b]];
   if (slot < 0) return false;
   fill = block_fill[b];
+#endif
   pairs = block_pairs + b * block_tokens;
   return true;
 }

@@ -83,17 +83,19 @@ class _Built:
 class Fp4GateUpMultiCuda(_Built):
     """Builds (nvcc, cached) and loads fp4_gate_up_multi once; each call launches it on the current stream.
     ahead: FP4_AHEAD; warps: FP4_WARPS (4 or 8; 8 rows each); stage_cols: FP4_STAGE_COLS (1..8, pairs per pass);
-    carveout: "fit" (the smallest shared-memory capacity holding 16 / warps blocks, the rest stays L1) or "max".
-    Per pair the bytes do not depend on these (same arithmetic)."""
+    carveout: "fit" (the smallest shared-memory capacity holding 16 / warps blocks, the rest stays L1) or "max";
+    early: FP4_EARLY (the prologue's route and table words in two round trips). Per pair the bytes do not depend
+    on these (same arithmetic)."""
 
     def __init__(self, ahead: int = 2, warps: int = 8, stage_cols: int = 4, carveout: str = "fit",
-                 device: int | None = None) -> None:
+                 early: bool = False, device: int | None = None) -> None:
         if warps not in (4, 8) or not 1 <= stage_cols <= 8 or carveout not in ("max", "fit"):
             raise ValueError(f"warps 4 or 8, stage_cols 1..8, carveout 'max' or 'fit'; got {warps}, {stage_cols}, "
                              f"{carveout!r}")
-        self.ahead, self.warps, self.stage_cols, self.carveout = ahead, warps, stage_cols, carveout
+        self.ahead, self.warps, self.stage_cols, self.carveout, self.early = ahead, warps, stage_cols, carveout, early
         self.threads, self.rows_per_block = 32 * warps, 8 * warps
-        super().__init__(GATE_KERNEL, {"FP4_AHEAD": ahead, "FP4_WARPS": warps, "FP4_STAGE_COLS": stage_cols}, device)
+        super().__init__(GATE_KERNEL, {"FP4_AHEAD": ahead, "FP4_WARPS": warps, "FP4_STAGE_COLS": stage_cols,
+                                       "FP4_EARLY": int(early)}, device)
         self._carveout_k = None  # the K the "fit" carveout was set for
 
     def _set_carveout(self, k_len: int) -> None:
@@ -116,11 +118,11 @@ class Fp4GateUpMultiCuda(_Built):
 
 
 class Fp4DownMultiCuda(_Built):
-    """As Fp4GateUpMultiCuda, for the down kernel (4 warps of 16 rows, 8 columns per pass)."""
+    """As Fp4GateUpMultiCuda, for the down kernel (4 warps of 16 rows, 8 columns per pass; ahead, early)."""
 
-    def __init__(self, ahead: int = 2, device: int | None = None) -> None:
-        self.ahead = ahead
-        super().__init__(DOWN_KERNEL, {"FP4_AHEAD": ahead}, device)
+    def __init__(self, ahead: int = 2, early: bool = False, device: int | None = None) -> None:
+        self.ahead, self.early = ahead, early
+        super().__init__(DOWN_KERNEL, {"FP4_AHEAD": ahead, "FP4_EARLY": int(early)}, device)
 
     def __call__(self, fp4, layer: int, ws, out=None):
         out = ws.y if out is None else out

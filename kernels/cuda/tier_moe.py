@@ -29,15 +29,16 @@ from .w2_moe import W2MoeCuda
 
 class TierMoeCuda:
     """w2: the W2 stages (a `W2MoeCuda`, built with its defaults when None); fp4_ahead: FP4_AHEAD of the FP4
-    kernels; fp4_gate_multi: the multi-token FP4 gate_up's options (Fp4GateUpMultiCuda; None: its defaults)."""
+    kernels; fp4_gate_multi / fp4_down_multi: the multi-token FP4 kernels' other options (Fp4GateUpMultiCuda /
+    Fp4DownMultiCuda; None: their defaults)."""
 
     def __init__(self, w2: W2MoeCuda | None = None, fp4_ahead: int = 2, device: int | None = None,
-                 fp4_gate_multi: dict | None = None):
+                 fp4_gate_multi: dict | None = None, fp4_down_multi: dict | None = None):
         self.w2 = W2MoeCuda(device=device) if w2 is None else w2
         self.fp4_gate_up = Fp4GateUpCuda(ahead=fp4_ahead, device=device)
         self.fp4_down = Fp4DownCuda(ahead=fp4_ahead, device=device)
         self.fp4_gate_up_multi = Fp4GateUpMultiCuda(ahead=fp4_ahead, device=device, **(fp4_gate_multi or {}))
-        self.fp4_down_multi = Fp4DownMultiCuda(ahead=fp4_ahead, device=device)
+        self.fp4_down_multi = Fp4DownMultiCuda(ahead=fp4_ahead, device=device, **(fp4_down_multi or {}))
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None) -> None:
         # the FP4 stages' inputs before any launch (W2MoeCuda checks its own before its first launch)
