@@ -134,15 +134,19 @@ def _tier_with_recorders(log):
     from tierstore.kernels.cuda.tier_moe import TierMoeCuda
 
     tier = object.__new__(TierMoeCuda)  # no build: the launches are recorders
-    tier.w2, tier.fp4_gate_up, tier.fp4_down, tier.fp4_gate_up_multi, tier.fp4_down_multi = (
-        _Recorder(n, log) for n in ("w2 stages", "fp4 gate_up", "fp4 down", "fp4 gate_up multi", "fp4 down multi"))
-    tier.fp4_gate_up_multi.rows_per_block = 64
+    names = ("w2 stages", "fp4 gate_up", "fp4 down", "fp4 gate_up multi", "fp4 gate_up multi wide", "fp4 down multi")
+    (tier.w2, tier.fp4_gate_up, tier.fp4_down, tier.fp4_gate_up_multi, tier.fp4_gate_up_multi_wide,
+     tier.fp4_down_multi) = (_Recorder(n, log) for n in names)
+    tier.fp4_gate_up_multi.rows_per_block = tier.fp4_gate_up_multi_wide.rows_per_block = 64
     return tier
 
 
-@pytest.mark.parametrize("block_tokens,fp4_stages_run", [(1, ["fp4 gate_up", "fp4 down"]),
-                                                         (16, ["fp4 gate_up multi", "fp4 down multi"])])
-def test_tier_moe_launches_w2_stages_before_the_fp4_down_and_checks_first(monkeypatch, block_tokens, fp4_stages_run):
+@pytest.mark.parametrize("block_tokens,tokens,fp4_stages_run", [
+    (1, 1, ["fp4 gate_up", "fp4 down"]), (16, 1, ["fp4 gate_up multi", "fp4 down multi"]),
+    (16, 16, ["fp4 gate_up multi", "fp4 down multi"]),  # 32 pairs over 8 experts: 4 per expert
+    (16, 17, ["fp4 gate_up multi wide", "fp4 down multi"])])  # 34 pairs: above WIDE_FROM (4) per expert
+def test_tier_moe_launches_w2_stages_before_the_fp4_down_and_checks_first(monkeypatch, block_tokens, tokens,
+                                                                           fp4_stages_run):
     from tierstore.kernels.cuda import fp4_multi
 
     for module in (fp4_stages, fp4_multi):  # CPU tensors: no CUDA check here
@@ -150,8 +154,8 @@ def test_tier_moe_launches_w2_stages_before_the_fp4_down_and_checks_first(monkey
         monkeypatch.setattr(module, "check_down_inputs", lambda *a: None)
     log = []
     w2, f4 = w2_tier(1024, 512, 1, 1, 8, "cpu"), fp4_tier(1024, 512, 1, 1, 8, "cpu")
-    ws = MoeWorkspace.allocate(1, 2, 8, 1024, 512, torch.bfloat16, "cpu", block_tokens=block_tokens)
-    _tier_with_recorders(log)(torch.zeros(1, 1024, dtype=torch.bfloat16), 2, w2, f4, 0, ws)
+    ws = MoeWorkspace.allocate(tokens, 2, 8, 1024, 512, torch.bfloat16, "cpu", block_tokens=block_tokens)
+    _tier_with_recorders(log)(torch.zeros(tokens, 1024, dtype=torch.bfloat16), 2, w2, f4, 0, ws)
     assert log == ["w2 stages"] + fp4_stages_run  # the FP4 down overwrites the W2 down's NaN rows
     log.clear()
     with pytest.raises(ValueError, match="same shape"):

@@ -115,11 +115,15 @@ def test_block_size_rule_of_the_knob():
     # multi-token kernels; mixtral-8x7b at T = 512 (128 pairs per expert): the Triton stages
     assert [compute.cuda_w2_block_tokens(p, 8) for p in (16, 64, 128, 512, 513, 1024)] == [16, 16, 16, 16, None, None]
     assert [compute.cuda_w2_block_tokens(p, 64) for p in (256, 512, 4096)] == [16, 16, 16]
-    # with an FP4 pool: one pair per block from experts / 4 pairs (TierMoeCuda), the Triton stages elsewhere
-    assert [compute.cuda_w2_block_tokens(p, 256, fp4=True) for p in (8, 63, 64, 256, 257)] == [None, None, 1, 1, None]
+    # with an FP4 pool (TierMoeCuda): one pair per block from experts / 4 pairs, expert blocks from experts / 2 up to
+    # 16 pairs per expert, the Triton stages elsewhere
+    assert compute.CUDA_MULTI_MAX_PAIRS_PER_EXPERT_FP4 == 16
+    fp4_pairs = (8, 63, 64, 127, 128, 256, 257, 4096, 4097)
+    assert [compute.cuda_w2_block_tokens(p, 256, fp4=True) for p in fp4_pairs] == [None, None, 1, 1, 16, 16, 16, 16,
+                                                                                  None]
 
 
-def test_with_an_fp4_pool_the_kernels_serve_batches_from_a_quarter_of_the_experts(monkeypatch):
+def test_with_an_fp4_pool_the_kernels_serve_batches_from_a_quarter_of_the_experts_to_16_pairs_each(monkeypatch):
     pytest.importorskip("triton")
     calls = _Calls(monkeypatch)
     g = toy_geometry(**{**FITS, "experts": 16})
@@ -129,10 +133,13 @@ def test_with_an_fp4_pool_the_kernels_serve_batches_from_a_quarter_of_the_expert
                        backend="triton", config=RuntimeConfig(cuda_w2=True, kpi_every=0)) as runtime:
         assert calls.fp4_layouts == [runtime.fp4.layout]
         runtime.preload()
-        for tokens in (1, 2, 8, 9):  # 2 pairs < 4: Triton; 4 and 16 pairs: the kernels; 18 > 16 experts: Triton
+        # 2 pairs < 4: Triton; 4 pairs: one pair per block; 8 .. 256 pairs (experts / 2 .. 16 x experts): expert
+        # blocks; 258 pairs: Triton (moe_mm's own block size)
+        for tokens in (1, 2, 4, 8, 128, 129):
             x = torch.randn(tokens, g.hidden).to(torch.bfloat16)
             runtime.moe(0, x, *model.route(0, x.float()))
-    assert calls.passed == [(1, None), (1, calls.kernels), (1, calls.kernels), (16, None)]
+    k = calls.kernels
+    assert calls.passed == [(1, None), (1, k), (16, k), (16, k), (16, k), (64, None)]
 
 
 @pytest.mark.parametrize("knob", [False, True])

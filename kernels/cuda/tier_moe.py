@@ -11,7 +11,8 @@ sync), in this order:
 
 A workspace of block_tokens 1 runs the single-token kernels named above; one of a multiple of 8 (16, 32, 64) the
 multi-token kernels of each tier (w2_multi.py, fp4_multi.py: an expert's tile decoded once for several of its
-pairs), in the same order with the same roles.
+pairs), in the same order with the same roles; above w2_moe.WIDE_FROM pairs per expert both gate_up kernels stage
+8 columns per pass instead of 4 (FP4: FP4_GATE_MULTI_WIDE).
 
 So every resident pair's act and y are written exactly once by the tier that holds it (plus the NaN marker
 in between), missing pairs are left to the combine as on the Triton path, and the W2 files are unchanged:
@@ -24,7 +25,13 @@ from __future__ import annotations
 from . import fp4_multi, fp4_stages
 from .fp4_multi import Fp4DownMultiCuda, Fp4GateUpMultiCuda
 from .fp4_stages import Fp4DownCuda, Fp4GateUpCuda
-from .w2_moe import W2MoeCuda
+from .w2_moe import WIDE_FROM, W2MoeCuda
+
+# The multi-token FP4 gate_up above WIDE_FROM pairs per expert: 8 columns per pass. H200 at 46074cb
+# (cuda-fp4-early-deepseek-v3-46074cb.json, every expert FP4, whole op, byte-identical outputs): 7014.3 vs 9055.1 us
+# with 4 columns at 16 pairs per expert (T = 512); 4 columns faster at 1 and 2 (T = 32: 1504.0 vs 1658.0, T = 64:
+# 2224.6 vs 2326.9). Not measured on a mixed layer.
+FP4_GATE_MULTI_WIDE = dict(stage_cols=8)
 
 
 class TierMoeCuda:
@@ -38,6 +45,8 @@ class TierMoeCuda:
         self.fp4_gate_up = Fp4GateUpCuda(ahead=fp4_ahead, device=device)
         self.fp4_down = Fp4DownCuda(ahead=fp4_ahead, device=device)
         self.fp4_gate_up_multi = Fp4GateUpMultiCuda(ahead=fp4_ahead, device=device, **(fp4_gate_multi or {}))
+        self.fp4_gate_up_multi_wide = Fp4GateUpMultiCuda(ahead=fp4_ahead, device=device,
+                                                         **{**(fp4_gate_multi or {}), **FP4_GATE_MULTI_WIDE})
         self.fp4_down_multi = Fp4DownMultiCuda(ahead=fp4_ahead, device=device, **(fp4_down_multi or {}))
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None) -> None:
@@ -47,9 +56,11 @@ class TierMoeCuda:
             fp4_stages.check_down_inputs(fp4, ws, ws.y)
             gate_up, down = self.fp4_gate_up, self.fp4_down
         else:
-            fp4_multi.check_gate_up_inputs(hidden, fp4, ws, ws.act, self.fp4_gate_up_multi.rows_per_block)
+            wide = hidden.shape[0] * top_k > WIDE_FROM * fp4.table.shape[1]  # pairs per expert above WIDE_FROM
+            gate_up = self.fp4_gate_up_multi_wide if wide else self.fp4_gate_up_multi
+            fp4_multi.check_gate_up_inputs(hidden, fp4, ws, ws.act, gate_up.rows_per_block)
             fp4_multi.check_down_inputs(fp4, ws, ws.y)
-            gate_up, down = self.fp4_gate_up_multi, self.fp4_down_multi
+            down = self.fp4_down_multi
         if fp4.table.shape != w2.table.shape:
             raise ValueError("the W2 and FP4 tables must have the same shape")
         self.w2(hidden, top_k, w2, fp4, layer, ws, swiglu_limit)

@@ -73,6 +73,7 @@ def load_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torc
 
 
 CUDA_MULTI_MAX_PAIRS_PER_EXPERT = 64  # cuda_w2_block_tokens: the multi-token kernels' last measured win
+CUDA_MULTI_MAX_PAIRS_PER_EXPERT_FP4 = 16  # the same with an FP4 pool (the FP4 multi-token kernels' largest measured)
 
 
 def cuda_w2_block_tokens(pairs: int, experts: int, fp4: bool = False) -> int | None:
@@ -94,11 +95,17 @@ def cuda_w2_block_tokens(pairs: int, experts: int, fp4: bool = False) -> int | N
     3475.1 (Triton faster). The Triton times are another run's (bf16 in both within 10 %), hence the margin: the
     limit is the last measured win, 64.
 
-    With an FP4 pool (`TierMoeCuda`, one pair per block only): 1 from experts / 4 to experts pairs, else None.
-    Measured on DeepSeek-V3 shapes with every 4th expert FP4 (cuda-fp4-deepseek-v3.json): 0.83x the Triton op at
-    8 pairs, 1.25x at 64 (= experts / 4), 1.29x at 256; between 8 and 64 not measured."""
+    With an FP4 pool (`TierMoeCuda`: the W2 stages, then the FP4 stages, single- or multi-token as above): 1 from
+    experts / 4 to experts / 2 pairs, 16 from there up to CUDA_MULTI_MAX_PAIRS_PER_EXPERT_FP4 pairs per expert, else
+    None. Measured on DeepSeek-V3 shapes with every 4th expert FP4, against the Triton op (cuda-fp4-deepseek-v3.json;
+    the multi-token kernels: cuda-fp4-*-{a3b95f1,46074cb}.json): one pair per block 0.83x at 8 pairs, 1.25x at 64
+    (= experts / 4), 1.29x at 256; expert blocks of 16 at 64 pairs 1.24x (one pair per block 1.25x), at 256 1.73x
+    (1.31x), at 512 2.33x (1.31x), at 4096 (16 per expert) 5.02x (1.32x). Between 8 and 64 pairs and above 16 per
+    expert not measured."""
     if fp4:
-        return 1 if experts <= 4 * pairs and pairs <= experts else None
+        if 4 * pairs < experts or pairs > CUDA_MULTI_MAX_PAIRS_PER_EXPERT_FP4 * experts:
+            return None
+        return 16 if 2 * pairs >= experts else 1
     if pairs > CUDA_MULTI_MAX_PAIRS_PER_EXPERT * experts:
         return None
     return 16 if 2 * pairs >= experts else 1
