@@ -77,9 +77,10 @@ class RuntimeConfig:
     - `cuda_w2` (default off): the triton backend runs gate_up and down with the CUDA C++ whole op between the
       Triton route and combine (`tierstore.kernels.cuda`: `W2MoeCuda`, with an FP4 pool `TierMoeCuda`, which adds
       the FP4 stages; benchmarks/cuda-w2-notes.md, cuda-fp4-notes.md) for the batch sizes where it was measured
-      faster (`compute.cuda_w2_block_tokens`): without an FP4 pool batches up to 8 routed pairs per expert on
+      faster (`compute.cuda_w2_block_tokens`): without an FP4 pool batches up to 64 routed pairs per expert on
       average (one pair per block below experts / 2 pairs, 16-pair expert blocks for the multi-token kernels from
-      there), with one from experts / 4 to experts pairs; other batches keep the Triton stages. Other kernels,
+      there: prefill batches too), with an FP4 pool from experts / 4 pairs (expert blocks from experts / 2, up to 16 pairs
+      per expert); other batches keep the Triton stages. Other kernels,
       other summation order: logits may differ in the last bits from a run with the knob off. Checked at boot,
       each unmet condition a ConfigError: hidden and expert inter multiples of 512, the triton backend on a
       CUDA device, nvcc (PATH or /usr/local/cuda/bin) and a build that loads (sm_90a); hidden states must be
