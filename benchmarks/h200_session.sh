@@ -10,7 +10,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -336,6 +336,24 @@ case "$step" in
     stage tests 90 python3 -m pytest tests/test_cuda_fp4.py -m gpu -q
     stage cuda-fp4 240 python3 benchmarks/cuda_fp4.py --tokens 32,64,512 --commit "$commit" \
       --json "$work/cuda-fp4-early-deepseek-v3.json"
+    ;;
+  btrule)  # moe_mm's default block size: one pair per program up to 4 pairs per expert (was 1), from the Triton rows
+    # of the cuda_w2 / cuda_fp4 runs against kernels.py's default rows of 54fb697 (separate runs). Here side by side
+    # in one run per preset at the batch sizes the change moves: `w2_fused` / `fp4_fused` (the new default, one pair
+    # per program) against `*_fused_mma16` (the tensor-core blocks, the old default), and past the new switch
+    # (deepseek-v3 T = 129 would be; T = 256 is) the new default's blocks against `*_fused_bt1`. Then the GPU tests
+    # of the kernels and of this session's CUDA changes not yet run on a GPU (W2 gate_up width, FP4 8-column gate_up
+    # in TierMoeCuda, the runtime's cuda_w2 rule). Stage limits 7 x 45 + 170 = 485 s. Estimates, not measured:
+    # ~25-40 s per kernels.py run (presets: 25-40 s for five T), tests ~120 s.
+    skip=w2_fused_plain,w2_gate_up_plain,dequant_grouped_mm,w2_fused_down64w8,fp4_fused_down64w8,w2_gate_up,fp4_gate_up
+    for case in deepseek-v3:64,128,256 kimi-k2:64 ds4-flash:64 qwen3-30b-a3b:32,64 ds-v2-lite:16,32,42 \
+                mixtral-8x7b:8,16 olmoe-1b-7b:16,32; do
+      preset="${case%%:*}"
+      stage "kernels-$preset" 45 python3 benchmarks/kernels.py --preset "$preset" --tokens "${case#*:}" --config 64,8 \
+        --skip "$skip" --commit "$commit" --json "$work/kernels-btrule-$preset.json"
+    done
+    stage tests 170 python3 -m pytest tests/test_kernels_moe.py tests/test_kernels_gpu.py tests/test_cuda_w2_multi.py \
+      tests/test_cuda_fp4.py tests/test_runtime_cuda_w2.py -m gpu -q
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

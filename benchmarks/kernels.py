@@ -459,7 +459,8 @@ class Runner:
 
 # Timed first, for every T, so their rows exist even if a new variant breaks the process.
 BASELINE_VARIANTS = ("bf16_grouped_mm", "w2_fused", "w2_gate_up", "w2_down", "w2_route_combine", "w2_fused_plain",
-                     "w2_gate_up_plain", "w2_fused_mma16", "dequant_grouped_mm", "fp4_fused", "fp4_gate_up")
+                     "w2_gate_up_plain", "w2_fused_mma16", "w2_fused_bt1", "dequant_grouped_mm", "fp4_fused",
+                     "fp4_gate_up", "fp4_fused_mma16", "fp4_fused_bt1")
 # The candidates' rows: their checks and timings come after every baseline.
 NEW_VARIANTS = tuple(f"{tier}_fused_{name}" for name in CANDIDATES for tier in ("w2", "fp4"))
 STREAMED = ("w2_fused", "w2_gate_up", "w2_down", "fp4_fused", "fp4_gate_up")  # the rest: the ceiling of the same bytes
@@ -468,7 +469,11 @@ STREAMED = ("w2_fused", "w2_gate_up", "w2_down", "fp4_fused", "fp4_gate_up")  # 
 def _variant_thunks(geo, state, routings, tokens, config) -> dict:
     """Variant name -> zero-argument function that times it (us), for the variants that apply at this T."""
     w2, f4 = state["w2"], state["f4"]
-    bt1 = tokens * geo.top_k <= geo.num_experts  # the default routes one pair per program here
+    from tierstore.kernels.moe_mm import default_block_tokens
+
+    pairs = tokens * geo.top_k
+    bt1 = pairs <= geo.num_experts  # the stages alone and the candidates: decode batches
+    default_bt1 = default_block_tokens(pairs, geo.num_experts) == 1  # the default routes one pair per program
 
     def fused(stage, fp4=False, **kw):
         kw.setdefault("config", config)
@@ -490,8 +495,12 @@ def _variant_thunks(geo, state, routings, tokens, config) -> dict:
         out["w2_route_combine"] = fused("route_combine")
         out["w2_fused_plain"] = fused("all", ptx_w2=False)
         out["w2_gate_up_plain"] = fused("gate_up", ptx_w2=False)
-    if tokens * geo.top_k <= 2 * geo.num_experts:  # default there is BT = 1 (FMA); compare the MMA path
+    if default_bt1:  # the default is BT = 1 (FMA); compare the MMA path
         out["w2_fused_mma16"] = fused("all", block_tokens=16)
+        out["fp4_fused_mma16"] = fused("all", fp4=True, block_tokens=16)
+    if not default_bt1:  # the default is a tensor-core path; compare one pair per program
+        out["w2_fused_bt1"] = fused("all", block_tokens=1)
+        out["fp4_fused_bt1"] = fused("all", fp4=True, block_tokens=1)
     out["dequant_grouped_mm"] = lambda: _dequant_case(geo, w2, state["w13_bf16"], state["w2_bf16"], routings,
                                                       state["reps"])
     out["fp4_fused"] = fused("all", fp4=True)

@@ -60,6 +60,25 @@ class MissLog:
         self.counts.zero_()
 
 
+BT1_MAX_PAIRS_PER_EXPERT = 4  # default_block_tokens: one pair per program up to this many pairs per expert
+
+
+def default_block_tokens(pairs: int, num_experts: int) -> int:
+    """The route block size `MoeWorkspace.allocate` picks for `pairs` routed pairs: 1 (one pair per program) up to
+    BT1_MAX_PAIRS_PER_EXPERT pairs per expert on average, then 16 up to 16 per expert, then 64.
+
+    Whole op on the H200, one pair per program against the tensor-core blocks, us (the one-pair times from
+    benchmarks/cuda_w2.py's and cuda_fp4.py's Triton rows, the block times from kernels.py's default rows of
+    54fb697: separate runs, bf16 within 10 %): 1.33 - 2 pairs per expert: deepseek-v3 T = 64 W2 3120.1 vs 7836.8,
+    FP4 4903.8 vs 9644.5, kimi-k2 T = 64 3148.6 vs 9985.9, ds4-flash T = 64 1386.0 vs 4308.0, mixtral-8x7b T = 8
+    408.9 vs 1108.8; 4: olmoe-1b-7b T = 32 268.4 vs 408.5; 8 and more: olmoe-1b-7b T = 64 517.1 vs 430.2,
+    mixtral-8x7b T = 32 1497.0 vs 1236.2, deepseek-v3 T = 512 24259.2 vs 13261.8. Until 2026-11-30 the switch sat at
+    1 pair per expert (kernel-notes.md, measured at T = 32 / 64 on DeepSeek-V3 with the kernels of then)."""
+    if pairs <= BT1_MAX_PAIRS_PER_EXPERT * num_experts:
+        return 1
+    return 16 if pairs <= 16 * num_experts else 64
+
+
 @dataclass(frozen=True)
 class MoeWorkspace:
     """Scratch for one static batch size: expert blocks, activations [P, I], per-pair outputs [P, H] fp32."""
@@ -89,13 +108,11 @@ class MoeWorkspace:
                  ptx_w2: bool = True, fp4_bf16x2: str = "ptx", down_block_n: int | None = None,
                  down_num_warps: int | None = None) -> MoeWorkspace:
         """block_tokens: 1 = one pair per program on CUDA-core FMAs (decode); 16 or 64 = tensor-core blocks.
-
-        Default: 1 while pairs <= experts (measured crossover on the H200, benchmarks/kernel-notes.md),
-        else 16, else 64 (prefill). down_block_n / down_num_warps: the down launch (None: the rule below).
+        Default: `default_block_tokens`. down_block_n / down_num_warps: the down launch (None: the rule below).
         """
         pairs = num_tokens * top_k
         if block_tokens is None:
-            block_tokens = 1 if pairs <= num_experts else 16 if pairs <= 16 * num_experts else 64
+            block_tokens = default_block_tokens(pairs, num_experts)
         if num_warps is None:
             num_warps = 8 if block_tokens == 1 else 4  # best measured per path (benchmarks/kernel-notes.md)
         if block_tokens not in (1, 16, 32, 64):

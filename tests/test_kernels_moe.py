@@ -401,6 +401,19 @@ def test_down_launch_does_not_change_the_bytes(dtype, inter):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_default_block_size_by_pairs_per_expert():
+    from tierstore.kernels.moe_mm import BT1_MAX_PAIRS_PER_EXPERT, default_block_tokens
+
+    assert BT1_MAX_PAIRS_PER_EXPERT == 4
+    # deepseek-v3 (E = 256, top-8) T = 1 / 32 / 64 / 128 / 129 / 512 / 513
+    assert [default_block_tokens(8 * t, 256) for t in (1, 32, 64, 128, 129, 512, 513)] == [1, 1, 1, 1, 16, 16, 64]
+    # mixtral-8x7b (E = 8, top-2) T = 8 / 16 / 17 / 64 / 65
+    assert [default_block_tokens(2 * t, 8) for t in (8, 16, 17, 64, 65)] == [1, 1, 16, 16, 64]
+    for pairs in (1, 31, 32, 33, 100, 128, 129, 5000):
+        ws = MoeWorkspace.allocate(pairs, 1, 8, 256, 64, torch.float32, DEVICE)
+        assert ws.block_tokens == default_block_tokens(pairs, 8)
+
+
 def test_down_launch_choice():
     def launch(tokens, top_k, experts, **kw):
         ws = MoeWorkspace.allocate(tokens, top_k, experts, 256, 64, torch.float32, DEVICE, **kw)
@@ -410,7 +423,8 @@ def test_down_launch_choice():
     assert launch(7, 8, 256) == (64, 8, 64, 8)  # 56 pairs
     assert launch(8, 8, 256) == (64, 8, 32, 4)  # T = 8: 64 pairs
     assert launch(32, 8, 256) == (64, 8, 32, 4)  # T = 32: 256 pairs, still BT = 1
-    assert launch(33, 8, 256) == (64, 4, 64, 4)  # BT = 16: the gate_up's launch
+    assert launch(128, 8, 256) == (64, 8, 32, 4)  # T = 128: 4 pairs per expert, still BT = 1
+    assert launch(129, 8, 256) == (64, 4, 64, 4)  # BT = 16: the gate_up's launch
     assert launch(8, 8, 256, block_tokens=16) == (64, 4, 64, 4)
     assert launch(8, 8, 256, down_block_n=64, down_num_warps=8) == (64, 8, 64, 8)  # explicit wins
     assert launch(1, 8, 256, block_n=128, num_warps=4) == (128, 4, 128, 4)
