@@ -10,7 +10,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -354,6 +354,18 @@ case "$step" in
     done
     stage tests 170 python3 -m pytest tests/test_kernels_moe.py tests/test_kernels_gpu.py tests/test_cuda_w2_multi.py \
       tests/test_cuda_fp4.py tests/test_runtime_cuda_w2.py -m gpu -q
+    ;;
+  qwen3none)  # the last 4 cells of issue #5's benchmark matrix: qwen3-30b-a3b, synthetic trace, no arena, bf16, at 10 /
+    # 25% and 50 / 100% (matrix's replay-none-ds for ds-v2-lite). Stage limits 2 x 230 = 460 s. Estimate, not
+    # measured: ~80-160 s per stage (replay-none-ds: 80 s for four coverages of ds-v2-lite at 8 layers; qwen3 has
+    # 16 layers of smaller experts, 1.15x the missed bytes per step at equal coverage, plus its pack build).
+    # The JSON is rewritten after every coverage, so a stage stopped at its limit keeps the ones it finished.
+    stage replay-none-qwen3 230 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+      --steps 220 --warmup 20 --coverages 0.1,0.25 --arena-gb 0 --dtype bfloat16 --commit "$commit" \
+      --out "$work/replay_none_qwen3.json"
+    stage replay-none-qwen3-b 230 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+      --steps 220 --warmup 20 --coverages 0.5,1 --arena-gb 0 --dtype bfloat16 --commit "$commit" \
+      --out "$work/replay_none_qwen3_b.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
