@@ -766,9 +766,10 @@ def test_v3_wrappers_pass_their_defines_and_w2moecuda_passes_options_through(mon
     assert not (before_v3.gate_up.early or before_v3.down.early or before_v3.down.pdl)
     moe = W2MoeCuda(device=0, gate_single=dict(early=True, route_major=True), down_single=dict(early=True))
     assert (moe.gate_up.early, moe.gate_up.route_major, moe.down.early, moe.down.route_major) == (True, True, True, False)
-    assert built[-4:] == [("w2_gate_up.cu", {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_ROUTE_MAJOR": 1}),
+    assert built[-5:] == [("w2_gate_up.cu", {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_ROUTE_MAJOR": 1}),
                           ("w2_down.cu", {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_GROUPS": 1}),
                           (w2_multi.GATE_SOURCE.name, {"W2_AHEAD": 2, "W2_STAGE_COLS": 4, "W2_EARLY": 1}),
+                          (w2_multi.GATE_SOURCE.name, {"W2_AHEAD": 2}),  # the 8-column gate_up (w2_moe.WIDE_FROM)
                           (w2_multi.DOWN_SOURCE.name, {"W2_AHEAD": 2, "W2_GROUPS": 1})]  # multi kernels: unchanged
 
 

@@ -160,8 +160,8 @@ def test_triton_backend_passes_the_kernels_to_moe_mm_only_with_the_knob(monkeypa
     want = calls.kernels if knob else None
     if knob:
         assert calls.passed == [(1, want)] * 3 + [(16, want)] * 5 + [(64, None)]
-    else:  # moe_mm's own rule: one pair per block up to `experts` pairs, 16 up to 16 x experts, then 64
-        assert calls.passed == [(1, None)] * 5 + [(16, None)] * 2 + [(64, None)] * 2
+    else:  # moe_mm's own rule: one pair per block up to 4 x experts pairs, 16 up to 16 x experts, then 64
+        assert calls.passed == [(1, None)] * 6 + [(16, None)] + [(64, None)] * 2
 
 
 def test_the_knob_refuses_hidden_states_other_than_bfloat16(monkeypatch):
