@@ -10,7 +10,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -366,6 +366,16 @@ case "$step" in
     stage replay-none-qwen3-b 230 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
       --steps 220 --warmup 20 --coverages 0.5,1 --arena-gb 0 --dtype bfloat16 --commit "$commit" \
       --out "$work/replay_none_qwen3_b.json"
+    ;;
+  fp4tune)  # the multi-token FP4 op at deepseek-v3 T = 32, where it sits on the 3x line (3.01x - 3.02x / 2.91x - 2.92x):
+    # four launch variants beside the default (benchmarks/cuda_fp4.py MULTI: down at FP4_AHEAD 1 with 4 blocks per SM,
+    # gate_up at 4 warps x 3 columns, at 2 columns, at the largest carveout), the run twice (two processes, two
+    # rounds each). Stage limits 2 x 100 = 200 s. Estimate, not measured: ~40 s per run (fp4multi:
+    # 29 s for four T).
+    stage cuda-fp4-a 100 python3 benchmarks/cuda_fp4.py --tokens 32 --commit "$commit" \
+      --json "$work/cuda-fp4-tune-a-deepseek-v3.json"
+    stage cuda-fp4-b 100 python3 benchmarks/cuda_fp4.py --tokens 32 --commit "$commit" \
+      --json "$work/cuda-fp4-tune-b-deepseek-v3.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -23,8 +23,9 @@
 //
 // gate_up: FP4_WARPS warps of 8 rows (mma rows 0..7 the gate rows, 8..15 the up rows), FP4_STAGE_COLS columns per
 // pass (4: 57.4 KB at H = 7168, two blocks of 8 warps per SM, as the W2 kernel's adopted s4e). down: 4 warps of 16
-// rows, 8 columns per pass (32.8 KB at I = 2048), at least 3 blocks per SM: at 4 (128 registers) ptxas spilled 128
-// bytes with FP4_AHEAD 2, at 3 it uses 164 registers and spills none (nvcc 13.0, sm_90a).
+// rows, 8 columns per pass (32.8 KB at I = 2048), at least 3 blocks per SM (4 with FP4_AHEAD 1): at 4 (128
+// registers) ptxas spilled 128 bytes with FP4_AHEAD 2, at 3 it uses 164 registers and spills none; FP4_AHEAD 1
+// needs 124 (nvcc 13.0, sm_90a).
 
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -56,6 +57,7 @@ constexpr int kGateRowsPerBlock = kGateWarps * 8;
 constexpr int kDownWarps = 4;
 constexpr int kDownCols = 8;
 constexpr int kDownRowsPerBlock = kDownWarps * 16;
+constexpr int kDownBlocks = kAhead >= 2 ? 3 : 4;  // blocks per SM the down's registers allow without spills
 constexpr int kPadWords = 2;
 static_assert(kGateWarps == 4 || kGateWarps == 8, "FP4_WARPS must be 4 or 8");
 static_assert(kGateCols >= 1 && kGateCols <= 8, "FP4_STAGE_COLS must be 1..8");
@@ -157,7 +159,7 @@ extern "C" __global__ void __launch_bounds__(kGateWarps * 32, 16 / kGateWarps) f
 }
 
 // Grid (route blocks, H / kDownRowsPerBlock), 128 threads; dynamic shared memory kDownCols * (2 * I + 8) bytes.
-extern "C" __global__ void __launch_bounds__(kDownWarps * 32, 3) fp4_down_multi(
+extern "C" __global__ void __launch_bounds__(kDownWarps * 32, kDownBlocks) fp4_down_multi(
     const uint16_t* __restrict__ act, long long stride_act,                              // act bf16 [P, I]
     const uint8_t* __restrict__ slots, long long slot_bytes, long long words_off,
     long long scales_off, int words_per_row, int blocks_per_row,

@@ -44,10 +44,10 @@ class TierMoeCuda:
         self.w2 = W2MoeCuda(device=device) if w2 is None else w2
         self.fp4_gate_up = Fp4GateUpCuda(ahead=fp4_ahead, device=device)
         self.fp4_down = Fp4DownCuda(ahead=fp4_ahead, device=device)
-        self.fp4_gate_up_multi = Fp4GateUpMultiCuda(ahead=fp4_ahead, device=device, **(fp4_gate_multi or {}))
-        self.fp4_gate_up_multi_wide = Fp4GateUpMultiCuda(ahead=fp4_ahead, device=device,
-                                                         **{**(fp4_gate_multi or {}), **FP4_GATE_MULTI_WIDE})
-        self.fp4_down_multi = Fp4DownMultiCuda(ahead=fp4_ahead, device=device, **(fp4_down_multi or {}))
+        gate = {"ahead": fp4_ahead, **(fp4_gate_multi or {})}  # the options may name their own ahead
+        self.fp4_gate_up_multi = Fp4GateUpMultiCuda(device=device, **gate)
+        self.fp4_gate_up_multi_wide = Fp4GateUpMultiCuda(device=device, **{**gate, **FP4_GATE_MULTI_WIDE})
+        self.fp4_down_multi = Fp4DownMultiCuda(device=device, **{"ahead": fp4_ahead, **(fp4_down_multi or {})})
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None) -> None:
         # the FP4 stages' inputs before any launch (W2MoeCuda checks its own before its first launch)
