@@ -38,18 +38,18 @@ VARIANTS = {"cuda_fp4_gate_up": ("gate_up", 2), "cuda_fp4_gate_up_a3": ("gate_up
             "cuda_fp4_whole_multi_w4s3": ("whole", 2), "cuda_fp4_whole_multi_s2": ("whole", 2),
             "cuda_fp4_whole_multi_max": ("whole", 2)}
 # multi-token variants (TierMoeCuda on a block_tokens MULTI_BT workspace: fp4_multi.py and w2_multi.py) -> the FP4
-# kernels' options (Fp4GateUpMultiCuda, Fp4DownMultiCuda); their bytes must equal the stage's first variant's (one
-# pair per block)
+# kernels' options (Fp4GateUpMultiCuda, Fp4DownMultiCuda; down={}: the down at FP4_AHEAD 2, as measured before
+# b4f70f0); their bytes must equal the stage's first variant's (one pair per block)
 EARLY = dict(gate=dict(early=True), down=dict(early=True))
-MULTI = {"cuda_fp4_whole_multi": {}, "cuda_fp4_whole_multi_s8": dict(gate=dict(stage_cols=8)),
-         "cuda_tier_mixed_multi": {}, "cuda_fp4_whole_multi_e": EARLY, "cuda_tier_mixed_multi_e": EARLY,
+MULTI = {"cuda_fp4_whole_multi": dict(down={}), "cuda_fp4_whole_multi_s8": dict(gate=dict(stage_cols=8), down={}),
+         "cuda_tier_mixed_multi": dict(down={}), "cuda_fp4_whole_multi_e": EARLY, "cuda_tier_mixed_multi_e": EARLY,
          # the multi-token op at T = 32 (3.01x - 3.02x / 2.91x - 2.92x bf16): down at FP4_AHEAD 1 (124 registers: 4
          # blocks per SM instead of 3), gate_up at 4 warps x 3 columns (4 blocks per SM), at 2 columns, at the
          # largest carveout
-         "cuda_fp4_whole_multi_d1": dict(down=dict(ahead=1)),
-         "cuda_fp4_whole_multi_w4s3": dict(gate=dict(warps=4, stage_cols=3)),
-         "cuda_fp4_whole_multi_s2": dict(gate=dict(stage_cols=2)),
-         "cuda_fp4_whole_multi_max": dict(gate=dict(carveout="max"))}
+         "cuda_fp4_whole_multi_d1": dict(down=dict(ahead=1)),  # adopted: TierMoeCuda's default since b4f70f0
+         "cuda_fp4_whole_multi_w4s3": dict(gate=dict(warps=4, stage_cols=3), down={}),
+         "cuda_fp4_whole_multi_s2": dict(gate=dict(stage_cols=2), down={}),
+         "cuda_fp4_whole_multi_max": dict(gate=dict(carveout="max"), down={})}
 MULTI_BT = 16
 FIRST = {"gate_up": "cuda_fp4_gate_up", "down": "cuda_fp4_down", "whole": "cuda_fp4_whole", "mixed": "cuda_tier_mixed"}
 MIXED_EVERY = 4  # the mixed-residency stage: experts e % 4 == 0 FP4-resident, the others W2

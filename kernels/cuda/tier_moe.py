@@ -33,11 +33,17 @@ from .w2_moe import WIDE_FROM, W2MoeCuda
 # 2224.6 vs 2326.9). Not measured on a mixed layer.
 FP4_GATE_MULTI_WIDE = dict(stage_cols=8)
 
+# The multi-token FP4 down's default build: FP4_AHEAD 1 (124 registers, 4 blocks per SM; at 2 it needs 164 and runs
+# 3). H200 at b4f70f0 (cuda-fp4-tune-{a,b}-deepseek-v3-b4f70f0.json, T = 32, two processes x two rounds,
+# byte-identical outputs): whole op 1500.3 / 1523.5 / 1547.9 / 1537.1 us against 1541.9 / 1593.1 / 1539.5 / 1548.9
+# at FP4_AHEAD 2, 1.9 % faster on average (the second process: within 1 %).
+FP4_DOWN_MULTI = dict(ahead=1)
+
 
 class TierMoeCuda:
     """w2: the W2 stages (a `W2MoeCuda`, built with its defaults when None); fp4_ahead: FP4_AHEAD of the FP4
     kernels; fp4_gate_multi / fp4_down_multi: the multi-token FP4 kernels' other options (Fp4GateUpMultiCuda /
-    Fp4DownMultiCuda; None: their defaults)."""
+    Fp4DownMultiCuda; an "ahead" there wins over fp4_ahead; None: the gate_up's defaults, FP4_DOWN_MULTI)."""
 
     def __init__(self, w2: W2MoeCuda | None = None, fp4_ahead: int = 2, device: int | None = None,
                  fp4_gate_multi: dict | None = None, fp4_down_multi: dict | None = None):
@@ -47,7 +53,8 @@ class TierMoeCuda:
         gate = {"ahead": fp4_ahead, **(fp4_gate_multi or {})}  # the options may name their own ahead
         self.fp4_gate_up_multi = Fp4GateUpMultiCuda(device=device, **gate)
         self.fp4_gate_up_multi_wide = Fp4GateUpMultiCuda(device=device, **{**gate, **FP4_GATE_MULTI_WIDE})
-        self.fp4_down_multi = Fp4DownMultiCuda(device=device, **{"ahead": fp4_ahead, **(fp4_down_multi or {})})
+        down = FP4_DOWN_MULTI if fp4_down_multi is None else {"ahead": fp4_ahead, **fp4_down_multi}
+        self.fp4_down_multi = Fp4DownMultiCuda(device=device, **down)
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None) -> None:
         # the FP4 stages' inputs before any launch (W2MoeCuda checks its own before its first launch)
