@@ -49,6 +49,7 @@ def test_every_knob_has_a_default_and_a_meaning():
     ({"TIERSTORE_ZERO_MODE": "zero"}, "ZERO_MODE"),
     ({"TIERSTORE_EXECUTION": "lazy"}, "EXECUTION"),
     ({"TIERSTORE_GATE": "maybe"}, "GATE must be 0 or 1"),
+    ({"TIERSTORE_CUDA_W2": "maybe"}, "CUDA_W2 must be 0 or 1"),
 ])
 def test_bad_knobs_are_refused_naming_the_knob(env, message):
     with pytest.raises(ConfigError, match=message):
@@ -106,6 +107,43 @@ def test_adapter_knobs_map_onto_the_runtime_config(tmp_path):
     assert fp4_pool_slots(config, 1000, 10**9, torch.device("cpu")) == 512 * 2**20 // 1000  # the bytes, exactly
     assert runtime_config(AdapterSettings(fp4_pool_bytes="auto")).fp4_pool_gb == "auto"
     assert runtime_config(AdapterSettings()).fp4_pool_gb == "0.0" and not runtime_config(AdapterSettings()).gate
+    assert not config.cuda_w2 and settings.cuda_w2 is False
+    knob = AdapterSettings.from_environ({"VLLM_MOE_W2_CUDA_W2": "1"})
+    assert knob.cuda_w2 and runtime_config(knob).cuda_w2  # the expert cache / FP4 runtime gets the knob too
+
+
+def test_resident_kernel_backend_hands_moe_mm_the_cuda_kernels_where_the_rule_says(monkeypatch):
+    """KernelBackend with CUDA_W2: a workspace per batch shape routed at the runtime's block size, the CUDA whole op
+    passed only where the rule serves the batch; without the knob moe_mm's own rule and no CUDA op."""
+    pytest.importorskip("triton")
+    import tierstore.kernels as kernels_module
+    from tierstore.runtime.compute import cuda_w2_block_tokens
+    from tierstore.vllm_adapter.expert_compute import KernelBackend
+
+    passed = []
+
+    def moe_mm(x, ids, weights, w2, fp4, layer, misses, workspace, swiglu_limit=None, cuda_w2=None):
+        passed.append((workspace.block_tokens, cuda_w2))
+        return torch.zeros_like(x)
+
+    monkeypatch.setattr(kernels_module, "moe_mm", moe_mm)
+    experts, top_k, hidden, inter = 16, 2, 512, 512
+    table = torch.arange(experts, dtype=torch.int32).view(1, -1)
+    slots = (torch.zeros(experts, KernelBackend(hidden, inter, experts).layout.slot_bytes, dtype=torch.uint8),)
+    op = object()  # stands in for the CUDA whole op (built on a GPU machine by cuda_w2_kernels)
+    tokens = (1, 4, 64, 512, 513)  # 2 / 8 / 128 / 1024 / 1026 pairs over 16 experts
+    for cuda_w2, dtype in ((op, torch.bfloat16), (None, torch.float32)):
+        backend = KernelBackend(hidden, inter, experts, cuda_w2=cuda_w2)
+        for t in tokens:
+            ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(t)])
+            backend.run(torch.zeros(t, hidden, dtype=dtype), ids, torch.ones(t, top_k), table, slots, None)
+    rule = [cuda_w2_block_tokens(t * top_k, experts) for t in tokens]
+    assert rule == [1, 16, 16, 16, None]
+    assert passed[:5] == [(1, op), (16, op), (16, op), (16, op), (64, None)]  # 1026 pairs: moe_mm's own 64
+    assert passed[5:] == [(1, None), (1, None), (16, None), (64, None), (64, None)]
+    with pytest.raises(ConfigError, match="CUDA_W2=1 needs bfloat16 hidden states, got torch.float32"):
+        KernelBackend(hidden, inter, experts, cuda_w2=op).run(torch.zeros(1, hidden), torch.zeros(1, top_k, dtype=torch.long),
+                                                             torch.ones(1, top_k), table, slots, None)
 
 
 @pytest.mark.parametrize("settings, runtime, hook", [

@@ -6,7 +6,9 @@ is the expert) served through the slot table int32 [1, E] (slot e = expert e).
 * `ReferenceBackend` (CPU): slots hold the W2 values dequantized to float32; tierstore's
   reference MoE computes the layer.
 * `KernelBackend` (CUDA): slots hold the kernels' packed W2 slot bytes; `tierstore.kernels.moe_mm`
-  computes the layer (capture-safe: static workspaces per batch shape, no host sync).
+  computes the layer (capture-safe: static workspaces per batch shape, no host sync). With the CUDA_W2
+  knob it hands moe_mm the CUDA C++ whole op for the batch sizes the runtime's rule gives it
+  (`tierstore.runtime.compute.cuda_w2_block_tokens`: decode and prefill batches up to 64 pairs per expert).
 
 With an expert cache (BASE_CACHE_GB) or an FP4 pool (DELTA_GB) layers go through
 `tierstore.vllm_adapter.tiered` instead.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from tierstore.errors import ConfigError
 from tierstore.formats import W2Tensor
 from tierstore.kernels.layout import fp4_slot_layout, pack_slot, unpack_matrix_ref, w2_slot_layout
 from tierstore.reference_moe import ExpertPool, ExpertTier, reference_moe
@@ -60,14 +63,30 @@ class ReferenceBackend:
         return reference_moe(x, topk_ids, topk_weights, layer=0, tiers=[tier], swiglu_limit=swiglu_limit).output.to(x.dtype)
 
 
+_CUDA_W2: dict[tuple, object] = {}  # (hidden, inter, device) -> the CUDA whole op, built once per process
+
+
+def cuda_w2_kernels(hidden: int, inter: int, device: torch.device):
+    """The CUDA C++ whole op for resident W2 layers of this shape (`load_cuda_w2`: ConfigError naming what is
+    missing), built on the first call and shared by every layer after it."""
+    from tierstore.runtime.compute import load_cuda_w2
+
+    key = (hidden, inter, str(device))
+    if key not in _CUDA_W2:
+        _CUDA_W2[key] = load_cuda_w2(w2_slot_layout(hidden, inter), None, device)
+    return _CUDA_W2[key]
+
+
 class KernelBackend:
     name = "kernels"
 
-    def __init__(self, hidden: int, inter: int, num_experts: int):
+    def __init__(self, hidden: int, inter: int, num_experts: int, cuda_w2=None):
+        """cuda_w2: the CUDA whole op (`cuda_w2_kernels`), or None for the Triton stages at every batch size."""
         self.hidden, self.inter, self.num_experts = hidden, inter, num_experts
         self.layout = w2_slot_layout(hidden, inter)
+        self.cuda_w2 = cuda_w2
         self._fp4_tier = self._misses = None
-        self._workspaces: dict[tuple, object] = {}
+        self._workspaces: dict[tuple, tuple] = {}
 
     def expert_rows(self, w13: W2Tensor, w2: W2Tensor) -> tuple[torch.Tensor]:
         return (w2_slot_row(w13, w2),)  # uint8 [slot_bytes]
@@ -77,14 +96,21 @@ class KernelBackend:
 
     def run(self, x, topk_ids, topk_weights, table, slots, swiglu_limit) -> torch.Tensor:
         from tierstore.kernels import MissLog, MoeWorkspace, TierPool, fp4_tier, moe_mm
+        from tierstore.runtime.compute import cuda_w2_block_tokens
 
         if self._fp4_tier is None:  # an empty FP4 tier (DELTA_GB layers go through the runtime) and a miss log
             self._fp4_tier = fp4_tier(self.hidden, self.inter, 0, 1, self.num_experts, x.device)
             self._misses = MissLog.allocate(self.num_experts, x.device)
         key = (x.shape[0], topk_ids.shape[1], x.dtype)
         if key not in self._workspaces:
-            self._workspaces[key] = MoeWorkspace.allocate(x.shape[0], topk_ids.shape[1], self.num_experts,
-                                                          self.hidden, self.inter, x.dtype, x.device)
+            block_tokens = (cuda_w2_block_tokens(x.shape[0] * topk_ids.shape[1], self.num_experts)
+                            if self.cuda_w2 is not None else None)
+            workspace = MoeWorkspace.allocate(x.shape[0], topk_ids.shape[1], self.num_experts, self.hidden,
+                                              self.inter, x.dtype, x.device, block_tokens=block_tokens)
+            self._workspaces[key] = (workspace, self.cuda_w2 if block_tokens is not None else None)
+        workspace, cuda_w2 = self._workspaces[key]
+        if cuda_w2 is not None and x.dtype != torch.bfloat16:
+            raise ConfigError(f"CUDA_W2=1 needs bfloat16 hidden states, got {x.dtype}; unset the knob")
         base = TierPool(slots[0], table, self.layout)
         return moe_mm(x.contiguous(), topk_ids.to(torch.int32).contiguous(), topk_weights.contiguous(), base,
-                      self._fp4_tier, 0, self._misses, self._workspaces[key], swiglu_limit=swiglu_limit)
+                      self._fp4_tier, 0, self._misses, workspace, swiglu_limit=swiglu_limit, cuda_w2=cuda_w2)

@@ -20,7 +20,8 @@ import torch
 
 from tierstore.errors import ConfigError
 from tierstore.vllm_adapter.compat import FusedMoEMethodBase, set_weight_attrs
-from tierstore.vllm_adapter.expert_compute import KernelBackend, ReferenceBackend, fp4_slot_row, w2_slot_row
+from tierstore.vllm_adapter.expert_compute import (KernelBackend, ReferenceBackend, cuda_w2_kernels, fp4_slot_row,
+                                                   w2_slot_row)
 from tierstore.vllm_adapter.pack_boot import decoder_layer, pack_boot
 from tierstore.vllm_adapter.residency import LayerSlots, resident_layer
 from tierstore.vllm_adapter.settings import AdapterSettings
@@ -93,8 +94,13 @@ class TierstoreMoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         device = getattr(layer, self._param_names[0]).device
-        backend_class = KernelBackend if device.type == "cuda" else ReferenceBackend
-        self.backend = backend_class(self.hidden, self.inter, self.num_experts)
+        if device.type == "cuda":
+            kernels = cuda_w2_kernels(self.hidden, self.inter, device) if self.settings.cuda_w2 else None
+            self.backend = KernelBackend(self.hidden, self.inter, self.num_experts, cuda_w2=kernels)
+        elif self.settings.cuda_w2:
+            raise ConfigError(f"CUDA_W2=1 runs CUDA C++ kernels; {self.prefix} lives on {device}: unset the knob")
+        else:
+            self.backend = ReferenceBackend(self.hidden, self.inter, self.num_experts)
         boot = None
         if self.settings.store_dir is not None:
             boot = pack_boot(self.model_path, self.settings.store_dir, self.settings.zero_mode,

@@ -44,6 +44,8 @@ KNOBS = (
     Knob("TIER_DIRECT", "0", "1 reads the pack with O_DIRECT"),
     Knob("KPI_EVERY", "500", "log tier counters every N steps; 0 = never"),
     Knob("EXECUTION", "eager", "eager: misses fetched inside apply | graph: in-graph miss log, runner replays"),
+    Knob("CUDA_W2", "0", "1 runs gate_up and down on the CUDA C++ kernels where measured faster (CUDA, nvcc, "
+                         "hidden and expert inter multiples of 512)"),
 )
 _KNOWN = {knob.name for knob in KNOBS}
 
@@ -124,6 +126,7 @@ class AdapterSettings:
     tier_direct: bool = False
     kpi_every: int = 500
     execution: str = "eager"
+    cuda_w2: bool = False  # resident layers and the runtime: the CUDA C++ whole op where measured faster
 
     def __post_init__(self) -> None:
         if self.gate and self.fp4_pool_bytes == 0:
@@ -183,4 +186,5 @@ class AdapterSettings:
             tier_direct=_flag(values, "TIER_DIRECT"),
             kpi_every=_int(values, "KPI_EVERY", 0),
             execution=_choice(values, "EXECUTION", EXECUTION_MODES),
+            cuda_w2=_flag(values, "CUDA_W2"),
         )

@@ -35,7 +35,7 @@ def runtime_config(settings: AdapterSettings):
     return RuntimeConfig(replay_mode=settings.replay_mode, fp_max=settings.fp_max,
                          miss_tolerance=settings.miss_tolerance, kpi_every=settings.kpi_every, tokens_per_step=1,
                          fp4_pool_gb="auto" if pool == "auto" else repr(pool / GIB), gate=settings.gate,
-                         gate_tau=settings.gate_tau,
+                         gate_tau=settings.gate_tau, cuda_w2=settings.cuda_w2,
                          gate_tau_file=str(settings.gate_tau_file) if settings.gate_tau_file is not None else "")
 
 

@@ -119,6 +119,14 @@ def test_knobs_needing_the_runner_hook_are_refused_without_tierstores_worker(har
         built_layer(harness, checkpoints["bf16"], process=False)  # accepted with the worker
 
 
+def test_cuda_kernels_knob_is_refused_for_a_layer_on_the_cpu(harness, checkpoints, monkeypatch):
+    monkeypatch.setenv("VLLM_MOE_W2_CUDA_W2", "1")
+    with harness.cpu_vllm():
+        _, routed = built_layer(harness, checkpoints["bf16"], process=False)
+        with pytest.raises(ConfigError, match="CUDA_W2=1 runs CUDA C.. kernels; .* lives on cpu: unset the knob"):
+            routed.quant_method.process_weights_after_loading(routed)
+
+
 def test_shard_cutting_a_w2_block_is_refused(harness, checkpoints):
     with harness.cpu_vllm(), harness.tensor_parallel_rank(8, 0), pytest.raises(ConfigError, match="multiples of 32"):
         built_layer(harness, checkpoints["bf16"], process=False)
