@@ -10,7 +10,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -376,6 +376,13 @@ case "$step" in
       --json "$work/cuda-fp4-tune-a-deepseek-v3.json"
     stage cuda-fp4-b 100 python3 benchmarks/cuda_fp4.py --tokens 32 --commit "$commit" \
       --json "$work/cuda-fp4-tune-b-deepseek-v3.json"
+    ;;
+  closing3)  # the GPU tests of every file this session's last changes touched, at the session's last code commit:
+    # the multi-token FP4 down at FP4_AHEAD 1 in TierMoeCuda, its launch bounds by FP4_AHEAD, W2MoeCuda's 8-column
+    # gate_up, moe_mm's default block size, the runtime's cuda_w2 rule. Stage limit 240 s. Estimate, not measured:
+    # ~150 s (btrule's tests: 100 s without test_cuda_w2, ~40 s).
+    stage tests 240 python3 -m pytest tests/test_kernels_moe.py tests/test_kernels_gpu.py tests/test_cuda_w2.py \
+      tests/test_cuda_w2_multi.py tests/test_cuda_fp4.py tests/test_runtime_cuda_w2.py tests/test_runtime_gpu.py -m gpu -q
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
