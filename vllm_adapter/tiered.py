@@ -16,6 +16,8 @@ the gate are driven by the same runner hook (`tierstore.vllm_adapter.worker`); s
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tierstore.errors import ConfigError
@@ -25,6 +27,7 @@ from tierstore.vllm_adapter.pack_boot import PackBoot
 from tierstore.vllm_adapter.settings import AdapterSettings
 
 GIB = 2**30
+log = logging.getLogger("tierstore.vllm_adapter")
 
 
 def runtime_config(settings: AdapterSettings):
@@ -110,10 +113,37 @@ class TieredModel:
         """Routed experts of the layer: x [T, H], topk_ids/topk_weights [T, k] -> [T, H]."""
         runtime = self.get_runtime()
         dense_layer = self._dense[decoder_layer]
-        if self.settings.execution == "eager":
-            keys = [(dense_layer, int(e)) for e in topk_ids.unique().tolist()]
+        if self.settings.execution != "eager":
+            return runtime.moe(dense_layer, x, topk_ids, topk_weights)
+        keys = [(dense_layer, int(e)) for e in topk_ids.unique().tolist()]
+        if len(keys) <= runtime.pool.num_slots:  # the batch's experts fit the cache: one fetch, one compute
             runtime.fetch(keys, protect=keys)
-        return runtime.moe(dense_layer, x, topk_ids, topk_weights)
+            return runtime.moe(dense_layer, x, topk_ids, topk_weights)
+        outputs, chunks = [], token_chunks(topk_ids.tolist(), runtime.pool.num_slots)
+        log.info("tierstore: MoE layer %d: %d routed experts over %d cache slots, %d tokens run in %d chunks (last-bit "
+                 "differences from one batch)", dense_layer, len(keys), runtime.pool.num_slots, x.shape[0], len(chunks))
+        for start, stop in chunks:
+            keys = [(dense_layer, int(e)) for e in topk_ids[start:stop].unique().tolist()]
+            runtime.fetch(keys, protect=keys)
+            outputs.append(runtime.moe(dense_layer, x[start:stop], topk_ids[start:stop], topk_weights[start:stop]))
+        return torch.cat(outputs)
+
+
+def token_chunks(topk_ids: list[list[int]], slots: int) -> list[tuple[int, int]]:
+    """[start, stop) token ranges, in order, each routing at most `slots` distinct experts (greedy; a token routing
+    more than `slots` alone is its own range, which the fetch then refuses): how `TieredModel.moe` runs a batch whose
+    routed experts in one layer outnumber the expert cache (a prefill batch; every decode step the start-up check
+    admits fits) instead of failing. Each chunk's experts are fetched, then computed. Not bit-identical to the
+    unchunked batch: a chunk's GEMMs run over fewer tokens and round differently (CPU test: <= 1e-8 absolute), and
+    on CUDA moe_mm may pick another block size for it."""
+    chunks, start, seen = [], 0, set()
+    for index, experts in enumerate(topk_ids):
+        if len(seen | set(experts)) > slots and index > start:
+            chunks.append((start, index))
+            start, seen = index, set()
+        seen |= set(experts)
+    chunks.append((start, len(topk_ids)))
+    return chunks
 
 
 _model: TieredModel | None = None

@@ -54,6 +54,28 @@ def test_eager_cache_smaller_than_the_model_gives_the_resident_result(harness, c
     assert runtime.stats().fetched_rows > len(ids.unique())
 
 
+def test_eager_prefill_routing_more_experts_than_the_cache_runs_in_chunks(harness, checkpoints, monkeypatch):
+    """5 slots pass the start-up check (2 layers x top-2 x 1 token x 1.15 = 4.6) but a 12-token batch routes more
+    experts than that in each layer: before, the fetch raised CapacityError; now the batch runs in token chunks that
+    fit. Not bit-identical to one batch (a chunk's GEMMs over fewer tokens round differently): within 1e-6 of the
+    resident result, where the unchunked cache (8 slots) is exact."""
+    x, _, weights, ids = routing(harness, tokens=12, seed=7)
+    assert len(ids.unique()) > 5
+    expected = resident_step(harness, checkpoints["bf16"], (x, weights, ids))
+    from tierstore.vllm_adapter.tiered import forget_tiered_model
+
+    for slots in (5, 8):
+        forget_tiered_model()  # a fresh process's runtime per cache size
+        use_cache(monkeypatch, slots)
+        with harness.cpu_vllm():
+            got = chained_step(two_layers(harness, checkpoints["bf16"]), x, weights, ids)
+        if slots == 8:
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        else:
+            for g, e in zip(got, expected):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
 def test_cache_below_the_working_set_is_refused_at_the_first_forward(harness, checkpoints, monkeypatch):
     x, _, weights, ids = routing(harness)
     use_cache(monkeypatch, 2)
