@@ -36,7 +36,8 @@ VARIANTS = {"cuda_fp4_gate_up": ("gate_up", 2), "cuda_fp4_gate_up_a3": ("gate_up
             "cuda_tier_mixed_multi": ("mixed", 2), "cuda_fp4_whole_multi_e": ("whole", 2),
             "cuda_tier_mixed_multi_e": ("mixed", 2), "cuda_fp4_whole_multi_d1": ("whole", 2),
             "cuda_fp4_whole_multi_w4s3": ("whole", 2), "cuda_fp4_whole_multi_s2": ("whole", 2),
-            "cuda_fp4_whole_multi_max": ("whole", 2)}
+            "cuda_fp4_whole_multi_max": ("whole", 2), "cuda_fp4_whole_multi_pdl": ("whole", 2),
+            "cuda_tier_mixed_multi_pdl": ("mixed", 2), "cuda_tier_mixed_multi_d1": ("mixed", 2)}
 # multi-token variants (TierMoeCuda on a block_tokens MULTI_BT workspace: fp4_multi.py and w2_multi.py) -> the FP4
 # kernels' options (Fp4GateUpMultiCuda, Fp4DownMultiCuda; down={}: the down at FP4_AHEAD 2, as measured before
 # b4f70f0); their bytes must equal the stage's first variant's (one pair per block)
@@ -49,7 +50,12 @@ MULTI = {"cuda_fp4_whole_multi": dict(down={}), "cuda_fp4_whole_multi_s8": dict(
          "cuda_fp4_whole_multi_d1": dict(down=dict(ahead=1)),  # adopted: TierMoeCuda's default since b4f70f0
          "cuda_fp4_whole_multi_w4s3": dict(gate=dict(warps=4, stage_cols=3), down={}),
          "cuda_fp4_whole_multi_s2": dict(gate=dict(stage_cols=2), down={}),
-         "cuda_fp4_whole_multi_max": dict(gate=dict(carveout="max"), down={})}
+         "cuda_fp4_whole_multi_max": dict(gate=dict(carveout="max"), down={}),
+         # FP4_PDL: the down a programmatic dependent of the gate_up (as the W2 single-token kernels' adopted egp),
+         # beside the adopted down (d1)
+         "cuda_fp4_whole_multi_pdl": dict(gate=dict(pdl=True), down=dict(ahead=1, pdl=True)),
+         "cuda_tier_mixed_multi_pdl": dict(gate=dict(pdl=True), down=dict(ahead=1, pdl=True)),
+         "cuda_tier_mixed_multi_d1": dict(down=dict(ahead=1))}
 MULTI_BT = 16
 FIRST = {"gate_up": "cuda_fp4_gate_up", "down": "cuda_fp4_down", "whole": "cuda_fp4_whole", "mixed": "cuda_tier_mixed"}
 MIXED_EVERY = 4  # the mixed-residency stage: experts e % 4 == 0 FP4-resident, the others W2

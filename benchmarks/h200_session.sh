@@ -10,7 +10,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -383,6 +383,16 @@ case "$step" in
     # ~150 s (btrule's tests: 100 s without test_cuda_w2, ~40 s).
     stage tests 240 python3 -m pytest tests/test_kernels_moe.py tests/test_kernels_gpu.py tests/test_cuda_w2.py \
       tests/test_cuda_w2_multi.py tests/test_cuda_fp4.py tests/test_runtime_cuda_w2.py tests/test_runtime_gpu.py -m gpu -q
+    ;;
+  fp4pdl)  # FP4_PDL on the multi-token FP4 stages (the down a programmatic dependent of the gate_up) beside the adopted
+    # launches (`_d1`), all-FP4 and mixed layers, deepseek-v3 T = 32, two processes; the GPU tests of test_cuda_fp4
+    # first (the PDL launches byte-identical to the default, eager and in a graph). Stage limits 100 + 2 x 60 = 220 s.
+    # Estimates, not measured: tests ~45 s (fp4early: 35 s), ~12-45 s per cuda_fp4 run (fp4tune: 42 s, then 12 s).
+    stage tests 100 python3 -m pytest tests/test_cuda_fp4.py -m gpu -q
+    stage cuda-fp4-a 60 python3 benchmarks/cuda_fp4.py --tokens 32 --commit "$commit" \
+      --json "$work/cuda-fp4-pdl-a-deepseek-v3.json"
+    stage cuda-fp4-b 60 python3 benchmarks/cuda_fp4.py --tokens 32 --commit "$commit" \
+      --json "$work/cuda-fp4-pdl-b-deepseek-v3.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -112,7 +112,7 @@ def test_multi_shared_memory_and_the_pad():
 @needs_nvcc
 @pytest.mark.parametrize("defines", [{"FP4_AHEAD": 2}, {"FP4_AHEAD": 1}, {"FP4_AHEAD": 2, "FP4_STAGE_COLS": 8},
                                      {"FP4_AHEAD": 2, "FP4_WARPS": 4, "FP4_STAGE_COLS": 8},
-                                     {"FP4_AHEAD": 2, "FP4_EARLY": 1}])
+                                     {"FP4_AHEAD": 2, "FP4_EARLY": 1}, {"FP4_AHEAD": 1, "FP4_PDL": 1}])
 def test_multi_kernels_compile_without_spills(tmp_path, defines):
     report = ptxas_report(fp4_multi.SOURCE, tmp_path / "k.cubin", defines)
     down_blocks = 3 if defines["FP4_AHEAD"] >= 2 else 4
@@ -476,9 +476,11 @@ def multi():
     """The multi-token FP4 kernels: gate_up in the default build and four others, down in three builds."""
     return dict(gate_up={"w8s4": fp4_multi.Fp4GateUpMultiCuda(), "w8s8": fp4_multi.Fp4GateUpMultiCuda(stage_cols=8),
                          "w4s8max": fp4_multi.Fp4GateUpMultiCuda(warps=4, stage_cols=8, carveout="max"),
-                         "a1": fp4_multi.Fp4GateUpMultiCuda(ahead=1), "early": fp4_multi.Fp4GateUpMultiCuda(early=True)},
+                         "a1": fp4_multi.Fp4GateUpMultiCuda(ahead=1), "early": fp4_multi.Fp4GateUpMultiCuda(early=True),
+                         "pdl": fp4_multi.Fp4GateUpMultiCuda(pdl=True)},
                 down={2: fp4_multi.Fp4DownMultiCuda(), 1: fp4_multi.Fp4DownMultiCuda(ahead=1),
-                      "early": fp4_multi.Fp4DownMultiCuda(early=True)})
+                      "early": fp4_multi.Fp4DownMultiCuda(early=True),
+                      "pdl": fp4_multi.Fp4DownMultiCuda(ahead=1, pdl=True)})
 
 
 def _routed_bt(case, ids, block_tokens):
@@ -579,6 +581,29 @@ def test_tier_moe_with_expert_blocks_equals_one_pair_per_block(case, tier, token
     ref, _, _ = moe_mm_ref(x, ids, weights, case["w2"], case["f4"], 0, swiglu_limit=limit, act_dtype=torch.bfloat16)
     assert float((out.float() - ref).norm() / ref.norm()) <= 1e-2
     assert same_bytes(out, single)
+
+
+@pytest.mark.gpu
+@needs_nvcc
+@pytest.mark.parametrize("tokens", [8, 32, 64])
+def test_tier_moe_with_programmatic_launch_gives_the_same_bytes(case, tier, tokens):
+    """FP4_PDL on both multi-token FP4 stages (the down launched as the gate_up's programmatic dependent): the bytes
+    of the default launches, eager and replayed in a CUDA graph."""
+    from tierstore.kernels.cuda.tier_moe import TierMoeCuda
+
+    pdl = TierMoeCuda(w2=tier.w2, fp4_gate_multi=dict(pdl=True), fp4_down_multi=dict(ahead=1, pdl=True))
+    ids = _ids(case, tokens)
+    x = torch.randn(tokens, HIDDEN, generator=case["gen"]).to(torch.bfloat16).cuda()
+    weights = (torch.rand(tokens, TOP_K, generator=case["gen"]) + 0.05).cuda()
+    expected, counts, _ = run_whole(x, ids, weights, case["w2"], case["f4"], tier, INTER, EXPERTS, 8, 16)
+    got, got_counts, _ = run_whole(x, ids, weights, case["w2"], case["f4"], pdl, INTER, EXPERTS, 8, 16)
+    assert same_bytes(got, expected) and got_counts == counts
+    ws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, HIDDEN, INTER, torch.bfloat16, "cuda", block_tokens=16)
+    misses = MissLog.allocate(8, "cuda")
+    out = torch.full_like(x, float("nan"))
+    replayed_once(lambda: moe_mm(x, ids, weights, case["w2"], case["f4"], 0, misses, ws, out=out, cuda_w2=pdl),
+                  misses, out)
+    assert same_bytes(out, expected)
 
 
 @pytest.mark.gpu

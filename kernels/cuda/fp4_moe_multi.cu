@@ -48,6 +48,18 @@
 #define FP4_EARLY 0  // 1: both kernels load the block's route and table words in two round trips (see `route`)
 #endif
 
+// FP4_PDL 1: programmatic dependent launch between the two stages (as w2_gate_up.cu / w2_down.cu's W2_PDL). The
+// gate_up issues `griddepcontrol.launch_dependents` first thing in every block, so the down, launched as its
+// programmatic dependent (Fp4DownMultiCuda(pdl=True)), may start its prologue and first weight loads (route words,
+// tables, weights: none written by the gate_up) while the gate_up still runs; the down's `griddepcontrol.wait` (the
+// gate_up complete, its writes visible) comes before its first read of act and so before any write of y, and act is
+// then read with coherent loads (ld.global, not the non-coherent path const __restrict__ may give). Launched
+// normally, the wait returns at once. The down also runs after the W2 down of `TierMoeCuda` (whose NaN rows it
+// overwrites): the gate_up it depends on starts only after that one completed.
+#ifndef FP4_PDL
+#define FP4_PDL 0
+#endif
+
 namespace {
 
 constexpr int kAhead = FP4_AHEAD;
@@ -100,8 +112,24 @@ __device__ __forceinline__ Rows rows_at(const uint8_t* base, long long words_off
   return r;
 }
 
+#if FP4_PDL
+__device__ __forceinline__ uint2 load_coherent(const uint16_t* p) {
+  uint2 v;
+  asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+// f4_load_unit's unit q of row a, with coherent loads (act written by the preceding grid).
+__device__ __forceinline__ Unit f4_load_unit_coherent(const uint16_t* a, int q) {
+  const int k0 = 64 * (q >> 2) + 4 * (q & 3);
+  return {load_coherent(a + k0), load_coherent(a + k0 + 16), load_coherent(a + k0 + 32), load_coherent(a + k0 + 48)};
+}
+#endif
+
 // One pass: the first loads, the pass's `count` columns of activation rows a into xp (after the previous pass's
-// reads), a barrier, the K loop over column min(g, count - 1).
+// reads), a barrier, the K loop over column min(g, count - 1). kAfterGrid (the down with FP4_PDL): the first pass
+// waits for the preceding grid before reading a, and reads it coherently.
+template <bool kAfterGrid>
 __device__ __forceinline__ void pass_sums(const Rows& r, const uint16_t* __restrict__ a, long long stride_a,
                                           const int* pairs, int divisor, int count, bool after_pass, uint32_t* xp,
                                           int k_len, int words_per_row, int g, int c, float (&acc)[2][4]) {
@@ -109,9 +137,16 @@ __device__ __forceinline__ void pass_sums(const Rows& r, const uint16_t* __restr
   F4Tile ring[kAhead + 1];
   first_loads<kAhead>(r, ring, tiles, c);
   if (after_pass) __syncthreads();  // every warp is done reading the previous pass's columns
+  auto store = [](uint32_t* column, int q, const Unit& u) { store_unit_8(column, q, u); };
+#if FP4_PDL
+  if (kAfterGrid) {
+    if (!after_pass) asm volatile("griddepcontrol.wait;" ::: "memory");  // act is the preceding gate_up's output
+    build_columns(a, stride_a, pairs, divisor, count, xp, stride, k_len,
+                  [](const uint16_t* row, int q) { return f4_load_unit_coherent(row, q); }, store);
+  } else
+#endif
   build_columns(a, stride_a, pairs, divisor, count, xp, stride, k_len,
-                [](const uint16_t* row, int q) { return f4_load_unit(row, q); },
-                [](uint32_t* column, int q, const Unit& u) { store_unit_8(column, q, u); });
+                [](const uint16_t* row, int q) { return f4_load_unit(row, q); }, store);
   __syncthreads();
   k_loop<kAhead, kF4TilePairs>(r, ring, xp + min(g, count - 1) * stride, tiles, c, c, acc);
 }
@@ -131,6 +166,9 @@ extern "C" __global__ void __launch_bounds__(kGateWarps * 32, 16 / kGateWarps) f
     float limit, int has_limit) {
   extern __shared__ uint4 smem[];
   uint32_t* xp = reinterpret_cast<uint32_t*>(smem);  // [kGateCols][H / 2 + kPadWords] activation pairs
+#if FP4_PDL
+  asm volatile("griddepcontrol.launch_dependents;");  // the down may be scheduled now (it waits for this grid)
+#endif
   int slot, fill;
   const int* pairs;
   if (!route(num_blocks, f4_table, table_row, block_expert, block_fill, block_pairs, block_tokens, slot, fill, pairs)) {
@@ -143,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(kGateWarps * 32, 16 / kGateWarps) f
   for (int z0 = 0; z0 < fill; z0 += kGateCols) {  // passes: pairs z0 .. z0 + count - 1
     const int count = min(fill - z0, kGateCols);
     float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    pass_sums(r, x, stride_x, pairs + z0, top_k, count, z0 > 0, xp, hidden, words_per_row, g, c, acc);
+    pass_sums<false>(r, x, stride_x, pairs + z0, top_k, count, z0 > 0, xp, hidden, words_per_row, g, c, acc);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // columns 2c (d0 gate, d2 up) and 2c + 1 (d1, d3)
       if (2 * c + h < count) {
@@ -181,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(kDownWarps * 32, kDownBlocks) fp4_d
   for (int z0 = 0; z0 < fill; z0 += kDownCols) {
     const int count = min(fill - z0, kDownCols);
     float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    pass_sums(r, act, stride_act, pairs + z0, 1, count, z0 > 0, xp, inter, words_per_row, g, c, acc);
+    pass_sums<true>(r, act, stride_act, pairs + z0, 1, count, z0 > 0, xp, inter, words_per_row, g, c, acc);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // column 2c + h: row n from d[h], row n + 8 from d[2 + h]
       if (2 * c + h < count) {

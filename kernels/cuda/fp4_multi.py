@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+import ctypes
+
 from . import loader, w2_down, w2_gate_up, w2_multi
 from .fp4_stages import check_geometry
 
@@ -84,18 +86,20 @@ class Fp4GateUpMultiCuda(_Built):
     """Builds (nvcc, cached) and loads fp4_gate_up_multi once; each call launches it on the current stream.
     ahead: FP4_AHEAD; warps: FP4_WARPS (4 or 8; 8 rows each); stage_cols: FP4_STAGE_COLS (1..8, pairs per pass);
     carveout: "fit" (the smallest shared-memory capacity holding 16 / warps blocks, the rest stays L1) or "max";
-    early: FP4_EARLY (the prologue's route and table words in two round trips). Per pair the bytes do not depend
-    on these (same arithmetic)."""
+    early: FP4_EARLY (the prologue's route and table words in two round trips); pdl: FP4_PDL (every block lets a
+    programmatic dependent launch, `Fp4DownMultiCuda(pdl=True)`, be scheduled before this grid completes). Per pair
+    the bytes do not depend on these (same arithmetic)."""
 
     def __init__(self, ahead: int = 2, warps: int = 8, stage_cols: int = 4, carveout: str = "fit",
-                 early: bool = False, device: int | None = None) -> None:
+                 early: bool = False, pdl: bool = False, device: int | None = None) -> None:
         if warps not in (4, 8) or not 1 <= stage_cols <= 8 or carveout not in ("max", "fit"):
             raise ValueError(f"warps 4 or 8, stage_cols 1..8, carveout 'max' or 'fit'; got {warps}, {stage_cols}, "
                              f"{carveout!r}")
         self.ahead, self.warps, self.stage_cols, self.carveout, self.early = ahead, warps, stage_cols, carveout, early
+        self.pdl = pdl
         self.threads, self.rows_per_block = 32 * warps, 8 * warps
         super().__init__(GATE_KERNEL, {"FP4_AHEAD": ahead, "FP4_WARPS": warps, "FP4_STAGE_COLS": stage_cols,
-                                       "FP4_EARLY": int(early)}, device)
+                                       "FP4_EARLY": int(early), "FP4_PDL": int(pdl)}, device)
         self._carveout_k = None  # the K the "fit" carveout was set for
 
     def _set_carveout(self, k_len: int) -> None:
@@ -118,17 +122,25 @@ class Fp4GateUpMultiCuda(_Built):
 
 
 class Fp4DownMultiCuda(_Built):
-    """As Fp4GateUpMultiCuda, for the down kernel (4 warps of 16 rows, 8 columns per pass; ahead, early)."""
+    """As Fp4GateUpMultiCuda, for the down kernel (4 warps of 16 rows, 8 columns per pass; ahead, early). pdl:
+    FP4_PDL, and every launch a programmatic dependent of the stream's preceding kernel (cuLaunchKernelEx): for a
+    down launched right after an `Fp4GateUpMultiCuda(pdl=True)`."""
 
-    def __init__(self, ahead: int = 2, early: bool = False, device: int | None = None) -> None:
-        self.ahead, self.early = ahead, early
-        super().__init__(DOWN_KERNEL, {"FP4_AHEAD": ahead, "FP4_EARLY": int(early)}, device)
+    def __init__(self, ahead: int = 2, early: bool = False, pdl: bool = False, device: int | None = None) -> None:
+        self.ahead, self.early, self.pdl = ahead, early, pdl
+        super().__init__(DOWN_KERNEL, {"FP4_AHEAD": ahead, "FP4_EARLY": int(early), "FP4_PDL": int(pdl)}, device)
 
     def __call__(self, fp4, layer: int, ws, out=None):
         out = ws.y if out is None else out
         check_down_inputs(fp4, ws, out)
         smem = shared_bytes(fp4.layout.inter, DOWN_COLS)
         self.kernel.allow_shared(smem)
-        self.kernel.launch((ws.block_expert.numel(), fp4.layout.hidden // DOWN_ROWS_PER_BLOCK), (DOWN_THREADS,), smem,
-                           torch.cuda.current_stream().cuda_stream, DOWN_ARG_KINDS, down_launch_args(fp4, layer, ws, out))
+        grid, stream = (ws.block_expert.numel(), fp4.layout.hidden // DOWN_ROWS_PER_BLOCK), torch.cuda.current_stream()
+        args = down_launch_args(fp4, layer, ws, out)
+        if self.pdl:
+            params, _held = loader.pack_args(DOWN_ARG_KINDS, args)
+            cfg, _attr = w2_down.programmatic_config(grid, (DOWN_THREADS,), smem, stream.cuda_stream)
+            loader.driver().check("cuLaunchKernelEx", ctypes.byref(cfg), self.kernel.function, params, None)
+        else:
+            self.kernel.launch(grid, (DOWN_THREADS,), smem, stream.cuda_stream, DOWN_ARG_KINDS, args)
         return out
