@@ -386,10 +386,10 @@ case "$step" in
     ;;
   fp4pdl)  # FP4_PDL on the multi-token FP4 stages (the down a programmatic dependent of the gate_up) beside the adopted
     # launches (`_d1`), all-FP4 and mixed layers, deepseek-v3 T = 32, two processes; the GPU tests of test_cuda_fp4
-    # first (the PDL launches byte-identical to the default, eager and in a graph). Stage limits 100 + 2 x 60 = 220 s.
+    # first (the PDL launches byte-identical to the default, eager and in a graph). Stage limits 100 + 90 + 60 = 250 s.
     # Estimates, not measured: tests ~45 s (fp4early: 35 s), ~12-45 s per cuda_fp4 run (fp4tune: 42 s, then 12 s).
     stage tests 100 python3 -m pytest tests/test_cuda_fp4.py -m gpu -q
-    stage cuda-fp4-a 60 python3 benchmarks/cuda_fp4.py --tokens 32 --commit "$commit" \
+    stage cuda-fp4-a 90 python3 benchmarks/cuda_fp4.py --tokens 32 --commit "$commit" \
       --json "$work/cuda-fp4-pdl-a-deepseek-v3.json"
     stage cuda-fp4-b 60 python3 benchmarks/cuda_fp4.py --tokens 32 --commit "$commit" \
       --json "$work/cuda-fp4-pdl-b-deepseek-v3.json"
