@@ -39,23 +39,25 @@ VARIANTS = {"cuda_fp4_gate_up": ("gate_up", 2), "cuda_fp4_gate_up_a3": ("gate_up
             "cuda_fp4_whole_multi_max": ("whole", 2), "cuda_fp4_whole_multi_pdl": ("whole", 2),
             "cuda_tier_mixed_multi_pdl": ("mixed", 2), "cuda_tier_mixed_multi_d1": ("mixed", 2)}
 # multi-token variants (TierMoeCuda on a block_tokens MULTI_BT workspace: fp4_multi.py and w2_multi.py) -> the FP4
-# kernels' options (Fp4GateUpMultiCuda, Fp4DownMultiCuda; down={}: the down at FP4_AHEAD 2, as measured before
-# b4f70f0); their bytes must equal the stage's first variant's (one pair per block)
+# kernels' options (Fp4GateUpMultiCuda, Fp4DownMultiCuda; gate={} / down={}: no FP4_PDL, the down at FP4_AHEAD 2, as
+# measured before b4f70f0); their bytes must equal the stage's first variant's (one pair per block)
 EARLY = dict(gate=dict(early=True), down=dict(early=True))
-MULTI = {"cuda_fp4_whole_multi": dict(down={}), "cuda_fp4_whole_multi_s8": dict(gate=dict(stage_cols=8), down={}),
-         "cuda_tier_mixed_multi": dict(down={}), "cuda_fp4_whole_multi_e": EARLY, "cuda_tier_mixed_multi_e": EARLY,
+MULTI = {"cuda_fp4_whole_multi": dict(gate={}, down={}),
+         "cuda_fp4_whole_multi_s8": dict(gate=dict(stage_cols=8), down={}),
+         "cuda_tier_mixed_multi": dict(gate={}, down={}), "cuda_fp4_whole_multi_e": EARLY,
+         "cuda_tier_mixed_multi_e": EARLY,
          # the multi-token op at T = 32 (3.01x - 3.02x / 2.91x - 2.92x bf16): down at FP4_AHEAD 1 (124 registers: 4
          # blocks per SM instead of 3), gate_up at 4 warps x 3 columns (4 blocks per SM), at 2 columns, at the
          # largest carveout
-         "cuda_fp4_whole_multi_d1": dict(down=dict(ahead=1)),  # adopted: TierMoeCuda's default since b4f70f0
+         "cuda_fp4_whole_multi_d1": dict(gate={}, down=dict(ahead=1)),  # TierMoeCuda's default b4f70f0 - 595ce02
          "cuda_fp4_whole_multi_w4s3": dict(gate=dict(warps=4, stage_cols=3), down={}),
          "cuda_fp4_whole_multi_s2": dict(gate=dict(stage_cols=2), down={}),
          "cuda_fp4_whole_multi_max": dict(gate=dict(carveout="max"), down={}),
          # FP4_PDL: the down a programmatic dependent of the gate_up (as the W2 single-token kernels' adopted egp),
-         # beside the adopted down (d1)
+         # beside the down of d1; adopted after 595ce02 (TierMoeCuda's FP4_GATE_MULTI / FP4_DOWN_MULTI)
          "cuda_fp4_whole_multi_pdl": dict(gate=dict(pdl=True), down=dict(ahead=1, pdl=True)),
          "cuda_tier_mixed_multi_pdl": dict(gate=dict(pdl=True), down=dict(ahead=1, pdl=True)),
-         "cuda_tier_mixed_multi_d1": dict(down=dict(ahead=1))}
+         "cuda_tier_mixed_multi_d1": dict(gate={}, down=dict(ahead=1))}
 MULTI_BT = 16
 FIRST = {"gate_up": "cuda_fp4_gate_up", "down": "cuda_fp4_down", "whole": "cuda_fp4_whole", "mixed": "cuda_tier_mixed"}
 MIXED_EVERY = 4  # the mixed-residency stage: experts e % 4 == 0 FP4-resident, the others W2

@@ -33,24 +33,26 @@ from .w2_moe import WIDE_FROM, W2MoeCuda
 # 2224.6 vs 2326.9). Not measured on a mixed layer.
 FP4_GATE_MULTI_WIDE = dict(stage_cols=8)
 
-# The multi-token FP4 down's default build: FP4_AHEAD 1 (124 registers, 4 blocks per SM; at 2 it needs 164 and runs
-# 3). H200 at b4f70f0 (cuda-fp4-tune-{a,b}-deepseek-v3-b4f70f0.json, T = 32, two processes x two rounds,
-# byte-identical outputs): whole op 1500.3 / 1523.5 / 1547.9 / 1537.1 us against 1541.9 / 1593.1 / 1539.5 / 1548.9
-# at FP4_AHEAD 2, 1.9 % faster on average (the second process: within 1 %).
-FP4_DOWN_MULTI = dict(ahead=1)
+# The multi-token FP4 stages' default builds: the down at FP4_AHEAD 1 (124 registers, 4 blocks per SM; at 2 it needs
+# 164 and runs 3) and launched as the gate_up's programmatic dependent (FP4_PDL on both). H200, deepseek-v3 T = 32,
+# byte-identical outputs: FP4_AHEAD 1 alone at b4f70f0 (cuda-fp4-tune-{a,b}-deepseek-v3-b4f70f0.json) 1.9 % faster on
+# average than FP4_AHEAD 2 over four rounds; with FP4_PDL at 595ce02 (cuda-fp4-pdl-{a,b}-deepseek-v3-595ce02.json) the
+# all-FP4 op 1537.3 vs 1557.1 us on average (faster in 3 of 4 rounds), the mixed layer 1026.8 vs 1055.6 (4 of 4).
+FP4_GATE_MULTI = dict(pdl=True)
+FP4_DOWN_MULTI = dict(ahead=1, pdl=True)
 
 
 class TierMoeCuda:
     """w2: the W2 stages (a `W2MoeCuda`, built with its defaults when None); fp4_ahead: FP4_AHEAD of the FP4
     kernels; fp4_gate_multi / fp4_down_multi: the multi-token FP4 kernels' other options (Fp4GateUpMultiCuda /
-    Fp4DownMultiCuda; an "ahead" there wins over fp4_ahead; None: the gate_up's defaults, FP4_DOWN_MULTI)."""
+    Fp4DownMultiCuda; an "ahead" there wins over fp4_ahead; None: FP4_GATE_MULTI, FP4_DOWN_MULTI)."""
 
     def __init__(self, w2: W2MoeCuda | None = None, fp4_ahead: int = 2, device: int | None = None,
                  fp4_gate_multi: dict | None = None, fp4_down_multi: dict | None = None):
         self.w2 = W2MoeCuda(device=device) if w2 is None else w2
         self.fp4_gate_up = Fp4GateUpCuda(ahead=fp4_ahead, device=device)
         self.fp4_down = Fp4DownCuda(ahead=fp4_ahead, device=device)
-        gate = {"ahead": fp4_ahead, **(fp4_gate_multi or {})}  # the options may name their own ahead
+        gate = {"ahead": fp4_ahead, **(FP4_GATE_MULTI if fp4_gate_multi is None else fp4_gate_multi)}
         self.fp4_gate_up_multi = Fp4GateUpMultiCuda(device=device, **gate)
         self.fp4_gate_up_multi_wide = Fp4GateUpMultiCuda(device=device, **{**gate, **FP4_GATE_MULTI_WIDE})
         down = FP4_DOWN_MULTI if fp4_down_multi is None else {"ahead": fp4_ahead, **fp4_down_multi}
