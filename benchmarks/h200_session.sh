@@ -10,7 +10,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -393,6 +393,10 @@ case "$step" in
       --json "$work/cuda-fp4-pdl-a-deepseek-v3.json"
     stage cuda-fp4-b 60 python3 benchmarks/cuda_fp4.py --tokens 32 --commit "$commit" \
       --json "$work/cuda-fp4-pdl-b-deepseek-v3.json"
+    ;;
+  closing4)  # the GPU tests after FP4_PDL became TierMoeCuda's default (2a27908): the FP4 stages and the runtime with
+    # cuda_w2. Stage limit 150 s. Estimate, not measured: ~70 s (fp4pdl's test_cuda_fp4: 41 s).
+    stage tests 150 python3 -m pytest tests/test_cuda_fp4.py tests/test_runtime_cuda_w2.py -m gpu -q
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
