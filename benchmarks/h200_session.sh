@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 measurements of main, in device calls of under 10 minutes each (one step per call; each step's
-# comment below says what it measures; the last one run is verify, at ab6ed8d). Run from the repository root on
+# comment below says what it measures; the last ones run are those of 2026-11-30: next, fp4multi, fp4early, btrule,
+# qwen3none, fp4tune, closing3, fp4pdl, closing4). Run from the repository root on
 # the GPU machine:
 #   TIERSTORE_COMMIT=<sha of the tree, taken on the dev machine> bash benchmarks/h200_session.sh kernels
 #   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime      (carry .whl for liburing)
