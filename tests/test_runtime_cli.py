@@ -63,3 +63,14 @@ def test_first_differing_step():
     assert first_differing_step(a, [t.clone() for t in a]) is None
     assert first_differing_step(a, [torch.zeros(3), torch.tensor([1.0, 1.0, 1.0 + 2**-20])]) == 1
     assert first_differing_step(a, a[:1]) == 1
+
+
+def test_generate_cuda_w2_flag_reaches_the_runtime_and_its_refusal_names_the_reason(tmp_path, monkeypatch, capsys):
+    """`--cuda-w2` sets config cuda_w2 (it was reachable only from RuntimeConfig.from_env): on the demo checkpoint,
+    whose hidden size does not fit the CUDA kernels, the runtime refuses it at boot with the reason, exit 2."""
+    monkeypatch.setenv("TIERSTORE_CACHE_DIR", str(tmp_path))
+    code = main(["generate", "--demo", "--prompt", "tiers", "--max-new-tokens", "2", "--cuda-w2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "tierstore generate: error: TIERSTORE_CUDA_W2 (config cuda_w2) is on but the expert shapes" in err
+    assert "do not fit the CUDA kernels" in err

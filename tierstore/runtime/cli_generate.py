@@ -54,7 +54,8 @@ def generate_command(args, out) -> int:
         print(f"pack: {report.packs[tag]} (built {len(report.written[tag])} layers, reused "
               f"{len(report.skipped[tag])}) in {time.perf_counter() - started:.1f} s", file=out)
     config = RuntimeConfig(replay_mode=args.replay_mode, miss_tolerance=args.miss_tol, fp_max=args.fp_max,
-                           policy=args.policy, force_pool=args.force_pool, early_fetch=args.early_fetch, kpi_every=0,
+                           policy=args.policy, force_pool=args.force_pool, early_fetch=args.early_fetch,
+                           cuda_w2=args.cuda_w2, kpi_every=0,
                            **fp4_config(args))
     slot_bytes = w2_slot_layout(geometry.hidden, geometry.expert_inter).slot_bytes
     fraction = args.gpu_pool_frac if args.gpu_pool_frac is not None else (None if args.gpu_pool_gb else 0.25)
@@ -89,7 +90,8 @@ def generate_command(args, out) -> int:
     if args.verify_fp4:
         everything = geometry.total_routed_experts
         reference_config = RuntimeConfig(replay_mode=args.replay_mode, fp_max=args.fp_max, policy=args.policy,
-                                         force_pool=args.force_pool, kpi_every=0, fp4_policy="need")
+                                         force_pool=args.force_pool, kpi_every=0, fp4_policy="need",
+                                         cuda_w2=args.cuda_w2)  # the same kernels as the compared run
         all_fp4 = _runtime(checkpoint, pack_dir, geometry, pool_slots, args.arena_gb, device, reference_config, False,
                            everything)
         with all_fp4:
