@@ -4,6 +4,7 @@ the experts, every decode step's logits after replay equal the all-resident run 
 the same check."""
 
 import pytest
+import torch
 from checkpoint_fixtures import save_hf_checkpoint
 from test_runtime_fixtures import runtime_hf_model
 from test_runtime_hf import PROMPT, generate
@@ -39,11 +40,21 @@ def test_quarter_pool_is_bit_identical_over_64_steps_for_the_other_families(mode
     quarter_pool_check(model_type, family_checkpoints)
 
 
-def test_a_prompt_whose_layer_cannot_fit_the_pool_prefills_in_steps(family_checkpoints):
+def test_a_prompt_whose_layer_cannot_fit_the_pool_prefills_in_steps(family_checkpoints, monkeypatch):
     """qwen2_moe at 25% (8 slots, top-2): the 6-token prompt runs in prefill steps of 4 tokens and the run
-    matches the resident one (test above); the same prompt in one prefill step cannot fit and is refused."""
+    matches the resident one (test above). The same prompt in one prefill step runs too: each layer that routes
+    more than 8 experts runs in token chunks (`TieredRuntime.moe`), within rounding of the resident one-step
+    prefill (not bit for bit: the chunks' GEMMs run over fewer tokens). Negative control: one chunk per layer cannot
+    fit and is refused, as the one-step prefill was before the chunks."""
+    from tierstore.runtime import engine
+
     ckpt, packs = family_checkpoints("qwen2_moe")
     small, _ = generate(ckpt, packs, 0.25, 2)
     assert small.prefill_chunk == 4 < len(PROMPT)
+    one_step, _ = generate(ckpt, packs, 0.25, 2, prefill_chunk=len(PROMPT))
+    resident, _ = generate(ckpt, packs, 1.0, 2, prefill_chunk=len(PROMPT))
+    assert one_step.prefill_chunk == len(PROMPT)
+    torch.testing.assert_close(one_step.step_logits[0], resident.step_logits[0], rtol=1e-4, atol=1e-5)
+    monkeypatch.setattr(engine, "token_chunks", lambda ids, slots: [(0, len(ids))])
     with pytest.raises(CapacityError, match="cannot hold"):
         generate(ckpt, packs, 0.25, 2, prefill_chunk=len(PROMPT))

@@ -81,3 +81,38 @@ def test_decode_after_a_prefill_stays_bit_identical(fraction):
             got, _ = runtime.step(lambda x=tokens(g, step): model.forward(runtime, x), lambda: None)
             assert torch.equal(got, want[step]), f"decode step {step} differs"
         runtime.pool.check_coherent()
+
+
+def test_prefill_layer_routing_more_experts_than_the_pool_runs_in_token_chunks(monkeypatch):
+    """A pool of 8 of 48 slots passes the start-up check (3 layers x top-2 x 1.15 = 6.9) but a 40-token prefill
+    routes ~16 experts per layer: each such layer runs in token chunks whose routed experts fit (fetch, compute,
+    next chunk), with no missing pair, within rounding of the all-resident prefill (a chunk's GEMMs run over fewer
+    tokens, so not bit for bit). Negative control: one chunk for the whole layer raises CapacityError, as every
+    such prefill did before."""
+    from tierstore.errors import CapacityError
+    from tierstore.runtime import engine
+
+    g = toy_geometry()
+    model = ToyMoE(g)
+    prompt = tokens(g, 99, PROMPT_TOKENS)
+    with make_runtime(g, 8 / g.total_routed_experts) as runtime:
+        got, outcome = runtime.step(lambda: model.forward(runtime, prompt), lambda: None, prefill=True)
+        runtime.pool.check_coherent()
+        assert runtime.pool.num_slots == 8 and outcome.first_pass_missing_pairs == 0 and outcome.replays == 0
+        assert runtime.stats().fetched_rows > 8  # chunks refetched into the same 8 slots
+    torch.testing.assert_close(got, prefill_reference(), rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(engine, "token_chunks", lambda ids, slots: [(0, len(ids))])
+    with make_runtime(g, 8 / g.total_routed_experts) as runtime, pytest.raises(CapacityError, match="cannot hold"):
+        runtime.step(lambda: model.forward(runtime, prompt), lambda: None, prefill=True)
+
+
+def test_token_chunks_cover_the_batch_in_order_within_the_cache():
+    from tierstore.runtime.token_chunks import token_chunks
+
+    ids = [[0, 1], [1, 2], [3, 4], [0, 5], [6, 7], [6, 7]]
+    assert token_chunks(ids, 8) == [(0, 6)]  # everything fits: one chunk
+    chunks = token_chunks(ids, 4)
+    assert chunks == [(0, 2), (2, 4), (4, 6)]
+    for start, stop in chunks:
+        assert len({e for row in ids[start:stop] for e in row}) <= 4
+    assert token_chunks([[0, 1, 2]], 2) == [(0, 1)]  # one token above the cache: alone (the fetch refuses it)

@@ -157,14 +157,3 @@ def test_resident_kernel_backend_hands_moe_mm_the_cuda_kernels_where_the_rule_sa
 def test_which_settings_use_the_runtime_and_need_the_runner_hook(settings, runtime, hook):
     assert settings.uses_runtime == runtime and settings.needs_runner_hook == hook
 
-
-def test_token_chunks_cover_the_batch_in_order_within_the_cache():
-    from tierstore.vllm_adapter.tiered import token_chunks
-
-    ids = [[0, 1], [1, 2], [3, 4], [0, 5], [6, 7], [6, 7]]
-    assert token_chunks(ids, 8) == [(0, 6)]  # everything fits: one chunk
-    chunks = token_chunks(ids, 4)
-    assert chunks == [(0, 2), (2, 4), (4, 6)]
-    for start, stop in chunks:
-        assert len({e for row in ids[start:stop] for e in row}) <= 4
-    assert token_chunks([[0, 1, 2]], 2) == [(0, 1)]  # one token above the cache: alone (the fetch refuses it)

@@ -23,6 +23,7 @@ import torch
 from tierstore.errors import ConfigError
 from tierstore.geometry import MoEGeometry
 from tierstore.kernels.layout import w2_slot_layout
+from tierstore.runtime.token_chunks import token_chunks
 from tierstore.vllm_adapter.pack_boot import PackBoot
 from tierstore.vllm_adapter.settings import AdapterSettings
 
@@ -127,23 +128,6 @@ class TieredModel:
             runtime.fetch(keys, protect=keys)
             outputs.append(runtime.moe(dense_layer, x[start:stop], topk_ids[start:stop], topk_weights[start:stop]))
         return torch.cat(outputs)
-
-
-def token_chunks(topk_ids: list[list[int]], slots: int) -> list[tuple[int, int]]:
-    """[start, stop) token ranges, in order, each routing at most `slots` distinct experts (greedy; a token routing
-    more than `slots` alone is its own range, which the fetch then refuses): how `TieredModel.moe` runs a batch whose
-    routed experts in one layer outnumber the expert cache (a prefill batch; every decode step the start-up check
-    admits fits) instead of failing. Each chunk's experts are fetched, then computed. Not bit-identical to the
-    unchunked batch: a chunk's GEMMs run over fewer tokens and round differently (CPU test: <= 1e-8 absolute), and
-    on CUDA moe_mm may pick another block size for it."""
-    chunks, start, seen = [], 0, set()
-    for index, experts in enumerate(topk_ids):
-        if len(seen | set(experts)) > slots and index > start:
-            chunks.append((start, index))
-            start, seen = index, set()
-        seen |= set(experts)
-    chunks.append((start, len(topk_ids)))
-    return chunks
 
 
 _model: TieredModel | None = None

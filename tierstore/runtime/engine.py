@@ -41,6 +41,7 @@ from tierstore.runtime.rows import check_row_source
 from tierstore.runtime.seen_snapshot import ChainedSnapshot
 from tierstore.runtime.stats import RuntimeStats, StatsRecorder, precision_kpi
 from tierstore.runtime.step import StepOutcome, run_step
+from tierstore.runtime.token_chunks import token_chunks
 
 log = logging.getLogger("tierstore.runtime")
 
@@ -168,16 +169,41 @@ class TieredRuntime:
         """Routed experts of MoE layer `layer` (dense index): hidden [T, H], topk [T, k] -> [T, H]."""
         if layer == 0:
             self.log.reset()
-        if self._scan:
-            keys = [(layer, int(e)) for e in topk_ids.reshape(-1).unique().tolist()]
-            if self.fp4 is not None and self.config.fp4_prefill:
-                self.fp4.force_promote(keys, keys, None, prefill=True)  # KV written at FP4 where the pool allows
-            self.fetch(keys, keys, scan=True)
-        self.pool.wait_layer(layer)  # this layer's rows of the last fetch (the only readers of the pool are here)
-        out = self.experts(layer, hidden, topk_ids, topk_weights)
+        if not self._scan:
+            out = self._experts(layer, hidden, topk_ids, topk_weights)
+        else:
+            keys = self._keys(layer, topk_ids)
+            if len(keys) <= self.pool.num_slots:
+                self._scan_fetch(keys)
+                out = self._experts(layer, hidden, topk_ids, topk_weights)
+            else:  # a prefill layer routing more experts than the pool holds: token chunks that fit, in order
+                chunks = token_chunks(topk_ids.tolist(), self.pool.num_slots)
+                log.info("MoE layer %d: %d routed experts over %d pool slots, %d tokens run in %d chunks (last-bit "
+                         "differences from one batch)", layer, len(keys), self.pool.num_slots, hidden.shape[0],
+                         len(chunks))
+                outs = []
+                for start, stop in chunks:
+                    self._scan_fetch(self._keys(layer, topk_ids[start:stop]))
+                    outs.append(self._experts(layer, hidden[start:stop], topk_ids[start:stop],
+                                              topk_weights[start:stop]))
+                out = torch.cat(outs)
         if self._early:
             self.log.publish_layer(layer)  # after the layer's MoE: its routing reaches the host during the pass
         return out
+
+    @staticmethod
+    def _keys(layer: int, topk_ids: torch.Tensor) -> list[Key]:
+        return [(layer, int(e)) for e in topk_ids.reshape(-1).unique().tolist()]
+
+    def _scan_fetch(self, keys: list[Key]) -> None:
+        """A prefill layer's routed set made resident before the layer runs (arena scan discipline)."""
+        if self.fp4 is not None and self.config.fp4_prefill:
+            self.fp4.force_promote(keys, keys, None, prefill=True)  # KV written at FP4 where the pool allows
+        self.fetch(keys, keys, scan=True)
+
+    def _experts(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        self.pool.wait_layer(layer)  # this layer's rows of the last fetch (the only readers of the pool are here)
+        return self.experts(layer, hidden, topk_ids, topk_weights)
 
     def publish(self, values: torch.Tensor) -> None:
         """Hand `values` (e.g. the sampled token ids, int [T]) to the step's pass-log read: call it
