@@ -908,6 +908,30 @@ def test_v3_pdl_builds_place_the_trigger_first_and_the_wait_before_the_act_loads
     assert subprocess.run(cmd, capture_output=True, text=True).returncode != 0
 
 
+def test_dependent_launch_and_carveout_reach_the_driver(monkeypatch):
+    """`w2_down.launch_dependent` (the W2 and FP4 downs' programmatic launch) and `Kernel.prefer_carveout` (the
+    multi-token gate_ups' "fit" carveout) as driver calls, recorded without a GPU."""
+    calls = []
+
+    class Driver:
+        def check(self, name, *args):
+            calls.append((name, args))
+
+    monkeypatch.setattr(loader, "driver", lambda: Driver())
+    kernel = loader.Kernel(module=None, function=ctypes.c_void_p(0xABC), name="k")
+    w2_down.launch_dependent(kernel, (16, 112), (128,), 4096, 0x1234, "pi", [0x10, 7])
+    name, (cfg_ref, function, params, extra) = calls[0]
+    cfg = cfg_ref._obj
+    assert name == "cuLaunchKernelEx" and function.value == 0xABC and extra is None
+    assert list(cfg.grid) == [16, 112, 1] and list(cfg.block) == [128, 1, 1] and cfg.shared_bytes == 4096
+    assert cfg.stream == 0x1234 and cfg.num_attrs == 1 and cfg.attrs.contents.id == 6
+    assert len(params) == 2
+    kernel.prefer_carveout(57)
+    kernel.prefer_max_shared()
+    assert [(n, a[2]) for n, a in calls[1:]] == [("cuFuncSetAttribute", 57), ("cuFuncSetAttribute", 100)]
+    assert calls[1][1][1] == loader._CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_CARVEOUT
+
+
 @needs_nvcc
 def test_v3_programmatic_launch_structs_match_cuda_h(tmp_path):
     """The ctypes CUlaunchAttribute / CUlaunchConfig of w2_down.py against cuda.h (sizes, offsets, the attribute id),

@@ -95,7 +95,9 @@ class TierstoreMoEMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         device = getattr(layer, self._param_names[0]).device
         if device.type == "cuda":
-            kernels = cuda_w2_kernels(self.hidden, self.inter, device) if self.settings.cuda_w2 else None
+            # resident layers' CUDA whole op; with the runtime its own (RuntimeConfig.cuda_w2) computes the layer
+            resident_cuda = self.settings.cuda_w2 and not self.settings.uses_runtime
+            kernels = cuda_w2_kernels(self.hidden, self.inter, device) if resident_cuda else None
             self.backend = KernelBackend(self.hidden, self.inter, self.num_experts, cuda_w2=kernels)
         elif self.settings.cuda_w2:
             raise ConfigError(f"CUDA_W2=1 runs CUDA C++ kernels; {self.prefix} lives on {device}: unset the knob")

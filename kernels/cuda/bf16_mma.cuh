@@ -79,6 +79,16 @@ __device__ __forceinline__ void k_loop(const TileRows<Scales>& r, WordTile<Scale
   }
 }
 
+// Two 32-bit words at p with a plain (coherent) ld.global: for activations a preceding grid writes while this one may
+// already run (programmatic dependent launch), which must not go through the non-coherent read-only path
+// (LDG.CONSTANT, what nvcc makes of a load through a const __restrict__ pointer, requires the data to be unchanged
+// for the kernel's lifetime). Read only after griddepcontrol.wait.
+__device__ __forceinline__ uint2 load_coherent(const uint16_t* p) {
+  uint2 v;
+  asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
 // One unit's 16 activations (a format's `load_unit` reads them): slot 2i (la, lb) and slot 2i+1 (ha, hb) of
 // words 4c..4c+3 (la, ha) and 16+4c..16+4c+3 (lb, hb).
 struct Unit {

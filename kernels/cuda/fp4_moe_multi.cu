@@ -113,13 +113,7 @@ __device__ __forceinline__ Rows rows_at(const uint8_t* base, long long words_off
 }
 
 #if FP4_PDL
-__device__ __forceinline__ uint2 load_coherent(const uint16_t* p) {
-  uint2 v;
-  asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-
-// f4_load_unit's unit q of row a, with coherent loads (act written by the preceding grid).
+// f4_load_unit's unit q of row a, with coherent loads (bf16_mma.cuh; act written by the preceding grid).
 __device__ __forceinline__ Unit f4_load_unit_coherent(const uint16_t* a, int q) {
   const int k0 = 64 * (q >> 2) + 4 * (q & 3);
   return {load_coherent(a + k0), load_coherent(a + k0 + 16), load_coherent(a + k0 + 32), load_coherent(a + k0 + 48)};

@@ -14,8 +14,6 @@ from pathlib import Path
 
 import torch
 
-import ctypes
-
 from . import loader, w2_down, w2_gate_up, w2_multi
 from .fp4_stages import check_geometry
 
@@ -39,21 +37,16 @@ def shared_bytes(k_len: int, cols: int) -> int:
     return 4 * cols * (k_len // 2 + PAD_WORDS)
 
 
-def _route_args(ws) -> list:
-    return [ws.block_expert.data_ptr(), ws.block_fill.data_ptr(), ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(),
-            ws.block_tokens]
-
-
 def gate_launch_args(hidden, top_k: int, fp4, layer: int, ws, out, swiglu_limit: float | None) -> list:
     """fp4_gate_up_multi's arguments in GATE_ARG_KINDS order (pointers as ints)."""
-    return [hidden.data_ptr(), hidden.stride(0), *w2_gate_up.slot_args(fp4, (fp4,), layer, "w13"), *_route_args(ws),
+    return [hidden.data_ptr(), hidden.stride(0), *w2_gate_up.slot_args(fp4, (fp4,), layer, "w13"), *w2_multi.route_args(ws),
             top_k, out.data_ptr(), out.stride(0), fp4.layout.inter, fp4.layout.hidden,
             *w2_gate_up.limit_args(swiglu_limit)]
 
 
 def down_launch_args(fp4, layer: int, ws, out) -> list:
     """fp4_down_multi's arguments in DOWN_ARG_KINDS order (pointers as ints)."""
-    return [ws.act.data_ptr(), ws.act.stride(0), *w2_gate_up.slot_args(fp4, (fp4,), layer, "w2"), *_route_args(ws),
+    return [ws.act.data_ptr(), ws.act.stride(0), *w2_gate_up.slot_args(fp4, (fp4,), layer, "w2"), *w2_multi.route_args(ws),
             out.data_ptr(), out.stride(0), fp4.layout.inter]
 
 
@@ -104,9 +97,7 @@ class Fp4GateUpMultiCuda(_Built):
 
     def _set_carveout(self, k_len: int) -> None:
         if self.carveout == "fit" and self._carveout_k != k_len:
-            pct = w2_multi.fit_carveout(shared_bytes(k_len, self.stage_cols), 16 // self.warps)
-            loader.driver().check("cuFuncSetAttribute", self.kernel.function,
-                                  loader._CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_CARVEOUT, pct)
+            self.kernel.prefer_carveout(w2_multi.fit_carveout(shared_bytes(k_len, self.stage_cols), 16 // self.warps))
             self._carveout_k = k_len
 
     def __call__(self, hidden, top_k: int, fp4, layer: int, ws, out=None, swiglu_limit: float | None = None):
@@ -138,9 +129,7 @@ class Fp4DownMultiCuda(_Built):
         grid, stream = (ws.block_expert.numel(), fp4.layout.hidden // DOWN_ROWS_PER_BLOCK), torch.cuda.current_stream()
         args = down_launch_args(fp4, layer, ws, out)
         if self.pdl:
-            params, _held = loader.pack_args(DOWN_ARG_KINDS, args)
-            cfg, _attr = w2_down.programmatic_config(grid, (DOWN_THREADS,), smem, stream.cuda_stream)
-            loader.driver().check("cuLaunchKernelEx", ctypes.byref(cfg), self.kernel.function, params, None)
+            w2_down.launch_dependent(self.kernel, grid, (DOWN_THREADS,), smem, stream.cuda_stream, DOWN_ARG_KINDS, args)
         else:
             self.kernel.launch(grid, (DOWN_THREADS,), smem, stream.cuda_stream, DOWN_ARG_KINDS, args)
         return out

@@ -154,7 +154,11 @@ class Kernel:
     def prefer_max_shared(self) -> None:
         """Ask for the largest shared-memory carveout (a hint; the driver's default may size the carveout for
         fewer resident blocks than a kernel with large dynamic shared memory could have)."""
-        driver().check("cuFuncSetAttribute", self.function, _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_CARVEOUT, 100)
+        self.prefer_carveout(100)
+
+    def prefer_carveout(self, percent: int) -> None:
+        """Ask for a shared-memory carveout of `percent` of the largest capacity (a hint; the rest stays L1)."""
+        driver().check("cuFuncSetAttribute", self.function, _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_CARVEOUT, percent)
 
     def blocks_per_sm(self, threads: int, shared_bytes: int) -> int:
         """The driver's occupancy: resident blocks per SM at this block size and dynamic shared memory."""

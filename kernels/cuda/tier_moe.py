@@ -11,7 +11,7 @@ sync), in this order:
 
 A workspace of block_tokens 1 runs the single-token kernels named above; one of a multiple of 8 (16, 32, 64) the
 multi-token kernels of each tier (w2_multi.py, fp4_multi.py: an expert's tile decoded once for several of its
-pairs), in the same order with the same roles; above w2_moe.WIDE_FROM pairs per expert both gate_up kernels stage
+pairs), in the same order with the same roles; above w2_moe.WIDE_FROM pairs per expert (`wide_gate`) both gate_up kernels stage
 8 columns per pass instead of 4 (FP4: FP4_GATE_MULTI_WIDE).
 
 So every resident pair's act and y are written exactly once by the tier that holds it (plus the NaN marker
@@ -25,7 +25,7 @@ from __future__ import annotations
 from . import fp4_multi, fp4_stages
 from .fp4_multi import Fp4DownMultiCuda, Fp4GateUpMultiCuda
 from .fp4_stages import Fp4DownCuda, Fp4GateUpCuda
-from .w2_moe import WIDE_FROM, W2MoeCuda
+from .w2_moe import W2MoeCuda, wide_gate
 
 # The multi-token FP4 gate_up above WIDE_FROM pairs per expert: 8 columns per pass. H200 at 46074cb
 # (cuda-fp4-early-deepseek-v3-46074cb.json, every expert FP4, whole op, byte-identical outputs): 7014.3 vs 9055.1 us
@@ -65,7 +65,7 @@ class TierMoeCuda:
             fp4_stages.check_down_inputs(fp4, ws, ws.y)
             gate_up, down = self.fp4_gate_up, self.fp4_down
         else:
-            wide = hidden.shape[0] * top_k > WIDE_FROM * fp4.table.shape[1]  # pairs per expert above WIDE_FROM
+            wide = wide_gate(hidden.shape[0], top_k, fp4.table.shape[1])
             gate_up = self.fp4_gate_up_multi_wide if wide else self.fp4_gate_up_multi
             fp4_multi.check_gate_up_inputs(hidden, fp4, ws, ws.act, gate_up.rows_per_block)
             fp4_multi.check_down_inputs(fp4, ws, ws.y)

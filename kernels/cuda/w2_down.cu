@@ -67,15 +67,8 @@ constexpr int kRowsPerGroup = 16;
 constexpr int kRowsPerBlock = kWarps * kGroups * kRowsPerGroup;
 
 #if W2_PDL
-// act is written by the preceding grid while this one may already run, so it is not read through the non-coherent
-// read-only path (LDG.CONSTANT, what nvcc makes of `load_unit` on a const __restrict__ pointer, requires the data to be
-// unchanged for the kernel's lifetime): `load_unit` with plain ld.global, after the griddepcontrol.wait.
-__device__ __forceinline__ uint2 load_coherent(const uint16_t* p) {
-  uint2 v;
-  asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-
+// act is written by the preceding grid while this one may already run: `load_unit` with coherent loads
+// (bf16_mma.cuh `load_coherent`), after the griddepcontrol.wait.
 __device__ __forceinline__ Unit load_unit_act(const uint16_t* a, int q) {
   const int k = (q >> 5) * kTileK + ((q >> 2) & 7) * 64 + 4 * (q & 3);  // as load_unit
   Unit u;

@@ -65,6 +65,15 @@ def programmatic_config(grid, block, shared_bytes: int, stream: int) -> tuple[La
     return cfg, attr
 
 
+def launch_dependent(kernel, grid, block, shared_bytes: int, stream: int, kinds: str, values) -> None:
+    """Launch `kernel` (a loader.Kernel) as a programmatic dependent of the stream's preceding kernel
+    (cuLaunchKernelEx with `programmatic_config`); a kernel so launched resolves the dependency itself
+    (griddepcontrol.wait)."""
+    params, _held = loader.pack_args(kinds, values)
+    cfg, _attr = programmatic_config(grid, block, shared_bytes, stream)
+    loader.driver().check("cuLaunchKernelEx", ctypes.byref(cfg), kernel.function, params, None)
+
+
 def check_geometry(layout: SlotLayout, groups: int = 1) -> None:
     if layout.values_per_word != 16:
         raise ValueError("the CUDA down reads W2 slots only")
@@ -135,9 +144,7 @@ class W2DownCuda:
         self.kernel.allow_shared(smem)
         stream, args = torch.cuda.current_stream().cuda_stream, launch_args(w2, fp4, layer, ws, out)
         if self.pdl:
-            params, _held = loader.pack_args(ARG_KINDS, args)
-            cfg, _attr = programmatic_config(grid, (THREADS,), smem, stream)
-            loader.driver().check("cuLaunchKernelEx", ctypes.byref(cfg), self.kernel.function, params, None)
+            launch_dependent(self.kernel, grid, (THREADS,), smem, stream, ARG_KINDS, args)
         else:
             self.kernel.launch(grid, (THREADS,), smem, stream, ARG_KINDS, args)
         return out

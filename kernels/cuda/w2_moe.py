@@ -41,6 +41,12 @@ WIDE_FROM = 4
 GATE_MULTI_WIDE: dict = {}
 
 
+def wide_gate(tokens: int, top_k: int, experts: int) -> bool:
+    """Whether a multi-token batch runs the 8-column gate_up: above WIDE_FROM routed pairs per expert on average
+    (W2MoeCuda, and TierMoeCuda's FP4 gate_up)."""
+    return tokens * top_k > WIDE_FROM * experts
+
+
 # The single-token kernels' options (W2GateUpCuda / W2DownCuda): "v3 egp", adopted by the rule of cuda-w2-notes.md from
 # the H200 run at 6f908d0 (cuda-w2-v3-deepseek-v3.json): the early prologue, a grid of the routed pairs only, the down
 # launch a programmatic dependent of the gate_up's; whole op at T = 1 56.2 vs 60.8 us (5.25x vs 4.86x bf16), at T = 8
@@ -75,7 +81,7 @@ class W2MoeCuda:
         else:
             w2_multi.gate_check_inputs(hidden, w2, fp4, ws, ws.act)
             w2_multi.down_check_inputs(w2, fp4, ws, ws.y, self.down.groups)
-            wide = hidden.shape[0] * top_k > WIDE_FROM * w2.table.shape[1]  # pairs per expert above WIDE_FROM
+            wide = wide_gate(hidden.shape[0], top_k, w2.table.shape[1])
             gate_up, down = (self.gate_up_multi_wide if wide else self.gate_up_multi), self.down_multi
         gate_up(hidden, top_k, w2, fp4, layer, ws, swiglu_limit=swiglu_limit)
         down(w2, fp4, layer, ws)

@@ -66,8 +66,8 @@ def gate_check_geometry(layout, rows_per_block: int = GATE_ROWS_PER_BLOCK) -> No
         raise ValueError(f"inter must be a multiple of {rows_per_block}, got {layout.inter}")
 
 
-def _route_args(ws) -> list:
-    """Both kernels' route arguments: block_expert, block_fill, block_pairs, num_blocks, block_tokens."""
+def route_args(ws) -> list:
+    """The multi-token kernels' route arguments (W2 and FP4): block_expert, block_fill, block_pairs, num_blocks, block_tokens."""
     return [ws.block_expert.data_ptr(), ws.block_fill.data_ptr(), ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(),
             ws.block_tokens]
 
@@ -75,13 +75,13 @@ def _route_args(ws) -> list:
 def gate_launch_args(hidden, top_k, w2, fp4, layer: int, ws, out, swiglu_limit: float | None) -> list:
     """The gate_up kernel's arguments in GATE_ARG_KINDS order (pointers as ints)."""
     return [hidden.data_ptr(), hidden.stride(0), *w2_gate_up.slot_args(w2, (w2, fp4), layer, "w13"),
-            *_route_args(ws), top_k, out.data_ptr(), out.stride(0), w2.layout.inter, w2.layout.hidden,
+            *route_args(ws), top_k, out.data_ptr(), out.stride(0), w2.layout.inter, w2.layout.hidden,
             *w2_gate_up.limit_args(swiglu_limit)]
 
 
 def down_launch_args(w2, fp4, layer: int, ws, out) -> list:
     """The down kernel's arguments in DOWN_ARG_KINDS order (pointers as ints)."""
-    return [ws.act.data_ptr(), ws.act.stride(0), *w2_gate_up.slot_args(w2, (w2, fp4), layer, "w2"), *_route_args(ws),
+    return [ws.act.data_ptr(), ws.act.stride(0), *w2_gate_up.slot_args(w2, (w2, fp4), layer, "w2"), *route_args(ws),
             out.data_ptr(), out.stride(0), w2.layout.inter]
 
 
@@ -156,9 +156,7 @@ class W2GateUpMultiCuda(_Built):
 
     def _set_carveout(self, k_len: int) -> None:
         if self.carveout == "fit" and self._carveout_k != k_len:
-            pct = fit_carveout(self.smem(k_len), 16 // self.warps)
-            loader.driver().check("cuFuncSetAttribute", self.kernel.function,
-                                  loader._CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_CARVEOUT, pct)
+            self.kernel.prefer_carveout(fit_carveout(self.smem(k_len), 16 // self.warps))
             self._carveout_k = k_len
 
     def attributes(self, k_len: int | None = None) -> dict:
