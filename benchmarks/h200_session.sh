@@ -11,7 +11,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -398,6 +398,17 @@ case "$step" in
   closing4)  # the GPU tests after FP4_PDL became TierMoeCuda's default (2a27908): the FP4 stages and the runtime with
     # cuda_w2. Stage limit 150 s. Estimate, not measured: ~70 s (fp4pdl's test_cuda_fp4: 41 s).
     stage tests 150 python3 -m pytest tests/test_cuda_fp4.py tests/test_runtime_cuda_w2.py -m gpu -q
+    ;;
+  resume2)  # 2026-11-30 (fourth session), first call: the GPU tests of every file changed since closing4 (11679d4):
+    # the review mends (load_coherent in bf16_mma.cuh, w2_multi.route_args, w2_down.launch_dependent,
+    # Kernel.prefer_carveout, w2_moe.wide_gate), the runtime's prefill token chunks on CUDA (new GPU test, Triton and
+    # cuda_w2); then the row-copy microbenchmark (benchmarks/h2d_batch.py: per-row driver copies as DevicePool issues
+    # them vs cuMemcpyBatchAsync vs one contiguous copy) at the 25% and 50% ds-v2-lite fetch sizes. Stage limits
+    # 300 + 60 + 60 s. Estimates, not measured: tests ~150 s (closing3: 134 s), ~15 s per copy run.
+    stage tests 300 python3 -m pytest tests/test_kernels_moe.py tests/test_kernels_gpu.py tests/test_cuda_w2.py \
+      tests/test_cuda_w2_multi.py tests/test_cuda_fp4.py tests/test_runtime_cuda_w2.py tests/test_runtime_gpu.py -m gpu -q
+    stage h2d-24 60 python3 benchmarks/h2d_batch.py --rows 24 --commit "$commit" --json "$work/h2d-batch-24.json"
+    stage h2d-12 60 python3 benchmarks/h2d_batch.py --rows 12 --commit "$commit" --json "$work/h2d-batch-12.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

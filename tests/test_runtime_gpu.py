@@ -83,3 +83,33 @@ def test_cuda_graph_decode_with_quarter_pool_is_bit_identical(model_type, tmp_pa
     for step, (a, b) in enumerate(zip(small.step_logits, resident.step_logits)):
         assert torch.equal(a, b), f"step {step}"
     assert stats.replayed_steps > 0
+
+
+@pytest.mark.parametrize("cuda_w2", [False, True], ids=["triton", "cuda_w2"])
+def test_prefill_layer_beyond_the_pool_runs_in_token_chunks_on_cuda(cuda_w2):
+    """A 40-token prefill over a pool of 8 of 32 slots routes more experts per layer than the pool holds: each such
+    layer runs in token chunks (`TieredRuntime.moe`) that fetch, wait per layer and compute on the device. Within
+    the bf16 budget of the all-resident prefill (a chunk's GEMMs run over fewer tokens); the pool stays coherent."""
+    from tierstore.kernels.cuda import loader
+
+    if cuda_w2 and loader.nvcc_path() is None:
+        pytest.skip("needs nvcc to build the CUDA W2 kernels")
+    g = toy_geometry(layers=2, experts=16, hidden=512, inter=512)
+    model = ToyMoE(g)
+    model.routers = model.routers.cuda()
+    x = torch.randn(40, g.hidden, device="cuda", generator=torch.Generator("cuda").manual_seed(7)) * 0.1
+    outs = {}
+    for slots in (g.total_routed_experts, 8):
+        with TieredRuntime(g, memory_source(g), pool_slots=slots, arena_slots=16, device="cuda", backend="triton",
+                           config=RuntimeConfig(kpi_every=0, cuda_w2=cuda_w2)) as runtime:
+            if slots == g.total_routed_experts:
+                runtime.preload()
+            out, outcome = runtime.step(lambda: model.forward(runtime, x), lambda: None, prefill=True)
+            torch.cuda.synchronize()
+            runtime.pool.check_coherent()
+            assert outcome.first_pass_missing_pairs == 0
+            outs[slots] = (out.float().cpu(), runtime.stats().fetched_rows)
+    (want, _), (got, fetched) = outs[g.total_routed_experts], outs[8]
+    assert fetched > 8  # the chunks refetched into the same 8 slots
+    assert not got.isnan().any()
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
