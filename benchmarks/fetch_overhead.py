@@ -1,17 +1,24 @@
-"""Host cost of the miss path on CPU, old tree vs new tree in one run.
+"""Host cost of the miss path, old tree vs new tree in one run (CPU, or CUDA with the step time too).
 
 The replay benchmark's tiered run at ds-v2-lite's routing shape (8 MoE layers x 64 experts, top-6,
-one token per step, Zipf 1.1 routing from `benchmarks/replay.py`), pool at 25% (128 slots), arena
-preloaded with every row (each miss is an arena hit, as in `--arena-preload`), driven through
-`replay_drive.drive` (step protocol, token folded into the pass-log read) on the CPU device, with
-tiny rows (hidden and expert width 128: 16 KiB slots) so that the copies (memcpys here) do not
-hide the Python around them. Timed by wrapping, in both trees alike: `TieredRuntime.fetch` (the
-host's time in a fetch), `Arena.fetch` and `DevicePool.install`; one fetch per steady step.
+one token per step, Zipf 1.1 routing from `benchmarks/replay.py`), pool at 25% (128 slots) by default,
+arena preloaded with every row (each miss is an arena hit, as in `--arena-preload`), driven through
+`replay_drive.drive` (step protocol, token folded into the pass-log read). On the CPU device with
+tiny rows (hidden and expert width 128: 16 KiB slots) so that the copies (memcpys there) do not
+hide the Python around them; with `--device cuda` at the preset's real rows, bf16, CUDA graphs (the
+replay benchmark's warm case), where the steady step time is reported too. Timed by wrapping, in
+both trees alike: `TieredRuntime.fetch` (the host's time in a fetch; in trees after e8b7b7f the step
+calls `TieredRuntime._fetch`, wrapped where it exists), `Arena.fetch` and `DevicePool.install`, one
+fetch per steady step; and `to_first_copy`, from the end of the pass-log read (on CUDA: its sync,
+the wait for the forward, plus the read of the log) to the install's first row copy, the host
+latency the copies wait for. The deferred policy hits are applied before the read, as on CUDA with a
+pool that can evict (`_early_hits`), so they do not count in the fetch.
 
 The parent process alternates rounds between the trees (`--baseline REV`, checked out as a git
 worktree, and the working tree), each round a fresh subprocess importing that tree's tierstore.
 
     python benchmarks/fetch_overhead.py --baseline 002dda0 --out benchmarks/results/fetch_overhead_cpu.json
+    python3 benchmarks/fetch_overhead.py --device cuda --baseline e8b7b7f --rounds 3 --steps 300 --out X.json
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from pathlib import Path
 
 from _cpu_bench import baseline_worktree, emit, git_out, run_rounds, wrap_timed
 
-PARTS = ("fetch", "arena", "install")
+PARTS = ("fetch", "arena", "install", "to_first_copy")
 
 
 def timed(owner, name: str, part: str, calls: dict, runtime) -> None:
@@ -35,7 +42,7 @@ def timed(owner, name: str, part: str, calls: dict, runtime) -> None:
     wrap_timed(owner, name, lambda started: calls[part].append((runtime._stats.steps, time.perf_counter() - started)))
 
 
-def worker(steps: int, warmup: int) -> dict:
+def worker(steps: int, warmup: int, device: str, coverage: float) -> dict:
     import torch
     from replay import skewed_steps
 
@@ -46,21 +53,37 @@ def worker(steps: int, warmup: int) -> dict:
     from tierstore.runtime.synthetic import tiled_rows
 
     torch.set_num_threads(1)
-    g = dataclasses.replace(get_preset("ds-v2-lite").with_layers(8), hidden=128, expert_inter=128)
-    runtime = TieredRuntime(g, MemoryRowSource(tiled_rows(g, False)), pool_slots=g.total_routed_experts // 4,
-                            arena_slots=g.total_routed_experts, config=RuntimeConfig(kpi_every=0, force_pool=True),
-                            output_words=1)
+    g = get_preset("ds-v2-lite").with_layers(8)
+    if device == "cpu":  # tiny rows: the memcpys must not hide the Python around them
+        g = dataclasses.replace(g, hidden=128, expert_inter=128)
+    runtime = TieredRuntime(g, MemoryRowSource(tiled_rows(g, False)), pool_slots=round(coverage * g.total_routed_experts),
+                            arena_slots=g.total_routed_experts, device=device,
+                            config=RuntimeConfig(kpi_every=0, force_pool=True), output_words=1)
     with runtime:
+        runtime._early_hits = True  # as on CUDA with a pool that can evict: the last step's hits before the read
         preload_arena(runtime)
         calls: dict[str, list] = {part: [] for part in PARTS}
-        for owner, name, part in ((runtime, "fetch", "fetch"), (runtime.arena, "fetch", "arena"),
+        fetch = "_fetch" if hasattr(runtime, "_fetch") else "fetch"
+        for owner, name, part in ((runtime, fetch, "fetch"), (runtime.arena, "fetch", "arena"),
                                   (runtime.pool, "install", "install")):
             timed(owner, name, part, calls, runtime)
-        drive(runtime, skewed_steps(g, steps), warmup=warmup, readback="folded")
+        read_ended = []
+        wrap_timed(runtime.log, "read", lambda started: read_ended.append(time.perf_counter()))
+        copy_rows = runtime.pool._copy_rows
+
+        def first_copy(rows, slots, stream):
+            if read_ended:
+                calls["to_first_copy"].append((runtime._stats.steps, time.perf_counter() - read_ended.pop()))
+                read_ended.clear()
+            return copy_rows(rows, slots, stream)
+
+        runtime.pool._copy_rows = first_copy
+        out = drive(runtime, skewed_steps(g, steps), warmup=warmup, readback="folded", graph=device == "cuda",
+                    dtype=torch.bfloat16 if device == "cuda" else torch.float32)
         rows = runtime.stats().fetched_rows
     steady = {part: [s for step, s in values if step >= warmup] for part, values in calls.items()}
     return {"steps": steps, "warmup": warmup, "fetches": len(steady["fetch"]),
-            "rows_per_fetch_call": rows / len(calls["fetch"]),
+            "rows_per_fetch_call": rows / len(calls["fetch"]), "step_ms": out["steady"].as_dict()["step_ms"],
             **{f"{part}_p50_us": 1e6 * statistics.median(values) for part, values in steady.items()},
             **{f"{part}_mean_us": 1e6 * statistics.fmean(values) for part, values in steady.items()}}
 
@@ -72,25 +95,40 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--coverage", type=float, default=0.25, help="pool slots over the routed experts")
+    parser.add_argument("--commit", help="commit of the new tree (when .git there is stale)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.steps, args.warmup)))
+        print(json.dumps(worker(args.steps, args.warmup, args.device, args.coverage)))
         return
     repo = Path(__file__).resolve().parent.parent
-    head = git_out(repo, "rev-parse", "HEAD").strip()
+    head = args.commit or git_out(repo, "rev-parse", "HEAD").strip()
     dirty = bool(git_out(repo, "status", "--porcelain", "tierstore").strip())
     with baseline_worktree(repo, args.baseline) as old:
         results = run_rounds(__file__, {"old": old, "new": repo}, args.rounds,
-                             ["--steps", str(args.steps), "--warmup", str(args.warmup)])
+                             ["--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
+                              "--coverage", str(args.coverage)])
     medians = {f"{part}_p50_us": {name: statistics.median(r[f"{part}_p50_us"] for r in rows)
                                   for name, rows in results.items()} for part in PARTS}
+    medians["step_ms"] = {name: statistics.median(r["step_ms"] for r in rows) for name, rows in results.items()}
     medians["rows_per_fetch_call"] = {name: rows[0]["rows_per_fetch_call"] for name, rows in results.items()}
     report = dict(provenance=dict(old=args.baseline, new=head, new_tree_dirty=dirty, python=platform.python_version(),
                                   machine=platform.machine(), cpus=os.cpu_count(), rounds=args.rounds,
-                                  note="CPU only: no GPU, copies are memcpys of 16 KiB rows"),
+                                  device=args.device, coverage=args.coverage, gpu=gpu_name(args.device),
+                                  note=("CPU: copies are memcpys of 16 KiB rows" if args.device == "cpu" else
+                                        "CUDA: ds-v2-lite rows, bf16, CUDA graphs, arena preloaded")),
                   results=results, medians=medians)
     emit(medians, report, args.out)
+
+
+def gpu_name(device: str) -> str | None:
+    if device != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.get_device_name()
 
 
 if __name__ == "__main__":

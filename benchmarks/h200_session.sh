@@ -11,7 +11,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -409,6 +409,20 @@ case "$step" in
       tests/test_cuda_w2_multi.py tests/test_cuda_fp4.py tests/test_runtime_cuda_w2.py tests/test_runtime_gpu.py -m gpu -q
     stage h2d-24 60 python3 benchmarks/h2d_batch.py --rows 24 --commit "$commit" --json "$work/h2d-batch-24.json"
     stage h2d-12 60 python3 benchmarks/h2d_batch.py --rows 12 --commit "$commit" --json "$work/h2d-batch-12.json"
+    ;;
+  hostpath)  # the miss path's host latency cut (ids instead of key tuples for the protected set, arena rows not
+    # re-checked, one batched arena hit lookup, the install's stream lookup by index and a reused event): the GPU
+    # tests of the runtime files it touches (and resume2's failed cuda_w2 chunk test, now in bf16), then
+    # benchmarks/fetch_overhead.py on CUDA, old tree (e8b7b7f, a git worktree) vs new alternating, ds-v2-lite 8
+    # layers, preloaded arena, bf16, graphs: 3 rounds at 25%, 2 at 50%. Stage limits 150 + 200 + 140 s. Estimates,
+    # not measured: tests ~80 s; ~15-20 s per worker process (10 of them).
+    git rev-parse --verify e8b7b7f >>"$work/summary.txt" 2>&1
+    stage tests 150 python3 -m pytest tests/test_runtime_gpu.py tests/test_runtime_pool_copies.py \
+      tests/test_runtime_layer_waits.py tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py -m gpu -q
+    stage overhead-25 200 python3 benchmarks/fetch_overhead.py --device cuda --coverage 0.25 --baseline e8b7b7f \
+      --rounds 3 --steps 300 --commit "$commit" --out "$work/fetch_overhead_cuda_25.json"
+    stage overhead-50 140 python3 benchmarks/fetch_overhead.py --device cuda --coverage 0.5 --baseline e8b7b7f \
+      --rounds 2 --steps 300 --commit "$commit" --out "$work/fetch_overhead_cuda_50.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -63,17 +63,17 @@ def test_fetches_during_a_pass_evict_only_finished_layers_experts_it_did_not_rou
     model = ToyMoE(g)
     installs = []
     with make_runtime(g, 0.5, early_fetch=True) as runtime:
-        fetch, install = runtime.fetch, runtime.pool.install
+        fetch, install = runtime._fetch, runtime.pool.install
 
-        def recording_fetch(keys, protect, scan=False, partial=False, finished_layers=None):
-            installs.append({"finished": finished_layers, "protect": set(runtime.pool.key_ids(protect))})
-            return fetch(keys, protect, scan, partial, finished_layers)
+        def recording_fetch(keys, protect_ids, scan=False, partial=False, finished_layers=None):
+            installs.append({"finished": finished_layers, "protect": set(protect_ids)})
+            return fetch(keys, protect_ids, scan, partial, finished_layers)
 
-        def recording_install(keys, rows, exclude, victims=None, after_compute=True):
+        def recording_install(keys, rows, exclude, victims=None, after_compute=True, arena_rows=False):
             installs[-1].update(victims=list(victims or []), after_compute=after_compute)
-            install(keys, rows, exclude, victims, after_compute)
+            install(keys, rows, exclude, victims, after_compute, arena_rows)
 
-        runtime.fetch, runtime.pool.install = recording_fetch, recording_install
+        runtime._fetch, runtime.pool.install = recording_fetch, recording_install
         for step in range(STEPS):
             runtime.step(lambda x=tokens(g, step): model.forward(runtime, x), lambda: None)
     early = [i for i in installs if i["finished"] is not None and "victims" in i]

@@ -96,8 +96,8 @@ def test_prefill_layer_beyond_the_pool_runs_in_token_chunks_on_cuda(cuda_w2):
         pytest.skip("needs nvcc to build the CUDA W2 kernels")
     g = toy_geometry(layers=2, experts=16, hidden=512, inter=512)
     model = ToyMoE(g)
-    model.routers = model.routers.cuda()
-    x = torch.randn(40, g.hidden, device="cuda", generator=torch.Generator("cuda").manual_seed(7)) * 0.1
+    model.routers = model.routers.cuda().to(torch.bfloat16)  # bf16 hidden states: the CUDA W2 kernels need them
+    x = (torch.randn(40, g.hidden, device="cuda", generator=torch.Generator("cuda").manual_seed(7)) * 0.1).bfloat16()
     outs = {}
     for slots in (g.total_routed_experts, 8):
         with TieredRuntime(g, memory_source(g), pool_slots=slots, arena_slots=16, device="cuda", backend="triton",

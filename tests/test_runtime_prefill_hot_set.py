@@ -52,8 +52,8 @@ def test_without_the_hot_set_rule_the_same_prefill_flushes_it(monkeypatch):
     this very run, so the test above can fail."""
     from tierstore.runtime.engine import TieredRuntime
 
-    monkeypatch.setattr(TieredRuntime, "_victims", lambda self, protect, lacking, scan, below=None:
-                        self.pool.evictable(protect, lacking, below))
+    monkeypatch.setattr(TieredRuntime, "_victims", lambda self, protect_ids, lacking, scan, below=None:
+                        self.pool.evictable_ids(protect_ids, lacking, below))
     hot, resident, *_ = run_decode_then_prefill(0.5)
     assert not hot <= resident
 

@@ -186,19 +186,13 @@ class Arena:
         """Rows for `keys` as uint8 tensors [row_bytes]. `scan` (prefill): fill free slots only,
         never evict."""
         started = time.perf_counter()
-        keys = self._checked_keys(keys)
-        resident: dict[Key, torch.Tensor] = {}
-        busy: set[int] = set()
-        hit, rows = self._table.hit, self._rows
-        for key in keys:
-            if key in resident:
-                continue
-            slot = hit(key)
-            if slot is not None:
-                busy.add(slot)
-                resident[key] = rows[slot]
+        found = self._table.hit_many(keys)  # {key: slot}
+        busy = set(found.values())
+        rows = self._rows
+        resident: dict[Key, torch.Tensor] = {key: rows[slot] for key, slot in found.items()}
         hit_rows = len(resident)
-        missing = [key for key in dict.fromkeys(keys) if key not in resident]
+        # only the table's keys hit, and each was checked when it was read: the rest are checked now
+        missing = self._checked_keys([key for key in dict.fromkeys(keys) if key not in resident])
         placed: list[tuple[Key, int]] = []
         overflow: list[Key] = []
         for key in missing:

@@ -32,6 +32,20 @@ class SlotTable:
             self._key_to_slot.move_to_end(key)
         return slot
 
+    def hit_many(self, keys) -> dict:
+        """`hit` of each key in order (a repeated key once, where it first occurs): {key: slot} of the
+        published ones."""
+        table, move_to_end = self._key_to_slot, self._key_to_slot.move_to_end
+        found = {}
+        for key in keys:
+            if key in found:
+                continue
+            slot = table.get(key)
+            if slot is not None:
+                move_to_end(key)
+                found[key] = slot
+        return found
+
     def take_free(self) -> int | None:
         return self._free_slots.pop() if self._free_slots else None
 

@@ -221,21 +221,26 @@ class TieredRuntime:
         error propagates. `finished_layers` (early fetch, while a pass runs that has finished its
         first `finished_layers` MoE layers): victims come from those layers only, and the copies
         do not wait for the pass."""
+        return self._fetch(keys, frozenset(self.pool.key_ids(protect)), scan, partial, finished_layers)
+
+    def _fetch(self, keys: Iterable[Key], protect_ids: frozenset[int], scan: bool = False, partial: bool = False,
+               finished_layers: int | None = None) -> int:
+        """`fetch` with the protected experts as key ids (layer * E + expert): the step's path, where the
+        pass report holds them so (no key tuples between the pass-log read and the first row copy)."""
         self.settle()
         keys = self.pool.missing(dict.fromkeys(keys))
         if not keys:
             return 0
-        protect = set(protect)
         # the install's victims, walked once (here): nothing changes the pool's policy before the install
         lacking = len(keys) - self.pool.num_free
         below = None if finished_layers is None else finished_layers * self.geometry.num_experts
-        victims = self._victims(protect, lacking, scan, below) if lacking > 0 else []
+        victims = self._victims(protect_ids, lacking, scan, below) if lacking > 0 else []
         room = min(len(keys), self.pool.num_free + len(victims))  # = capacity_for(protect, enough=len(keys))
         if len(keys) > room:
             if not partial:
                 raise CapacityError(
                     f"device pool of {self.pool.num_slots} slots cannot hold this step's routed experts: {len(keys)} "
-                    f"more needed, {room} can be made free without evicting the {len(protect)} routed this step")
+                    f"more needed, {room} can be made free without evicting the {len(protect_ids)} routed this step")
             keys = keys[:room]
             if not keys:
                 return 0
@@ -247,23 +252,22 @@ class TieredRuntime:
         looked_up = time.perf_counter()
         rows = self.arena.fetch(keys, scan=scan)
         installing = time.perf_counter()
-        self.pool.install(keys, rows, protect, victims, after_compute=finished_layers is None)
+        self.pool.install(keys, rows, (), victims, after_compute=finished_layers is None, arena_rows=True)
         done = time.perf_counter()
         self._stats.add_fetch(len(keys), sum(r.numel() for r in rows), done - started, installing - looked_up,
                               done - installing, during_pass=finished_layers is not None)
         return len(keys)
 
-    def _victims(self, protect: set, lacking: int, scan: bool, below: int | None = None) -> list[int]:
-        """Key ids an install lacking `lacking` free slots evicts, never one of `protect` (nor an id
+    def _victims(self, protect_ids: frozenset[int], lacking: int, scan: bool, below: int | None = None) -> list[int]:
+        """Key ids an install lacking `lacking` free slots evicts, never one of `protect_ids` (nor an id
         at or above `below`). A prefill (`scan`) fetch takes them outside the decode hot set (the last
         decode step's routed experts) when the pool has that much room there, so a long prompt does
         not flush what decode needs; otherwise, since the layer must run, from the policy's plain order."""
         if scan and self._decode_hot.size:
-            hot = {divmod(key_id, self.pool.num_experts) for key_id in self._decode_hot.tolist()}
-            victims = self.pool.evictable(protect | hot, lacking, below)
+            victims = self.pool.evictable_ids(protect_ids.union(self._decode_hot.tolist()), lacking, below)
             if len(victims) == lacking:
                 return victims
-        return self.pool.evictable(protect, lacking, below)
+        return self.pool.evictable_ids(protect_ids, lacking, below)
 
     def _fetch_during_pass(self) -> None:
         """`early_fetch`: while the launched pass runs, read each finished MoE layer's routing (in
@@ -404,8 +408,8 @@ class TieredRuntime:
         self._stats.read_seconds += time.perf_counter() - started
         return self.last_pass
 
-    def _fetch_for_step(self, keys, routed, partial: bool) -> int:
-        return self.fetch(keys, routed, scan=self._scan, partial=partial)
+    def _fetch_for_step(self, keys, routed_ids: frozenset[int], partial: bool) -> int:
+        return self._fetch(keys, routed_ids, scan=self._scan, partial=partial)
 
     # -- observability ------------------------------------------------------------------------
     def stats(self) -> RuntimeStats:

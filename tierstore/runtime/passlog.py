@@ -46,6 +46,11 @@ class PassReport:
         layers, experts = np.divmod(self.routed_ids, self.num_experts)
         return tuple(zip(layers.tolist(), experts.tolist()))
 
+    @cached_property
+    def routed_id_set(self) -> frozenset[int]:
+        """`routed_ids` as a set: what a fetch for this pass protects (no key tuples built)."""
+        return frozenset(self.routed_ids.tolist())
+
 
 class PassLog:
     """counts int32 [2] = (missing pairs, missing experts); entries int32 [cap, 2] = (layer, expert);

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 from itertools import islice
 
 import numpy as np
@@ -93,6 +93,10 @@ class DevicePool:
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._reserved: set[int] = set()  # slots taken by `reserve`, not mapped yet
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # the install's own lookups, resolved once: current_stream of an index-less device asks torch for the
+        # current device on every call, and wait_stream makes a new event each time
+        self._device_index = self._stream.device_index if self._stream is not None else None
+        self._compute_mark = torch.cuda.Event() if self._stream is not None else None
         self._h2d = HostToDevice(self.device) if self._stream is not None else None  # row and table copies
         # `write_reserved`'s copies: their own stream and timing events (they run outside the safe point)
         self._reserve_stream = torch.cuda.Stream(self.device) if self._stream is not None else None
@@ -170,7 +174,11 @@ class DevicePool:
         """The first `count` key ids (fewer when there are not that many) the policy would evict
         without evicting any of `exclude`: the victims of an install that lacks `count` free slots.
         `below`: only key ids under it (the layers a running pass has finished)."""
-        order = self.policy.eviction_order(set(self.key_ids(exclude)))
+        return self.evictable_ids(set(self.key_ids(exclude)), count, below)
+
+    def evictable_ids(self, exclude_ids: Set[int], count: int, below: int | None = None) -> list[int]:
+        """`evictable` with the excluded experts as key ids."""
+        order = self.policy.eviction_order(exclude_ids)
         if below is not None:
             order = (key_id for key_id in order if key_id < below)
         return list(islice(order, count))
@@ -215,7 +223,7 @@ class DevicePool:
 
     # -- mutation -------------------------------------------------------------------------------
     def install(self, keys: Sequence[Key], rows: Sequence[torch.Tensor], exclude: Iterable[Key],
-                victims: list[int] | None = None, after_compute: bool = True) -> None:
+                victims: list[int] | None = None, after_compute: bool = True, arena_rows: bool = False) -> None:
         """Copy host rows (uint8 [<= slot_bytes], pinned on CUDA) into slots and map them.
 
         Takes free slots first, then victims from the policy that are not in `exclude` (the
@@ -227,7 +235,9 @@ class DevicePool:
         for the work launched on the compute stream, for a caller that installs while a pass runs
         and whose victims and new keys all belong to layers the pass has finished (it knows that
         from the host: `PassLog.layer_seen`); the table copy then rewrites the running pass's later
-        layers with the values they already hold.
+        layers with the values they already hold. `arena_rows`: the rows are the runtime's own arena rows (views
+        of its uint8 host buffers, their size checked against the slots at boot by `check_row_source`), which
+        are not checked again row by row.
         """
         if len(keys) != len(rows):
             raise ValueError(f"{len(keys)} keys but {len(rows)} rows")
@@ -237,7 +247,8 @@ class DevicePool:
         ids = self.key_ids(keys)
         if len(set(ids)) != len(ids) or (self.mirror.reshape(-1)[ids] >= 0).any():
             raise ValueError("install() takes distinct keys that are not resident")
-        self._check_rows(rows)
+        if not arena_rows:
+            self._check_rows(rows)
         if victims is None:
             victims = self._victims(len(ids) - self.num_free, exclude, ids)
         victim_slots = self.mirror.reshape(-1)[victims].tolist()
@@ -381,10 +392,11 @@ class DevicePool:
             self._copy(rows, slots, unmapped if victims else None, final, None)
             self.copy_seconds += time.perf_counter() - started
             return
-        # streams passed explicitly: torch.cuda.current_stream(device) costs ~10 us of host time per call
-        compute, copy = torch.cuda.current_stream(self.device), self._stream
+        # one current-stream lookup per install (by index: fast), the streams passed explicitly from here on
+        compute, copy = torch.cuda.current_stream(self._device_index), self._stream
         if after_compute or not self.layer_waits:
-            copy.wait_stream(compute)
+            self._compute_mark.record(compute)
+            copy.wait_event(self._compute_mark)
         start, end = buffers.marks
         start.record(copy)
         if self.layer_waits:

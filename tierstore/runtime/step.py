@@ -50,10 +50,10 @@ class StepOutcome:
 
 
 def run_step(forward: Callable[[], T], rewind: Callable[[], None], read_pass: Callable[[], PassReport],
-             fetch: Callable[[tuple, set, bool], int], config: RuntimeConfig,
+             fetch: Callable[[tuple, frozenset, bool], int], config: RuntimeConfig,
              during_pass: Callable[[], None] | None = None) -> tuple[T, StepOutcome]:
-    """Run one step to its fixed point. `fetch(keys, routed, partial)` makes keys resident without
-    evicting `routed` (partial: as many as fit) and returns how many it installed. `during_pass`,
+    """Run one step to its fixed point. `fetch(keys, routed_ids, partial)` makes keys resident without
+    evicting the key ids `routed_ids` (partial: as many as fit) and returns how many it installed. `during_pass`,
     when given, runs after each `forward()` returns and before its pass is read (on CUDA the pass
     is then still running on the device).
 
@@ -75,7 +75,7 @@ def run_step(forward: Callable[[], T], rewind: Callable[[], None], read_pass: Ca
         misses = report.missing_pairs
         if misses == 0:
             break
-        routed = set(report.routed_keys)
+        routed = report.routed_id_set
         if misses <= config.miss_tolerance:
             fetch(report.missing_keys, routed, True)
             tolerated = True
