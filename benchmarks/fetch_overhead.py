@@ -30,6 +30,7 @@ import os
 import platform
 import statistics
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from _cpu_bench import baseline_worktree, emit, git_out, run_rounds, wrap_timed
@@ -92,6 +93,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--baseline", default="002dda0", help="git revision of the old tree")
+    parser.add_argument("--baseline-tree", type=Path,
+                        help="the old tree's files instead (a folder holding its tierstore/: where .git lacks it)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=50)
@@ -106,7 +109,8 @@ def main() -> None:
     repo = Path(__file__).resolve().parent.parent
     head = args.commit or git_out(repo, "rev-parse", "HEAD").strip()
     dirty = bool(git_out(repo, "status", "--porcelain", "tierstore").strip())
-    with baseline_worktree(repo, args.baseline) as old:
+    with baseline_worktree(repo, args.baseline) if args.baseline_tree is None else nullcontext(
+            args.baseline_tree.resolve()) as old:
         results = run_rounds(__file__, {"old": old, "new": repo}, args.rounds,
                              ["--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
                               "--coverage", str(args.coverage)])

@@ -87,14 +87,16 @@ def test_cuda_graph_decode_with_quarter_pool_is_bit_identical(model_type, tmp_pa
 
 @pytest.mark.parametrize("cuda_w2", [False, True], ids=["triton", "cuda_w2"])
 def test_prefill_layer_beyond_the_pool_runs_in_token_chunks_on_cuda(cuda_w2):
-    """A 40-token prefill over a pool of 8 of 32 slots routes more experts per layer than the pool holds: each such
-    layer runs in token chunks (`TieredRuntime.moe`) that fetch, wait per layer and compute on the device. Within
-    the bf16 budget of the all-resident prefill (a chunk's GEMMs run over fewer tokens); the pool stays coherent."""
+    """A 40-token prefill over a pool of 8 of 16 slots routes more experts than the pool holds: the layer runs in
+    token chunks (`TieredRuntime.moe`) that fetch, wait for their rows and compute on the device. Within the bf16
+    budget of the all-resident prefill (a chunk's GEMMs run over fewer tokens); the pool stays coherent. One MoE
+    layer: a second one would route on bf16 hidden states that differ in the last bits, where a near-tie can
+    pick another expert for a token."""
     from tierstore.kernels.cuda import loader
 
     if cuda_w2 and loader.nvcc_path() is None:
         pytest.skip("needs nvcc to build the CUDA W2 kernels")
-    g = toy_geometry(layers=2, experts=16, hidden=512, inter=512)
+    g = toy_geometry(layers=1, experts=16, hidden=512, inter=512)
     model = ToyMoE(g)
     model.routers = model.routers.cuda().to(torch.bfloat16)  # bf16 hidden states: the CUDA W2 kernels need them
     x = (torch.randn(40, g.hidden, device="cuda", generator=torch.Generator("cuda").manual_seed(7)) * 0.1).bfloat16()
