@@ -413,17 +413,18 @@ case "$step" in
   hostpath)  # the miss path's host latency cut (ids instead of key tuples for the protected set, arena rows not
     # re-checked, one batched arena hit lookup, the install's stream lookup by index and a reused event): the GPU
     # tests of the runtime files it touches (and the chunk test, one layer now), then benchmarks/fetch_overhead.py
-    # on CUDA, old tree (e8b7b7f: carry .baseline, made by `git archive e8b7b7f tierstore | tar -x -C
-    # .baseline/e8b7b7f`; the device's .git lacks recent commits) vs new alternating, ds-v2-lite 8 layers,
+    # on CUDA, old tree (e8b7b7f: carry .baseline, made by `git archive --format=tar.gz -o
+    # .baseline/e8b7b7f.tar.gz e8b7b7f tierstore`; the device's .git lacks recent commits) vs new alternating, ds-v2-lite 8 layers,
     # preloaded arena, bf16, graphs: 3 rounds at 25%, 2 at 50%. Stage limits 150 + 200 + 140 s. Measured on the
     # first try (d0241bf, the comparison failed without .baseline): tests 76 s. Estimate, not measured: ~15-20 s
     # per worker process (10 of them).
     stage tests 150 python3 -m pytest tests/test_runtime_gpu.py tests/test_runtime_pool_copies.py \
       tests/test_runtime_layer_waits.py tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py -m gpu -q
+    mkdir -p /tmp/baseline/e8b7b7f && tar -xzf .baseline/e8b7b7f.tar.gz -C /tmp/baseline/e8b7b7f
     stage overhead-25 200 python3 benchmarks/fetch_overhead.py --device cuda --coverage 0.25 --baseline e8b7b7f \
-      --baseline-tree .baseline/e8b7b7f --rounds 3 --steps 300 --commit "$commit" --out "$work/fetch_overhead_cuda_25.json"
+      --baseline-tree /tmp/baseline/e8b7b7f --rounds 3 --steps 300 --commit "$commit" --out "$work/fetch_overhead_cuda_25.json"
     stage overhead-50 140 python3 benchmarks/fetch_overhead.py --device cuda --coverage 0.5 --baseline e8b7b7f \
-      --baseline-tree .baseline/e8b7b7f --rounds 2 --steps 300 --commit "$commit" --out "$work/fetch_overhead_cuda_50.json"
+      --baseline-tree /tmp/baseline/e8b7b7f --rounds 2 --steps 300 --commit "$commit" --out "$work/fetch_overhead_cuda_50.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
