@@ -11,7 +11,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -425,6 +425,24 @@ case "$step" in
       --baseline-tree /tmp/baseline/e8b7b7f --rounds 3 --steps 300 --commit "$commit" --out "$work/fetch_overhead_cuda_25.json"
     stage overhead-50 140 python3 benchmarks/fetch_overhead.py --device cuda --coverage 0.5 --baseline e8b7b7f \
       --baseline-tree /tmp/baseline/e8b7b7f --rounds 2 --steps 300 --commit "$commit" --out "$work/fetch_overhead_cuda_50.json"
+    ;;
+  hostpath2)  # the host path after hostpath (c2a6611 / dda35dc): the first layer's rows now go before the table (staged
+    # while they are on the bus), the table copy without re-checks. GPU tests of the pool, layer waits, early fetch
+    # and runtime; fetch_overhead on CUDA old (e8b7b7f, carried .baseline tar.gz) vs new, 3 rounds at 25% and 3 at 50%;
+    # then the replay benchmark's warm ds-v2-lite cells with this code (preloaded 4 GiB arena, bf16, 220 steps, 50 / 25
+    # / 10%) for the 1.25x-of-floor target. Stage limits 150 + 120 + 120 + 150 s. Measured at dda35dc: tests 28 s,
+    # 3 rounds at 25% 69 s, 2 rounds at 50% 50 s; estimate, not measured: replay ~100 s (resume's replay-waits at two
+    # coverages 77-101 s, the 10% cell adds its naive run).
+    stage tests 150 python3 -m pytest tests/test_runtime_gpu.py tests/test_runtime_pool_copies.py \
+      tests/test_runtime_layer_waits.py tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py -m gpu -q
+    mkdir -p /tmp/baseline/e8b7b7f && tar -xzf .baseline/e8b7b7f.tar.gz -C /tmp/baseline/e8b7b7f
+    stage overhead-25 120 python3 benchmarks/fetch_overhead.py --device cuda --coverage 0.25 --baseline e8b7b7f \
+      --baseline-tree /tmp/baseline/e8b7b7f --rounds 3 --steps 300 --commit "$commit" --out "$work/fetch_overhead_cuda_25.json"
+    stage overhead-50 120 python3 benchmarks/fetch_overhead.py --device cuda --coverage 0.5 --baseline e8b7b7f \
+      --baseline-tree /tmp/baseline/e8b7b7f --rounds 3 --steps 300 --commit "$commit" --out "$work/fetch_overhead_cuda_50.json"
+    stage replay-warm 150 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --commit "$commit" --out "$work/replay_warm_ds.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

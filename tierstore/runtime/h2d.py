@@ -42,10 +42,3 @@ class HostToDevice:
             self._driver.lib.cuGetErrorName(status, ctypes.byref(name))
             raise RuntimeError(f"cuMemcpyHtoDAsync of {nbytes} bytes failed: "
                                f"{name.value.decode() if name.value else status}")
-
-    def tensor(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        """dst (CUDA) := src (host), both contiguous with the same byte size."""
-        nbytes = src.numel() * src.element_size()
-        if not (dst.is_contiguous() and src.is_contiguous()) or dst.numel() * dst.element_size() != nbytes:
-            raise ValueError("HostToDevice.tensor copies contiguous tensors of equal byte size")
-        self.copy(dst.data_ptr(), src.data_ptr(), nbytes, stream)

@@ -87,6 +87,7 @@ class DevicePool:
                                 f"({num_slots * slot_bytes / 2**30:.2f} GiB) on {self.device}: {exc}") from None
         self._slot_rows = self.slots.unbind(0)  # [S] views [slot_bytes]: no indexing per copy
         self.table = torch.full((num_layers, num_experts), -1, dtype=torch.int32, device=self.device)  # [L, E]
+        self._table_bytes = self.table.numel() * self.table.element_size()
         self.mirror = np.full((num_layers, num_experts), -1, dtype=np.int32)  # [L, E]
         self.owner = np.full((num_slots, 2), -1, dtype=np.int32)  # [S, (layer, expert)]
         self.generation = np.zeros(num_slots, dtype=np.int64)  # bumped whenever a slot's bytes change
@@ -381,15 +382,10 @@ class DevicePool:
     def _write_device(self, buffers: _InstallBuffers, rows, slots: list[int], ids: list[int], victims: list[int],
                       after_compute: bool = True) -> None:
         """Stage the table, issue the copies (with `overlap`, the compute stream waits for them)."""
-        (unmapped, final), (unmapped_ids, final_ids) = buffers.staged, buffers.staged_ids
-        final_ids[:] = self.mirror.reshape(-1)
-        if victims:
-            final_ids[victims] = -1
-            unmapped_ids[:] = final_ids
-        final_ids[ids] = slots
         if self._stream is None:
+            unmapped, final = self._stage_table(buffers, ids, slots, victims)
             started = time.perf_counter()
-            self._copy(rows, slots, unmapped if victims else None, final, None)
+            self._copy(rows, slots, unmapped, final, None)
             self.copy_seconds += time.perf_counter() - started
             return
         # one current-stream lookup per install (by index: fast), the streams passed explicitly from here on
@@ -400,34 +396,56 @@ class DevicePool:
         start, end = buffers.marks
         start.record(copy)
         if self.layer_waits:
-            self._copy_by_layer(rows, slots, ids, victims, final, copy)
+            self._copy_by_layer(rows, slots, ids, victims, buffers, copy)
         else:
-            self._copy(rows, slots, unmapped if victims else None, final, copy)
+            self._copy(rows, slots, *self._stage_table(buffers, ids, slots, victims), copy)
         end.record(copy)
         if self.overlap and not self.layer_waits:  # otherwise install waits on the host first
             compute.wait_event(end)
         self._in_flight.append(buffers)
 
-    def _copy_by_layer(self, rows, slots: list[int], ids: list[int], victims: list[int], final: torch.Tensor,
+    def _stage_table(self, buffers: _InstallBuffers, ids: list[int], slots: list[int],
+                     victims: list[int]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The install's tables on the host: (the current one with the victims unmapped, or None without
+        victims; the final one)."""
+        (unmapped, final), (unmapped_ids, final_ids) = buffers.staged, buffers.staged_ids
+        final_ids[:] = self.mirror.reshape(-1)
+        if victims:
+            final_ids[victims] = -1
+            unmapped_ids[:] = final_ids
+        final_ids[ids] = slots
+        return (unmapped if victims else None), final
+
+    def _copy_by_layer(self, rows, slots: list[int], ids: list[int], victims: list[int], buffers: _InstallBuffers,
                        stream: torch.cuda.Stream) -> None:
-        """`layer_waits` order on the copy stream: the final table, the events of layers that only lost
-        victims, then each layer's rows followed by its event, in layer order. With a second copy stream the
-        layer's row runs alternate between the two (it starts after the table), each stream records its own
-        event for the layer when it copied some of its rows, and the copy stream waits for the second one at
-        the end (so `end` covers both). A stream that copied none of a layer's rows keeps its last record of
-        that layer, from an earlier install issued before this one on the same stream (so it completes first)."""
-        self._copy_table(final, stream)  # no reader of a touched layer runs before its event
+        """`layer_waits` order on the copy stream: the rows of the lowest layer that gets any, the final table
+        (staged on the host while those rows are on the bus), the events of that layer and of the layers that
+        only lost victims, then each later layer's rows followed by its event. No kernel reads a slot these
+        rows overwrite before the table unmaps its victim: what ran before is done (the copy stream waited for
+        it), or, for an install during a pass (`after_compute` False), reads only unfinished layers, which own
+        no victim; what runs later waits for a layer event, recorded after the table. With a second copy
+        stream the table goes first; the layer's row runs alternate between the two streams, each stream
+        records its own event for the layer when it copied some of its rows, and the copy stream waits for
+        the second one at the end (so `end` covers both). A stream that copied none of a layer's rows keeps its
+        last record of that layer, from an earlier install issued before this one on the same stream (so it
+        completes first)."""
         experts = self.num_experts
         by_layer: dict[int, list[int]] = {}
         for index in sorted(range(len(ids)), key=ids.__getitem__):
             by_layer.setdefault(ids[index] // experts, []).append(index)
-        for layer in sorted({victim // experts for victim in victims} - by_layer.keys()):
-            self._layer_ready[layer].record(stream)
+        only_victims = sorted({victim // experts for victim in victims} - by_layer.keys())
         if self._side is None:
-            for layer, indices in sorted(by_layer.items()):
+            for count, (layer, indices) in enumerate(sorted(by_layer.items())):
                 self._copy_rows([rows[i] for i in indices], [slots[i] for i in indices], stream)
+                if count == 0:
+                    self._copy_table(self._stage_table(buffers, ids, slots, victims)[1], stream)
+                    for victim_layer in only_victims:
+                        self._layer_ready[victim_layer].record(stream)
                 self._layer_ready[layer].record(stream)
             return
+        self._copy_table(self._stage_table(buffers, ids, slots, victims)[1], stream)
+        for layer in only_victims:
+            self._layer_ready[layer].record(stream)
         side, turn = self._side, 0
         side.wait_stream(stream)  # after the compute stream (the copy stream waited for it) and the table
         for layer, indices in sorted(by_layer.items()):
@@ -484,8 +502,8 @@ class DevicePool:
         """The device table := a staging table: on `stream` (asynchronous; CUDA) or at once (None: CPU)."""
         if stream is None:
             self.table.copy_(staged)
-        else:
-            self._h2d.tensor(self.table, staged, stream)
+        else:  # same shape and dtype (`_InstallBuffers`), both contiguous
+            self._h2d.copy(self.table.data_ptr(), staged.data_ptr(), self._table_bytes, stream)
 
     def _copy_rows(self, rows, slots, stream: torch.cuda.Stream | None) -> None:
         """Rows into slots: on `stream` through the driver (`HostToDevice`; CUDA), where the host issues a
