@@ -11,7 +11,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -443,6 +443,19 @@ case "$step" in
     stage replay-warm 150 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
       --steps 220 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
       --commit "$commit" --out "$work/replay_warm_ds.json"
+    ;;
+  threads)  # why the replay benchmark's fetch host time at 25% (0.380 ms at 89a6613) is ~1.9x fetch_overhead's in the
+    # same call (0.218 ms; arena and install alike): fetch_overhead's workers run torch.set_num_threads(1). The
+    # replay's warm 25% / 50% cells twice each way, alternating: default threads, then OMP_NUM_THREADS=1. Stage limits
+    # 4 x 60 s. Estimate, not measured: ~35 s each (hostpath2's three coverages took 48 s).
+    for round in 1 2; do
+      stage replay-default-$round 60 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+        --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
+        --commit "$commit" --out "$work/replay_threads_default_$round.json"
+      stage replay-omp1-$round 60 env OMP_NUM_THREADS=1 python3 benchmarks/replay.py --pack-dir /tmp/rp \
+        --presets ds-v2-lite --layers 8 --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload \
+        --dtype bfloat16 --commit "$commit" --out "$work/replay_threads_omp1_$round.json"
+    done
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
