@@ -11,7 +11,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -456,6 +456,20 @@ case "$step" in
         --presets ds-v2-lite --layers 8 --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload \
         --dtype bfloat16 --commit "$commit" --out "$work/replay_threads_omp1_$round.json"
     done
+    ;;
+  closing5)  # the last host-path cuts (Arena.holds_all, the install's key check by count_nonzero) on the GPU: the runtime
+    # GPU tests, the replay's warm ds-v2-lite cells (50 / 25 / 10%) and qwen3-30b-a3b's (16 layers, preloaded 4 GiB
+    # arena; last measured at 54fb697) with this code. Stage limits 150 + 100 + 200 s. Measured: tests 49-56 s
+    # (hostpath2), ds-v2-lite 48 s (hostpath2); estimate, not measured: qwen3 ~90-120 s (matrix's two-coverage qwen3
+    # stages took ~70-90 s).
+    stage tests 150 python3 -m pytest tests/test_runtime_gpu.py tests/test_runtime_pool_copies.py \
+      tests/test_runtime_layer_waits.py tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py -m gpu -q
+    stage replay-warm-ds 100 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --commit "$commit" --out "$work/replay_warm_ds.json"
+    stage replay-warm-qwen3 200 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+      --steps 220 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --commit "$commit" --out "$work/replay_warm_qwen3.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

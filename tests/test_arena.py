@@ -380,6 +380,30 @@ def test_a_refused_key_fails_the_batch_before_any_read(pack):
     assert source.reads == {} and len(arena._table) == 0
 
 
+def test_a_refused_key_beside_hits_reads_nothing_and_changes_no_row(pack):
+    """Keys are checked where they miss (a hit was checked when it was read): a batch of a hit and a key outside
+    the source still fails before any read, and the arena keeps exactly the rows it held."""
+    arena, source = open_arena(pack, "memory", 4)
+    arena.fetch([(0, 1)])
+    reads = dict(source.reads)
+    with pytest.raises(PackFormatError, match=rf"^row \(0, {EXPERTS}\) is outside"):
+        arena.fetch([(0, 1), (0, EXPERTS)])
+    assert source.reads == reads and arena._table.hottest_first() == [(0, 1)]
+    assert arena.holds_all([(0, 1)]) and not arena.holds_all([(0, 1), (0, 2)])
+
+
+def test_hit_many_marks_each_published_key_once_in_first_occurrence_order():
+    from tierstore.cache.slots import SlotTable
+
+    table = SlotTable(4)
+    for key in "abcd":
+        table.publish(key, table.take_free())
+    found = table.hit_many(["b", "x", "a", "b"])
+    assert found == {"b": 1, "a": 0}
+    assert table.hottest_first() == ["a", "b", "d", "c"]  # b then a moved to the end, b once
+    assert table.holds_all("abcd") and not table.holds_all("ax")
+
+
 def test_arena_sizing():
     stride = 1 << 20
     assert arena_slots("auto", stride, 400 * stride) == 100

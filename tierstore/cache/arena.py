@@ -167,6 +167,10 @@ class Arena:
     def __contains__(self, key: Key) -> bool:
         return key in self._table
 
+    def holds_all(self, keys: Sequence[Key]) -> bool:
+        """Whether a fetch of `keys` would read nothing (every one is in the arena)."""
+        return self._table.holds_all(keys)
+
     # -- fetch -------------------------------------------------------------------------------
     def _checked_keys(self, keys: Sequence[Key]) -> list[Key]:
         """`keys` as (int, int), each a row the source holds; PackFormatError at the first that is not."""

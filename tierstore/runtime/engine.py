@@ -247,7 +247,7 @@ class TieredRuntime:
         if scan and self._decode_hot.size and victims:
             self._stats.prefill_hot_evictions += int(np.isin(victims, self._decode_hot).sum())
         started = time.perf_counter()
-        if not all(key in self.arena for key in keys):
+        if not self.arena.holds_all(keys):
             self.pool.wait()  # the arena will rewrite rows, maybe ones that copies still in flight read
         looked_up = time.perf_counter()
         rows = self.arena.fetch(keys, scan=scan)

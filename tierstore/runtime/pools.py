@@ -246,7 +246,7 @@ class DevicePool:
             return
         buffers = self._take_install_buffers()
         ids = self.key_ids(keys)
-        if len(set(ids)) != len(ids) or (self.mirror.reshape(-1)[ids] >= 0).any():
+        if len(set(ids)) != len(ids) or np.count_nonzero(self.mirror.reshape(-1)[ids] >= 0):
             raise ValueError("install() takes distinct keys that are not resident")
         if not arena_rows:
             self._check_rows(rows)
