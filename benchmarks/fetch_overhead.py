@@ -1,6 +1,7 @@
 """Host cost of the miss path, old tree vs new tree in one run (CPU, or CUDA with the step time too).
 
-The replay benchmark's tiered run at ds-v2-lite's routing shape (8 MoE layers x 64 experts, top-6,
+The replay benchmark's tiered run at ds-v2-lite's routing shape by default (8 MoE layers x 64 experts, top-6;
+`--preset` / `--layers` for another,
 one token per step, Zipf 1.1 routing from `benchmarks/replay.py`), pool at 25% (128 slots) by default,
 arena preloaded with every row (each miss is an arena hit, as in `--arena-preload`), driven through
 `replay_drive.drive` (step protocol, token folded into the pass-log read). On the CPU device with
@@ -43,7 +44,7 @@ def timed(owner, name: str, part: str, calls: dict, runtime) -> None:
     wrap_timed(owner, name, lambda started: calls[part].append((runtime._stats.steps, time.perf_counter() - started)))
 
 
-def worker(steps: int, warmup: int, device: str, coverage: float) -> dict:
+def worker(steps: int, warmup: int, device: str, coverage: float, preset: str, layers: int) -> dict:
     import torch
     from replay import skewed_steps
 
@@ -54,7 +55,7 @@ def worker(steps: int, warmup: int, device: str, coverage: float) -> dict:
     from tierstore.runtime.synthetic import tiled_rows
 
     torch.set_num_threads(1)
-    g = get_preset("ds-v2-lite").with_layers(8)
+    g = get_preset(preset).with_layers(layers)
     if device == "cpu":  # tiny rows: the memcpys must not hide the Python around them
         g = dataclasses.replace(g, hidden=128, expert_inter=128)
     runtime = TieredRuntime(g, MemoryRowSource(tiled_rows(g, False)), pool_slots=round(coverage * g.total_routed_experts),
@@ -100,11 +101,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--coverage", type=float, default=0.25, help="pool slots over the routed experts")
+    parser.add_argument("--preset", default="ds-v2-lite")
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--commit", help="commit of the new tree (when .git there is stale)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.steps, args.warmup, args.device, args.coverage)))
+        print(json.dumps(worker(args.steps, args.warmup, args.device, args.coverage, args.preset, args.layers)))
         return
     repo = Path(__file__).resolve().parent.parent
     head = args.commit or git_out(repo, "rev-parse", "HEAD").strip()
@@ -113,14 +116,15 @@ def main() -> None:
             args.baseline_tree.resolve()) as old:
         results = run_rounds(__file__, {"old": old, "new": repo}, args.rounds,
                              ["--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
-                              "--coverage", str(args.coverage)])
+                              "--coverage", str(args.coverage), "--preset", args.preset, "--layers", str(args.layers)])
     medians = {f"{part}_p50_us": {name: statistics.median(r[f"{part}_p50_us"] for r in rows)
                                   for name, rows in results.items()} for part in PARTS}
     medians["step_ms"] = {name: statistics.median(r["step_ms"] for r in rows) for name, rows in results.items()}
     medians["rows_per_fetch_call"] = {name: rows[0]["rows_per_fetch_call"] for name, rows in results.items()}
     report = dict(provenance=dict(old=args.baseline, new=head, new_tree_dirty=dirty, python=platform.python_version(),
                                   machine=platform.machine(), cpus=os.cpu_count(), rounds=args.rounds,
-                                  device=args.device, coverage=args.coverage, gpu=gpu_name(args.device),
+                                  device=args.device, coverage=args.coverage, preset=args.preset, layers=args.layers,
+                                  gpu=gpu_name(args.device),
                                   note=("CPU: copies are memcpys of 16 KiB rows" if args.device == "cpu" else
                                         "CUDA: ds-v2-lite rows, bf16, CUDA graphs, arena preloaded")),
                   results=results, medians=medians)

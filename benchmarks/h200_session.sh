@@ -11,7 +11,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -470,6 +470,18 @@ case "$step" in
     stage replay-warm-qwen3 200 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
       --steps 220 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
       --commit "$commit" --out "$work/replay_warm_qwen3.json"
+    ;;
+  qwen3ab)  # closing5's qwen3-30b-a3b cells were slower than at 54fb697 at 50 / 25% (fetch host 0.474 / 0.662 ms vs 0.292 /
+    # 0.468 ms; 10% alike), a separate call: old (e8b7b7f, carried .baseline tar.gz) vs new (the host-path cuts) side
+    # by side on qwen3-30b-a3b, 16 layers, preloaded arena, bf16, graphs: 2 rounds at 50%, 2 at 25%. Stage limits
+    # 170 + 170 s. Estimate, not measured: ~25-35 s per worker (8 of them).
+    mkdir -p /tmp/baseline/e8b7b7f && tar -xzf .baseline/e8b7b7f.tar.gz -C /tmp/baseline/e8b7b7f
+    stage overhead-qwen3-50 170 python3 benchmarks/fetch_overhead.py --device cuda --preset qwen3-30b-a3b --layers 16 \
+      --coverage 0.5 --baseline e8b7b7f --baseline-tree /tmp/baseline/e8b7b7f --rounds 2 --steps 300 --commit "$commit" \
+      --out "$work/fetch_overhead_cuda_qwen3_50.json"
+    stage overhead-qwen3-25 170 python3 benchmarks/fetch_overhead.py --device cuda --preset qwen3-30b-a3b --layers 16 \
+      --coverage 0.25 --baseline e8b7b7f --baseline-tree /tmp/baseline/e8b7b7f --rounds 2 --steps 300 --commit "$commit" \
+      --out "$work/fetch_overhead_cuda_qwen3_25.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
