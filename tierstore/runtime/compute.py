@@ -83,25 +83,9 @@ def cuda_w2_block_tokens(pairs: int, experts: int, fp4: bool = False) -> int | N
     Without an FP4 pool: below experts / 2 pairs 1 (the single-token kernels, one pair per block); from there up to
     CUDA_MULTI_MAX_PAIRS_PER_EXPERT pairs per expert on average 16 (the multi-token kernels, each expert's tile
     decoded once per column group of its pairs; W2MoeCuda picks the group width by pairs per expert); above that None.
-    The 1 -> 16 switch sits where uniform routing gives ~1.27 pairs per routed expert (P / (E (1 - e^(-P/E))) at
-    P = E / 2); measured on DeepSeek-V3 shapes (E = 256, cuda-w2-multi-deepseek-v3.json): 64 pairs single 311.6 vs
-    multi 348.8 us, 256 pairs 1140.2 vs 959.4 us. Above experts pairs the multi-token kernels were measured against
-    the Triton stages the runtime would run instead (its default tensor-core blocks, kernels-*-54fb697.json; H200,
-    whole op, outputs checked, byte-identical to the single-token kernels), CUDA first, us: mixtral-8x7b (E = 8)
-    16 pairs 200.7 vs 1108.8, 64 pairs 465.2 vs 1236.2 (cuda-w2-*-54fb697.json); at T = 64 / 512
-    (cuda-w2-*-t64-512-cf5719c.json) deepseek-v3 2 / 16 pairs per expert 1223.8 vs 7836.8, 4271.0 vs 13261.8;
-    kimi-k2 1.33 / 10.7: 1468.1 vs 9985.9, 4780.4 vs 14690.3; ds4-flash 1.5 / 12: 652.9 vs 4308.0, 2102.7 vs
-    6490.1; olmoe-1b-7b 8 / 64: 148.9 vs 430.2, 820.5 vs 1011.7; mixtral-8x7b 16 / 128: 613.5 vs 1770.8, 3823.6 vs
-    3475.1 (Triton faster). The Triton times are another run's (bf16 in both within 10 %), hence the margin: the
-    limit is the last measured win, 64.
-
     With an FP4 pool (`TierMoeCuda`: the W2 stages, then the FP4 stages, single- or multi-token as above): 1 from
     experts / 4 to experts / 2 pairs, 16 from there up to CUDA_MULTI_MAX_PAIRS_PER_EXPERT_FP4 pairs per expert, else
-    None. Measured on DeepSeek-V3 shapes with every 4th expert FP4, against the Triton op (cuda-fp4-deepseek-v3.json;
-    the multi-token kernels: cuda-fp4-*-{a3b95f1,46074cb}.json): one pair per block 0.83x at 8 pairs, 1.25x at 64
-    (= experts / 4), 1.29x at 256; expert blocks of 16 at 64 pairs 1.24x (one pair per block 1.25x), at 256 1.73x
-    (1.31x), at 512 2.33x (1.31x), at 4096 (16 per expert) 5.02x (1.32x). Between 8 and 64 pairs and above 16 per
-    expert not measured."""
+    None. The H200 measurements behind each bound: benchmarks/cuda-w2-notes.md, "The runtime's block rule"."""
     if fp4:
         if 4 * pairs < experts or pairs > CUDA_MULTI_MAX_PAIRS_PER_EXPERT_FP4 * experts:
             return None
