@@ -11,7 +11,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -482,6 +482,18 @@ case "$step" in
     stage overhead-qwen3-25 170 python3 benchmarks/fetch_overhead.py --device cuda --preset qwen3-30b-a3b --layers 16 \
       --coverage 0.25 --baseline e8b7b7f --baseline-tree /tmp/baseline/e8b7b7f --rounds 2 --steps 300 --commit "$commit" \
       --out "$work/fetch_overhead_cuda_qwen3_25.json"
+    ;;
+  repeat5)  # more runs of closing5's warm cells with the final code (the target claims rest on few runs per cell):
+    # ds-v2-lite twice, qwen3-30b-a3b once, as closing5. Stage limits 80 + 80 + 110 s. Measured at 595f42a
+    # (closing5): 46 s and 76 s.
+    for round in 1 2; do
+      stage replay-warm-ds-$round 80 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+        --steps 220 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+        --commit "$commit" --out "$work/replay_warm_ds_$round.json"
+    done
+    stage replay-warm-qwen3 110 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+      --steps 220 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --commit "$commit" --out "$work/replay_warm_qwen3.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
