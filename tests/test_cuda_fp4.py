@@ -39,6 +39,14 @@ HI_TABLE = (_header_constant("kHiTable0"), _header_constant("kHiTable1"))
 
 # ---- host side -------------------------------------------------------------------------------------------
 
+def _assert_kinds(kinds: str, args: list) -> None:
+    """One launch argument per kind letter, a float where the kernel takes `f`, an int (pointer or integer)
+    elsewhere."""
+    assert len(args) == len(kinds)
+    for kind, value in zip(kinds, args):
+        assert isinstance(value, float if kind == "f" else int)
+
+
 def test_arg_kinds_match_the_kernel_signatures_and_launch_args():
     text = fp4_stages.SOURCE.read_text()
     assert signature_kinds(text, fp4_stages.GATE_UP_KERNEL) == fp4_stages.GATE_UP_ARG_KINDS
@@ -46,11 +54,8 @@ def test_arg_kinds_match_the_kernel_signatures_and_launch_args():
     f4 = fp4_tier(512, 256, 2, 2, 8, "cpu")
     ws = MoeWorkspace.allocate(1, 2, 8, 512, 256, torch.bfloat16, "cpu", block_tokens=1)
     x = torch.zeros(1, 512, dtype=torch.bfloat16)
-    for kinds, args in ((fp4_stages.GATE_UP_ARG_KINDS, fp4_stages.gate_up_args(x, 2, f4, 1, ws, ws.act, 0.5)),
-                        (fp4_stages.DOWN_ARG_KINDS, fp4_stages.down_args(f4, 1, ws, ws.y))):
-        assert len(args) == len(kinds)
-        for kind, value in zip(kinds, args):
-            assert isinstance(value, float if kind == "f" else int)
+    _assert_kinds(fp4_stages.GATE_UP_ARG_KINDS, fp4_stages.gate_up_args(x, 2, f4, 1, ws, ws.act, 0.5))
+    _assert_kinds(fp4_stages.DOWN_ARG_KINDS, fp4_stages.down_args(f4, 1, ws, ws.y))
     gate = fp4_stages.gate_up_args(x, 2, f4, 1, ws, ws.act, None)
     assert gate[6:8] == [512 // 8, 512 // 32] and gate[9] == 8 and gate[-2:] == [0.0, 0]
     down = fp4_stages.down_args(f4, 1, ws, ws.y)
@@ -87,10 +92,8 @@ def test_multi_arg_kinds_match_the_kernel_signatures_and_launch_args():
     x = torch.zeros(4, 512, dtype=torch.bfloat16)
     gate = fp4_multi.gate_launch_args(x, 2, f4, 1, ws, ws.act, 0.5)
     down = fp4_multi.down_launch_args(f4, 1, ws, ws.y)
-    for kinds, args in ((fp4_multi.GATE_ARG_KINDS, gate), (fp4_multi.DOWN_ARG_KINDS, down)):
-        assert len(args) == len(kinds)
-        for kind, value in zip(kinds, args):
-            assert isinstance(value, float if kind == "f" else int)
+    _assert_kinds(fp4_multi.GATE_ARG_KINDS, gate)
+    _assert_kinds(fp4_multi.DOWN_ARG_KINDS, down)
     assert gate[6:8] == [512 // 8, 512 // 32] and gate[9] == 8 and gate[14:16] == [16, 2] and gate[-2:] == [0.5, 1]
     assert gate[11] == ws.block_fill.data_ptr() and down[11] == ws.block_fill.data_ptr() and down[14] == 16
     assert down[4:8] == [f4.layout.w2_words_offset, f4.layout.w2_scales_offset, 256 // 8, 256 // 32]
