@@ -27,6 +27,20 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to $work/NAME.
   echo "$name: exit $status after $((SECONDS - started)) s (limit $limit s)" | tee -a "$work/summary.txt"
 }
 
+runtime_gpu_tests() {  # runtime_gpu_tests LIMIT: the GPU tests of the runtime's pool, layer waits, early fetch, cuda_w2
+  stage tests "$1" python3 -m pytest tests/test_runtime_gpu.py tests/test_runtime_pool_copies.py \
+    tests/test_runtime_layer_waits.py tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py -m gpu -q
+}
+
+fetch_ab() {  # fetch_ab NAME LIMIT ARGS...: benchmarks/fetch_overhead.py on CUDA, the old tree e8b7b7f (unpacked from
+  # the carried .baseline/e8b7b7f.tar.gz: the device's .git lacks recent commits) against this one, 300 steps per worker
+  local name="$1" limit="$2"
+  shift 2
+  mkdir -p /tmp/baseline/e8b7b7f && tar -xzf .baseline/e8b7b7f.tar.gz -C /tmp/baseline/e8b7b7f
+  stage "$name" "$limit" python3 benchmarks/fetch_overhead.py --device cuda --baseline e8b7b7f \
+    --baseline-tree /tmp/baseline/e8b7b7f --steps 300 --commit "$commit" "$@"
+}
+
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$work/install.log" 2>&1 \
   || { echo "editable install failed: see install.log" | tee -a "$work/summary.txt"; }
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -418,13 +432,9 @@ case "$step" in
     # preloaded arena, bf16, graphs: 3 rounds at 25%, 2 at 50%. Stage limits 150 + 200 + 140 s. Measured on the
     # first try (d0241bf, the comparison failed without .baseline): tests 76 s. Estimate, not measured: ~15-20 s
     # per worker process (10 of them).
-    stage tests 150 python3 -m pytest tests/test_runtime_gpu.py tests/test_runtime_pool_copies.py \
-      tests/test_runtime_layer_waits.py tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py -m gpu -q
-    mkdir -p /tmp/baseline/e8b7b7f && tar -xzf .baseline/e8b7b7f.tar.gz -C /tmp/baseline/e8b7b7f
-    stage overhead-25 200 python3 benchmarks/fetch_overhead.py --device cuda --coverage 0.25 --baseline e8b7b7f \
-      --baseline-tree /tmp/baseline/e8b7b7f --rounds 3 --steps 300 --commit "$commit" --out "$work/fetch_overhead_cuda_25.json"
-    stage overhead-50 140 python3 benchmarks/fetch_overhead.py --device cuda --coverage 0.5 --baseline e8b7b7f \
-      --baseline-tree /tmp/baseline/e8b7b7f --rounds 2 --steps 300 --commit "$commit" --out "$work/fetch_overhead_cuda_50.json"
+    runtime_gpu_tests 150
+    fetch_ab overhead-25 200 --coverage 0.25 --rounds 3 --out "$work/fetch_overhead_cuda_25.json"
+    fetch_ab overhead-50 140 --coverage 0.5 --rounds 2 --out "$work/fetch_overhead_cuda_50.json"
     ;;
   hostpath2)  # the host path after hostpath (c2a6611 / dda35dc): the first layer's rows now go before the table (staged
     # while they are on the bus), the table copy without re-checks. GPU tests of the pool, layer waits, early fetch
@@ -433,13 +443,9 @@ case "$step" in
     # / 10%) for the 1.25x-of-floor target. Stage limits 150 + 120 + 120 + 150 s. Measured at dda35dc: tests 28 s,
     # 3 rounds at 25% 69 s, 2 rounds at 50% 50 s; estimate, not measured: replay ~100 s (resume's replay-waits at two
     # coverages 77-101 s, the 10% cell adds its naive run).
-    stage tests 150 python3 -m pytest tests/test_runtime_gpu.py tests/test_runtime_pool_copies.py \
-      tests/test_runtime_layer_waits.py tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py -m gpu -q
-    mkdir -p /tmp/baseline/e8b7b7f && tar -xzf .baseline/e8b7b7f.tar.gz -C /tmp/baseline/e8b7b7f
-    stage overhead-25 120 python3 benchmarks/fetch_overhead.py --device cuda --coverage 0.25 --baseline e8b7b7f \
-      --baseline-tree /tmp/baseline/e8b7b7f --rounds 3 --steps 300 --commit "$commit" --out "$work/fetch_overhead_cuda_25.json"
-    stage overhead-50 120 python3 benchmarks/fetch_overhead.py --device cuda --coverage 0.5 --baseline e8b7b7f \
-      --baseline-tree /tmp/baseline/e8b7b7f --rounds 3 --steps 300 --commit "$commit" --out "$work/fetch_overhead_cuda_50.json"
+    runtime_gpu_tests 150
+    fetch_ab overhead-25 120 --coverage 0.25 --rounds 3 --out "$work/fetch_overhead_cuda_25.json"
+    fetch_ab overhead-50 120 --coverage 0.5 --rounds 3 --out "$work/fetch_overhead_cuda_50.json"
     stage replay-warm 150 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
       --steps 220 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
       --commit "$commit" --out "$work/replay_warm_ds.json"
@@ -462,8 +468,7 @@ case "$step" in
     # arena; last measured at 54fb697) with this code. Stage limits 150 + 100 + 200 s. Measured: tests 49-56 s
     # (hostpath2), ds-v2-lite 48 s (hostpath2); estimate, not measured: qwen3 ~90-120 s (matrix's two-coverage qwen3
     # stages took ~70-90 s).
-    stage tests 150 python3 -m pytest tests/test_runtime_gpu.py tests/test_runtime_pool_copies.py \
-      tests/test_runtime_layer_waits.py tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py -m gpu -q
+    runtime_gpu_tests 150
     stage replay-warm-ds 100 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
       --steps 220 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
       --commit "$commit" --out "$work/replay_warm_ds.json"
@@ -475,12 +480,9 @@ case "$step" in
     # 0.468 ms; 10% alike), a separate call: old (e8b7b7f, carried .baseline tar.gz) vs new (the host-path cuts) side
     # by side on qwen3-30b-a3b, 16 layers, preloaded arena, bf16, graphs: 2 rounds at 50%, 2 at 25%. Stage limits
     # 170 + 170 s. Estimate, not measured: ~25-35 s per worker (8 of them).
-    mkdir -p /tmp/baseline/e8b7b7f && tar -xzf .baseline/e8b7b7f.tar.gz -C /tmp/baseline/e8b7b7f
-    stage overhead-qwen3-50 170 python3 benchmarks/fetch_overhead.py --device cuda --preset qwen3-30b-a3b --layers 16 \
-      --coverage 0.5 --baseline e8b7b7f --baseline-tree /tmp/baseline/e8b7b7f --rounds 2 --steps 300 --commit "$commit" \
+    fetch_ab overhead-qwen3-50 170 --preset qwen3-30b-a3b --layers 16 --coverage 0.5 --rounds 2 \
       --out "$work/fetch_overhead_cuda_qwen3_50.json"
-    stage overhead-qwen3-25 170 python3 benchmarks/fetch_overhead.py --device cuda --preset qwen3-30b-a3b --layers 16 \
-      --coverage 0.25 --baseline e8b7b7f --baseline-tree /tmp/baseline/e8b7b7f --rounds 2 --steps 300 --commit "$commit" \
+    fetch_ab overhead-qwen3-25 170 --preset qwen3-30b-a3b --layers 16 --coverage 0.25 --rounds 2 \
       --out "$work/fetch_overhead_cuda_qwen3_25.json"
     ;;
   repeat5)  # more runs of closing5's warm cells with the final code (the target claims rest on few runs per cell):

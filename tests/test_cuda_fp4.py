@@ -39,6 +39,14 @@ HI_TABLE = (_header_constant("kHiTable0"), _header_constant("kHiTable1"))
 
 # ---- host side -------------------------------------------------------------------------------------------
 
+def _launch_inputs(tokens: int, block_tokens: int):
+    """An FP4 tier (H 512, I 256, 8 experts), a workspace (top-2) and zero activations [tokens, 512] on the CPU: what
+    the launch-argument builders read (pointers and shapes, no launch)."""
+    f4 = fp4_tier(512, 256, 2, 2, 8, "cpu")
+    ws = MoeWorkspace.allocate(tokens, 2, 8, 512, 256, torch.bfloat16, "cpu", block_tokens=block_tokens)
+    return f4, ws, torch.zeros(tokens, 512, dtype=torch.bfloat16)
+
+
 def _assert_kinds(kinds: str, args: list) -> None:
     """One launch argument per kind letter, a float where the kernel takes `f`, an int (pointer or integer)
     elsewhere."""
@@ -51,9 +59,7 @@ def test_arg_kinds_match_the_kernel_signatures_and_launch_args():
     text = fp4_stages.SOURCE.read_text()
     assert signature_kinds(text, fp4_stages.GATE_UP_KERNEL) == fp4_stages.GATE_UP_ARG_KINDS
     assert signature_kinds(text, fp4_stages.DOWN_KERNEL) == fp4_stages.DOWN_ARG_KINDS
-    f4 = fp4_tier(512, 256, 2, 2, 8, "cpu")
-    ws = MoeWorkspace.allocate(1, 2, 8, 512, 256, torch.bfloat16, "cpu", block_tokens=1)
-    x = torch.zeros(1, 512, dtype=torch.bfloat16)
+    f4, ws, x = _launch_inputs(tokens=1, block_tokens=1)
     _assert_kinds(fp4_stages.GATE_UP_ARG_KINDS, fp4_stages.gate_up_args(x, 2, f4, 1, ws, ws.act, 0.5))
     _assert_kinds(fp4_stages.DOWN_ARG_KINDS, fp4_stages.down_args(f4, 1, ws, ws.y))
     gate = fp4_stages.gate_up_args(x, 2, f4, 1, ws, ws.act, None)
@@ -87,9 +93,7 @@ def test_multi_arg_kinds_match_the_kernel_signatures_and_launch_args():
     text = fp4_multi.SOURCE.read_text()
     assert signature_kinds(text, fp4_multi.GATE_KERNEL) == fp4_multi.GATE_ARG_KINDS
     assert signature_kinds(text, fp4_multi.DOWN_KERNEL) == fp4_multi.DOWN_ARG_KINDS
-    f4 = fp4_tier(512, 256, 2, 2, 8, "cpu")
-    ws = MoeWorkspace.allocate(4, 2, 8, 512, 256, torch.bfloat16, "cpu", block_tokens=16)
-    x = torch.zeros(4, 512, dtype=torch.bfloat16)
+    f4, ws, x = _launch_inputs(tokens=4, block_tokens=16)
     gate = fp4_multi.gate_launch_args(x, 2, f4, 1, ws, ws.act, 0.5)
     down = fp4_multi.down_launch_args(f4, 1, ws, ws.y)
     _assert_kinds(fp4_multi.GATE_ARG_KINDS, gate)
