@@ -101,6 +101,22 @@ def _block_tokens(name: str) -> int:
     return MULTI_BT if name.endswith("_multi") or "_multi_" in name else 1
 
 
+def _down_wps(geo) -> int:
+    """Words per bit slot of the preset's w2 matrix (the down kernels' build: w2_down.wps_of)."""
+    from tierstore.kernels.cuda.w2_down import wps_of
+    from tierstore.kernels.layout import w2_slot_layout
+
+    return wps_of(w2_slot_layout(geo.hidden, geo.expert_inter))
+
+
+def _staged_k(geo) -> int:
+    """The down kernels' K in shared memory at the preset (w2_down.act_k: inter, or the pair tiles' 512 each)."""
+    from tierstore.kernels.cuda.w2_down import act_k
+    from tierstore.kernels.layout import w2_slot_layout
+
+    return act_k(w2_slot_layout(geo.hidden, geo.expert_inter))
+
+
 def _build(stage: str, options: dict, multi: bool = False, geo=None) -> tuple[object, dict]:
     """One CUDA variant of `stage` (gate_up: options {ahead}; down: {ahead, groups}; whole: W2MoeCuda's), the
     multi-token kernel when `multi` (whole: the same W2MoeCuda, run on block_tokens 16); geo: the preset, for the
@@ -111,10 +127,12 @@ def _build(stage: str, options: dict, multi: bool = False, geo=None) -> tuple[ob
     from tierstore.kernels.cuda.w2_multi import W2DownMultiCuda, W2GateUpMultiCuda
 
     started = time.perf_counter()
+    if stage != "gate_up" and geo is not None and _down_wps(geo) == 16:
+        options = options | {"wps": 16}  # the down kernels' build for the preset's 16-word tiles (inter % 512 != 0)
     classes = {"gate_up": W2GateUpMultiCuda, "down": W2DownMultiCuda} if multi else {"gate_up": W2GateUpCuda,
                                                                                      "down": W2DownCuda}
     built = {**classes, "whole": W2MoeCuda}[stage](**options)  # whole: gate_multi picks the multi gate_up kernel
-    k_len = {"gate_up": geo.hidden, "down": geo.expert_inter} if geo is not None else {}
+    k_len = {"gate_up": geo.hidden, "down": _staged_k(geo)} if geo is not None else {}
     if stage == "whole":
         parts = (("gate_up", built.gate_up_multi), ("down", built.down_multi)) if multi else (
             ("gate_up", built.gate_up), ("down", built.down))

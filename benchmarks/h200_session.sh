@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 measurements of main, in device calls of under 10 minutes each (one step per call; each step's
 # comment below says what it measures; the last ones run are those of 2026-11-30's fourth session: resume2, hostpath,
-# hostpath2, threads, closing5, qwen3ab, repeat5; hostpath, hostpath2 and qwen3ab need .baseline carried too).
+# hostpath2, threads, closing5, qwen3ab, repeat5, and of its fifth: halftiles; hostpath, hostpath2 and qwen3ab need
+# .baseline carried too).
 # Run from the repository root on the GPU machine:
 #   TIERSTORE_COMMIT=<sha of the tree, taken on the dev machine> bash benchmarks/h200_session.sh kernels
 #   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime      (carry .whl for liburing)
@@ -11,7 +12,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -496,6 +497,30 @@ case "$step" in
     stage replay-warm-qwen3 110 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
       --steps 220 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
       --commit "$commit" --out "$work/replay_warm_qwen3.json"
+    ;;
+  halftiles)  # the CUDA down kernels' 16-word tile build (W2_WPS 16: ds-v2-lite inter 1408, qwen3-30b-a3b 768) on the GPU
+    # for the first time: its GPU tests with the CUDA W2 / multi / runtime ones; benchmarks/cuda_w2.py on both presets
+    # (verify's variants and the multi-token down) at T = 1 / 8 / 32; the replay's warm ds-v2-lite cells with every run
+    # on the CUDA kernels (--config cuda_w2=1: resident, tiered, naive), then Triton vs CUDA tiered side by side
+    # (--compare-config cuda_w2=1); qwen3-30b-a3b with every run on the CUDA kernels. Stage limits 170 + 2 x 45 + 80 +
+    # 80 + 120 = 540 s. Estimates, not measured: tests ~120 s (verify's 110 s limit held test_cuda_w2 + fp4 + runtime),
+    # cuda_w2.py ~15-30 s per preset (verify 13 s), replays as repeat5 (46 s, 76 s; the side by side adds a run).
+    stage tests 170 python3 -m pytest tests/test_cuda_w2_half_tiles.py tests/test_cuda_w2.py tests/test_cuda_w2_multi.py \
+      tests/test_runtime_cuda_w2.py -m gpu -q
+    for preset in ds-v2-lite qwen3-30b-a3b; do
+      stage "cuda-w2-$preset" 45 python3 benchmarks/cuda_w2.py --preset "$preset" --tokens 1,8,32 \
+        --variants cuda_mma_ahead2,cuda_down,cuda_down_multi,cuda_whole,cuda_whole_egp,cuda_whole_multi,cuda_whole_multi_s4e \
+        --commit "$commit" --json "$work/cuda-w2-$preset.json"
+    done
+    stage replay-ds-cuda 80 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 1.0,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --config cuda_w2=1 --commit "$commit" --out "$work/replay_ds_cuda.json"
+    stage replay-ds-ab 80 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 1.0,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --compare-config cuda_w2=1 --commit "$commit" --out "$work/replay_ds_ab.json"
+    stage replay-qwen3-cuda 120 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+      --steps 220 --warmup 20 --coverages 1.0,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --config cuda_w2=1 --commit "$commit" --out "$work/replay_qwen3_cuda.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

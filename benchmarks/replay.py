@@ -74,26 +74,37 @@ def floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v]
 
 
-def _compare_config(args) -> dict | None:
-    """--compare-layer-waits / --compare-config FIELD=VALUE as config overrides (values parsed as the
-    environment's TIERSTORE_<FIELD> would be), or None."""
-    environ = {"TIERSTORE_LAYER_WAITS": "0"} if args.compare_layer_waits else {}
-    for item in args.compare_config:
+def _config_fields(items: list[str], option: str, environ: dict | None = None) -> dict | None:
+    """FIELD=VALUE items of `option` as runtime config fields (values parsed as the environment's TIERSTORE_<FIELD>
+    would be), or None when there are none."""
+    environ = dict(environ or {})
+    for item in items:
         field, sep, value = item.partition("=")
         if not sep or not field:
-            raise SystemExit(f"--compare-config takes FIELD=VALUE, got {item!r}")
+            raise SystemExit(f"{option} takes FIELD=VALUE, got {item!r}")
         environ["TIERSTORE_" + field.upper()] = value
     if not environ:
         return None
     try:
         changed = RuntimeConfig.from_env(environ)
     except ConfigError as error:
-        raise SystemExit(f"--compare-config: {error}") from None
+        raise SystemExit(f"{option}: {error}") from None
     names = {key.removeprefix("TIERSTORE_").lower() for key in environ}
     unknown = names - {f.name for f in fields(RuntimeConfig)}
     if unknown:
-        raise SystemExit(f"--compare-config: no runtime config field {', '.join(sorted(unknown))}")
+        raise SystemExit(f"{option}: no runtime config field {', '.join(sorted(unknown))}")
     return {name: getattr(changed, name) for name in sorted(names)}
+
+
+def _compare_config(args) -> dict | None:
+    """--compare-layer-waits / --compare-config FIELD=VALUE as config overrides, or None."""
+    return _config_fields(args.compare_config, "--compare-config",
+                          {"TIERSTORE_LAYER_WAITS": "0"} if args.compare_layer_waits else None)
+
+
+def _base_config(args) -> RuntimeConfig:
+    """The runtime config of every run: the benchmark's (no KPI lines, forced pool sizes) with --config's fields."""
+    return RuntimeConfig(kpi_every=0, force_pool=True, **(_config_fields(args.config, "--config") or {}))
 
 
 def main() -> None:
@@ -120,6 +131,9 @@ def main() -> None:
     parser.add_argument("--no-synthetic", action="store_true", help="replay the --trace files only")
     parser.add_argument("--compare-layer-waits", action="store_true",
                         help="also run the tiered steps with config layer_waits off (whole-fetch waits), side by side")
+    parser.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
+                        help="runtime config field of every run, resident and naive included (repeatable; e.g. "
+                             "cuda_w2=1: the CUDA C++ kernels)")
     parser.add_argument("--compare-config", action="append", default=[], metavar="FIELD=VALUE",
                         help="also run the tiered steps with this runtime config field changed (repeatable; "
                              "e.g. copy_streams=2), side by side")
@@ -131,10 +145,11 @@ def main() -> None:
     head = {"provenance": provenance(args.commit), "method": {
         "steps": args.steps, "warmup": args.warmup, "layers": args.layers, "graph": not args.eager, "dtype": args.dtype,
         "arena_preload": args.arena_preload, "compare_layer_waits": args.compare_layer_waits,
-        "compare_config": args.compare_config, "traces": args.trace, "trace_layers": args.trace_layers,
+        "config": args.config, "compare_config": args.compare_config, "traces": args.trace, "trace_layers": args.trace_layers,
         "trace_top_k": args.trace_top_k, "synthetic": not args.no_synthetic,
         "floor": "plain all-resident steady step + steady arena-hit bytes / pinned H2D + arena-miss bytes / source read"}}
     compare = _compare_config(args)
+    config = _base_config(args)
     if args.no_synthetic and not args.trace:
         parser.error("--no-synthetic needs at least one --trace")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -162,7 +177,7 @@ def main() -> None:
                     pool = max(1, round(coverage * geometry.total_routed_experts))
                     result = run_replay(run_geometry, lambda: open_synthetic_rows(spec, args.pack_dir), steps,
                                         pool_slots=pool, arena_slots=int(arena_gb * 2**30) // spec.stride,
-                                        device=device, warmup=args.warmup, graph=not args.eager,
+                                        device=device, config=config, warmup=args.warmup, graph=not args.eager,
                                         arena_preload=args.arena_preload, dtype=getattr(torch, args.dtype),
                                         compare=compare)
                     result.update(preset=preset, workload=name, arena_gb=arena_gb, trace_mapping=mapping)

@@ -79,8 +79,10 @@ def test_geometry_limits():
         check_geometry(w2_slot_layout(1280, 64))
     for groups in (1, 2):
         w2_down.check_geometry(w2_slot_layout(7168, 2048), groups)  # DeepSeek-V3
-    with pytest.raises(ValueError, match="inter must be a multiple of 512"):
-        w2_down.check_geometry(w2_slot_layout(7168, 768))
+    w2_down.check_geometry(w2_slot_layout(2048, 768))  # 16-word tiles: a build with wps 16 reads them
+    with pytest.raises(ValueError, match="built for 32-word tiles; the pool's w2 matrix \\(inter 768\\) has 16-word "
+                                         "tiles: build it with wps=16"):
+        w2_down.check_build(w2_slot_layout(2048, 768), 1, 32)
     with pytest.raises(ValueError, match="multiple of 128"):
         w2_down.check_geometry(w2_slot_layout(1088, 512), 2)
 
@@ -153,9 +155,10 @@ def put_a(a_mat: np.ndarray, lo, hi, lo_scales, hi_scales, t: int, i: int, mm: i
         a_mat[row, col: col + 2] = bf16_halves(a[reg])
 
 
-def warp_acc(lo, hi, lo_scales, hi_scales, xp, column_base, tiles) -> np.ndarray:
+def warp_acc(lo, hi, lo_scales, hi_scales, xp, column_base, tiles, put=put_a) -> np.ndarray:
     """One warp's K loop: A rows 0..7 = `lo` (8 rows), 8..15 = `hi`; B column g read at xp[column_base[g] + ...] (the
-    lane's xp_lane); the two accumulators [2, 16, 8] (words mm even / odd)."""
+    lane's xp_lane); the two accumulators [2, 16, 8] (words mm even / odd). `put`: the lanes' A registers of a tile
+    (`put_a`; the 16-word tiles' model passes its own)."""
     acc = np.zeros((2, 16, 8))
     for t in range(tiles):
         for i in range(8):
@@ -163,7 +166,7 @@ def warp_acc(lo, hi, lo_scales, hi_scales, xp, column_base, tiles) -> np.ndarray
                 a_mat, b_mat = np.zeros((16, 16)), np.zeros((16, 8))
                 for lane in range(32):
                     g, c = lane >> 2, lane & 3
-                    put_a(a_mat, lo, hi, lo_scales, hi_scales, t, i, mm, g, c)
+                    put(a_mat, lo, hi, lo_scales, hi_scales, t, i, mm, g, c)
                     at = column_base[g] + t * 256 + i * 32 + 8 * c + 2 * mm
                     for reg in range(2):
                         b_mat[2 * c + 8 * reg: 2 * c + 8 * reg + 2, g] = bf16_halves(xp[at + reg])  # B: column g

@@ -4,7 +4,8 @@ CPU: the knob parses; each unmet condition is a ConfigError at boot that names i
 device, nvcc, build); with a stand-in kernel object the triton backend passes it to moe_mm only with the knob on,
 only for decode-sized workspaces (one pair per block, or 16-pair expert blocks from experts / 2 pairs), built
 once. GPU (marker gpu, needs nvcc too): a tiny model with the knob
-generates the tokens it generates without it, and its quarter-pool run is bit-identical to its all-resident run.
+generates the tokens it generates without it, and its quarter-pool run is bit-identical to its all-resident run, at
+expert inter 512 and 768 (the down kernels' 32- and 16-word tile builds).
 """
 
 from __future__ import annotations
@@ -46,11 +47,18 @@ def test_a_refused_boot_with_an_fp4_pool_stops_its_fp4_manager():
     assert THREAD_NAME not in [t.name for t in threading.enumerate()]
 
 
-@pytest.mark.parametrize("hidden, inter, message", [(64, 512, "hidden must be a multiple of 512, got 64"),
-                                                     (512, 96, "inter must be a multiple of 512, got 96")])
-def test_shapes_off_the_kernels_rules_are_refused(hidden, inter, message):
-    g = toy_geometry(**{**FITS, "hidden": hidden, "inter": inter})
-    with pytest.raises(ConfigError, match=f"TIERSTORE_CUDA_W2.*do not fit the CUDA kernels: {message}"):
+def test_shapes_off_the_kernels_rules_are_refused():
+    g = toy_geometry(**{**FITS, "hidden": 64})
+    with pytest.raises(ConfigError, match="TIERSTORE_CUDA_W2.*do not fit the CUDA kernels: hidden must be a multiple "
+                                          "of 512, got 64"):
+        TieredRuntime(g, memory_source(g), pool_slots=4, config=RuntimeConfig(cuda_w2=True, kpi_every=0))
+
+
+@pytest.mark.parametrize("inter", [96, 768, 1408])
+def test_an_inter_off_the_32_word_tiles_passes_the_shape_rules(inter):
+    """The down kernels have a build for 16-word tiles (w2_half_tiles.cuh): only the backend / device check is left."""
+    g = toy_geometry(**{**FITS, "inter": inter})
+    with pytest.raises(ConfigError, match="needs the triton backend on a CUDA device"):
         TieredRuntime(g, memory_source(g), pool_slots=4, config=RuntimeConfig(cuda_w2=True, kpi_every=0))
 
 
@@ -178,7 +186,8 @@ def test_the_knob_refuses_hidden_states_other_than_bfloat16(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc to build the CUDA W2 kernels")
-def test_generation_with_the_knob_agrees_without_and_tiered_is_bit_identical(tmp_path, monkeypatch):
+@pytest.mark.parametrize("inter", [512, 768])  # 768: the down kernels' 16-word tile build (odd tile count)
+def test_generation_with_the_knob_agrees_without_and_tiered_is_bit_identical(tmp_path, monkeypatch, inter):
     from checkpoint_fixtures import save_hf_checkpoint
     from test_runtime_fixtures import runtime_hf_model
 
@@ -191,12 +200,12 @@ def test_generation_with_the_knob_agrees_without_and_tiered_is_bit_identical(tmp
     launches = []
     call = W2MoeCuda.__call__
     monkeypatch.setattr(W2MoeCuda, "__call__", lambda self, *a, **k: (launches.append(1), call(self, *a, **k))[1])
-    hf = runtime_hf_model("qwen3_moe", seed=3, hidden_size=512, moe_intermediate_size=512, intermediate_size=512)
+    hf = runtime_hf_model("qwen3_moe", seed=3, hidden_size=512, moe_intermediate_size=inter, intermediate_size=512)
     ckpt = save_hf_checkpoint(hf, tmp_path / "ckpt")
     ensure_base_pack(ckpt, tmp_path / "packs", device="cuda")
     with open_checkpoint(ckpt) as c:
         g = c.geometry
-    assert (g.hidden, g.expert_inter) == (512, 512)
+    assert (g.hidden, g.expert_inter) == (512, inter)
     prompt = [5, 17, 33, 8, 60, 12]
     results = {}
     chunk = None  # the 25% run's prefill steps, which the others repeat (a chunked prefill rounds differently)
@@ -232,8 +241,9 @@ def test_generation_with_the_knob_agrees_without_and_tiered_is_bit_identical(tmp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc to build the CUDA kernels")
-def test_with_an_fp4_pool_the_cuda_path_agrees_with_the_triton_path_on_mixed_residency():
-    g = toy_geometry(**{**FITS, "experts": 16})
+@pytest.mark.parametrize("inter", [512, 768])  # 768: W2 down on 16-word tiles, FP4 on whole 256-K tiles
+def test_with_an_fp4_pool_the_cuda_path_agrees_with_the_triton_path_on_mixed_residency(inter):
+    g = toy_geometry(**{**FITS, "experts": 16, "inter": inter})
     w2_rows, fp4_rows = tier_rows(g)
     model = ToyMoE(g)
     x = torch.randn(4, g.hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from test_runtime_fixtures import memory_source, toy_geometry
 
+from tierstore.runtime.config import RuntimeConfig
 from tierstore.runtime.replay import ensure_synthetic_pack, open_synthetic_rows, run_replay, trace_steps
 
 
@@ -84,7 +85,7 @@ def test_compare_adds_the_tiered_run_with_the_changed_config(tmp_path):
     assert result["tiered_over_flipped"] == pytest.approx(tiered["steady"]["step_ms"] / flipped["steady"]["step_ms"])
 
 
-def test_replay_cli_compare_config_parses_fields_like_the_environment():
+def test_replay_cli_config_and_compare_config_parse_fields_like_the_environment():
     import argparse
     import importlib.util
     from pathlib import Path
@@ -105,3 +106,9 @@ def test_replay_cli_compare_config_parses_fields_like_the_environment():
                          ("no_such=1", "no runtime config field no_such")):
         with pytest.raises(SystemExit, match=message):
             parse(bad)
+    base = lambda *items: bench._base_config(argparse.Namespace(config=list(items)))  # noqa: E731
+    assert base() == RuntimeConfig(kpi_every=0, force_pool=True)
+    assert base("cuda_w2=1", "copy_streams=2") == RuntimeConfig(kpi_every=0, force_pool=True, cuda_w2=True,
+                                                                 copy_streams=2)
+    with pytest.raises(SystemExit, match="--config: no runtime config field no_such"):
+        base("no_such=1")

@@ -16,8 +16,8 @@ pairs), in the same order with the same roles; above w2_moe.WIDE_FROM pairs per 
 
 So every resident pair's act and y are written exactly once by the tier that holds it (plus the NaN marker
 in between), missing pairs are left to the combine as on the Triton path, and the W2 files are unchanged:
-`W2MoeCuda` (steps 1 and 2) keeps its W2-only behaviour. Requires bfloat16, hidden and inter multiples of 512
-(the W2 stages'; the FP4 stages need 256).
+`W2MoeCuda` (steps 1 and 2) keeps its W2-only behaviour. Requires bfloat16, hidden a multiple of 512 (the W2
+stages'), hidden and inter multiples of 256 (the FP4 stages').
 """
 
 from __future__ import annotations

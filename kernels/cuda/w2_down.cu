@@ -4,8 +4,9 @@
 //
 // Inputs are the Triton down stage's: the W2 pool's slot bytes (layout: kernels/layout.py, the w2 section
 // [H, I]), its table and the FP4 table, the BT = 1 route output (block b -> expert, pair) and the gate_up
-// stage's act [P, I] bf16. Output: the per-pair rows y [P, H] float32 the combine reads. K (= inter) must
-// be a multiple of 512 (whole 32-word tiles, each bit slot one scale block), H a multiple of 64 * GROUPS.
+// stage's act [P, I] bf16. Output: the per-pair rows y [P, H] float32 the combine reads. H must be a multiple of
+// 64 * GROUPS; K (= inter) a multiple of 512 (whole 32-word tiles, each bit slot one scale block), or, built with
+// W2_WPS 16, any K the layout packs in 16-word tiles (w2_half_tiles.cuh: two of them read as one 32-word tile).
 //
 // An FP4-resident expert's pair is not this kernel's work, and no kernel of the CUDA path computes it: its
 // y rows are written as NaN, so a layer with FP4 pairs run through the CUDA path shows up in the output
@@ -57,6 +58,15 @@
 #ifndef W2_ROUTE_MAJOR
 #define W2_ROUTE_MAJOR 0
 #endif
+// W2_WPS: words per bit slot of the w2 matrix (kernels/layout.py), 32 or 16 (inter not a multiple of 512).
+#ifndef W2_WPS
+#define W2_WPS 32
+#endif
+#if W2_WPS == 16
+#include "w2_half_tiles.cuh"
+#elif W2_WPS != 32
+#error "W2_WPS is 32 or 16"
+#endif
 
 namespace {
 
@@ -82,15 +92,37 @@ __device__ __forceinline__ Unit load_unit_act(const uint16_t* a, int q) {
 #define load_unit_act load_unit
 #endif
 
+#if W2_WPS == 16
+// a: bf16 bits [k_real] -> xp [k_len / 2] (k_len: the pair tiles' K), ordered as the lanes read B
+// (w2_half_tiles.cuh: `load_unit16`), zero from k_real on.
+__device__ void build_pairs(const uint16_t* __restrict__ a, uint32_t* xp, int k_len, int k_real) {
+  const int units = k_len / 16;  // unit q = (t * 8 + i) * 4 + c: 8 pairs
+#if W2_PDL
+  const auto load = [](const uint16_t* p) { return load_coherent(p); };
+#else
+  const auto load = load_act4;
+#endif
+  for (int q = threadIdx.x; q < units; q += blockDim.x) store_unit(xp, q, load_unit16(a, q, k_real, load));
+}
+#else
 // a: bf16 bits [K] -> xp [K / 2], ordered as the lanes read B (w2_fragments.cuh: `load_unit`, `store_unit`).
 __device__ void build_pairs(const uint16_t* __restrict__ a, uint32_t* xp, int k_len) {
   const int units = k_len / 16;  // unit q = (t * 8 + i) * 4 + c: 8 pairs
   for (int q = threadIdx.x; q < units; q += blockDim.x) store_unit(xp, q, load_unit_act(a, q));
 }
+#endif
+
+#if W2_WPS == 16
+using ScaleVec = uint2;  // one 16-word tile's 8 scale bytes
+#else
+using ScaleVec = uint4;  // one 32-word tile's 16 scale bytes
+#endif
+constexpr int kScaleVecBytes = sizeof(ScaleVec);
 
 }  // namespace
 
-// Grid (route block, H / kRowsPerBlock), 128 threads; dynamic shared memory 2 * inter bytes (act pairs).
+// Grid (route block, H / kRowsPerBlock), 128 threads; dynamic shared memory 2 * K bytes (act pairs; K = inter, or
+// with W2_WPS 16 the pair tiles' 512 each).
 extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
     const uint16_t* __restrict__ act, long long stride_act,                              // act bf16 [P, I]
     const uint8_t* __restrict__ slots, long long slot_bytes, long long words_off,
@@ -119,11 +151,11 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
   const int n0 = row_tile * kRowsPerBlock + (threadIdx.x >> 5) * (kGroups * kRowsPerGroup) + g;  // group 0, row g
   float* y_row = y + pair * stride_y;
 #if W2_EARLY
-  const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 16;
+  const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / kScaleVecBytes;
   // The lane's rows in slot 0 while the table words are in flight (the empty asm keeps nvcc from sinking them below
   // the branch; no instruction), so that the slot's offset is added once after they arrive.
   const uint8_t* lo_at = slots + (words_off + 16 * (n0 * row_vecs));
-  const uint8_t* sl_at = slots + (scales_off + 16 * (n0 * scale_vecs));
+  const uint8_t* sl_at = slots + (scales_off + kScaleVecBytes * (n0 * scale_vecs));
   asm volatile("" ::"l"(lo_at), "l"(sl_at));
   if (fp4 | (w2_slot < 0)) {
 #if W2_PDL
@@ -137,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
   }
   const long long slot_at = static_cast<long long>(w2_slot) * slot_bytes;
   const uint4* lo = reinterpret_cast<const uint4*>(lo_at + slot_at);
-  const uint4* sl = reinterpret_cast<const uint4*>(sl_at + slot_at);
+  const ScaleVec* sl = reinterpret_cast<const ScaleVec*>(sl_at + slot_at);
 #else
   if (f4_table[table_row + expert] >= 0) {  // FP4 pair: not computed on this path, marked
     if (c < 2) {
@@ -148,19 +180,28 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
   }
 
   const uint8_t* base = slots + static_cast<long long>(w2_table[table_row + expert]) * slot_bytes;
-  const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 16;
+  const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / kScaleVecBytes;
   const uint4* lo = reinterpret_cast<const uint4*>(base + words_off) + n0 * row_vecs;
-  const uint4* sl = reinterpret_cast<const uint4*>(base + scales_off) + n0 * scale_vecs;
+  const ScaleVec* sl = reinterpret_cast<const ScaleVec*>(base + scales_off) + n0 * scale_vecs;
 #endif
+#if W2_WPS == 16
+  const int tiles = pair_tiles(words_per_row);
+#else
   const int tiles = words_per_row / kWps;
+#endif
   const int steps = kGroups * tiles;  // (group, tile) in order; step s = group s / tiles, tile s % tiles
 
   // Load cursor: the tile and the row-group offset of the next step to be loaded.
   int load_t = 0;
   long long load_w = 0, load_s = 0;  // row offsets (uint4) of the loaded group's row g: words, scales
   auto load_next = [&]() {
+#if W2_WPS == 16
+    const Tile r = load_tile16(lo + load_w, lo + load_w + 8 * row_vecs, sl + load_s, sl + load_s + 8 * scale_vecs,
+                               load_t, c, words_per_row / 16);
+#else
     const Tile r = load_tile(lo + load_w, lo + load_w + 8 * row_vecs, sl + load_s, sl + load_s + 8 * scale_vecs,
                              load_t, c);
+#endif
     if (++load_t == tiles) {
       load_t = 0;
       load_w += kRowsPerGroup * row_vecs;
@@ -177,7 +218,11 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
 #if W2_PDL
   asm volatile("griddepcontrol.wait;" ::: "memory");  // act is the preceding gate_up's output
 #endif
+#if W2_WPS == 16
+  build_pairs(act + pair * stride_act, xp, tiles * kTileK, inter);
+#else
   build_pairs(act + pair * stride_act, xp, inter);
+#endif
   __syncthreads();
 
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -188,7 +233,11 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
       const int s = s0 + j;
       if (s < steps) {
         if (s + kAhead < steps) ring[(j + kAhead) % (kAhead + 1)] = load_next();
+#if W2_WPS == 16
+        tile_mma16(ring[j], xp + t * kPairWordsPerTile, c, acc);
+#else
         tile_mma(ring[j], xp + t * kPairWordsPerTile, c, acc);
+#endif
         if (++t == tiles) {  // the group's rows are complete
           if (c < 2) y_row[n + 8 * c] = acc[0][2 * c] + acc[1][2 * c];
 #pragma unroll

@@ -5,6 +5,10 @@ workspace (after `moe_route` and a gate_up stage): ws.y[pair] = W2_e ws.act[pair
 [P, H] float32 when given. The y rows of an FP4-resident expert's pairs are written as NaN (the CUDA path
 computes no FP4 pair: kernels/cuda/w2_moe.py); missing experts' rows are left untouched (the combine does not
 read them).
+
+A build reads one tile width of the w2 matrix (`wps`, kernels/layout.py): 32 words per bit slot when inter is a
+multiple of 512 (DeepSeek-V3's 2048), else 16 (ds-v2-lite's 1408, qwen3-30b-a3b's 768; w2_half_tiles.cuh), whose
+build reads two 16-word tiles as one 32-word tile. `wps_of(layout)` says which a pool needs.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from . import loader, w2_gate_up
 SOURCE = Path(__file__).with_name("w2_down.cu")
 KERNEL = "w2_down_mma"
 THREADS = 128
-K_MULTIPLE = 512  # inter must fill whole 32-word tiles (kTileK)
+K_TILE = 512  # K values per 32-word tile (kTileK), or per pair of 16-word tiles
 ROWS_PER_GROUP = 16  # one mma A tile per warp and group
 # act, stride_act, slots, slot_bytes, words_off, scales_off, words_per_row, blocks_per_row, w2_table, f4_table,
 # table_row, block_expert, block_pairs, num_blocks, y, stride_y, inter
@@ -31,9 +35,28 @@ def rows_per_block(groups: int) -> int:
     return 4 * groups * ROWS_PER_GROUP  # kWarps * kGroups * kRowsPerGroup in the .cu
 
 
-def build_defines(ahead: int, groups: int, early: bool = False, route_major: bool = False, pdl: bool = False) -> dict:
-    """nvcc defines of a build (the v3 ones only when on: the default's command is the one before they existed)."""
-    return w2_gate_up.build_defines(ahead, early, route_major, pdl) | {"W2_GROUPS": groups}
+def build_defines(ahead: int, groups: int, early: bool = False, route_major: bool = False, pdl: bool = False,
+                  wps: int = 32) -> dict:
+    """nvcc defines of a build (the v3 ones and W2_WPS only when not the default: the default's command is the one
+    before they existed)."""
+    defines = w2_gate_up.build_defines(ahead, early, route_major, pdl) | {"W2_GROUPS": groups}
+    return defines | {"W2_WPS": 16} if wps == 16 else defines
+
+
+def wps_of(layout: SlotLayout) -> int:
+    """Words per bit slot of the w2 matrix of `layout`: the `wps` a down kernel for its pool is built with."""
+    return layout.w2.wps
+
+
+def check_wps(wps: int) -> None:
+    if wps not in (16, 32):
+        raise ValueError(f"wps (words per bit slot of the w2 matrix) is 32 or 16, got {wps}")
+
+
+def act_k(layout: SlotLayout) -> int:
+    """K of the activation pairs a block stages in shared memory: inter, or with 16-word tiles 512 per pair of
+    them (zero past inter)."""
+    return -(-layout.w2.words_per_row // 32) * K_TILE
 
 
 # cuLaunchKernelEx with programmatic stream serialization (W2DownCuda(pdl=True)); layouts as cuda.h (CUDA 12 / 13),
@@ -75,10 +98,9 @@ def launch_dependent(kernel, grid, block, shared_bytes: int, stream: int, kinds:
 
 
 def check_geometry(layout: SlotLayout, groups: int = 1) -> None:
+    """The shapes the kernels support (every inter: a build per tile width, `wps_of`)."""
     if layout.values_per_word != 16:
         raise ValueError("the CUDA down reads W2 slots only")
-    if layout.inter % K_MULTIPLE:
-        raise ValueError(f"inter must be a multiple of {K_MULTIPLE}, got {layout.inter}")
     if layout.hidden % rows_per_block(groups):
         raise ValueError(f"hidden must be a multiple of {rows_per_block(groups)} ({groups} row group(s)), "
                          f"got {layout.hidden}")
@@ -91,8 +113,16 @@ def launch_args(w2, fp4, layer: int, ws, out) -> list:
             out.stride(0), w2.layout.inter]
 
 
-def _check_inputs(w2, fp4, ws, out, groups: int) -> None:
-    check_geometry(w2.layout, groups)
+def check_build(layout: SlotLayout, groups: int, wps: int) -> None:
+    """check_geometry, and that a build for `wps`-word tiles reads this pool's w2 matrix."""
+    check_geometry(layout, groups)
+    if wps_of(layout) != wps:
+        raise ValueError(f"this down kernel was built for {wps}-word tiles; the pool's w2 matrix (inter {layout.inter}) "
+                         f"has {wps_of(layout)}-word tiles: build it with wps={wps_of(layout)}")
+
+
+def _check_inputs(w2, fp4, ws, out, groups: int, wps: int = 32) -> None:
+    check_build(w2.layout, groups, wps)
     if ws.block_tokens != 1:
         raise ValueError(f"the CUDA down runs one pair per block (block_tokens 1), got {ws.block_tokens}")
     check_tensors(w2, fp4, ws, out)
@@ -122,25 +152,27 @@ class W2DownCuda:
     early / route_major: the v3 defines W2_EARLY / W2_ROUTE_MAJOR as in `W2GateUpCuda` (off: the build as before);
     pdl: W2_PDL and every launch a programmatic dependent of the stream's preceding kernel (cuLaunchKernelEx): the
     prologue and first weight loads may overlap that kernel's tail, act is read after `griddepcontrol.wait`;
-    pairs_grid: P route blocks in the grid instead of max_blocks (w2_gate_up.route_blocks_grid).
+    pairs_grid: P route blocks in the grid instead of max_blocks (w2_gate_up.route_blocks_grid); wps: the w2 matrix's
+    words per bit slot this build reads (32, or 16 for an inter not a multiple of 512: `wps_of`).
     """
 
     def __init__(self, ahead: int = 2, groups: int = 1, device: int | None = None, early: bool = False,
-                 route_major: bool = False, pdl: bool = False, pairs_grid: bool = False) -> None:
+                 route_major: bool = False, pdl: bool = False, pairs_grid: bool = False, wps: int = 32) -> None:
         if pdl and not early:
             raise ValueError("pdl needs early (W2_PDL builds on W2_EARLY's FP4 branch)")
+        check_wps(wps)
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
         self.ahead, self.groups, self.early, self.route_major, self.pdl = ahead, groups, early, route_major, pdl
-        self.pairs_grid = pairs_grid
-        image = loader.build(SOURCE, build_defines(ahead, groups, early, route_major, pdl))
+        self.pairs_grid, self.wps = pairs_grid, wps
+        image = loader.build(SOURCE, build_defines(ahead, groups, early, route_major, pdl, wps))
         self.kernel = loader.load(image, KERNEL, self.device)
 
     def __call__(self, w2, fp4, layer: int, ws, out=None):
         out = ws.y if out is None else out
-        _check_inputs(w2, fp4, ws, out, self.groups)
+        _check_inputs(w2, fp4, ws, out, self.groups, self.wps)
         grid = (w2_gate_up.route_blocks_grid(ws, self.pairs_grid), w2.layout.hidden // rows_per_block(self.groups))
-        smem = 2 * w2.layout.inter  # activation pairs: I / 2 x 4 bytes
+        smem = 2 * act_k(w2.layout)  # activation pairs: K / 2 x 4 bytes
         self.kernel.allow_shared(smem)
         stream, args = torch.cuda.current_stream().cuda_stream, launch_args(w2, fp4, layer, ws, out)
         if self.pdl:

@@ -9,7 +9,8 @@
 // columns 2c and 2c + 1. Each column's arithmetic is the single-token kernel's. FP4-resident experts' pairs: their
 // y rows of this block are written as NaN (w2_down.cu); missing experts have no route block. No atomics.
 //
-// 4 warps, 4 blocks per SM; shared memory 8 columns x (I / 2 + 4) words (32.9 KB at I = 2048).
+// 4 warps, 4 blocks per SM; shared memory 8 columns x (K / 2 + 4) words (32.9 KB at I = 2048; K = I, or built with
+// W2_WPS 16 for an inter not a multiple of 512, the pair tiles' 512 each: w2_half_tiles.cuh).
 
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -22,6 +23,15 @@
 #ifndef W2_GROUPS
 #define W2_GROUPS 1  // 16-row groups per warp
 #endif
+// W2_WPS: words per bit slot of the w2 matrix (kernels/layout.py), 32 or 16 (inter not a multiple of 512).
+#ifndef W2_WPS
+#define W2_WPS 32
+#endif
+#if W2_WPS == 16
+#include "w2_half_tiles.cuh"
+#elif W2_WPS != 32
+#error "W2_WPS is 32 or 16"
+#endif
 
 namespace {
 
@@ -31,9 +41,25 @@ constexpr int kWarps = 4;
 constexpr int kRowsPerGroup = 16;
 constexpr int kRowsPerBlock = kWarps * kGroups * kRowsPerGroup;
 
+#if W2_WPS == 16
+using ScaleVec = uint2;  // one 16-word tile's 8 scale bytes
+
+// The group's act rows -> xp columns (build_pairs_multi with the pair tiles' order, w2_half_tiles.cuh): k_len the
+// pair tiles' K, zero from k_real on.
+__device__ void build_pairs_multi16(const uint16_t* __restrict__ a, long long stride_a, const int* __restrict__ pairs,
+                                    int count, uint32_t* xp, int stride, int k_len, int k_real) {
+  build_columns(a, stride_a, pairs, 1, count, xp, stride, k_len,
+                [k_real](const uint16_t* row, int q) { return load_unit16(row, q, k_real, load_act4); },
+                [](uint32_t* column, int q, const Unit& u) { store_unit(column, q, u); });
+}
+#else
+using ScaleVec = uint4;  // one 32-word tile's 16 scale bytes
+#endif
+constexpr int kScaleVecBytes = sizeof(ScaleVec);
+
 }  // namespace
 
-// Grid (route blocks, H / kRowsPerBlock), 128 threads; dynamic shared memory 8 * (2 * I + 16) bytes.
+// Grid (route blocks, H / kRowsPerBlock), 128 threads; dynamic shared memory 8 * (2 * K + 16) bytes.
 extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_multi(
     const uint16_t* __restrict__ act, long long stride_act,                              // act bf16 [P, I]
     const uint8_t* __restrict__ slots, long long slot_bytes, long long words_off,
@@ -62,12 +88,20 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_multi(
     }
     return;
   }
+#if W2_WPS == 16
+  const int stride = pair_tiles(words_per_row) * kPairWordsPerTile + kPadWords;
+#else
   const int stride = inter / 2 + kPadWords;
+#endif
   const uint8_t* base = slots + static_cast<long long>(w2_table[table_row + expert]) * slot_bytes;
-  const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 16;
+  const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / kScaleVecBytes;
   const uint4* lo = reinterpret_cast<const uint4*>(base + words_off) + n0 * row_vecs;
-  const uint4* sl = reinterpret_cast<const uint4*>(base + scales_off) + n0 * scale_vecs;
+  const ScaleVec* sl = reinterpret_cast<const ScaleVec*>(base + scales_off) + n0 * scale_vecs;
+#if W2_WPS == 16
+  const int tiles = pair_tiles(words_per_row);
+#else
   const int tiles = words_per_row / kWps;
+#endif
   const int steps = kGroups * tiles;  // (group, tile) in order; step s = group s / tiles, tile s % tiles
 
   for (int z0 = 0; z0 < fill; z0 += kCols) {  // column groups: pairs z0 .. z0 + count - 1
@@ -82,8 +116,13 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_multi(
     int load_t = 0;
     long long load_w = 0, load_s = 0;  // row offsets (uint4) of the loaded group's row g: words, scales
     auto load_next = [&]() {
+#if W2_WPS == 16
+      const Tile r = load_tile16(lo + load_w, lo + load_w + 8 * row_vecs, sl + load_s, sl + load_s + 8 * scale_vecs,
+                                 load_t, c, words_per_row / 16);
+#else
       const Tile r = load_tile(lo + load_w, lo + load_w + 8 * row_vecs, sl + load_s, sl + load_s + 8 * scale_vecs,
                                load_t, c);
+#endif
       if (++load_t == tiles) {
         load_t = 0;
         load_w += kRowsPerGroup * row_vecs;
@@ -98,7 +137,11 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_multi(
       if (j < steps) ring[j] = load_next();
     }
     if (z0 > 0) __syncthreads();  // every warp is done reading the previous group's columns
+#if W2_WPS == 16
+    build_pairs_multi16(act, stride_act, pairs + z0, count, xp, stride, tiles * kTileK, inter);
+#else
     build_pairs_multi(act, stride_act, pairs + z0, 1, count, xp, stride, inter);
+#endif
     __syncthreads();
 
     float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -109,7 +152,11 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_multi(
         const int s = s0 + j;
         if (s < steps) {
           if (s + kAhead < steps) ring[(j + kAhead) % (kAhead + 1)] = load_next();
+#if W2_WPS == 16
+          tile_mma16(ring[j], xp_lane + t * kPairWordsPerTile, c, acc);
+#else
           tile_mma(ring[j], xp_lane + t * kPairWordsPerTile, c, acc);
+#endif
           if (++t == tiles) {  // the row group is complete: column 2c + h is d[h] (row g), d[2 + h] (row g + 8)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {

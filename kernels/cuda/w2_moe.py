@@ -14,7 +14,8 @@ Restriction: the Triton stages compute W2 and FP4 pairs in one launch (per block
 have no switch to leave W2 pairs out, and running them whole beside the CUDA kernels would do the W2 work twice.
 So this path computes no FP4 pair: use it for layers without FP4-resident experts. An FP4 pair that reaches it
 anyway gets NaN y rows (written by the down kernel), hence a NaN output row for its token, never stale data.
-Requires bfloat16, hidden a multiple of 512 (gate_up's K) and of 64 * groups, inter a multiple of 512.
+Requires bfloat16, hidden a multiple of 512 (gate_up's K) and of 64 * groups. The down kernels are built for the
+w2 matrix's tile width (`wps`: 32 words per bit slot when inter is a multiple of 512, else 16; `w2_down.wps_of`).
 """
 
 from __future__ import annotations
@@ -59,28 +60,29 @@ class W2MoeCuda:
     down kernels' (w2_down.py); gate_multi: the multi-token gate_up's other options (None: GATE_MULTI);
     gate_multi_wide: the same for batches above WIDE_FROM pairs per expert (None: GATE_MULTI_WIDE);
     gate_single / down_single: the single-token kernels' v3 options (W2GateUpCuda / W2DownCuda; None: SINGLE; {}:
-    the kernels before v3)."""
+    the kernels before v3); wps: the w2 matrix's words per bit slot both down kernels read (`w2_down.wps_of(layout)`
+    of the pools this op serves)."""
 
     def __init__(self, gate_ahead: int = 2, down_ahead: int = 2, down_groups: int = 1, device: int | None = None,
                  gate_multi: dict | None = None, gate_single: dict | None = None, down_single: dict | None = None,
-                 gate_multi_wide: dict | None = None):
+                 gate_multi_wide: dict | None = None, wps: int = 32):
         self.gate_up = W2GateUpCuda(ahead=gate_ahead, device=device, **(SINGLE if gate_single is None else gate_single))
-        self.down = W2DownCuda(ahead=down_ahead, groups=down_groups, device=device,
+        self.down = W2DownCuda(ahead=down_ahead, groups=down_groups, device=device, wps=wps,
                                **(SINGLE if down_single is None else down_single))
         self.gate_up_multi = W2GateUpMultiCuda(ahead=gate_ahead, device=device,
                                                **(GATE_MULTI if gate_multi is None else gate_multi))
         self.gate_up_multi_wide = W2GateUpMultiCuda(
             ahead=gate_ahead, device=device, **(GATE_MULTI_WIDE if gate_multi_wide is None else gate_multi_wide))
-        self.down_multi = W2DownMultiCuda(ahead=down_ahead, groups=down_groups, device=device)
+        self.down_multi = W2DownMultiCuda(ahead=down_ahead, groups=down_groups, device=device, wps=wps)
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None) -> None:
         if ws.block_tokens == 1:
             w2_gate_up._check_inputs(hidden, w2, fp4, ws, ws.act)  # both stages' inputs before either launches
-            w2_down._check_inputs(w2, fp4, ws, ws.y, self.down.groups)
+            w2_down._check_inputs(w2, fp4, ws, ws.y, self.down.groups, self.down.wps)
             gate_up, down = self.gate_up, self.down
         else:
             w2_multi.gate_check_inputs(hidden, w2, fp4, ws, ws.act)
-            w2_multi.down_check_inputs(w2, fp4, ws, ws.y, self.down.groups)
+            w2_multi.down_check_inputs(w2, fp4, ws, ws.y, self.down.groups, self.down.wps)
             wide = wide_gate(hidden.shape[0], top_k, w2.table.shape[1])
             gate_up, down = (self.gate_up_multi_wide if wide else self.gate_up_multi), self.down_multi
         gate_up(hidden, top_k, w2, fp4, layer, ws, swiglu_limit=swiglu_limit)

@@ -91,8 +91,8 @@ def gate_check_inputs(hidden, w2, fp4, ws, out, rows_per_block: int = GATE_ROWS_
     w2_gate_up.check_tensors(hidden, w2, fp4, ws, out)
 
 
-def down_check_inputs(w2, fp4, ws, out, groups: int) -> None:
-    w2_down.check_geometry(w2.layout, groups)
+def down_check_inputs(w2, fp4, ws, out, groups: int, wps: int = 32) -> None:
+    w2_down.check_build(w2.layout, groups, wps)
     check_block_tokens(ws)
     w2_down.check_tensors(w2, fp4, ws, out)
 
@@ -181,18 +181,20 @@ class W2GateUpMultiCuda(_Built):
 
 class W2DownMultiCuda(_Built):
     """Builds (nvcc, cached) and loads w2_down_multi once; each call launches it on the current stream.
-    ahead / groups: W2_AHEAD / W2_GROUPS as in `W2DownCuda` (rows per block 64 * groups)."""
+    ahead / groups / wps: W2_AHEAD / W2_GROUPS / W2_WPS as in `W2DownCuda` (rows per block 64 * groups)."""
 
     threads = DOWN_THREADS
 
-    def __init__(self, ahead: int = 2, groups: int = 1, device: int | None = None) -> None:
-        self.ahead, self.groups = ahead, groups
-        super().__init__(DOWN_SOURCE, DOWN_KERNEL, {"W2_AHEAD": ahead, "W2_GROUPS": groups}, device)
+    def __init__(self, ahead: int = 2, groups: int = 1, device: int | None = None, wps: int = 32) -> None:
+        w2_down.check_wps(wps)
+        self.ahead, self.groups, self.wps = ahead, groups, wps
+        defines = {"W2_AHEAD": ahead, "W2_GROUPS": groups} | ({"W2_WPS": 16} if wps == 16 else {})
+        super().__init__(DOWN_SOURCE, DOWN_KERNEL, defines, device)
 
     def __call__(self, w2, fp4, layer: int, ws, out=None):
         out = ws.y if out is None else out
-        down_check_inputs(w2, fp4, ws, out, self.groups)
-        smem = shared_bytes(w2.layout.inter)
+        down_check_inputs(w2, fp4, ws, out, self.groups, self.wps)
+        smem = shared_bytes(w2_down.act_k(w2.layout))
         self.kernel.allow_shared(smem)
         self.kernel.launch((ws.block_expert.numel(), w2.layout.hidden // w2_down.rows_per_block(self.groups)), (DOWN_THREADS,),
                            smem, torch.cuda.current_stream().cuda_stream, DOWN_ARG_KINDS,

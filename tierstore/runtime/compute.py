@@ -56,12 +56,13 @@ def load_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torc
     loaded into torch's context; a failed build or load is a ConfigError. One object serves every layer and batch
     size: the kernels take the shapes and buffers as launch arguments."""
     check_cuda_w2(layout, fp4_layout, device, "triton")
+    from tierstore.kernels.cuda import w2_down
     from tierstore.kernels.cuda.loader import CudaError
     from tierstore.kernels.cuda.tier_moe import TierMoeCuda
     from tierstore.kernels.cuda.w2_moe import W2MoeCuda
 
     try:
-        kernels = W2MoeCuda(device=device.index)
+        kernels = W2MoeCuda(device=device.index, wps=w2_down.wps_of(layout))
         if fp4_layout is not None:
             kernels = TierMoeCuda(w2=kernels, device=device.index)
     except (CudaError, OSError) as error:
