@@ -103,7 +103,8 @@ def test_presets_step_covers_every_preset_and_token_count():
 
 
 def test_presets_step_runs_cuda_w2_only_on_shapes_it_accepts():
-    """W2MoeCuda (kernels/cuda/w2_moe.py): hidden and inter multiples of 512."""
+    """The presets step (54fb697) ran W2MoeCuda where it then took the shapes: hidden and inter multiples of 512 (since
+    9cad872 any inter; ds-v2-lite and qwen3-30b-a3b ran in the halftiles step)."""
     body = _step("presets")
     loop = re.findall(r"for preset in ([^;]+); do\n\s+stage \"cuda-w2-\$preset\"", body)
     assert len(loop) == 1
