@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 measurements of main, in device calls of under 10 minutes each (one step per call; each step's
 # comment below says what it measures; the last ones run are those of 2026-11-30's fourth session: resume2, hostpath,
-# hostpath2, threads, closing5, qwen3ab, repeat5, and of its fifth: halftiles, halftiles2; hostpath, hostpath2 and qwen3ab need
+# hostpath2, threads, closing5, qwen3ab, repeat5, and of its fifth: halftiles, halftiles2, gather; hostpath, hostpath2 and qwen3ab need
 # .baseline carried too).
 # Run from the repository root on the GPU machine:
 #   TIERSTORE_COMMIT=<sha of the tree, taken on the dev machine> bash benchmarks/h200_session.sh kernels
@@ -12,7 +12,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -532,6 +532,14 @@ case "$step" in
     stage replay-qwen3-cuda 120 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
       --steps 220 --warmup 20 --coverages 1.0,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
       --config cuda_w2=1 --commit "$commit" --out "$work/replay_qwen3_cuda.json"
+    ;;
+  gather)  # the miss path's copies issued per row by the host (cuMemcpyHtoDAsync) against a kernel per layer that reads the
+    # pinned rows over the bus (kernels/cuda/row_gather.cu): host issue time and device time, 24 and 12 ds-v2-lite rows
+    # over 8 layers, 4 / 16 / 64 blocks per row. Stage limits 60 + 60 s; estimate, not measured: ~15 s each (h2d_batch).
+    for rows in 24 12; do
+      stage "h2d-gather-$rows" 60 python3 benchmarks/h2d_gather.py --rows "$rows" --blocks 4,16,64 --commit "$commit" \
+        --json "$work/h2d-gather-$rows.json"
+    done
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

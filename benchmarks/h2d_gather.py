@@ -1,0 +1,137 @@
+"""The miss path's row copies issued by the host one per row (`cuMemcpyHtoDAsync`, what `DevicePool` does) against one
+kernel launch per layer that reads the pinned rows over the bus itself (`kernels/cuda/row_gather.cu`): the host's
+time to issue a fetch's copies and the device's time to land them. Rows of ds-v2-lite's W2 slot size by default, 24
+rows per fetch over 8 layers (the 25% step's size), scattered arena rows to scattered pool slots, an event after
+each layer's rows as `layer_waits` records. Every variant's bytes are checked against the source first (the pool
+poisoned before each), then the variants are timed interleaved, round by round; pointers are computed before the
+clock starts, so the host time is the issuing alone.
+
+    python3 benchmarks/h2d_gather.py [--rows 24] [--layers 8] [--blocks 8,32] [--rounds 60] [--json PATH]
+"""
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, "benchmarks")
+from replay import provenance  # noqa: E402
+
+from tierstore.kernels.cuda import loader  # noqa: E402
+from tierstore.kernels.layout import w2_slot_layout  # noqa: E402
+
+SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cuda" / "row_gather.cu"
+THREADS = 256
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--row-bytes", type=int, default=w2_slot_layout(2048, 1408).slot_bytes)
+    parser.add_argument("--rows", type=int, default=24, help="rows per fetch")
+    parser.add_argument("--layers", type=int, default=8, help="layers the rows spread over (an event after each)")
+    parser.add_argument("--blocks", default="8,32", help="gather kernel blocks per row, one variant each")
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    device = torch.cuda.current_device()
+    drv = loader.driver()
+    drv.ensure_context(device)
+    memcpy = drv.lib.cuMemcpyHtoDAsync_v2
+    memcpy.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    kernel = loader.load(loader.build(SOURCE), "gather_rows", device)
+    nbytes, rows = args.row_bytes, args.rows
+    if nbytes % 16:
+        raise SystemExit("--row-bytes must be a multiple of 16")
+    arena = torch.randint(0, 256, (4 * rows, nbytes), dtype=torch.uint8).pin_memory()  # [A, B] pinned
+    pool = torch.empty(4 * rows, nbytes, dtype=torch.uint8, device="cuda")  # [S, B]
+    desc = torch.zeros(args.layers + 1, 3 * rows, dtype=torch.int64).pin_memory()  # per launch: (src, dst, bytes) x n
+    desc_np = desc.numpy()
+    stream = torch.cuda.Stream()
+    gen = torch.Generator().manual_seed(0)
+    events = [torch.cuda.Event() for _ in range(args.layers)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    bounds = [round(i * rows / args.layers) for i in range(args.layers + 1)]
+    groups = [range(bounds[i], bounds[i + 1]) for i in range(args.layers)]
+
+    def plan():  # distinct scattered sources and destinations (a fetch's arena hits and victims), as addresses
+        src = torch.randperm(arena.shape[0], generator=gen)[:rows].tolist()
+        dst = torch.randperm(pool.shape[0], generator=gen)[:rows].tolist()
+        a, p = arena.data_ptr(), pool.data_ptr()
+        return [a + s * nbytes for s in src], [p + d * nbytes for d in dst], src, dst
+
+    def per_row(srcs, dsts):
+        for group, event in zip(groups, events):
+            for i in group:
+                memcpy(dsts[i], srcs[i], nbytes, stream.cuda_stream)
+            event.record(stream)
+
+    def gather(srcs, dsts, blocks, per_layer=True):
+        parts = groups if per_layer else [range(rows)]
+        for slot, group in enumerate(parts):
+            n = len(group)
+            if n == 0:
+                if per_layer:
+                    events[slot].record(stream)
+                continue
+            row = desc_np[slot]
+            row[0:3 * n:3] = [srcs[i] for i in group]
+            row[1:3 * n:3] = [dsts[i] for i in group]
+            row[2:3 * n:3] = nbytes
+            kernel.launch((blocks, n), (THREADS,), 0, stream.cuda_stream, "p", [desc.data_ptr() + slot * desc.stride(0) * 8])
+            if per_layer:
+                events[slot].record(stream)
+
+    variants = {"per_row": per_row}
+    for blocks in (int(b) for b in args.blocks.split(",")):
+        variants[f"gather_layer_b{blocks}"] = lambda s, d, b=blocks: gather(s, d, b)
+        variants[f"gather_whole_b{blocks}"] = lambda s, d, b=blocks: gather(s, d, b, per_layer=False)
+    for name, fn in variants.items():  # correctness: the right bytes in the right slots
+        srcs, dsts, src, dst = plan()
+        pool.fill_(0xA5)
+        torch.cuda.synchronize()
+        fn(srcs, dsts)
+        stream.synchronize()
+        for s, d in zip(src, dst):
+            if not torch.equal(pool[d].cpu(), arena[s]):
+                raise SystemExit(f"{name}: slot {d} != arena row {s}")
+        print(f"{name}: bytes checked", flush=True)
+    device_ms = {name: [] for name in variants}
+    host_us = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, fn in variants.items():
+            srcs, dsts, _, _ = plan()
+            stream.synchronize()
+            start.record(stream)
+            t = time.perf_counter()
+            fn(srcs, dsts)
+            host_us[name].append((time.perf_counter() - t) * 1e6)
+            end.record(stream)
+            end.synchronize()
+            device_ms[name].append(start.elapsed_time(end))
+    total = rows * nbytes
+    results = {}
+    for name in variants:
+        ms = statistics.median(device_ms[name][5:])
+        results[name] = dict(device_ms=ms, gbps=total / ms / 1e6, host_issue_us=statistics.median(host_us[name][5:]))
+    base = results["per_row"]
+    print(f"{rows} rows x {nbytes} B over {args.layers} layers ({total / 1e6:.1f} MB), median of {args.rounds - 5}:")
+    print(f"{'variant':20s} {'device ms':>10s} {'GB/s':>7s} {'host us':>8s} {'device x per_row':>16s}")
+    for name, r in results.items():
+        print(f"{name:20s} {r['device_ms']:10.3f} {r['gbps']:7.1f} {r['host_issue_us']:8.1f} "
+              f"{base['device_ms'] / r['device_ms']:16.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(provenance=provenance(args.commit),
+                           method=dict(row_bytes=nbytes, rows=rows, layers=args.layers, rounds=args.rounds,
+                                       threads=THREADS, statistic="median after 5"),
+                           results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
