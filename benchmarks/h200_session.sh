@@ -534,7 +534,7 @@ case "$step" in
       --config cuda_w2=1 --commit "$commit" --out "$work/replay_qwen3_cuda.json"
     ;;
   gather)  # the miss path's copies issued per row by the host (cuMemcpyHtoDAsync) against a kernel per layer that reads the
-    # pinned rows over the bus (kernels/cuda/row_gather.cu): host issue time and device time, 24 and 12 ds-v2-lite rows
+    # pinned rows over the bus (benchmarks/row_gather.cu): host issue time and device time, 24 and 12 ds-v2-lite rows
     # over 8 layers, 4 / 16 / 64 blocks per row. Stage limits 60 + 60 s; estimate, not measured: ~15 s each (h2d_batch).
     for rows in 24 12; do
       stage "h2d-gather-$rows" 60 python3 benchmarks/h2d_gather.py --rows "$rows" --blocks 4,16,64 --commit "$commit" \

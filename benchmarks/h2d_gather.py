@@ -1,5 +1,5 @@
 """The miss path's row copies issued by the host one per row (`cuMemcpyHtoDAsync`, what `DevicePool` does) against one
-kernel launch per layer that reads the pinned rows over the bus itself (`kernels/cuda/row_gather.cu`): the host's
+kernel launch per layer that reads the pinned rows over the bus itself (`benchmarks/row_gather.cu`): the host's
 time to issue a fetch's copies and the device's time to land them. Rows of ds-v2-lite's W2 slot size by default, 24
 rows per fetch over 8 layers (the 25% step's size), scattered arena rows to scattered pool slots, an event after
 each layer's rows as `layer_waits` records. Every variant's bytes are checked against the source first (the pool
@@ -25,7 +25,7 @@ from replay import provenance  # noqa: E402
 from tierstore.kernels.cuda import loader  # noqa: E402
 from tierstore.kernels.layout import w2_slot_layout  # noqa: E402
 
-SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cuda" / "row_gather.cu"
+SOURCE = Path(__file__).resolve().with_name("row_gather.cu")  # the benchmark's own kernel: the library does not use it
 THREADS = 256
 
 
