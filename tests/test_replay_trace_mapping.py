@@ -149,3 +149,17 @@ def test_the_benchmark_replays_a_recorded_trace_and_records_the_mapping(tmp_path
     monkeypatch.setattr(sys, "argv", common + ["--no-synthetic"])  # 3 layers, the trace has 2: refused up front
     with pytest.raises(SystemExit, match="refused: rec.npz: .*the trace has 2 layers, the replay needs 3"):
         _benchmark().main()
+
+
+def test_tierstore_replay_takes_the_dtype_arena_preload_and_cuda_w2(tmp_path, toy_preset, capsys):
+    trace = save_trace(recorded(tokens=6, layers=2, experts=8, top_k=2), tmp_path / "t.npz")
+    out = tmp_path / "r.json"
+    args = ["replay", "--trace", str(trace), "--preset", "toy", "--layers", "2", "--gpu-pool-frac", "0.5",
+            "--arena-gb", "0.001", "--pack-dir", str(tmp_path / "pack"), "--device", "cpu", "--json", str(out)]
+    assert main(args + ["--dtype", "bfloat16", "--arena-preload"]) == 0, capsys.readouterr()
+    result = json.loads(out.read_text())
+    assert result["dtype"] == "bfloat16" and result["arena_preload"] is True and result["tokens_match_resident"]
+    assert main(args + ["--cuda-w2"]) == 2
+    assert "--cuda-w2 runs the CUDA C++ kernels, which take bfloat16 activations" in capsys.readouterr().err
+    assert main(args + ["--cuda-w2", "--dtype", "bfloat16"]) == 2  # the runtime's own check at boot, named
+    assert "TIERSTORE_CUDA_W2 (config cuda_w2) is on but the expert shapes (hidden 64" in capsys.readouterr().err

@@ -1,12 +1,15 @@
 """`tierstore replay --trace T --preset P`: a recorded or synthetic routing trace through the real
-runtime (pool, arena, pack; Triton kernels on CUDA) at a preset's real shapes with synthetic
-weights, beside an all-resident run, a naive on-demand baseline and the physical floor."""
+runtime (pool, arena, pack; Triton kernels on CUDA, or with --cuda-w2 the CUDA C++ ones) at a preset's
+real shapes with synthetic weights, beside an all-resident run, a naive on-demand baseline and the
+physical floor. Every run uses the same kernels and activation dtype, so the floor is measured on them."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def register(subparsers) -> None:
@@ -30,6 +33,13 @@ def register(subparsers) -> None:
                         help="the first N steps are the cold window, timed apart from the steady rest (default 0)")
     parser.add_argument("--eager", action="store_true", help="no CUDA graph of the forward (graphs are used on CUDA)")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="activations (default float32; a decoder's are bfloat16, which --cuda-w2 needs)")
+    parser.add_argument("--arena-preload", action="store_true",
+                        help="fill the tiered and naive arenas before the clock starts (no compulsory pack reads)")
+    parser.add_argument("--cuda-w2", action="store_true",
+                        help="every run's gate_up and down on the CUDA C++ kernels where measured faster (config "
+                             "cuda_w2; CUDA, nvcc, --dtype bfloat16, hidden a multiple of 512)")
     parser.add_argument("--json", help="also write the result as JSON to this path")
     parser.set_defaults(func=run)
 
@@ -37,13 +47,17 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from tierstore.errors import TraceFormatError
+    from tierstore.errors import ConfigError, TraceFormatError
     from tierstore.geometry import get_preset
     from tierstore.kernels.layout import w2_slot_layout
+    from tierstore.runtime.config import RuntimeConfig
     from tierstore.runtime.engine import slots_for
     from tierstore.runtime.replay import ensure_synthetic_pack, map_trace, open_synthetic_rows, run_replay, trace_steps
     from tierstore.sim import load_trace
 
+    if args.cuda_w2 and args.dtype != "bfloat16":
+        raise ConfigError(f"--cuda-w2 runs the CUDA C++ kernels, which take bfloat16 activations: add --dtype bfloat16 "
+                          f"(got {args.dtype})")
     geometry = get_preset(args.preset)
     if args.layers:
         geometry = geometry.with_layers(args.layers)
@@ -62,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     result = run_replay(run_geometry, lambda: open_synthetic_rows(spec, args.pack_dir), steps, pool_slots=pool_slots,
                         arena_slots=int(args.arena_gb * 2**30) // spec.stride, device=device, warmup=args.warmup,
-                        graph=not args.eager)
+                        graph=not args.eager, arena_preload=args.arena_preload, dtype=getattr(torch, args.dtype),
+                        config=RuntimeConfig(kpi_every=0, force_pool=True, cuda_w2=args.cuda_w2))
     result["trace_mapping"] = mapping
     for name, r in result["runs"].items():
         for window in ("cold", "steady"):
