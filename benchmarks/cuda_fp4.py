@@ -82,27 +82,39 @@ class Fp4Only:
         self.down(fp4, layer, ws)
 
 
-def _build(name: str) -> tuple[object, dict]:
+def _tile_widths(geo) -> tuple[int, int]:
+    """The preset's down tile widths (w2_down.wps_of): W2's and FP4's (16 where inter is not a multiple of 512 / 256)."""
+    from tierstore.kernels.cuda.w2_down import wps_of
+    from tierstore.kernels.layout import fp4_slot_layout, w2_slot_layout
+
+    return wps_of(w2_slot_layout(geo.hidden, geo.expert_inter)), wps_of(fp4_slot_layout(geo.hidden, geo.expert_inter))
+
+
+def _build(name: str, geo) -> tuple[object, dict]:
     from tierstore.kernels.cuda.fp4_stages import Fp4DownCuda, Fp4GateUpCuda
     from tierstore.kernels.cuda.tier_moe import TierMoeCuda
+    from tierstore.kernels.cuda.w2_moe import W2MoeCuda
 
     stage, ahead = VARIANTS[name]
+    w2_wps, fp4_wps = _tile_widths(geo)
     started = time.perf_counter()
     if name == "cuda_fp4_only":
-        built = Fp4Only(Fp4GateUpCuda(ahead), Fp4DownCuda(ahead))
+        built = Fp4Only(Fp4GateUpCuda(ahead), Fp4DownCuda(ahead, wps=fp4_wps))
         attrs = {f"{k}_{a}": v for k, s in (("gate_up", built.gate_up), ("down", built.down))
                  for a, v in s.attributes().items()}
     elif stage in ("whole", "mixed"):
         options = MULTI.get(name, {})
-        built = TierMoeCuda(fp4_ahead=ahead, fp4_gate_multi=options.get("gate"), fp4_down_multi=options.get("down"))
+        built = TierMoeCuda(w2=W2MoeCuda(wps=w2_wps), fp4_ahead=ahead, fp4_gate_multi=options.get("gate"),
+                            fp4_down_multi=options.get("down"), fp4_wps=fp4_wps)
         multi = name in MULTI
         attrs = {f"fp4_{k}_{a}": v for k, s in (("gate_up", built.fp4_gate_up_multi if multi else built.fp4_gate_up),
                                                 ("down", built.fp4_down_multi if multi else built.fp4_down))
                  for a, v in s.attributes().items()}
     else:
-        built = (Fp4GateUpCuda if stage == "gate_up" else Fp4DownCuda)(ahead)
+        built = Fp4GateUpCuda(ahead) if stage == "gate_up" else Fp4DownCuda(ahead, wps=fp4_wps)
         attrs = built.attributes()
-    return built, dict(stage=stage, ahead=ahead, seconds=round(time.perf_counter() - started, 2), **attrs)
+    widths = dict(w2_wps=w2_wps, fp4_wps=fp4_wps) if (w2_wps, fp4_wps) != (32, 32) else {}  # recorded where not 32
+    return built, dict(stage=stage, ahead=ahead, seconds=round(time.perf_counter() - started, 2), **widths, **attrs)
 
 
 def _workspace(geo, tokens, ids, state, f4=None, block_tokens=1):
@@ -230,13 +242,13 @@ def run(kb, cw2, args, result: dict, emit) -> None:
     runner = kb.Runner(probe=kb._cuda_probe if DEVICE == "cuda" else None)
     result.update(status="running: build", errors=runner.errors, checks=[], cases=[], build={})
     kernels = {}
+    geo = get_preset(args.preset)
     for name in VARIANTS:
-        built, err = runner.attempt(f"build and load {name}", lambda: _build(name))
+        built, err = runner.attempt(f"build and load {name}", lambda: _build(name, geo))
         result["build"][name] = built[1] if built else {"error": err}
         if built:
             kernels[name] = built[0]
     emit(result)
-    geo = get_preset(args.preset)
     state = kb._setup(geo, DEVICE)
     state["f4"].table[0] = torch.arange(geo.num_experts, dtype=torch.int32, device=DEVICE)  # every expert FP4
     state["f4_mixed"] = _mixed_pool(state["f4"])

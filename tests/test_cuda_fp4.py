@@ -72,8 +72,11 @@ def test_geometry_limits():
     check_geometry(fp4_slot_layout(7168, 2048))  # DeepSeek-V3
     with pytest.raises(ValueError, match="hidden must be a multiple of 256"):
         check_geometry(fp4_slot_layout(1152, 256))
-    with pytest.raises(ValueError, match="inter must be a multiple of 256"):
-        check_geometry(fp4_slot_layout(1024, 96))
+    check_geometry(fp4_slot_layout(2048, 1408))  # ds-v2-lite: the down's 16-word tile build reads its inter
+    fp4_stages.check_down_build(fp4_slot_layout(2048, 1408), 16)
+    with pytest.raises(ValueError, match="FP4 down kernel was built for 32-word tiles; the pool's w2 matrix \\(inter "
+                                         "1408\\) has 16-word tiles: build it with wps=16"):
+        fp4_stages.check_down_build(fp4_slot_layout(2048, 1408), 32)
     with pytest.raises(ValueError, match="FP4 slots only"):
         from tierstore.kernels.layout import w2_slot_layout
         check_geometry(w2_slot_layout(1024, 512))
@@ -146,6 +149,7 @@ def _tier_with_recorders(log):
     (tier.w2, tier.fp4_gate_up, tier.fp4_down, tier.fp4_gate_up_multi, tier.fp4_gate_up_multi_wide,
      tier.fp4_down_multi) = (_Recorder(n, log) for n in names)
     tier.fp4_gate_up_multi.rows_per_block = tier.fp4_gate_up_multi_wide.rows_per_block = 64
+    tier.fp4_wps = 32
     return tier
 
 
@@ -700,7 +704,7 @@ def test_bench_runs_end_to_end_on_cpu_with_stand_in_kernels(monkeypatch):
     cw2 = bench._load("cuda_w2")
     kb = cw2._bench_kernels()
 
-    def build(name):
+    def build(name, geo):
         stage, ahead = bench.VARIANTS[name]
         stages = bench.Fp4Only(_GateUpStandIn(), _DownStandIn())
         built = {"gate_up": stages.gate_up, "down": stages.down, "whole": stages, "mixed": _TierStandIn()}[stage]

@@ -22,14 +22,16 @@ import numpy as np
 import pytest
 import torch
 
+from tests import test_cuda_fp4 as fp4_model
 from tests.cuda_fixtures import (bf16_bits, fp4_pool, launched_twice, needs_nvcc, ptxas_report, random_pool,
-                                  registers, replayed_once, run_whole, same_bytes, slot_rows, to_cuda, w2_pool)
+                                  random_slots, registers, replayed_once, run_whole, same_bytes, slot_rows, to_cuda,
+                                  w2_pool)
 from tests.test_cuda_w2 import M32, _cuobjdump, bf16_halves, prmt, w2_pair, warp_acc
-from tierstore.kernels import MissLog, MoeWorkspace, moe_down, moe_mm, moe_mm_ref, moe_route, w2_tier
-from tierstore.kernels.cuda import w2_down, w2_multi
+from tierstore.kernels import MissLog, MoeWorkspace, fp4_tier, moe_down, moe_mm, moe_mm_ref, moe_route, w2_tier
+from tierstore.kernels.cuda import fp4_multi, fp4_stages, w2_down, w2_gate_up, w2_multi
 from tierstore.kernels.cuda.w2_down import W2DownCuda, w2_down_ref
 from tierstore.kernels.cuda.w2_moe import W2MoeCuda
-from tierstore.kernels.layout import unpack_matrix_ref, w2_slot_layout
+from tierstore.kernels.layout import fp4_slot_layout, unpack_matrix_ref, w2_slot_layout
 
 WPS32_BASELINE_COMMIT = "95b47b6"  # the down kernels before W2_WPS
 PRESET_SHAPES = {"ds-v2-lite": (2048, 1408), "qwen3-30b-a3b": (2048, 768)}  # (hidden, expert inter)
@@ -124,6 +126,77 @@ def test_model_negative_control_without_zeroed_activations_the_padding_leaks():
     assert np.abs(leaked - ref).max() > 1e-3 * np.abs(ref).max()
 
 
+# ---- numpy model of fp4_half_tiles.cuh (the FP4 down on 16-word tiles) --------------------------------------
+
+def f4_scale_both(word: int, i: int) -> int:
+    """`f4_scale_both(biased word, i)`: byte i (+ the exponent bias 2) in both bf16 exponent fields."""
+    return (fp4_model.prmt((word + 0x02020202) & M32, 0, 0x4040 | i * 0x0101) << 7) & M32
+
+
+def f4_decode16(w: int, i: int, scale_word: int) -> tuple[float, float]:
+    return fp4_model.bf16_halves(fp4_model.mul_bf16x2(fp4_model.pair_bits(fp4_model.selectors(w), i),
+                                                      f4_scale_both(scale_word, i)))
+
+
+def f4_build_pairs16(a_bits: list[int], k_len: int, k_real: int) -> list[int]:
+    """`f4_build_pairs16`: unit q's pairs, zero past k_real."""
+    at = lambda k: a_bits[k] if k < k_real else 0  # noqa: E731
+    xp = [0] * (k_len // 2)
+    for q in range(k_len // 16):
+        k = 256 * (q >> 4) + 32 * ((q >> 2) & 3) + 4 * (q & 3)
+        for m in range(4):
+            for h in range(2):
+                xp[8 * q + 2 * m + h] = at(k + 128 * h + m) | (at(k + 128 * h + 16 + m) << 16)
+    return xp
+
+
+def f4_model_down16(slot: torch.Tensor, layout, act: torch.Tensor) -> np.ndarray:
+    """float64 [H]: what fp4_down_mma built with FP4_WPS 16 writes for one pair, lane by lane."""
+    words, scales = slot_rows(slot, layout, "w2")  # scale words: one per 16-word tile
+    tiles16 = layout.w2.words_per_row // 16
+    xp = f4_build_pairs16(bf16_bits(act), w2_down.act_k(layout), layout.inter)
+    out = np.zeros(layout.hidden)
+    for n0 in range(0, layout.hidden, 16):
+        lo, hi = words[n0: n0 + 8], words[n0 + 8: n0 + 16]
+        acc = np.zeros((2, 16, 8))
+        for t in range(-(-tiles16 // 2)):
+            up = min(2 * t + 1, tiles16 - 1)
+            for m in range(4):
+                for i in range(4):
+                    a_mat, b_mat = np.zeros((16, 16)), np.zeros((16, 8))
+                    for lane in range(32):
+                        g, c = lane >> 2, lane & 3
+                        sl, sh = scales[n0 + g], scales[n0 + 8 + g]
+                        regs = (f4_decode16(lo[g][32 * t + 4 * c + m], i, sl[2 * t]),
+                                f4_decode16(hi[g][32 * t + 4 * c + m], i, sh[2 * t]),
+                                f4_decode16(lo[g][16 * up + 4 * c + m], i, sl[up]),
+                                f4_decode16(hi[g][16 * up + 4 * c + m], i, sh[up]))
+                        for reg, (row, col) in zip(regs, ((g, 2 * c), (g + 8, 2 * c), (g, 2 * c + 8),
+                                                          (g + 8, 2 * c + 8))):
+                            a_mat[row, col: col + 2] = reg
+                        b = xp[t * 128 + i * 32 + 8 * c + 2 * m: t * 128 + i * 32 + 8 * c + 2 * m + 2]
+                        for reg in range(2):
+                            b_mat[2 * c + 8 * reg: 2 * c + 8 * reg + 2, g] = fp4_model.bf16_halves(b[reg])
+                    acc[i & 1] += a_mat @ b_mat
+        total = acc.sum(0) * 0.25
+        out[n0: n0 + 8], out[n0 + 8: n0 + 16] = total[:8, 0], total[8:, 0]
+    return out
+
+
+@pytest.mark.parametrize("inter", [96, 352, 1408])
+def test_model_of_the_fp4_half_tile_down_matches_the_reference(inter):
+    """96: one 16-word FP4 tile (a lone half pair tile); 352: three, the last mostly padding; 1408 (ds-v2-lite): eleven.
+    Every word and scale byte random (0..240), padding included."""
+    layout = fp4_slot_layout(32, inter)
+    assert layout.w2.wps == 16
+    gen = torch.Generator().manual_seed(inter + 1)
+    slot = random_slots(torch.empty(1, layout.slot_bytes, dtype=torch.uint8), layout, gen, 0, 241)[0]
+    act = torch.randn(inter, generator=gen).to(torch.bfloat16)
+    ref = (unpack_matrix_ref(slot, layout, "w2").double() @ act.double()).numpy()
+    got = f4_model_down16(slot, layout, act)
+    assert np.abs(got - ref).max() <= 1e-9 * np.abs(ref).max()
+
+
 # ---- the wrappers' tile width ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("hidden,inter,wps,act_k", [(7168, 2048, 32, 2048), (2048, 1408, 16, 1536),
@@ -174,6 +247,21 @@ def test_multi_token_half_tile_build_compiles():
             assert spilled <= 32 if ahead == 2 else spilled == 0
 
 
+@needs_nvcc
+@pytest.mark.parametrize("source,defines", [("single", {"FP4_AHEAD": 1}), ("single", {"FP4_AHEAD": 2}),
+                                            ("single", {"FP4_AHEAD": 3}), ("multi", {"FP4_AHEAD": 1, "FP4_PDL": 1}),
+                                            ("multi", {"FP4_AHEAD": 2})])
+def test_fp4_half_tile_builds_compile_without_spills(tmp_path, source, defines):
+    """The FP4 16-word down within its launch bounds' registers (the single-token kernels 4 blocks of 128 threads,
+    the multi-token down 3 at FP4_AHEAD 2, else 4), no spills."""
+    path = fp4_stages.SOURCE if source == "single" else fp4_multi.SOURCE
+    report = ptxas_report(path, tmp_path / "k.cubin", {**defines, "FP4_WPS": 16})
+    assert "0 bytes spill stores" in report
+    blocks = 3 if source == "multi" and defines["FP4_AHEAD"] >= 2 else 4
+    down = re.search(r"fp4_down_\w+' for 'sm_90a'.*?Used (\d+) registers", report, re.S)
+    assert down and int(down.group(1)) * 128 * blocks <= 65536
+
+
 def _sass(source: Path, defines: dict, cubin: Path) -> list[str]:
     ptxas_report(source, cubin, defines)
     text = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
@@ -185,8 +273,13 @@ def _sass(source: Path, defines: dict, cubin: Path) -> list[str]:
 @pytest.mark.parametrize("source,defines", [(w2_down.SOURCE, {"W2_AHEAD": 2, "W2_GROUPS": 1}),
                                             (w2_down.SOURCE, {"W2_AHEAD": 2, "W2_GROUPS": 1, "W2_EARLY": 1,
                                                               "W2_PDL": 1}),
-                                            (w2_multi.DOWN_SOURCE, {"W2_AHEAD": 2, "W2_GROUPS": 1})])
+                                            (w2_multi.DOWN_SOURCE, {"W2_AHEAD": 2, "W2_GROUPS": 1}),
+                                            (w2_gate_up.SOURCE, {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_PDL": 1}),
+                                            (fp4_stages.SOURCE, {"FP4_AHEAD": 2}),
+                                            (fp4_multi.SOURCE, {"FP4_AHEAD": 1, "FP4_PDL": 1})])
 def test_32_word_builds_give_the_sass_of_before(tmp_path, source, defines):
+    """The 32-word builds, and the other kernels that share the K loop generalised for the FP4 pair tiles
+    (bf16_mma.cuh), compile to the SASS of before."""
     root = Path(__file__).resolve().parents[1]
     old = tmp_path / "old"
     old.mkdir()
@@ -313,3 +406,84 @@ def test_a_32_word_build_refuses_a_half_tile_pool(preset_case):
     ws = _down_ws(preset_case, ids, 1)
     with pytest.raises(ValueError, match="built for 32-word tiles"):
         W2DownCuda()(w2, f4, 0, ws)
+
+
+# ---- GPU: the FP4 down on 16-word tiles and both tiers together at ds-v2-lite's shapes --------------------
+
+FP4_SLOTS = {1: 0, 2: 1, 4: 2}  # expert -> FP4 slot; expert 2 in both tiers (FP4 wins); MISSING_EXPERT in neither
+
+
+@pytest.fixture(scope="module")
+def fp4_case():
+    """ds-v2-lite's expert shapes (inter 1408: 16-word tiles in both tiers), W2 pool with MISSING_EXPERT absent, FP4
+    pool with FP4_SLOTS; the FP4 downs and the whole op built for 16-word tiles."""
+    from tierstore.kernels.cuda.fp4_multi import Fp4DownMultiCuda
+    from tierstore.kernels.cuda.fp4_stages import Fp4DownCuda
+    from tierstore.kernels.cuda.tier_moe import TierMoeCuda
+
+    hidden, inter = PRESET_SHAPES["ds-v2-lite"]
+    gen = torch.Generator().manual_seed(21)
+    w2 = w2_pool(hidden, inter, EXPERTS, gen, (112, 124), missing=MISSING_EXPERT)
+    f4 = fp4_tier(hidden, inter, len(FP4_SLOTS), 1, EXPERTS, "cpu")
+    for expert, slot in FP4_SLOTS.items():
+        f4.slots[slot] = random_slots(f4.slots[slot: slot + 1].clone(), f4.layout, gen, 116, 128)[0]
+        f4.table[0, expert] = slot
+    assert w2_down.wps_of(f4.layout) == 16
+    return dict(w2=to_cuda(w2), f4=to_cuda(f4), gen=gen, down={a: Fp4DownCuda(ahead=a, wps=16) for a in (1, 2)},
+                down_multi={a: Fp4DownMultiCuda(ahead=a, wps=16) for a in (1, 2)},
+                tier=TierMoeCuda(w2=W2MoeCuda(wps=16), fp4_wps=16))
+
+
+def _fp4_ids(case, tokens: int) -> torch.Tensor:
+    """Distinct experts per token; token 0 routes an FP4-only, a both-tier and the missing expert when it can."""
+    rows = [torch.randperm(EXPERTS, generator=case["gen"])[:TOP_K].tolist() for _ in range(tokens)]
+    rows[0] = [1, MISSING_EXPERT]
+    if tokens > 1:
+        rows[1] = [2, 5]
+    return torch.tensor(rows, dtype=torch.int32).cuda()
+
+
+@pytest.mark.gpu
+@needs_nvcc
+@pytest.mark.parametrize("tokens", [1, 8, 32])
+def test_fp4_half_tile_down_matches_the_reference(fp4_case, tokens):
+    from tierstore.kernels.cuda.fp4_stages import fp4_down_ref
+
+    case, f4 = fp4_case, fp4_case["f4"]
+    ids = _fp4_ids(case, tokens)
+    act = torch.randn(tokens * TOP_K, f4.layout.inter, generator=case["gen"]).to(torch.bfloat16).cuda()
+    runs = {}
+    for bt, kernels in ((1, case["down"]), (16, case["down_multi"])):
+        ws = MoeWorkspace.allocate(tokens, TOP_K, EXPERTS, f4.layout.hidden, f4.layout.inter, torch.bfloat16, "cuda",
+                                   block_tokens=bt)
+        moe_route(ids, case["w2"], f4, 0, MissLog.allocate(4, "cuda"), ws)
+        ws.act.copy_(act)
+        runs[bt] = launched_twice(kernels, ws.y, -7.0, lambda kernel, out, ws=ws: kernel(f4, 0, ws, out=out))
+    torch.cuda.synchronize()
+    ref = fp4_down_ref(act, ids, f4, 0)
+    rows = torch.tensor([e in FP4_SLOTS for e in ids.reshape(-1).tolist()], device="cuda")
+    first = runs[1][2][0]
+    assert rows.any() and (first[~rows] == -7.0).all() and not first[rows].isnan().any()
+    assert float((first[rows] - ref[rows]).norm() / ref[rows].norm()) <= 1e-5  # fp32 sums of exact products
+    for outs in runs.values():  # repeats, prefetch depth, the multi-token columns: the single-token bytes
+        assert all(same_bytes(o, first) for pair in outs.values() for o in pair)
+
+
+@pytest.mark.gpu
+@needs_nvcc
+@pytest.mark.parametrize("tokens", [1, 8, 32])
+def test_both_tiers_on_half_tiles_match_moe_mm_ref_with_mixed_residency(fp4_case, tokens):
+    case, w2, f4 = fp4_case, fp4_case["w2"], fp4_case["f4"]
+    ids = _fp4_ids(case, tokens)
+    x = torch.randn(tokens, w2.layout.hidden, generator=case["gen"]).to(torch.bfloat16).cuda()
+    weights = (torch.rand(tokens, TOP_K, generator=case["gen"]) + 0.05).cuda()
+    ref, missing_pairs, missing = moe_mm_ref(x, ids, weights, w2, f4, 0, act_dtype=torch.bfloat16)
+    runs = {bt: run_whole(x, ids, weights, w2, f4, case["tier"], w2.layout.inter, EXPERTS, 4, block_tokens=bt)
+            for bt in (1, 16)}
+    out, counts, entries = runs[1]
+    assert not out.isnan().any()  # every FP4 pair computed (the W2 down marks them NaN until the FP4 down runs)
+    assert float((out.float() - ref).norm() / ref.norm()) <= 1e-2
+    assert counts == [missing_pairs, len(missing)] and [tuple(e) for e in entries[: len(missing)]] == missing
+    assert same_bytes(runs[16][0], out) and runs[16][1] == counts
+    tri, tri_counts, _ = run_whole(x, ids, weights, w2, f4, None, w2.layout.inter, EXPERTS, 4)
+    assert tri_counts == counts and float((out.float() - tri.float()).norm() / tri.float().norm()) <= 1e-2

@@ -5,7 +5,8 @@ device, nvcc, build); with a stand-in kernel object the triton backend passes it
 only for decode-sized workspaces (one pair per block, or 16-pair expert blocks from experts / 2 pairs), built
 once. GPU (marker gpu, needs nvcc too): a tiny model with the knob
 generates the tokens it generates without it, and its quarter-pool run is bit-identical to its all-resident run, at
-expert inter 512 and 768 (the down kernels' 32- and 16-word tile builds).
+expert inter 512 and 768 (the down kernels' 32- and 16-word tile builds), and with an FP4 pool the CUDA path agrees
+with the Triton path on mixed residency at inter 512, 768 and 1408 (both tiers' downs on 16-word tiles).
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ def test_generation_with_the_knob_agrees_without_and_tiered_is_bit_identical(tmp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(loader.nvcc_path() is None, reason="needs nvcc to build the CUDA kernels")
-@pytest.mark.parametrize("inter", [512, 768])  # 768: W2 down on 16-word tiles, FP4 on whole 256-K tiles
+@pytest.mark.parametrize("inter", [512, 768, 1408])  # 768: W2 down on 16-word tiles; 1408: both tiers' downs
 def test_with_an_fp4_pool_the_cuda_path_agrees_with_the_triton_path_on_mixed_residency(inter):
     g = toy_geometry(**{**FITS, "experts": 16, "inter": inter})
     w2_rows, fp4_rows = tier_rows(g)

@@ -52,27 +52,33 @@ struct TileRows {
   const Scales *sa, *sb;
 };
 
+// One warp's two A rows' tile t for the K loop (`first_loads`, `k_loop`): rows of another kind (16-word FP4 tiles,
+// fp4_half_tiles.cuh) bring their own `load_rows` and tile type.
+template <class Scales>
+__device__ __forceinline__ WordTile<Scales> load_rows(const TileRows<Scales>& r, int t, int load_c) {
+  return load_tile(r.ra, r.rb, r.sa, r.sb, t, load_c);
+}
+
 // The K loop of one warp over `tiles` K tiles of its two A rows: a register ring of kAhead + 1 tiles, tile t in
 // ring[t % (kAhead + 1)]; loads past the last tile reload it. load_c: the loads' word vector index (c, or 0 where c
 // is already in ra / rb); `xp` holds the activation pairs, kPairWords words per tile (after a barrier); each tile
-// goes to the format's `tile_mma` (w2_fragments.cuh, fp4_fragments.cuh; chosen by the tile type). first_loads
-// issues tiles 0 .. kAhead - 1 (before the pairs are built), k_loop the rest.
-template <int kAhead, class Scales>
-__device__ __forceinline__ void first_loads(const TileRows<Scales>& r, WordTile<Scales> (&ring)[kAhead + 1], int tiles,
-                                            int load_c) {
+// goes to the format's `tile_mma` (w2_fragments.cuh, fp4_fragments.cuh, fp4_half_tiles.cuh; chosen by the tile type).
+// first_loads issues tiles 0 .. kAhead - 1 (before the pairs are built), k_loop the rest.
+template <int kAhead, class Rows, class Tile>
+__device__ __forceinline__ void first_loads(const Rows& r, Tile (&ring)[kAhead + 1], int tiles, int load_c) {
 #pragma unroll
-  for (int j = 0; j < kAhead; ++j) ring[j] = load_tile(r.ra, r.rb, r.sa, r.sb, min(j, tiles - 1), load_c);
+  for (int j = 0; j < kAhead; ++j) ring[j] = load_rows(r, min(j, tiles - 1), load_c);
 }
 
-template <int kAhead, int kPairWords, class Scales>
-__device__ __forceinline__ void k_loop(const TileRows<Scales>& r, WordTile<Scales> (&ring)[kAhead + 1],
-                                       const uint32_t* xp, int tiles, int load_c, int c, float (&acc)[2][4]) {
+template <int kAhead, int kPairWords, class Rows, class Tile>
+__device__ __forceinline__ void k_loop(const Rows& r, Tile (&ring)[kAhead + 1], const uint32_t* xp, int tiles,
+                                       int load_c, int c, float (&acc)[2][4]) {
   for (int t0 = 0; t0 < tiles; t0 += kAhead + 1) {
 #pragma unroll
     for (int j = 0; j <= kAhead; ++j) {
       const int t = t0 + j;
       if (t < tiles) {
-        ring[(j + kAhead) % (kAhead + 1)] = load_tile(r.ra, r.rb, r.sa, r.sb, min(t + kAhead, tiles - 1), load_c);
+        ring[(j + kAhead) % (kAhead + 1)] = load_rows(r, min(t + kAhead, tiles - 1), load_c);
         tile_mma(ring[j], xp + t * kPairWords, c, acc);
       }
     }

@@ -8,7 +8,8 @@
 // output (block b -> expert, pair), x [T, H] bf16 / act [P, I] bf16. Each kernel computes the pairs whose
 // expert is FP4-resident (FP4 table >= 0) and leaves every other pair's row untouched, so that with the W2
 // kernels (which skip FP4 pairs) every resident pair is computed once (kernels/cuda/tier_moe.py). K must be a
-// multiple of 256 (whole 32-word tiles: each nibble slot one scale block).
+// multiple of 256 (whole 32-word tiles: each nibble slot one scale block), except the down's when built with
+// FP4_WPS 16: any K the layout packs in 16-word tiles (fp4_half_tiles.cuh; the gate_up is the same in both builds).
 //
 // Decode, tile loads, a K tile's mmas and the activation pairs: fp4_fragments.cuh. gate_up: one warp owns 8
 // output rows, mma rows 0..7 their gate rows and 8..15 their up rows; down: one warp owns 16 output rows. fp32
@@ -23,6 +24,15 @@
 
 #ifndef FP4_AHEAD
 #define FP4_AHEAD 2  // K tiles whose loads are in flight while one is computed (1, 2, 3: no spills)
+#endif
+// FP4_WPS: words per nibble slot of the down's w2 matrix (kernels/layout.py), 32 or 16 (inter not a multiple of 256).
+#ifndef FP4_WPS
+#define FP4_WPS 32
+#endif
+#if FP4_WPS == 16
+#include "fp4_half_tiles.cuh"
+#elif FP4_WPS != 32
+#error "FP4_WPS is 32 or 16"
 #endif
 
 namespace {
@@ -58,6 +68,19 @@ __device__ __forceinline__ void row_sums(const Rows& r, const uint16_t* __restri
   __syncthreads();
   k_loop<kAhead, kF4TilePairs>(r, ring, xp, tiles, c, c, acc);
 }
+
+#if FP4_WPS == 16
+// row_sums over pair tiles: the activation pairs of row a [k_real] staged for the pair tiles' K, zero past k_real.
+__device__ __forceinline__ void row_sums(const F4PairRows& r, const uint16_t* __restrict__ a, uint32_t* xp, int k_real,
+                                         int c, float (&acc)[2][4]) {
+  const int tiles = pair_tiles(r);
+  F4PairTile ring[kAhead + 1];
+  first_loads<kAhead>(r, ring, tiles, c);
+  f4_build_pairs16(a, xp, tiles * kF4TileK, k_real);
+  __syncthreads();
+  k_loop<kAhead, kF4TilePairs>(r, ring, xp, tiles, c, c, acc);
+}
+#endif
 
 }  // namespace
 
@@ -97,7 +120,8 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) fp4_gate_up_mma(
   }
 }
 
-// Grid (route block, H / 64), 128 threads; dynamic shared memory 2 * inter bytes (act pairs).
+// Grid (route block, H / 64), 128 threads; dynamic shared memory 2 * K bytes (act pairs; K = inter, or with FP4_WPS
+// 16 the pair tiles' 256 each).
 extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) fp4_down_mma(
     const uint16_t* __restrict__ act, long long stride_act,                              // act bf16 [P, I]
     const uint8_t* __restrict__ slots, long long slot_bytes, long long words_off,
@@ -114,6 +138,17 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) fp4_down_mma(
   const int n = blockIdx.y * kDownRowsPerBlock + (threadIdx.x >> 5) * 16 + g;  // rows n and n + 8
 
   const uint8_t* base = slots + static_cast<long long>(slot) * slot_bytes;
+#if FP4_WPS == 16
+  const long long row_vecs = words_per_row / 4, scale_words = blocks_per_row / 4;
+  F4PairRows r;
+  r.ra = reinterpret_cast<const uint4*>(base + words_off) + n * row_vecs;
+  r.rb = r.ra + 8 * row_vecs;
+  r.sa = reinterpret_cast<const uint32_t*>(base + scales_off) + n * scale_words;
+  r.sb = r.sa + 8 * scale_words;
+  r.tiles16 = words_per_row / 16;
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  row_sums(r, act + pair * stride_act, xp, inter, c, acc);
+#else
   const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 8;
   Rows r;
   r.ra = reinterpret_cast<const uint4*>(base + words_off) + n * row_vecs;
@@ -122,6 +157,7 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) fp4_down_mma(
   r.sb = r.sa + 8 * scale_vecs;
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   row_sums(r, act + pair * stride_act, xp, inter, words_per_row, c, acc);
+#endif
   if (c < 2) {  // lane (g, 0): row n from d0; lane (g, 1): row n + 8 from d2 (all D columns are equal)
     y[pair * stride_y + n + 8 * c] = (c ? acc[0][2] + acc[1][2] : acc[0][0] + acc[1][0]) * 0.25f;
   }

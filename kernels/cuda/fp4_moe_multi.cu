@@ -59,6 +59,16 @@
 #ifndef FP4_PDL
 #define FP4_PDL 0
 #endif
+// FP4_WPS: words per nibble slot of the down's w2 matrix (kernels/layout.py), 32 or 16 (inter not a multiple of 256:
+// the down reads pair tiles, fp4_half_tiles.cuh; the gate_up is the same in both builds).
+#ifndef FP4_WPS
+#define FP4_WPS 32
+#endif
+#if FP4_WPS == 16
+#include "fp4_half_tiles.cuh"
+#elif FP4_WPS != 32
+#error "FP4_WPS is 32 or 16"
+#endif
 
 namespace {
 
@@ -145,6 +155,42 @@ __device__ __forceinline__ void pass_sums(const Rows& r, const uint16_t* __restr
   k_loop<kAhead, kF4TilePairs>(r, ring, xp + min(g, count - 1) * stride, tiles, c, c, acc);
 }
 
+#if FP4_WPS == 16
+// A lane's two down rows over pair tiles: ra (scales sa) at row n, rb (sb) 8 rows further.
+__device__ __forceinline__ F4PairRows pair_rows_at(const uint8_t* base, long long words_off, long long scales_off,
+                                                   int words_per_row, int blocks_per_row, int n) {
+  const long long row_vecs = words_per_row / 4, scale_words = blocks_per_row / 4;
+  F4PairRows r;
+  r.ra = reinterpret_cast<const uint4*>(base + words_off) + n * row_vecs;
+  r.rb = r.ra + 8 * row_vecs;
+  r.sa = reinterpret_cast<const uint32_t*>(base + scales_off) + n * scale_words;
+  r.sb = r.sa + 8 * scale_words;
+  r.tiles16 = words_per_row / 16;
+  return r;
+}
+
+// The down's pass_sums over pair tiles: columns staged for the pair tiles' K (k_len), zero past k_real.
+__device__ __forceinline__ void pass_sums(const F4PairRows& r, const uint16_t* __restrict__ a, long long stride_a,
+                                          const int* pairs, int count, bool after_pass, uint32_t* xp, int k_len,
+                                          int k_real, int g, int c, float (&acc)[2][4]) {
+  const int tiles = pair_tiles(r), stride = k_len / 2 + kPadWords;
+  F4PairTile ring[kAhead + 1];
+  first_loads<kAhead>(r, ring, tiles, c);
+  if (after_pass) __syncthreads();  // every warp is done reading the previous pass's columns
+  auto store = [](uint32_t* column, int q, const Unit& u) { store_unit_8(column, q, u); };
+#if FP4_PDL
+  if (!after_pass) asm volatile("griddepcontrol.wait;" ::: "memory");  // act is the preceding gate_up's output
+  const auto load = [](const uint16_t* p) { return load_coherent(p); };
+#else
+  const auto load = f4_load_act4;
+#endif
+  build_columns(a, stride_a, pairs, 1, count, xp, stride, k_len,
+                [k_real, load](const uint16_t* row, int q) { return f4_load_unit16(row, q, k_real, load); }, store);
+  __syncthreads();
+  k_loop<kAhead, kF4TilePairs>(r, ring, xp + min(g, count - 1) * stride, tiles, c, c, acc);
+}
+#endif
+
 }  // namespace
 
 // Grid (route blocks, I / kGateRowsPerBlock), kGateWarps * 32 threads; dynamic shared memory
@@ -190,7 +236,8 @@ extern "C" __global__ void __launch_bounds__(kGateWarps * 32, 16 / kGateWarps) f
   }
 }
 
-// Grid (route blocks, H / kDownRowsPerBlock), 128 threads; dynamic shared memory kDownCols * (2 * I + 8) bytes.
+// Grid (route blocks, H / kDownRowsPerBlock), 128 threads; dynamic shared memory kDownCols * (2 * K + 8) bytes (K = I,
+// or with FP4_WPS 16 the pair tiles' 256 each).
 extern "C" __global__ void __launch_bounds__(kDownWarps * 32, kDownBlocks) fp4_down_multi(
     const uint16_t* __restrict__ act, long long stride_act,                              // act bf16 [P, I]
     const uint8_t* __restrict__ slots, long long slot_bytes, long long words_off,
@@ -208,12 +255,22 @@ extern "C" __global__ void __launch_bounds__(kDownWarps * 32, kDownBlocks) fp4_d
   }
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int n = blockIdx.y * kDownRowsPerBlock + (threadIdx.x >> 5) * 16 + g;  // rows n and n + 8
+#if FP4_WPS == 16
+  const F4PairRows r = pair_rows_at(slots + static_cast<long long>(slot) * slot_bytes, words_off, scales_off,
+                                    words_per_row, blocks_per_row, n);
+  const int k_len = pair_tiles(r) * kF4TileK;
+#else
   const Rows r = rows_at(slots + static_cast<long long>(slot) * slot_bytes, words_off, scales_off, words_per_row,
                          blocks_per_row, n, 8);
+#endif
   for (int z0 = 0; z0 < fill; z0 += kDownCols) {
     const int count = min(fill - z0, kDownCols);
     float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#if FP4_WPS == 16
+    pass_sums(r, act, stride_act, pairs + z0, count, z0 > 0, xp, k_len, inter, g, c, acc);
+#else
     pass_sums<true>(r, act, stride_act, pairs + z0, 1, count, z0 > 0, xp, inter, words_per_row, g, c, acc);
+#endif
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // column 2c + h: row n from d[h], row n + 8 from d[2 + h]
       if (2 * c + h < count) {

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import loader, w2_down, w2_gate_up, w2_multi
-from .fp4_stages import check_geometry
+from .fp4_stages import check_down_build, check_geometry
 
 SOURCE = Path(__file__).with_name("fp4_moe_multi.cu")
 GATE_KERNEL, DOWN_KERNEL = "fp4_gate_up_multi", "fp4_down_multi"
@@ -58,8 +58,9 @@ def check_gate_up_inputs(hidden, fp4, ws, out, rows_per_block: int) -> None:
     w2_gate_up.check_hidden_out(hidden, out, ws, fp4.layout.hidden)
 
 
-def check_down_inputs(fp4, ws, out) -> None:
+def check_down_inputs(fp4, ws, out, wps: int = 32) -> None:
     check_geometry(fp4.layout)  # hidden a multiple of 256: of the 64 rows per block too
+    check_down_build(fp4.layout, wps)
     w2_multi.check_block_tokens(ws)
     w2_down.check_act_out(ws, out)
 
@@ -115,16 +116,19 @@ class Fp4GateUpMultiCuda(_Built):
 class Fp4DownMultiCuda(_Built):
     """As Fp4GateUpMultiCuda, for the down kernel (4 warps of 16 rows, 8 columns per pass; ahead, early). pdl:
     FP4_PDL, and every launch a programmatic dependent of the stream's preceding kernel (cuLaunchKernelEx): for a
-    down launched right after an `Fp4GateUpMultiCuda(pdl=True)`."""
+    down launched right after an `Fp4GateUpMultiCuda(pdl=True)`. wps: FP4_WPS as in `Fp4DownCuda`."""
 
-    def __init__(self, ahead: int = 2, early: bool = False, pdl: bool = False, device: int | None = None) -> None:
-        self.ahead, self.early, self.pdl = ahead, early, pdl
-        super().__init__(DOWN_KERNEL, {"FP4_AHEAD": ahead, "FP4_EARLY": int(early), "FP4_PDL": int(pdl)}, device)
+    def __init__(self, ahead: int = 2, early: bool = False, pdl: bool = False, device: int | None = None,
+                 wps: int = 32) -> None:
+        w2_down.check_wps(wps)
+        self.ahead, self.early, self.pdl, self.wps = ahead, early, pdl, wps
+        defines = {"FP4_AHEAD": ahead, "FP4_EARLY": int(early), "FP4_PDL": int(pdl)}
+        super().__init__(DOWN_KERNEL, defines | ({"FP4_WPS": 16} if wps == 16 else {}), device)
 
     def __call__(self, fp4, layer: int, ws, out=None):
         out = ws.y if out is None else out
-        check_down_inputs(fp4, ws, out)
-        smem = shared_bytes(fp4.layout.inter, DOWN_COLS)
+        check_down_inputs(fp4, ws, out, self.wps)
+        smem = shared_bytes(w2_down.act_k(fp4.layout), DOWN_COLS)
         self.kernel.allow_shared(smem)
         grid, stream = (ws.block_expert.numel(), fp4.layout.hidden // DOWN_ROWS_PER_BLOCK), torch.cuda.current_stream()
         args = down_launch_args(fp4, layer, ws, out)

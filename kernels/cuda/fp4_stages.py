@@ -5,6 +5,9 @@ pairs of a BT = 1 workspace (after `moe_route`): ws.act[pair] = SwiGLU(W13_e x[t
 into `out` [P, I] bf16. `Fp4DownCuda()(fp4, layer, ws)`: ws.y[pair] = W2_e ws.act[pair] (float32), or into
 `out` [P, H]. Both leave every other pair's row untouched (W2 pairs, missing experts): the W2 kernels compute
 the W2 pairs (kernels/cuda/tier_moe.py runs both tiers).
+
+The down is built for one tile width of its w2 matrix (`wps`, kernels/layout.py): 32 words per nibble slot when inter
+is a multiple of 256, else 16 (ds-v2-lite's 1408; fp4_half_tiles.cuh); `w2_down.wps_of(layout)` says which.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from . import loader, w2_down, w2_gate_up
 SOURCE = Path(__file__).with_name("fp4_moe.cu")
 GATE_UP_KERNEL, DOWN_KERNEL = "fp4_gate_up_mma", "fp4_down_mma"
 THREADS = 128
-K_MULTIPLE = 256  # K must fill whole 32-word FP4 tiles (kF4TileK)
+K_MULTIPLE = 256  # the gate_up's K (hidden) must fill whole 32-word FP4 tiles (kF4TileK)
 GATE_UP_ROWS_PER_BLOCK = 32  # 4 warps x 8 gate rows
 DOWN_ROWS_PER_BLOCK = 64  # 4 warps x 16 rows
 # x, stride_x, slots, slot_bytes, words_off, scales_off, words_per_row, blocks_per_row, f4_table, table_row,
@@ -31,13 +34,22 @@ DOWN_ARG_KINDS = "pqpqqqiipippppqi"
 
 
 def check_geometry(layout: SlotLayout) -> None:
-    """Shapes both kernels support: FP4 slots, hidden and inter multiples of 256 (whole K tiles; hidden is then a
-    multiple of the down kernel's 64 rows per block, inter of the gate_up's 32)."""
+    """Shapes both kernels support: FP4 slots, hidden a multiple of 256 (the gate_up's whole K tiles; then also a
+    multiple of the down's 64 rows per block; inter is one of the gate_up's 32, as every layout's). Any inter: the
+    down has a build per tile width (`check_down_build`)."""
     if layout.values_per_word != FP4_VALUES_PER_WORD:
         raise ValueError("the CUDA FP4 stages read FP4 slots only")
-    for name, size in (("hidden", layout.hidden), ("inter", layout.inter)):
-        if size % K_MULTIPLE:
-            raise ValueError(f"{name} must be a multiple of {K_MULTIPLE}, got {size}")
+    if layout.hidden % K_MULTIPLE:
+        raise ValueError(f"hidden must be a multiple of {K_MULTIPLE}, got {layout.hidden}")
+
+
+def check_down_build(layout: SlotLayout, wps: int) -> None:
+    """That a down built for `wps`-word tiles reads this FP4 pool's w2 matrix."""
+    w2_down.check_wps(wps)
+    if w2_down.wps_of(layout) != wps:
+        raise ValueError(f"this FP4 down kernel was built for {wps}-word tiles; the pool's w2 matrix (inter "
+                         f"{layout.inter}) has {w2_down.wps_of(layout)}-word tiles: build it with wps="
+                         f"{w2_down.wps_of(layout)}")
 
 
 def gate_up_args(hidden, top_k: int, fp4, layer: int, ws, out, swiglu_limit: float | None) -> list:
@@ -65,13 +77,15 @@ def check_gate_up_inputs(hidden, fp4, ws, out) -> None:
     w2_gate_up.check_hidden_out(hidden, out, ws, fp4.layout.hidden)
 
 
-def check_down_inputs(fp4, ws, out) -> None:
+def check_down_inputs(fp4, ws, out, wps: int = 32) -> None:
     _check_common(fp4, ws)
+    check_down_build(fp4.layout, wps)
     w2_down.check_act_out(ws, out)
 
 
-def build_image(ahead: int) -> bytes:
-    return loader.build(SOURCE, {"FP4_AHEAD": ahead})
+def build_image(ahead: int, wps: int = 32) -> bytes:
+    """fp4_moe.cu's image (FP4_WPS only for 16: the 32-word build's command is the one before it existed)."""
+    return loader.build(SOURCE, {"FP4_AHEAD": ahead} | ({"FP4_WPS": 16} if wps == 16 else {}))
 
 
 class Fp4GateUpCuda:
@@ -99,19 +113,21 @@ class Fp4GateUpCuda:
 
 
 class Fp4DownCuda:
-    """As Fp4GateUpCuda, for the down kernel."""
+    """As Fp4GateUpCuda, for the down kernel; wps: the w2 matrix's words per nibble slot this build reads (32, or 16
+    for an inter not a multiple of 256: `w2_down.wps_of`)."""
 
-    def __init__(self, ahead: int = 2, device: int | None = None) -> None:
+    def __init__(self, ahead: int = 2, device: int | None = None, wps: int = 32) -> None:
+        w2_down.check_wps(wps)
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
-        self.ahead = ahead
-        self.kernel = loader.load(build_image(ahead), DOWN_KERNEL, self.device)
+        self.ahead, self.wps = ahead, wps
+        self.kernel = loader.load(build_image(ahead, wps), DOWN_KERNEL, self.device)
 
     def __call__(self, fp4, layer: int, ws, out=None):
         out = ws.y if out is None else out
-        check_down_inputs(fp4, ws, out)
+        check_down_inputs(fp4, ws, out, self.wps)
         grid = (ws.block_expert.numel(), fp4.layout.hidden // DOWN_ROWS_PER_BLOCK)
-        smem = 2 * fp4.layout.inter  # activation pairs: I / 2 x 4 bytes
+        smem = 2 * w2_down.act_k(fp4.layout)  # activation pairs: K / 2 x 4 bytes
         self.kernel.allow_shared(smem)
         self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream, DOWN_ARG_KINDS,
                            down_args(fp4, layer, ws, out))

@@ -16,8 +16,8 @@ pairs), in the same order with the same roles; above w2_moe.WIDE_FROM pairs per 
 
 So every resident pair's act and y are written exactly once by the tier that holds it (plus the NaN marker
 in between), missing pairs are left to the combine as on the Triton path, and the W2 files are unchanged:
-`W2MoeCuda` (steps 1 and 2) keeps its W2-only behaviour. Requires bfloat16, hidden a multiple of 512 (the W2
-stages'), hidden and inter multiples of 256 (the FP4 stages').
+`W2MoeCuda` (steps 1 and 2) keeps its W2-only behaviour. Requires bfloat16 and hidden a multiple of 512 (the W2
+stages'; the FP4 stages need 256); every inter (both tiers' downs have a build for 16-word tiles).
 """
 
 from __future__ import annotations
@@ -45,30 +45,32 @@ FP4_DOWN_MULTI = dict(ahead=1, pdl=True)
 class TierMoeCuda:
     """w2: the W2 stages (a `W2MoeCuda`, built with its defaults when None); fp4_ahead: FP4_AHEAD of the FP4
     kernels; fp4_gate_multi / fp4_down_multi: the multi-token FP4 kernels' other options (Fp4GateUpMultiCuda /
-    Fp4DownMultiCuda; an "ahead" there wins over fp4_ahead; None: FP4_GATE_MULTI, FP4_DOWN_MULTI)."""
+    Fp4DownMultiCuda; an "ahead" there wins over fp4_ahead; None: FP4_GATE_MULTI, FP4_DOWN_MULTI); fp4_wps: the FP4
+    pool's w2 tile width both FP4 downs read (`w2_down.wps_of(fp4 layout)`)."""
 
     def __init__(self, w2: W2MoeCuda | None = None, fp4_ahead: int = 2, device: int | None = None,
-                 fp4_gate_multi: dict | None = None, fp4_down_multi: dict | None = None):
+                 fp4_gate_multi: dict | None = None, fp4_down_multi: dict | None = None, fp4_wps: int = 32):
         self.w2 = W2MoeCuda(device=device) if w2 is None else w2
+        self.fp4_wps = fp4_wps
         self.fp4_gate_up = Fp4GateUpCuda(ahead=fp4_ahead, device=device)
-        self.fp4_down = Fp4DownCuda(ahead=fp4_ahead, device=device)
+        self.fp4_down = Fp4DownCuda(ahead=fp4_ahead, device=device, wps=fp4_wps)
         gate = {"ahead": fp4_ahead, **(FP4_GATE_MULTI if fp4_gate_multi is None else fp4_gate_multi)}
         self.fp4_gate_up_multi = Fp4GateUpMultiCuda(device=device, **gate)
         self.fp4_gate_up_multi_wide = Fp4GateUpMultiCuda(device=device, **{**gate, **FP4_GATE_MULTI_WIDE})
         down = FP4_DOWN_MULTI if fp4_down_multi is None else {"ahead": fp4_ahead, **fp4_down_multi}
-        self.fp4_down_multi = Fp4DownMultiCuda(device=device, **down)
+        self.fp4_down_multi = Fp4DownMultiCuda(device=device, wps=fp4_wps, **down)
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None) -> None:
         # the FP4 stages' inputs before any launch (W2MoeCuda checks its own before its first launch)
         if ws.block_tokens == 1:
             fp4_stages.check_gate_up_inputs(hidden, fp4, ws, ws.act)
-            fp4_stages.check_down_inputs(fp4, ws, ws.y)
+            fp4_stages.check_down_inputs(fp4, ws, ws.y, self.fp4_wps)
             gate_up, down = self.fp4_gate_up, self.fp4_down
         else:
             wide = wide_gate(hidden.shape[0], top_k, fp4.table.shape[1])
             gate_up = self.fp4_gate_up_multi_wide if wide else self.fp4_gate_up_multi
             fp4_multi.check_gate_up_inputs(hidden, fp4, ws, ws.act, gate_up.rows_per_block)
-            fp4_multi.check_down_inputs(fp4, ws, ws.y)
+            fp4_multi.check_down_inputs(fp4, ws, ws.y, self.fp4_wps)
             down = self.fp4_down_multi
         if fp4.table.shape != w2.table.shape:
             raise ValueError("the W2 and FP4 tables must have the same shape")

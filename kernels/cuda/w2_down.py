@@ -24,7 +24,6 @@ from . import loader, w2_gate_up
 SOURCE = Path(__file__).with_name("w2_down.cu")
 KERNEL = "w2_down_mma"
 THREADS = 128
-K_TILE = 512  # K values per 32-word tile (kTileK), or per pair of 16-word tiles
 ROWS_PER_GROUP = 16  # one mma A tile per warp and group
 # act, stride_act, slots, slot_bytes, words_off, scales_off, words_per_row, blocks_per_row, w2_table, f4_table,
 # table_row, block_expert, block_pairs, num_blocks, y, stride_y, inter
@@ -54,9 +53,9 @@ def check_wps(wps: int) -> None:
 
 
 def act_k(layout: SlotLayout) -> int:
-    """K of the activation pairs a block stages in shared memory: inter, or with 16-word tiles 512 per pair of
-    them (zero past inter)."""
-    return -(-layout.w2.words_per_row // 32) * K_TILE
+    """K of the activation pairs a down block stages in shared memory: inter, or with 16-word tiles 32 words' worth
+    per pair of them (W2 512, FP4 256; zero past inter)."""
+    return -(-layout.w2.words_per_row // 32) * 32 * layout.values_per_word
 
 
 # cuLaunchKernelEx with programmatic stream serialization (W2DownCuda(pdl=True)); layouts as cuda.h (CUDA 12 / 13),

@@ -64,7 +64,7 @@ def load_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torc
     try:
         kernels = W2MoeCuda(device=device.index, wps=w2_down.wps_of(layout))
         if fp4_layout is not None:
-            kernels = TierMoeCuda(w2=kernels, device=device.index)
+            kernels = TierMoeCuda(w2=kernels, device=device.index, fp4_wps=w2_down.wps_of(fp4_layout))
     except (CudaError, OSError) as error:
         raise ConfigError(f"{KNOB}: the CUDA kernels did not build or load ({error}); they need nvcc and an "
                           "sm_90a (Hopper) GPU, or turn the knob off") from None
