@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The H200 measurements of main, in device calls of under 10 minutes each (one step per call; each step's
 # comment below says what it measures; the last ones run are those of 2026-11-30's fourth session: resume2, hostpath,
-# hostpath2, threads, closing5, qwen3ab, repeat5, and of its fifth: halftiles, halftiles2, gather; hostpath, hostpath2 and qwen3ab need
-# .baseline carried too).
+# hostpath2, threads, closing5, qwen3ab, repeat5, and of its fifth: halftiles, halftiles2, gather, halftiles3;
+# hostpath, hostpath2 and qwen3ab need .baseline carried too).
 # Run from the repository root on the GPU machine:
 #   TIERSTORE_COMMIT=<sha of the tree, taken on the dev machine> bash benchmarks/h200_session.sh kernels
 #   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime      (carry .whl for liburing)
@@ -12,7 +12,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -540,6 +540,19 @@ case "$step" in
       stage "h2d-gather-$rows" 60 python3 benchmarks/h2d_gather.py --rows "$rows" --blocks 4,16,64 --commit "$commit" \
         --json "$work/h2d-gather-$rows.json"
     done
+    ;;
+  halftiles3)  # the FP4 down kernels' 16-word tile build (FP4_WPS 16) and bf16_mma.cuh's generalised K loop on the GPU:
+    # the half-tile, FP4 and runtime cuda_w2 GPU tests; benchmarks/cuda_fp4.py on ds-v2-lite (FP4 and both tiers on
+    # 16-word tiles) at T = 1 / 8 / 32; `tierstore replay --cuda-w2` on the recorded trace (the CLI end to end). Stage
+    # limits 200 + 150 + 90 s. Estimates, not measured: tests ~120 s (halftiles' 68 s plus test_cuda_fp4's ~41 s),
+    # cuda_fp4.py ~60-120 s (22 builds on a cold cache; fp4tune 42 s), the CLI ~40 s.
+    stage tests 200 python3 -m pytest tests/test_cuda_w2_half_tiles.py tests/test_cuda_fp4.py \
+      tests/test_runtime_cuda_w2.py -m gpu -q
+    stage cuda-fp4-ds-v2-lite 150 python3 benchmarks/cuda_fp4.py --preset ds-v2-lite --tokens 1,8,32 \
+      --commit "$commit" --json "$work/cuda-fp4-ds-v2-lite.json"
+    stage replay-cli 90 python3 -m tierstore replay --trace benchmarks/traces/generate-quality-checkpoint.npz \
+      --preset ds-v2-lite --layers 8 --trace-layers tile --gpu-pool-frac 0.25 --arena-gb 4 --pack-dir /tmp/rp \
+      --steps 120 --warmup 20 --dtype bfloat16 --arena-preload --cuda-w2 --json "$work/replay_cli.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
