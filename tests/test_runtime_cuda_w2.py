@@ -57,7 +57,8 @@ def test_shapes_off_the_kernels_rules_are_refused():
 
 @pytest.mark.parametrize("inter", [96, 768, 1408])
 def test_an_inter_off_the_32_word_tiles_passes_the_shape_rules(inter):
-    """The down kernels have a build for 16-word tiles (w2_half_tiles.cuh): only the backend / device check is left."""
+    """The down kernels have a build for 16-word tiles (w2_half_tiles.cuh, fp4_half_tiles.cuh): only the backend /
+    device check is left."""
     g = toy_geometry(**{**FITS, "inter": inter})
     with pytest.raises(ConfigError, match="needs the triton backend on a CUDA device"):
         TieredRuntime(g, memory_source(g), pool_slots=4, config=RuntimeConfig(cuda_w2=True, kpi_every=0))

@@ -45,7 +45,7 @@ KNOBS = (
     Knob("KPI_EVERY", "500", "log tier counters every N steps; 0 = never"),
     Knob("EXECUTION", "eager", "eager: misses fetched inside apply | graph: in-graph miss log, runner replays"),
     Knob("CUDA_W2", "0", "1 runs gate_up and down on the CUDA C++ kernels where measured faster (CUDA, nvcc, "
-                         "hidden a multiple of 512; with an FP4 pool expert inter a multiple of 256)"),
+                         "hidden a multiple of 512)"),
 )
 _KNOWN = {knob.name for knob in KNOBS}
 

@@ -32,7 +32,7 @@ def register(subparsers) -> None:
                         help="fetch each finished MoE layer's misses while the decode pass still runs (config early_fetch)")
     parser.add_argument("--cuda-w2", action="store_true",
                         help="gate_up and down on the CUDA C++ kernels where measured faster (config cuda_w2; CUDA, "
-                             "nvcc, hidden a multiple of 512; with an FP4 pool expert inter a multiple of 256)")
+                             "nvcc, hidden a multiple of 512)")
     parser.add_argument("--verify-resident", action="store_true",
                         help="rerun all-resident and compare every step's logits bit for bit")
     parser.add_argument("--record-trace", help="save the decode steps' routing as a tierstore trace (.npz)")

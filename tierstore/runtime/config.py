@@ -82,8 +82,8 @@ class RuntimeConfig:
       there: prefill batches too), with an FP4 pool from experts / 4 pairs (expert blocks from experts / 2, up to 16 pairs
       per expert); other batches keep the Triton stages. Other kernels,
       other summation order: logits may differ in the last bits from a run with the knob off. Checked at boot,
-      each unmet condition a ConfigError: hidden a multiple of 512 (any expert inter: the down kernels have a build
-      for 16-word tiles; with an FP4 pool expert inter a multiple of 256 too), the triton backend on a
+      each unmet condition a ConfigError: hidden a multiple of 512 (any expert inter: both tiers' down kernels have
+      a build for 16-word tiles), the triton backend on a
       CUDA device, nvcc (PATH or /usr/local/cuda/bin) and a build that loads (sm_90a); hidden states must be
       bfloat16 (checked at the first call).
     """
