@@ -60,7 +60,8 @@ def worker(steps: int, warmup: int, device: str, coverage: float, preset: str, l
         g = dataclasses.replace(g, hidden=128, expert_inter=128)
     runtime = TieredRuntime(g, MemoryRowSource(tiled_rows(g, False)), pool_slots=round(coverage * g.total_routed_experts),
                             arena_slots=g.total_routed_experts, device=device,
-                            config=RuntimeConfig(kpi_every=0, force_pool=True), output_words=1)
+                            config=RuntimeConfig(kpi_every=0, force_pool=True, cuda_w2=False),  # both trees: Triton
+                            output_words=1)
     with runtime:
         runtime._early_hits = True  # as on CUDA with a pool that can evict: the last step's hits before the read
         preload_arena(runtime)

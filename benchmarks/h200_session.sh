@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 measurements of main, in device calls of under 10 minutes each (one step per call; each step's
 # comment below says what it measures; the last ones run are those of 2026-11-30's fourth session: resume2, hostpath,
-# hostpath2, threads, closing5, qwen3ab, repeat5, and of its fifth: halftiles, halftiles2, gather, halftiles3;
+# hostpath2, threads, closing5, qwen3ab, repeat5, and of its fifth: halftiles, halftiles2, gather, halftiles3, auto;
 # hostpath, hostpath2 and qwen3ab need .baseline carried too).
 # Run from the repository root on the GPU machine:
 #   TIERSTORE_COMMIT=<sha of the tree, taken on the dev machine> bash benchmarks/h200_session.sh kernels
@@ -12,7 +12,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -553,6 +553,20 @@ case "$step" in
     stage replay-cli 90 python3 -m tierstore replay --trace benchmarks/traces/generate-quality-checkpoint.npz \
       --preset ds-v2-lite --layers 8 --trace-layers tile --gpu-pool-frac 0.25 --arena-gb 4 --pack-dir /tmp/rp \
       --steps 120 --warmup 20 --dtype bfloat16 --arena-preload --cuda-w2 --json "$work/replay_cli.json"
+    ;;
+  auto)  # config cuda_w2 "auto" (the new default) on the GPU: the runtime GPU tests with default configs (pool, layer
+    # waits, early fetch, cuda_w2, the chunked prefill), then `tierstore replay` on the recorded trace in bf16 with the
+    # default (auto: its `kernels:` line says which ran) and with --no-cuda-w2 (Triton), one after the other in one call.
+    # Stage limits 200 + 60 + 60 s. Estimates, not measured: tests ~100 s (runtime_gpu_tests: 49-56 s, plus
+    # test_runtime_gpu's chunk tests), ~25 s per replay (halftiles3's CLI run: 23 s).
+    stage tests 200 python3 -m pytest tests/test_runtime_gpu.py tests/test_runtime_pool_copies.py \
+      tests/test_runtime_layer_waits.py tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py -m gpu -q
+    for kernels in auto no-cuda-w2; do
+      flag=$([ "$kernels" = auto ] || echo "--no-cuda-w2")
+      stage "replay-cli-$kernels" 60 python3 -m tierstore replay --trace benchmarks/traces/generate-quality-checkpoint.npz \
+        --preset ds-v2-lite --layers 8 --trace-layers tile --gpu-pool-frac 0.25 --arena-gb 4 --pack-dir /tmp/rp \
+        --steps 120 --warmup 20 --dtype bfloat16 --arena-preload $flag --json "$work/replay_cli_$kernels.json"
+    done
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

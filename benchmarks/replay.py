@@ -133,7 +133,8 @@ def main() -> None:
                         help="also run the tiered steps with config layer_waits off (whole-fetch waits), side by side")
     parser.add_argument("--config", action="append", default=[], metavar="FIELD=VALUE",
                         help="runtime config field of every run, resident and naive included (repeatable; e.g. "
-                             "cuda_w2=1: the CUDA C++ kernels)")
+                             "cuda_w2=0: the Triton kernels only; the default, auto, runs the CUDA C++ ones where "
+                             "usable: Hopper, nvcc, bfloat16)")
     parser.add_argument("--compare-config", action="append", default=[], metavar="FIELD=VALUE",
                         help="also run the tiered steps with this runtime config field changed (repeatable; "
                              "e.g. copy_streams=2), side by side")

@@ -156,9 +156,11 @@ def test_tierstore_replay_takes_the_dtype_arena_preload_and_cuda_w2(tmp_path, to
     out = tmp_path / "r.json"
     args = ["replay", "--trace", str(trace), "--preset", "toy", "--layers", "2", "--gpu-pool-frac", "0.5",
             "--arena-gb", "0.001", "--pack-dir", str(tmp_path / "pack"), "--device", "cpu", "--json", str(out)]
-    assert main(args + ["--dtype", "bfloat16", "--arena-preload"]) == 0, capsys.readouterr()
+    assert main(args + ["--dtype", "bfloat16", "--arena-preload"]) == 0
+    assert "kernels: Triton, activations bfloat16" in capsys.readouterr().out  # config cuda_w2 auto: not on a CPU
     result = json.loads(out.read_text())
     assert result["dtype"] == "bfloat16" and result["arena_preload"] is True and result["tokens_match_resident"]
+    assert result["runs"]["tiered"]["cuda_w2_kernels"] is False
     assert main(args + ["--cuda-w2"]) == 2
     assert "--cuda-w2 runs the CUDA C++ kernels, which take bfloat16 activations" in capsys.readouterr().err
     assert main(args + ["--cuda-w2", "--dtype", "bfloat16"]) == 2  # the runtime's own check at boot, named

@@ -29,14 +29,18 @@ from tierstore.runtime.fp4_manager import THREAD_NAME
 FITS = dict(layers=1, experts=4, top_k=2, hidden=512, inter=512)  # meets the CUDA kernels' shape rules
 
 
-def test_knob_parses_from_env_and_config_and_defaults_off():
-    assert RuntimeConfig().cuda_w2 is False
-    assert RuntimeConfig.from_env({}).cuda_w2 is False
-    assert RuntimeConfig.from_env({"TIERSTORE_CUDA_W2": "1"}).cuda_w2 is True
-    assert RuntimeConfig.from_env({"TIERSTORE_CUDA_W2": "false"}).cuda_w2 is False
+def test_knob_parses_from_env_and_config_and_defaults_to_auto():
+    assert RuntimeConfig().cuda_w2 == "auto"
+    assert RuntimeConfig.from_env({}).cuda_w2 == "auto"
+    for raw, value in (("1", True), ("true", True), ("on", True), ("0", False), ("false", False), ("off", False),
+                       ("auto", "auto"), ("AUTO", "auto")):
+        got = RuntimeConfig.from_env({"TIERSTORE_CUDA_W2": raw}).cuda_w2
+        assert got == value and type(got) is type(value), raw
     assert RuntimeConfig.from_env({}, cuda_w2=True).cuda_w2 is True
-    with pytest.raises(ConfigError, match="TIERSTORE_CUDA_W2='on' is not a valid bool"):
-        RuntimeConfig.from_env({"TIERSTORE_CUDA_W2": "on"})
+    with pytest.raises(ConfigError, match="cuda_w2 must be auto, true or false, got 'maybe'"):
+        RuntimeConfig.from_env({"TIERSTORE_CUDA_W2": "maybe"})
+    with pytest.raises(ConfigError, match="cuda_w2 must be auto, true or false, got 2"):
+        RuntimeConfig(cuda_w2=2)
 
 
 def test_a_refused_boot_with_an_fp4_pool_stops_its_fp4_manager():
@@ -172,6 +176,64 @@ def test_triton_backend_passes_the_kernels_to_moe_mm_only_with_the_knob(monkeypa
         assert calls.passed == [(1, want)] * 3 + [(16, want)] * 5 + [(64, None)]
     else:  # moe_mm's own rule: one pair per block up to 4 x experts pairs, 16 up to 16 x experts, then 64
         assert calls.passed == [(1, None)] * 6 + [(16, None)] + [(64, None)] * 2
+
+
+def test_auto_names_what_is_missing(monkeypatch):
+    layout = w2_slot_layout(512, 1408)
+    assert "device cpu is not a CUDA device" in compute.cuda_w2_unavailable(layout, None, torch.device("cpu"), "triton")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert "compute capability 8.0: the kernels are built for sm_90a" in compute.cuda_w2_unavailable(
+        layout, None, cuda, "triton")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert "hidden must be a multiple of 512, got 64" in compute.cuda_w2_unavailable(
+        w2_slot_layout(64, 512), None, cuda, "triton")
+    assert "needs the triton backend" in compute.cuda_w2_unavailable(layout, None, cuda, "torch")
+    monkeypatch.setattr(loader, "nvcc_path", lambda: None)
+    assert "needs nvcc" in compute.cuda_w2_unavailable(layout, None, cuda, "triton")
+    monkeypatch.setattr(loader, "nvcc_path", lambda: "/usr/local/cuda/bin/nvcc")
+    assert compute.cuda_w2_unavailable(layout, None, cuda, "triton") is None
+
+
+def test_auto_hands_moe_mm_the_kernels_where_usable_and_triton_elsewhere(monkeypatch):
+    """With nothing missing (stood in) auto builds once and passes the kernels for bfloat16 batches; float32 ones run
+    the Triton stages (True refuses them, below). With something missing nothing is built."""
+    pytest.importorskip("triton")
+    g = toy_geometry(**{**FITS, "experts": 16})
+    model = ToyMoE(g)
+    for missing in (None, "compute capability 8.0"):
+        calls = _Calls(monkeypatch)
+        monkeypatch.setattr(compute, "cuda_w2_unavailable", lambda *a, missing=missing: missing)
+        with TieredRuntime(g, memory_source(g), pool_slots=16, backend="triton",
+                           config=RuntimeConfig(kpi_every=0)) as runtime:
+            runtime.preload()
+            for dtype in (torch.bfloat16, torch.float32):
+                x = torch.randn(1, g.hidden).to(dtype)
+                runtime.moe(0, x, *model.route(0, x.float()))
+        want = calls.kernels if missing is None else None
+        assert calls.builds == int(missing is None)
+        assert calls.passed == [(1, want), (1, None)]
+
+
+def test_auto_falls_back_to_triton_when_the_build_fails(monkeypatch, caplog):
+    pytest.importorskip("triton")
+    calls = _Calls(monkeypatch)
+    monkeypatch.setattr(compute, "cuda_w2_unavailable", lambda *a: None)
+
+    def fail(layout, fp4_layout, device):
+        raise ConfigError("TIERSTORE_CUDA_W2 (config cuda_w2): the CUDA kernels did not build or load (nvcc failed)")
+
+    monkeypatch.setattr(compute, "load_cuda_w2", fail)
+    g = toy_geometry(**FITS)
+    with caplog.at_level("WARNING", logger="tierstore.runtime"):
+        with TieredRuntime(g, memory_source(g), pool_slots=4, backend="triton",
+                           config=RuntimeConfig(kpi_every=0)) as runtime:
+            assert runtime.experts.cuda_w2 is None
+            x = torch.randn(1, g.hidden).to(torch.bfloat16)
+            runtime.moe(0, x, *ToyMoE(g).route(0, x.float()))
+    assert calls.passed == [(1, None)]
+    assert "CUDA C++ kernels off (config cuda_w2 auto; the Triton kernels run): " in caplog.text
+    assert "did not build or load (nvcc failed)" in caplog.text
 
 
 def test_the_knob_refuses_hidden_states_other_than_bfloat16(monkeypatch):

@@ -30,9 +30,10 @@ def register(subparsers) -> None:
     parser.add_argument("--no-cuda-graph", action="store_true", help="run the decode step eagerly on cuda")
     parser.add_argument("--early-fetch", action="store_true",
                         help="fetch each finished MoE layer's misses while the decode pass still runs (config early_fetch)")
-    parser.add_argument("--cuda-w2", action="store_true",
-                        help="gate_up and down on the CUDA C++ kernels where measured faster (config cuda_w2; CUDA, "
-                             "nvcc, hidden a multiple of 512)")
+    parser.add_argument("--cuda-w2", action=argparse.BooleanOptionalAction, default=None,
+                        help="gate_up and down on the CUDA C++ kernels where measured faster (config cuda_w2; Hopper, "
+                             "nvcc, bfloat16, hidden a multiple of 512): --cuda-w2 requires them, --no-cuda-w2 runs "
+                             "Triton only; default auto (on where usable)")
     parser.add_argument("--verify-resident", action="store_true",
                         help="rerun all-resident and compare every step's logits bit for bit")
     parser.add_argument("--record-trace", help="save the decode steps' routing as a tierstore trace (.npz)")

@@ -1,7 +1,8 @@
 """`tierstore replay --trace T --preset P`: a recorded or synthetic routing trace through the real
-runtime (pool, arena, pack; Triton kernels on CUDA, or with --cuda-w2 the CUDA C++ ones) at a preset's
-real shapes with synthetic weights, beside an all-resident run, a naive on-demand baseline and the
-physical floor. Every run uses the same kernels and activation dtype, so the floor is measured on them."""
+runtime (pool, arena, pack; on CUDA the Triton kernels, and the CUDA C++ ones where config cuda_w2 finds
+them usable: Hopper, nvcc, bfloat16) at a preset's real shapes with synthetic weights, beside an
+all-resident run, a naive on-demand baseline and the physical floor. Every run uses the same kernels and
+activation dtype, so the floor is measured on them."""
 
 from __future__ import annotations
 
@@ -34,12 +35,13 @@ def register(subparsers) -> None:
     parser.add_argument("--eager", action="store_true", help="no CUDA graph of the forward (graphs are used on CUDA)")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="activations (default float32; a decoder's are bfloat16, which --cuda-w2 needs)")
+                        help="activations (default float32; a decoder's are bfloat16, which the CUDA C++ kernels need)")
     parser.add_argument("--arena-preload", action="store_true",
                         help="fill the tiered and naive arenas before the clock starts (no compulsory pack reads)")
-    parser.add_argument("--cuda-w2", action="store_true",
+    parser.add_argument("--cuda-w2", action=argparse.BooleanOptionalAction, default=None,
                         help="every run's gate_up and down on the CUDA C++ kernels where measured faster (config "
-                             "cuda_w2; CUDA, nvcc, --dtype bfloat16, hidden a multiple of 512)")
+                             "cuda_w2; Hopper, nvcc, --dtype bfloat16, hidden a multiple of 512): --cuda-w2 requires "
+                             "them, --no-cuda-w2 runs Triton only; default auto (on where usable)")
     parser.add_argument("--json", help="also write the result as JSON to this path")
     parser.set_defaults(func=run)
 
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from tierstore.runtime.replay import ensure_synthetic_pack, map_trace, open_synthetic_rows, run_replay, trace_steps
     from tierstore.sim import load_trace
 
-    if args.cuda_w2 and args.dtype != "bfloat16":
+    if args.cuda_w2 is True and args.dtype != "bfloat16":
         raise ConfigError(f"--cuda-w2 runs the CUDA C++ kernels, which take bfloat16 activations: add --dtype bfloat16 "
                           f"(got {args.dtype})")
     geometry = get_preset(args.preset)
@@ -77,8 +79,11 @@ def run(args: argparse.Namespace) -> int:
     result = run_replay(run_geometry, lambda: open_synthetic_rows(spec, args.pack_dir), steps, pool_slots=pool_slots,
                         arena_slots=int(args.arena_gb * 2**30) // spec.stride, device=device, warmup=args.warmup,
                         graph=not args.eager, arena_preload=args.arena_preload, dtype=getattr(torch, args.dtype),
-                        config=RuntimeConfig(kpi_every=0, force_pool=True, cuda_w2=args.cuda_w2))
+                        config=RuntimeConfig(kpi_every=0, force_pool=True,
+                                             cuda_w2="auto" if args.cuda_w2 is None else args.cuda_w2))
     result["trace_mapping"] = mapping
+    cuda = result["runs"]["tiered"]["cuda_w2_kernels"] and args.dtype == "bfloat16"
+    print(f"kernels: {'CUDA C++ gate_up and down (config cuda_w2)' if cuda else 'Triton'}, activations {args.dtype}")
     for name, r in result["runs"].items():
         for window in ("cold", "steady"):
             w = r[window]

@@ -8,9 +8,9 @@ the top-k combine runs in a fixed order, so a token's result does not depend on 
 - `TorchExperts`: plain torch (float32) decoding the same slot bytes with the kernels' reference
   decoder; the CPU variant of the runtime (no sync-free guarantee: it reads the table on the host).
 - `TritonExperts`: `tierstore.kernels.moe_mm` (route, gate_up, down, combine), capture-safe. With config
-  `cuda_w2` it hands `moe_mm` the CUDA C++ whole op (`load_cuda_w2`, built once at boot: the W2 stages, plus the
-  FP4 stages with an FP4 pool) for the batch sizes `cuda_w2_block_tokens` gives it; other batches run the Triton
-  gate_up and down.
+  `cuda_w2` (true, or `auto` where `cuda_w2_unavailable` finds nothing missing) it hands `moe_mm` the CUDA C++ whole
+  op (`load_cuda_w2`, built once at boot: the W2 stages, plus the FP4 stages with an FP4 pool) for the batch sizes
+  `cuda_w2_block_tokens` gives it; other batches run the Triton gate_up and down.
 """
 
 from __future__ import annotations
@@ -48,6 +48,39 @@ def check_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: tor
     if loader.nvcc_path() is None:
         raise ConfigError(f"{KNOB} needs nvcc on PATH or in /usr/local/cuda/bin (the CUDA toolkit) to build the "
                           "CUDA kernels; install it or turn the knob off")
+
+
+def cuda_w2_unavailable(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torch.device,
+                        backend: str) -> str | None:
+    """Why config `cuda_w2` "auto" leaves the CUDA kernels off for this runtime, or None when nothing is missing:
+    a CUDA device of compute capability 9.x (the kernels are sm_90a builds), then `check_cuda_w2`'s conditions."""
+    if device.type != "cuda":
+        return f"device {device} is not a CUDA device"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"compute capability {major}.{minor}: the kernels are built for sm_90a (Hopper)"
+    try:
+        check_cuda_w2(layout, fp4_layout, device, backend)
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def auto_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torch.device):
+    """Config `cuda_w2` "auto": the CUDA whole op where nothing is missing (`cuda_w2_unavailable`) and it builds, else
+    None (the Triton stages), the reason logged: INFO where a condition is unmet on a CUDA device, WARNING when the
+    build or load fails."""
+    reason = cuda_w2_unavailable(layout, fp4_layout, device, "triton")
+    if reason is not None:
+        if device.type == "cuda":
+            log.info("CUDA C++ kernels off (config cuda_w2 auto; the Triton kernels run): %s", reason)
+        return None
+    log.info("config cuda_w2 auto: building or loading the CUDA C++ kernels (nvcc on first use, cached after)")
+    try:
+        return load_cuda_w2(layout, fp4_layout, device)
+    except ConfigError as error:
+        log.warning("CUDA C++ kernels off (config cuda_w2 auto; the Triton kernels run): %s", error)
+        return None
 
 
 def load_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torch.device):
@@ -98,8 +131,8 @@ def cuda_w2_block_tokens(pairs: int, experts: int, fp4: bool = False) -> int | N
 
 class TorchExperts:
     def __init__(self, pool: DevicePool, layout: SlotLayout, log: PassLog, swiglu_limit: float | None,
-                 fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None, cuda_w2: bool = False):
-        if cuda_w2:  # raises: the knob needs the triton backend (after naming any other unmet condition)
+                 fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None, cuda_w2: bool | str = False):
+        if cuda_w2 is True:  # raises: the knob needs the triton backend (after naming any other unmet condition)
             check_cuda_w2(layout, fp4_layout if fp4_pool is not None else None, pool.device, "torch")
         self.pool, self.layout, self.log, self.swiglu_limit = pool, layout, log, swiglu_limit
         self.tiers = [(pool, layout)] + ([(fp4_pool, fp4_layout)] if fp4_pool is not None else [])
@@ -160,12 +193,15 @@ class TorchExperts:
 
 class TritonExperts:
     def __init__(self, pool: DevicePool, layout: SlotLayout, log: PassLog, swiglu_limit: float | None,
-                 fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None, cuda_w2: bool = False):
+                 fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None, cuda_w2: bool | str = False):
         from tierstore.kernels.moe_mm import MissLog, TierPool, fp4_tier
 
-        # config cuda_w2: the CUDA C++ gate_up + down, built here once (boot), or None (Triton stages)
-        self.cuda_w2 = (load_cuda_w2(layout, fp4_layout if fp4_pool is not None else None, pool.device) if cuda_w2
-                        else None)
+        # config cuda_w2: the CUDA C++ gate_up + down, built here once (boot), or None (Triton stages); `auto` falls back
+        # to the Triton stages where a condition is unmet (also per call: hidden states other than bfloat16)
+        tier4 = fp4_layout if fp4_pool is not None else None
+        self._cuda_w2_required = cuda_w2 is True
+        self.cuda_w2 = (auto_cuda_w2(layout, tier4, pool.device) if cuda_w2 == "auto"
+                        else load_cuda_w2(layout, tier4, pool.device) if cuda_w2 else None)
         self._fp4 = fp4_pool is not None
         self.log, self.swiglu_limit = log, swiglu_limit
         self.w2_pool = TierPool(pool.slots, pool.table, layout)
@@ -183,8 +219,8 @@ class TritonExperts:
         key = (tokens, top_k, dtype)
         if key not in self._workspaces:
             layout = self.w2_pool.layout
-            block_tokens = (cuda_w2_block_tokens(tokens * top_k, self.num_experts, self._fp4)
-                            if self.cuda_w2 is not None else None)
+            cuda = self.cuda_w2 is not None and (dtype == torch.bfloat16 or self._cuda_w2_required)
+            block_tokens = cuda_w2_block_tokens(tokens * top_k, self.num_experts, self._fp4) if cuda else None
             workspace = MoeWorkspace.allocate(tokens, top_k, self.num_experts, layout.hidden, layout.inter, dtype,
                                               self.w2_pool.slots.device, block_tokens=block_tokens)
             self._workspaces[key] = (workspace, self.cuda_w2 if block_tokens is not None else None)

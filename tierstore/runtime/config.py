@@ -74,18 +74,20 @@ class RuntimeConfig:
 
     Kernels:
 
-    - `cuda_w2` (default off): the triton backend runs gate_up and down with the CUDA C++ whole op between the
+    - `cuda_w2` (`auto`, the default; true; false): the triton backend runs gate_up and down with the CUDA C++ whole op between the
       Triton route and combine (`tierstore.kernels.cuda`: `W2MoeCuda`, with an FP4 pool `TierMoeCuda`, which adds
       the FP4 stages; benchmarks/cuda-w2-notes.md, cuda-fp4-notes.md) for the batch sizes where it was measured
       faster (`compute.cuda_w2_block_tokens`): without an FP4 pool batches up to 64 routed pairs per expert on
       average (one pair per block below experts / 2 pairs, 16-pair expert blocks for the multi-token kernels from
       there: prefill batches too), with an FP4 pool from experts / 4 pairs (expert blocks from experts / 2, up to 16 pairs
       per expert); other batches keep the Triton stages. Other kernels,
-      other summation order: logits may differ in the last bits from a run with the knob off. Checked at boot,
-      each unmet condition a ConfigError: hidden a multiple of 512 (any expert inter: both tiers' down kernels have
-      a build for 16-word tiles), the triton backend on a
-      CUDA device, nvcc (PATH or /usr/local/cuda/bin) and a build that loads (sm_90a); hidden states must be
-      bfloat16 (checked at the first call).
+      other summation order: logits may differ in the last bits from a run with the knob off (every run of one
+      configuration uses the same kernels, so replays stay bit-identical). Its conditions: hidden a multiple of 512
+      (any expert inter: both tiers' down kernels have a build for 16-word tiles), the triton backend on a CUDA
+      device of compute capability 9.x (the kernels are sm_90a builds), nvcc (PATH or /usr/local/cuda/bin), a build
+      that loads, and bfloat16 hidden states. `true`: each unmet condition is a ConfigError (at boot; the dtype at
+      the first call). `auto`: on where they all hold, else the Triton stages, with the reason logged (INFO, or a
+      WARNING when the build fails); hidden states of another dtype run the Triton stages.
     """
 
     replay_mode: str = "strict"
@@ -118,7 +120,7 @@ class RuntimeConfig:
     layer_waits: bool = True
     copy_streams: int = 1
     early_fetch: bool = False
-    cuda_w2: bool = False
+    cuda_w2: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.replay_mode not in REPLAY_MODES:
@@ -131,6 +133,7 @@ class RuntimeConfig:
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if self.copy_streams not in (1, 2) or type(self.copy_streams) is not int:
             raise ConfigError(f"copy_streams must be 1 or 2, got {self.copy_streams!r}")
+        object.__setattr__(self, "cuda_w2", _cuda_w2_setting(self.cuda_w2))  # frozen: normalised once here
         if not self.working_set_margin >= 1.0:
             raise ConfigError(f"working_set_margin must be >= 1.0, got {self.working_set_margin!r}")
         self._check_precision_tier()
@@ -192,6 +195,20 @@ def _parse(name: str, raw: str, kind: type):
         return kind(raw)
     except ValueError:
         raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def _cuda_w2_setting(value) -> bool | str:
+    """`cuda_w2` as True, False or "auto" (also from the strings 1 / true / yes / on, 0 / false / no / off, auto)."""
+    if value is True or value is False or value == "auto":
+        return value
+    text = value.lower() if isinstance(value, str) else None
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    if text == "auto":
+        return "auto"
+    raise ConfigError(f"cuda_w2 must be auto, true or false, got {value!r}")
 
 
 def parse_gate_agg(text: str) -> float | None:

@@ -196,7 +196,9 @@ def _run(geometry, source_factory, steps, *, pool_slots: int, arena_slots: int, 
             runtime.preload()
         preloaded_rows = preload_arena(runtime) if arena_preload and arena_slots else 0
         out = drive(runtime, steps, **drive_args)
+        cuda_kernels = getattr(runtime.experts, "cuda_w2", None) is not None  # config cuda_w2 loaded the CUDA C++ op
     return {"graph": out["graph"], "preloaded": preload, "arena_preloaded_rows": preloaded_rows,
+            "cuda_w2_kernels": cuda_kernels,
             "readback": drive_args.get("readback", "none"), "tokens": out["tokens"],
             "steady_early_fetched_rows": out["steady_early_fetched_rows"],
             "cold": out["cold"].as_dict(), "steady": out["steady"].as_dict()}
