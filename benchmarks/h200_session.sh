@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The H200 measurements of main, in device calls of under 10 minutes each (one step per call; each step's
 # comment below says what it measures; the last ones run are those of 2026-11-30's fourth session: resume2, hostpath,
-# hostpath2, threads, closing5, qwen3ab, repeat5, and of its fifth: halftiles, halftiles2, gather, halftiles3, auto;
-# hostpath, hostpath2 and qwen3ab need .baseline carried too).
+# hostpath2, threads, closing5, qwen3ab, repeat5, and of its fifth: halftiles, halftiles2, gather, halftiles3, auto,
+# autoab; hostpath, hostpath2 and qwen3ab need .baseline carried too).
 # Run from the repository root on the GPU machine:
 #   TIERSTORE_COMMIT=<sha of the tree, taken on the dev machine> bash benchmarks/h200_session.sh kernels
 #   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime      (carry .whl for liburing)
@@ -12,7 +12,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -567,6 +567,19 @@ case "$step" in
         --preset ds-v2-lite --layers 8 --trace-layers tile --gpu-pool-frac 0.25 --arena-gb 4 --pack-dir /tmp/rp \
         --steps 120 --warmup 20 --dtype bfloat16 --arena-preload $flag --json "$work/replay_cli_$kernels.json"
     done
+    ;;
+  autoab)  # auto's CUDA kernels against Triton in one process on the recorded trace (the auto step's CLI runs, one after
+    # the other, had the tiered step 0.777 vs 0.757 ms with the CUDA run's install host time +88 us): ds-v2-lite 8
+    # layers, bf16, 4 GiB arena preloaded, 25% and 100%; base auto with Triton flipped in, then base Triton with auto
+    # flipped in (order control). Stage limits 100 + 100 s. Estimate, not measured: ~40-60 s each (replay-ds-ab: 38 s).
+    trace=benchmarks/traces/generate-quality-checkpoint.npz
+    stage replay-rec-auto-first 100 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --no-synthetic --trace "$trace" --trace-layers tile --steps 240 --warmup 20 --coverages 0.25,1.0 --arena-gb 4 \
+      --arena-preload --dtype bfloat16 --compare-config cuda_w2=0 --commit "$commit" --out "$work/replay_rec_auto_first.json"
+    stage replay-rec-triton-first 100 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --no-synthetic --trace "$trace" --trace-layers tile --steps 240 --warmup 20 --coverages 0.25,1.0 --arena-gb 4 \
+      --arena-preload --dtype bfloat16 --config cuda_w2=0 --compare-config cuda_w2=auto --commit "$commit" \
+      --out "$work/replay_rec_triton_first.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
