@@ -1,4 +1,5 @@
-"""The CUDA C++ gate_up and down stages together: `moe_mm(..., cuda_w2=W2MoeCuda())` (opt-in, default off).
+"""The CUDA C++ gate_up and down stages together: `moe_mm(..., cuda_w2=W2MoeCuda())` (opt-in at `moe_mm`; the
+runtime passes it wherever it can run, config `cuda_w2` auto: tierstore/runtime/compute.py).
 
 `W2MoeCuda()(hidden, top_k, w2, fp4, layer, ws, swiglu_limit)` replaces `moe_gate_up` + `moe_down` between
 `moe_route` and `moe_combine`: ws.act then ws.y for every W2-resident pair, on the current stream (capture-safe:
