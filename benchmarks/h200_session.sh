@@ -2,7 +2,7 @@
 # The H200 measurements of main, in device calls of under 10 minutes each (one step per call; each step's
 # comment below says what it measures; the last ones run are those of 2026-11-30's fourth session: resume2, hostpath,
 # hostpath2, threads, closing5, qwen3ab, repeat5, and of its fifth: halftiles, halftiles2, gather, halftiles3, auto,
-# autoab; hostpath, hostpath2 and qwen3ab need .baseline carried too).
+# autoab, closing6; hostpath, hostpath2 and qwen3ab need .baseline carried too).
 # Run from the repository root on the GPU machine:
 #   TIERSTORE_COMMIT=<sha of the tree, taken on the dev machine> bash benchmarks/h200_session.sh kernels
 #   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime      (carry .whl for liburing)
@@ -12,7 +12,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -580,6 +580,17 @@ case "$step" in
       --no-synthetic --trace "$trace" --trace-layers tile --steps 240 --warmup 20 --coverages 0.25,1.0 --arena-gb 4 \
       --arena-preload --dtype bfloat16 --config cuda_w2=0 --compare-config cuda_w2=auto --commit "$commit" \
       --out "$work/replay_rec_triton_first.json"
+    ;;
+  closing6)  # the session's last code on the GPU: every CUDA kernel test (W2 single / multi, the 16-word tiles, FP4: the K
+    # loop in bf16_mma.cuh was generalised since their last full run) and the runtime GPU tests with the default config
+    # (cuda_w2 auto), then the main job's command on the quality checkpoint (hidden 256: auto keeps Triton) with
+    # --verify-resident. Stage limits 300 + 80 s. Estimates, not measured: ~200 s (halftiles 60 s, halftiles3 78 s, auto
+    # 73 s, with overlaps), generate ~40 s.
+    stage tests 300 python3 -m pytest tests/test_cuda_w2.py tests/test_cuda_w2_multi.py tests/test_cuda_w2_half_tiles.py \
+      tests/test_cuda_fp4.py tests/test_runtime_gpu.py tests/test_runtime_pool_copies.py tests/test_runtime_layer_waits.py \
+      tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py -m gpu -q
+    stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
