@@ -12,7 +12,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|staged|stagedx}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|staged}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -601,9 +601,6 @@ case "$step" in
     stage replay-nomiss 70 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
       --steps 220 --warmup 20 --coverages 1.0 --arena-gb 4 --arena-preload --dtype bfloat16 \
       --commit "$commit" --out "$work/replay_nomiss.json"
-    ;;
-  stagedx)  # the staged-copy GPU tests alone, with tracebacks (staged's test stage aborted after "FF.F" without them)
-    stage tests 60 python3 -m pytest tests/test_passlog_staged.py -m gpu -x -q --tb=long -p no:cacheprovider
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
