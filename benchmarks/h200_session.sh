@@ -2,7 +2,7 @@
 # The H200 measurements of main, in device calls of under 10 minutes each (one step per call; each step's
 # comment below says what it measures; the last ones run are those of 2026-11-30's fourth session: resume2, hostpath,
 # hostpath2, threads, closing5, qwen3ab, repeat5, and of its fifth: halftiles, halftiles2, gather, halftiles3, auto,
-# autoab, closing6, staged; hostpath, hostpath2 and qwen3ab need .baseline carried too).
+# autoab, closing6; hostpath, hostpath2 and qwen3ab need .baseline carried too).
 # Run from the repository root on the GPU machine:
 #   TIERSTORE_COMMIT=<sha of the tree, taken on the dev machine> bash benchmarks/h200_session.sh kernels
 #   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime      (carry .whl for liburing)
@@ -12,7 +12,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|staged}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -591,16 +591,6 @@ case "$step" in
       tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py -m gpu -q
     stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
-    ;;
-  staged)  # the pass log's copy staged in the captured forward (PassLog.stage / arm): its GPU tests and the runtime GPU
-    # tests (bit-identical steps over replays), then the replay's no-miss variants interleaved at ds-v2-lite 100% (the
-    # armed passlog_read now takes the graph's copy: compare it with plain_readback, the token's own copy). Stage limits
-    # 200 + 70 s. Estimates, not measured: tests ~110 s (auto: 73 s, plus the generation and chunk tests), replay ~35 s.
-    stage tests 200 python3 -m pytest tests/test_passlog_staged.py tests/test_runtime_gpu.py tests/test_runtime_pool_copies.py \
-      tests/test_runtime_layer_waits.py tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py -m gpu -q
-    stage replay-nomiss 70 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
-      --steps 220 --warmup 20 --coverages 1.0 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --commit "$commit" --out "$work/replay_nomiss.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -189,8 +189,6 @@ class TieredRuntime:
                 out = torch.cat(outs)
         if self._early:
             self.log.publish_layer(layer)  # after the layer's MoE: its routing reaches the host during the pass
-        if layer == self.geometry.num_moe_layers - 1 and self.log.outputs is None:
-            self.log.stage()  # the read's copy in a captured forward (with outputs: after `publish`)
         return out
 
     @staticmethod
@@ -212,7 +210,6 @@ class TieredRuntime:
         at the end of the forward (capturable); `outcome.last_pass.outputs` (int32) then holds them,
         with no device-to-host copy or sync of their own. Needs `output_words` >= their count."""
         self.log.publish(values)
-        self.log.stage()  # the read's copy in a captured forward, after the outputs
 
     # -- fetch --------------------------------------------------------------------------------
     def fetch(self, keys: Iterable[Key], protect: Iterable[Key], scan: bool = False, partial: bool = False,
@@ -319,7 +316,6 @@ class TieredRuntime:
                 gated = self.gate is not None and not prefill
                 if gated:
                     forward = self._with_signal(forward, logits_of or (lambda r: r))
-                forward = self._with_armed_log(forward)
                 during_pass = None
                 if self._early and not prefill:
                     forward, during_pass = self._with_cleared_layers(forward), self._fetch_during_pass
@@ -364,13 +360,6 @@ class TieredRuntime:
             result = forward()
             self._gate_signal.copy_(self.gate.signal_tensor(logits_of(result)), non_blocking=True)
             return result
-        return run
-
-    def _with_armed_log(self, forward: Callable[[], object]):
-        """`forward` after arming the pass log: a captured forward's staged copy is then what the read takes."""
-        def run():
-            self.log.arm()
-            return forward()
         return run
 
     def _with_cleared_layers(self, forward: Callable[[], object]):

@@ -17,15 +17,6 @@ row once its stamp has landed (the row landed first), without any synchronisatio
 e.g. a decoder's sampled token: `publish(values)` at the end of the forward (capturable) writes it
 into the buffer, so the pass-log read that the step protocol makes is also the decoder's readback
 (one device-to-host copy and one sync per pass instead of two). `PassReport.outputs` holds it.
-
-A captured forward can carry the read's copy itself: `stage()` at its end (after the last MoE layer, or
-after `publish`), while the stream is being captured, puts the buffer's device-to-host copy in the graph,
-so a replay lands the log in pinned memory and the read only synchronises (no copy launched after the
-forward). Guarded both ways: `arm()` (before launching a pass: the step protocol's) marks the host copy
-stale (counts word -1, impossible for a real log) and the pass as not yet run eagerly; the next `read()`
-copies as before when the pass ran eagerly (`record` outside a capture), when it was not armed, or when
-the stale mark is still there after the sync (a graph that staged nothing). Contract: a pass whose log is
-not read must not run on another stream while an armed pass runs (its staged copy could land last).
 """
 
 from __future__ import annotations
@@ -37,11 +28,6 @@ import numpy as np
 import torch
 
 Key = tuple[int, int]
-STALE = -1  # the host copy's missing-pairs word between `arm` and the staged copy landing
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @dataclass(frozen=True)
@@ -89,7 +75,6 @@ class PassLog:
         host = self._host.numpy()
         self._host_counts, self._host_seen, self._host_entries, self._host_routing, self._host_outputs = np.split(
             host, np.cumsum(sizes)[:4])
-        self._armed = self._eager = False  # `arm` / `record` outside a capture: which copy `read` trusts
         self._layer_rows = self._layer_stamps = None
         if early_layers:
             pin = self.device.type == "cuda"
@@ -103,10 +88,7 @@ class PassLog:
         self._cleared.zero_()
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """Count the routed pairs of `layer` (topk_ids int [T, k]); capturable (outside a capture it marks the pass
-        eager: its read copies the log itself)."""
-        if not self._eager and not _capturing(self.device):
-            self._eager = True
+        """Count the routed pairs of `layer` (topk_ids int [T, k]); capturable."""
         flat = topk_ids.reshape(-1).to(torch.int64)  # [T * k]
         self.seen[layer].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         if self.routing is not None and topk_ids.shape[0] <= self.record_tokens:
@@ -122,18 +104,6 @@ class PassLog:
         if flat.numel() > self.outputs.numel():
             raise ValueError(f"{flat.numel()} values do not fit {self.outputs.numel()} output words")
         self.outputs[:flat.numel()].copy_(flat)
-
-    def stage(self) -> None:
-        """At the end of a forward being captured (after the last MoE layer, or after `publish`): the buffer's
-        device-to-host copy as part of the graph, for an armed read to find in place. Outside a capture nothing."""
-        if _capturing(self.device):
-            self._host.copy_(self.buffer, non_blocking=True)
-
-    def arm(self) -> None:
-        """Before launching a pass whose log the next `read` takes (no copy into the host buffer is in flight: the
-        last pass was read): mark the host copy stale, the pass not eager yet."""
-        self._host_counts[0] = STALE
-        self._armed, self._eager = True, False
 
     def publish_layer(self, layer: int) -> None:
         """Copy `layer`'s routed counts, then its stamp, to pinned host memory (asynchronous on CUDA;
@@ -157,18 +127,9 @@ class PassLog:
         return self._host_seen.reshape(self.seen.shape)
 
     def read(self) -> PassReport:
-        if self.device.type != "cuda":
-            self._host.copy_(self.buffer)
-        else:
-            stream = torch.cuda.current_stream(self.device)
-            staged = self._armed and not self._eager  # a replayed graph may have landed the log (`stage`)
-            if not staged:
-                self._host.copy_(self.buffer, non_blocking=True)
-            stream.synchronize()
-            if staged and self._host_counts[0] == STALE:  # the graph staged nothing: copy now
-                self._host.copy_(self.buffer, non_blocking=True)
-                stream.synchronize()
-        self._armed = False
+        self._host.copy_(self.buffer, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         pairs, experts = self._host_counts.tolist()
         logged = min(experts, len(self._host_entries) // 2)
         missing = tuple(map(tuple, self._host_entries[:2 * logged].reshape(-1, 2).tolist())) if logged else ()
