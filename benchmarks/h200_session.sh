@@ -2,7 +2,8 @@
 # The H200 measurements of main, in device calls of under 10 minutes each (one step per call; each step's
 # comment below says what it measures; the last ones run are those of 2026-11-30's fourth session: resume2, hostpath,
 # hostpath2, threads, closing5, qwen3ab, repeat5, and of its fifth: halftiles, halftiles2, gather, halftiles3, auto,
-# autoab, closing6; hostpath, hostpath2 and qwen3ab need .baseline carried too).
+# autoab, closing6 (and staged / stagedx, whose code was reverted: run them from a5beae6 / 973424c); hostpath,
+# hostpath2 and qwen3ab need .baseline carried too).
 # Run from the repository root on the GPU machine:
 #   TIERSTORE_COMMIT=<sha of the tree, taken on the dev machine> bash benchmarks/h200_session.sh kernels
 #   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime      (carry .whl for liburing)
