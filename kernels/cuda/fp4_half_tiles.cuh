@@ -20,6 +20,15 @@
 
 #include "fp4_fragments.cuh"
 
+// FP4_WPS: words per nibble slot of the down's w2 matrix (kernels/layout.py): 32 (the default: these helpers go
+// unused) or 16 (inter not a multiple of 256).
+#ifndef FP4_WPS
+#define FP4_WPS 32
+#endif
+#if FP4_WPS != 32 && FP4_WPS != 16
+#error "FP4_WPS is 32 or 16"
+#endif
+
 namespace {
 
 // One lane's share of a pair tile: F4Tile's words, .sa / .sb = (tile 2t's 4 scale bytes, tile 2t + 1's). A type of
@@ -35,6 +44,20 @@ struct F4PairRows {
 };
 
 __device__ __forceinline__ int pair_tiles(const F4PairRows& r) { return (r.tiles16 + 1) / 2; }
+
+// A lane's two down rows over pair tiles (both down kernels): ra (scales sa) at row n of the slot at `base`, rb (sb)
+// 8 rows further.
+__device__ __forceinline__ F4PairRows pair_rows_at(const uint8_t* base, long long words_off, long long scales_off,
+                                                   int words_per_row, int blocks_per_row, int n) {
+  const long long row_vecs = words_per_row / 4, scale_words = blocks_per_row / 4;
+  F4PairRows r;
+  r.ra = reinterpret_cast<const uint4*>(base + words_off) + n * row_vecs;
+  r.rb = r.ra + 8 * row_vecs;
+  r.sa = reinterpret_cast<const uint32_t*>(base + scales_off) + n * scale_words;
+  r.sb = r.sa + 8 * scale_words;
+  r.tiles16 = words_per_row / 16;
+  return r;
+}
 
 // Pair tile t (bf16_mma.cuh's K loop calls it by the rows' type): the upper 16-word tile is 2t + 1, or 2t again.
 __device__ __forceinline__ F4PairTile load_rows(const F4PairRows& r, int t, int c) {

@@ -25,15 +25,7 @@
 #ifndef FP4_AHEAD
 #define FP4_AHEAD 2  // K tiles whose loads are in flight while one is computed (1, 2, 3: no spills)
 #endif
-// FP4_WPS: words per nibble slot of the down's w2 matrix (kernels/layout.py), 32 or 16 (inter not a multiple of 256).
-#ifndef FP4_WPS
-#define FP4_WPS 32
-#endif
-#if FP4_WPS == 16
-#include "fp4_half_tiles.cuh"
-#elif FP4_WPS != 32
-#error "FP4_WPS is 32 or 16"
-#endif
+#include "fp4_half_tiles.cuh"  // FP4_WPS (32 or 16) and, for 16, the down's pair tiles
 
 namespace {
 
@@ -139,13 +131,7 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) fp4_down_mma(
 
   const uint8_t* base = slots + static_cast<long long>(slot) * slot_bytes;
 #if FP4_WPS == 16
-  const long long row_vecs = words_per_row / 4, scale_words = blocks_per_row / 4;
-  F4PairRows r;
-  r.ra = reinterpret_cast<const uint4*>(base + words_off) + n * row_vecs;
-  r.rb = r.ra + 8 * row_vecs;
-  r.sa = reinterpret_cast<const uint32_t*>(base + scales_off) + n * scale_words;
-  r.sb = r.sa + 8 * scale_words;
-  r.tiles16 = words_per_row / 16;
+  const F4PairRows r = pair_rows_at(base, words_off, scales_off, words_per_row, blocks_per_row, n);
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   row_sums(r, act + pair * stride_act, xp, inter, c, acc);
 #else

@@ -59,16 +59,7 @@
 #ifndef FP4_PDL
 #define FP4_PDL 0
 #endif
-// FP4_WPS: words per nibble slot of the down's w2 matrix (kernels/layout.py), 32 or 16 (inter not a multiple of 256:
-// the down reads pair tiles, fp4_half_tiles.cuh; the gate_up is the same in both builds).
-#ifndef FP4_WPS
-#define FP4_WPS 32
-#endif
-#if FP4_WPS == 16
-#include "fp4_half_tiles.cuh"
-#elif FP4_WPS != 32
-#error "FP4_WPS is 32 or 16"
-#endif
+#include "fp4_half_tiles.cuh"  // FP4_WPS (32 or 16) and, for 16, the down's pair tiles (the gate_up is the same in both)
 
 namespace {
 
@@ -156,19 +147,6 @@ __device__ __forceinline__ void pass_sums(const Rows& r, const uint16_t* __restr
 }
 
 #if FP4_WPS == 16
-// A lane's two down rows over pair tiles: ra (scales sa) at row n, rb (sb) 8 rows further.
-__device__ __forceinline__ F4PairRows pair_rows_at(const uint8_t* base, long long words_off, long long scales_off,
-                                                   int words_per_row, int blocks_per_row, int n) {
-  const long long row_vecs = words_per_row / 4, scale_words = blocks_per_row / 4;
-  F4PairRows r;
-  r.ra = reinterpret_cast<const uint4*>(base + words_off) + n * row_vecs;
-  r.rb = r.ra + 8 * row_vecs;
-  r.sa = reinterpret_cast<const uint32_t*>(base + scales_off) + n * scale_words;
-  r.sb = r.sa + 8 * scale_words;
-  r.tiles16 = words_per_row / 16;
-  return r;
-}
-
 // The down's pass_sums over pair tiles: columns staged for the pair tiles' K (k_len), zero past k_real.
 __device__ __forceinline__ void pass_sums(const F4PairRows& r, const uint16_t* __restrict__ a, long long stride_a,
                                           const int* pairs, int count, bool after_pass, uint32_t* xp, int k_len,

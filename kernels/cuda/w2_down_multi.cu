@@ -23,15 +23,7 @@
 #ifndef W2_GROUPS
 #define W2_GROUPS 1  // 16-row groups per warp
 #endif
-// W2_WPS: words per bit slot of the w2 matrix (kernels/layout.py), 32 or 16 (inter not a multiple of 512).
-#ifndef W2_WPS
-#define W2_WPS 32
-#endif
-#if W2_WPS == 16
-#include "w2_half_tiles.cuh"
-#elif W2_WPS != 32
-#error "W2_WPS is 32 or 16"
-#endif
+#include "w2_half_tiles.cuh"  // W2_WPS (32 or 16) and, for 16, the pair tiles
 
 namespace {
 

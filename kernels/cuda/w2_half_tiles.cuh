@@ -20,6 +20,15 @@
 
 #include "w2_fragments.cuh"
 
+// W2_WPS: words per bit slot of the w2 matrix the including down kernel reads (kernels/layout.py): 32 (the default:
+// these helpers go unused) or 16 (inter not a multiple of 512).
+#ifndef W2_WPS
+#define W2_WPS 32
+#endif
+#if W2_WPS != 32 && W2_WPS != 16
+#error "W2_WPS is 32 or 16"
+#endif
+
 namespace {
 
 // Scale byte j (< 16) of q in both bf16 exponent fields: (byte j << 7) | (byte j << 23).
