@@ -88,8 +88,27 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
   return d;
 }
 
-// One K tile: 4 words x 4 bytes = 16 mmas (16 rows x 16 K each), word by word (the word's four pairs decoded
-// once); acc[i & 1] alternate.
+// One K tile's 16 mmas (4 words x 4 bytes, 16 rows x 16 K each), word by word (the word's four pairs decoded once),
+// acc[i & 1] alternating, with the bf16x2 scales of byte i: rows g / g + 8 of words 4c.. (A registers 0 / 1) by
+// sa_lo / sb_lo, of words 16+4c.. (2 / 3) by sa_hi / sb_hi (`tile_mma`: the same for both halves; fp4_half_tiles.cuh:
+// each half its own 16-word tile's).
+__device__ __forceinline__ void tile_mma_scaled(const F4Tile& w, const uint32_t* xp_tile, int c, float (&acc)[2][4],
+                                                const uint32_t (&sa_lo)[4], const uint32_t (&sb_lo)[4],
+                                                const uint32_t (&sa_hi)[4], const uint32_t (&sb_hi)[4]) {
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const Selectors s0 = f4_selectors(part(w.a0, m)), s1 = f4_selectors(part(w.b0, m));
+    const Selectors s2 = f4_selectors(part(w.a1, m)), s3 = f4_selectors(part(w.b1, m));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint2 bq = *reinterpret_cast<const uint2*>(xp_tile + i * 32 + 8 * c + 2 * m);  // B: words 4c+m, 16+4c+m
+      mma_bf16(acc[i & 1], mul_bf16x2(f4_pair_bits(s0, i), sa_lo[i]), mul_bf16x2(f4_pair_bits(s1, i), sb_lo[i]),
+               mul_bf16x2(f4_pair_bits(s2, i), sa_hi[i]), mul_bf16x2(f4_pair_bits(s3, i), sb_hi[i]), bq.x, bq.y);
+    }
+  }
+}
+
+// One K tile: 4 words x 4 bytes = 16 mmas, every word scaled by the tile's bytes 2i, 2i+1.
 __device__ __forceinline__ void tile_mma(const F4Tile& w, const uint32_t* xp_tile, int c, float (&acc)[2][4]) {
   const uint2 qa = f4_biased(w.sa), qb = f4_biased(w.sb);
   uint32_t sa[4], sb[4];
@@ -98,17 +117,7 @@ __device__ __forceinline__ void tile_mma(const F4Tile& w, const uint32_t* xp_til
     sa[i] = f4_scale_pair(qa, i);
     sb[i] = f4_scale_pair(qb, i);
   }
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    const Selectors s0 = f4_selectors(part(w.a0, m)), s1 = f4_selectors(part(w.b0, m));
-    const Selectors s2 = f4_selectors(part(w.a1, m)), s3 = f4_selectors(part(w.b1, m));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint2 bq = *reinterpret_cast<const uint2*>(xp_tile + i * 32 + 8 * c + 2 * m);  // B: words 4c+m, 16+4c+m
-      mma_bf16(acc[i & 1], mul_bf16x2(f4_pair_bits(s0, i), sa[i]), mul_bf16x2(f4_pair_bits(s1, i), sb[i]),
-             mul_bf16x2(f4_pair_bits(s2, i), sa[i]), mul_bf16x2(f4_pair_bits(s3, i), sb[i]), bq.x, bq.y);
-    }
-  }
+  tile_mma_scaled(w, xp_tile, c, acc, sa, sb, sa, sb);
 }
 
 // Activation row a [K] bf16 bits -> xp [K / 2] in B register order. Unit q = (t * 4 + i) * 4 + c holds

@@ -89,17 +89,7 @@ __device__ __forceinline__ void tile_mma(const F4PairTile& w, const uint32_t* xp
     sb_lo[i] = f4_scale_both(qb.x, i);
     sb_hi[i] = f4_scale_both(qb.y, i);
   }
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    const Selectors s0 = f4_selectors(part(w.a0, m)), s1 = f4_selectors(part(w.b0, m));
-    const Selectors s2 = f4_selectors(part(w.a1, m)), s3 = f4_selectors(part(w.b1, m));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint2 bq = *reinterpret_cast<const uint2*>(xp_tile + i * 32 + 8 * c + 2 * m);  // B: words 4c+m, 16+4c+m
-      mma_bf16(acc[i & 1], mul_bf16x2(f4_pair_bits(s0, i), sa_lo[i]), mul_bf16x2(f4_pair_bits(s1, i), sb_lo[i]),
-               mul_bf16x2(f4_pair_bits(s2, i), sa_hi[i]), mul_bf16x2(f4_pair_bits(s3, i), sb_hi[i]), bq.x, bq.y);
-    }
-  }
+  tile_mma_scaled(w, xp_tile, c, acc, sa_lo, sb_lo, sa_hi, sb_hi);
 }
 
 // Unit q = (t * 4 + i) * 4 + c of a pair tile's activations, in f4_load_unit's Unit order: the pair of word u < 16,

@@ -54,21 +54,31 @@ __device__ __forceinline__ Unit load_unit(const uint16_t* __restrict__ a, int q)
   return u;
 }
 
-// One K tile: 8 slot pairs x 4 words = 32 mmas (16 rows x 16 K each).
-__device__ __forceinline__ void tile_mma(const Tile& w, const uint32_t* xp_tile, int c, float (&acc)[2][4]) {
+// One K tile's 32 mmas (8 slot pairs x 4 words, 16 rows x 16 K each) with the scale words `scale(q, i, upper)` gives
+// slot pair i of the tile's scale bytes q: A registers 0 / 1 (words 4c..4c+3) take upper = false, 2 / 3 (words
+// 16+4c..) upper = true (`tile_mma`: the same scales for both; w2_half_tiles.cuh: each half its own 16-word tile's).
+template <class Scale>
+__device__ __forceinline__ void tile_mma_scaled(const Tile& w, const uint32_t* xp_tile, int c, float (&acc)[2][4],
+                                                Scale scale) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const uint32_t sa = scale_pair(w.sa, i), sb = scale_pair(w.sb, i);
+    const uint32_t sa_lo = scale(w.sa, i, false), sa_hi = scale(w.sa, i, true);
+    const uint32_t sb_lo = scale(w.sb, i, false), sb_hi = scale(w.sb, i, true);
     const uint4 b01 = *reinterpret_cast<const uint4*>(xp_tile + i * 32 + 8 * c);      // B of m = 0, 1
     const uint4 b23 = *reinterpret_cast<const uint4*>(xp_tile + i * 32 + 8 * c + 4);  // B of m = 2, 3
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       const uint4& bq = m < 2 ? b01 : b23;
-      mma_bf16(acc[m & 1], w2_pair(part(w.a0, m), i, sa), w2_pair(part(w.b0, m), i, sb),
-               w2_pair(part(w.a1, m), i, sa), w2_pair(part(w.b1, m), i, sb),
+      mma_bf16(acc[m & 1], w2_pair(part(w.a0, m), i, sa_lo), w2_pair(part(w.b0, m), i, sb_lo),
+               w2_pair(part(w.a1, m), i, sa_hi), w2_pair(part(w.b1, m), i, sb_hi),
                part(bq, 2 * (m & 1)), part(bq, 2 * (m & 1) + 1));
     }
   }
+}
+
+// One K tile: 8 slot pairs x 4 words = 32 mmas (16 rows x 16 K each), both word halves scaled by bytes 2i, 2i+1.
+__device__ __forceinline__ void tile_mma(const Tile& w, const uint32_t* xp_tile, int c, float (&acc)[2][4]) {
+  tile_mma_scaled(w, xp_tile, c, acc, [](const uint4& q, int i, bool) { return scale_pair(q, i); });
 }
 
 

@@ -57,20 +57,7 @@ __device__ __forceinline__ Tile load_tile16(const uint4* ra, const uint4* rb, co
 // tile_mma of a pair tile: A registers 0 / 1 (words 4c..4c+3) scaled by tile 2t's bytes, 2 / 3 (words 16+4c..) by
 // tile 2t + 1's; the B pairs as tile_mma reads them.
 __device__ __forceinline__ void tile_mma16(const Tile& w, const uint32_t* xp_tile, int c, float (&acc)[2][4]) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint32_t sa_lo = scale_both(w.sa, i), sa_hi = scale_both(w.sa, 8 + i);
-    const uint32_t sb_lo = scale_both(w.sb, i), sb_hi = scale_both(w.sb, 8 + i);
-    const uint4 b01 = *reinterpret_cast<const uint4*>(xp_tile + i * 32 + 8 * c);      // B of m = 0, 1
-    const uint4 b23 = *reinterpret_cast<const uint4*>(xp_tile + i * 32 + 8 * c + 4);  // B of m = 2, 3
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const uint4& bq = m < 2 ? b01 : b23;
-      mma_bf16(acc[m & 1], w2_pair(part(w.a0, m), i, sa_lo), w2_pair(part(w.b0, m), i, sb_lo),
-               w2_pair(part(w.a1, m), i, sa_hi), w2_pair(part(w.b1, m), i, sb_hi),
-               part(bq, 2 * (m & 1)), part(bq, 2 * (m & 1) + 1));
-    }
-  }
+  tile_mma_scaled(w, xp_tile, c, acc, [](const uint4& q, int i, bool upper) { return scale_both(q, upper ? 8 + i : i); });
 }
 
 // Unit q = (t * 8 + i) * 4 + c of a pair tile's activations, in load_unit's Unit order: the pair of word u < 16 is
