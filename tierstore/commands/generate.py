@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tierstore.commands.flags import add_cuda_w2_flag
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate text with the tiered runtime and print its KPIs")
@@ -30,10 +32,7 @@ def register(subparsers) -> None:
     parser.add_argument("--no-cuda-graph", action="store_true", help="run the decode step eagerly on cuda")
     parser.add_argument("--early-fetch", action="store_true",
                         help="fetch each finished MoE layer's misses while the decode pass still runs (config early_fetch)")
-    parser.add_argument("--cuda-w2", action=argparse.BooleanOptionalAction, default=None,
-                        help="gate_up and down on the CUDA C++ kernels where measured faster (config cuda_w2; Hopper, "
-                             "nvcc, bfloat16, hidden a multiple of 512): --cuda-w2 requires them, --no-cuda-w2 runs "
-                             "Triton only; default auto (on where usable)")
+    add_cuda_w2_flag(parser, "the model's")
     parser.add_argument("--verify-resident", action="store_true",
                         help="rerun all-resident and compare every step's logits bit for bit")
     parser.add_argument("--record-trace", help="save the decode steps' routing as a tierstore trace (.npz)")

@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from tierstore.commands.flags import add_cuda_w2_flag
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -38,10 +40,7 @@ def register(subparsers) -> None:
                         help="activations (default float32; a decoder's are bfloat16, which the CUDA C++ kernels need)")
     parser.add_argument("--arena-preload", action="store_true",
                         help="fill the tiered and naive arenas before the clock starts (no compulsory pack reads)")
-    parser.add_argument("--cuda-w2", action=argparse.BooleanOptionalAction, default=None,
-                        help="every run's gate_up and down on the CUDA C++ kernels where measured faster (config "
-                             "cuda_w2; Hopper, nvcc, --dtype bfloat16, hidden a multiple of 512): --cuda-w2 requires "
-                             "them, --no-cuda-w2 runs Triton only; default auto (on where usable)")
+    add_cuda_w2_flag(parser, "every run's")
     parser.add_argument("--json", help="also write the result as JSON to this path")
     parser.set_defaults(func=run)
 
@@ -79,8 +78,7 @@ def run(args: argparse.Namespace) -> int:
     result = run_replay(run_geometry, lambda: open_synthetic_rows(spec, args.pack_dir), steps, pool_slots=pool_slots,
                         arena_slots=int(args.arena_gb * 2**30) // spec.stride, device=device, warmup=args.warmup,
                         graph=not args.eager, arena_preload=args.arena_preload, dtype=getattr(torch, args.dtype),
-                        config=RuntimeConfig(kpi_every=0, force_pool=True,
-                                             cuda_w2="auto" if args.cuda_w2 is None else args.cuda_w2))
+                        config=RuntimeConfig(kpi_every=0, force_pool=True, cuda_w2=args.cuda_w2))
     result["trace_mapping"] = mapping
     cuda = result["runs"]["tiered"]["cuda_w2_kernels"] and args.dtype == "bfloat16"
     print(f"kernels: {'CUDA C++ gate_up and down (config cuda_w2)' if cuda else 'Triton'}, activations {args.dtype}")

@@ -21,11 +21,6 @@ from tierstore.runtime.hf import install_tiered_experts, load_model, load_tokeni
 from tierstore.runtime.packs import ensure_base_pack, open_base_rows
 
 
-def cuda_w2_setting(args) -> bool | str:
-    """Config cuda_w2 from --cuda-w2 / --no-cuda-w2, "auto" when neither is given."""
-    return "auto" if getattr(args, "cuda_w2", None) is None else args.cuda_w2
-
-
 def first_differing_step(got: list[torch.Tensor], want: list[torch.Tensor]) -> int | None:
     """Index of the first step whose logits are not bit-identical (or whose count differs), else None."""
     for step, (a, b) in enumerate(zip(got, want)):
@@ -60,7 +55,7 @@ def generate_command(args, out) -> int:
               f"{len(report.skipped[tag])}) in {time.perf_counter() - started:.1f} s", file=out)
     config = RuntimeConfig(replay_mode=args.replay_mode, miss_tolerance=args.miss_tol, fp_max=args.fp_max,
                            policy=args.policy, force_pool=args.force_pool, early_fetch=args.early_fetch,
-                           cuda_w2=cuda_w2_setting(args), kpi_every=0,
+                           cuda_w2=args.cuda_w2, kpi_every=0,
                            **fp4_config(args))
     slot_bytes = w2_slot_layout(geometry.hidden, geometry.expert_inter).slot_bytes
     fraction = args.gpu_pool_frac if args.gpu_pool_frac is not None else (None if args.gpu_pool_gb else 0.25)
@@ -96,7 +91,7 @@ def generate_command(args, out) -> int:
         everything = geometry.total_routed_experts
         reference_config = RuntimeConfig(replay_mode=args.replay_mode, fp_max=args.fp_max, policy=args.policy,
                                          force_pool=args.force_pool, kpi_every=0, fp4_policy="need",
-                                         cuda_w2=cuda_w2_setting(args))  # the same kernels as the compared run
+                                         cuda_w2=args.cuda_w2)  # the same kernels as the compared run
         all_fp4 = _runtime(checkpoint, pack_dir, geometry, pool_slots, args.arena_gb, device, reference_config, False,
                            everything)
         with all_fp4:
