@@ -66,7 +66,15 @@ SINGLE_V3 = ([("gate_up", f"cuda_mma_ahead2_{k}", dict(ahead=2, **o)) for k, o i
              + [("down", f"cuda_down_{k}", dict(DOWN["cuda_down"], **o)) for k, o in V3.items()]
              + [("whole", f"cuda_whole_{k}", dict(WHOLE["cuda_whole"], gate_single=o, down_single=o))
                 for k, o in V3.items()])
-V3_OF = {name: V3_BASE[stage] for stage, name, _ in SINGLE_V3}  # v3 variant -> the variant its bytes must equal
+# v4 (cuda-w2-notes.md "v4"): the single-token gate_up's weight tiles staged through n shared-memory stages by
+# cp.async (W2GateUpCuda stages=n) on top of v3's options; alone (with early, pairs_grid) and in the whole op (the
+# adopted egp with the staged gate_up). Checked like the v3 variants (bytes equal to V3_BASE's of the stage).
+V4_STAGES = (3, 4)
+SINGLE_V3 += ([("gate_up", f"cuda_mma_ahead2_egs{n}", dict(ahead=2, early=True, pairs_grid=True, stages=n))
+               for n in V4_STAGES]
+              + [("whole", f"cuda_whole_egps{n}", dict(WHOLE["cuda_whole"], gate_single=V3["egp"] | {"stages": n},
+                                                      down_single=V3["egp"])) for n in V4_STAGES])
+V3_OF = {name: V3_BASE[stage] for stage, name, _ in SINGLE_V3}  # v3 / v4 variant -> the variant its bytes must equal
 TRITON = {"gate_up": "triton_gate_up", "down": "triton_down", "whole": "triton_whole"}  # each stage's baseline
 FIRST = {"gate_up": "cuda_mma", "down": "cuda_down", "whole": "cuda_whole"}  # the variant the others must equal
 DEVICE = "cuda"  # the CPU test of this script's bookkeeping sets "cpu"

@@ -13,7 +13,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -592,6 +592,17 @@ case "$step" in
       tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py -m gpu -q
     stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    ;;
+  stages)  # v4 (cuda-w2-notes.md): the single-token gate_up's tiles staged through shared memory by cp.async
+    # (W2_STAGES 3 / 4) against the register ring (ahead 2), alone and in the whole op (egp), DeepSeek-V3 at T = 1 / 8;
+    # and benchmarks/w2_access.py, the gate_up's reads alone at depths 1-4 in the row pattern and contiguous. The GPU
+    # tests first (staged bytes equal to the ring's). Stage limits 150 + 60 + 200 s. Estimates, not measured: tests
+    # ~60 s, the probe ~20 s, cuda_w2.py ~60-90 s (v3's run of 12 variants at T = 1 / 8: ~40 s plus builds).
+    stage tests 150 python3 -m pytest tests/test_cuda_w2_stages.py tests/test_cuda_w2.py -m gpu -q -k "staged or v3"
+    stage w2-access 60 python3 benchmarks/w2_access.py --ahead 1,2,3,4 --commit "$commit" --json "$work/w2-access.json"
+    stage cuda-w2-v4 200 python3 benchmarks/cuda_w2.py --commit "$commit" --tokens 1,8 \
+      --variants cuda_mma_ahead2,cuda_mma_ahead2_eg,cuda_mma_ahead2_egs3,cuda_mma_ahead2_egs4,cuda_whole,cuda_whole_egp,cuda_whole_egps3,cuda_whole_egps4 \
+      --json "$work/cuda-w2-v4-deepseek-v3.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -26,6 +26,7 @@
 #include <cuda_bf16.h>
 
 #include "w2_fragments.cuh"
+#include "w2_stages.cuh"
 
 #ifndef W2_AHEAD
 #define W2_AHEAD 1  // K tiles whose loads are in flight while one is computed (build with -DW2_AHEAD=2: 2)
@@ -53,9 +54,22 @@
 #define W2_ROUTE_MAJOR 0
 #endif
 
+// W2_STAGES n >= 2 (benchmarks/cuda-w2-notes.md "v4"): the weight tiles go through n shared-memory stages filled by
+// cp.async (w2_stages.cuh), n - 1 tiles in flight per warp while one is computed, instead of the register ring of
+// W2_AHEAD (unused then). Dynamic shared memory: the activation pairs (2 * H bytes), then the stages
+// ([4 warps][n][kStageVecs] uint4). 0 (default): the register ring, the SASS of before.
+#ifndef W2_STAGES
+#define W2_STAGES 0
+#endif
+#if W2_STAGES == 1
+#error "W2_STAGES is 0 (the register ring) or at least 2"
+#endif
+
 namespace {
 
+#if !W2_STAGES
 constexpr int kAhead = W2_AHEAD;
+#endif
 constexpr int kWarps = 4;
 constexpr int kRowsPerWarp = 8;                      // output rows per warp (the gate half of one m16 tile)
 constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;  // 32
@@ -137,13 +151,22 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_gate_up_mma(
 
   const Rows rows{gate, up, gs, us};
 
+#if W2_STAGES
+  uint4* warp_stages = smem + hidden / 8 + (threadIdx.x >> 5) * (W2_STAGES * kStageVecs);  // after xp [H / 2] words
+  staged_first_loads<W2_STAGES>(rows, warp_stages, tiles, load_c, lane, g, c);
+#else
   Tile ring[kAhead + 1];  // bf16_mma.cuh `k_loop`
   first_loads<kAhead>(rows, ring, tiles, load_c);
+#endif
   build_pairs(x + (pair / top_k) * stride_x, xp, hidden);
   __syncthreads();
 
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#if W2_STAGES
+  staged_k_loop<W2_STAGES>(rows, warp_stages, xp, tiles, load_c, lane, g, c, acc);
+#else
   k_loop<kAhead, kPairWordsPerTile>(rows, ring, xp, tiles, load_c, c, acc);
+#endif
   if (c == 0) {
     float gate_v = acc[0][0] + acc[1][0], up_v = acc[0][2] + acc[1][2];
     if (has_limit) {

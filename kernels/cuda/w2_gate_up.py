@@ -20,6 +20,7 @@ KERNEL = "w2_gate_up_mma"
 ROWS_PER_BLOCK = 32  # output rows per block: 4 warps x 8 (kWarps * kRowsPerWarp in the .cu)
 THREADS = 128
 K_MULTIPLE = 512  # hidden must fill whole 32-word tiles (kTileK)
+STAGE_BYTES = 4 * 2304  # one cp.async stage of a block: 4 warps x kStageBytes (w2_stages.cuh)
 # x, stride_x, slots, slot_bytes, words_off, scales_off, words_per_row, blocks_per_row, w2_table, f4_table,
 # table_row, block_expert, block_pairs, num_blocks, top_k, act, stride_act, inter, hidden, limit, has_limit
 ARG_KINDS = "pqpqqqiippipppipqiifi"
@@ -112,22 +113,35 @@ class W2GateUpCuda:
     the CUDA blocks of live route blocks dispatched before the grid's exiting ones; pdl: W2_PDL, every block lets a
     programmatic dependent launch (W2DownCuda(pdl=True)) be scheduled before this grid completes; pairs_grid: launch
     P route blocks instead of max_blocks (`route_blocks_grid`; the kernel is the same build). None changes the bytes.
+
+    stages (v4, cuda-w2-notes.md): 0 (default) the register ring of `ahead` tiles; n >= 2 the weight tiles staged
+    through n shared-memory stages by cp.async (W2_STAGES, w2_stages.cuh; `ahead` unused), n - 1 tiles in flight per
+    warp; same bytes out.
     """
 
     def __init__(self, ahead: int = 1, device: int | None = None, early: bool = False, route_major: bool = False,
-                 pdl: bool = False, pairs_grid: bool = False) -> None:
+                 pdl: bool = False, pairs_grid: bool = False, stages: int = 0) -> None:
+        if stages == 1 or stages < 0:
+            raise ValueError(f"stages is 0 (the register ring) or at least 2, got {stages}")
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
         self.ahead, self.early, self.route_major, self.pdl = ahead, early, route_major, pdl
-        self.pairs_grid = pairs_grid
-        image = loader.build(SOURCE, build_defines(ahead, early, route_major, pdl))
+        self.pairs_grid, self.stages = pairs_grid, stages
+        defines = build_defines(ahead, early, route_major, pdl) | ({"W2_STAGES": stages} if stages else {})
+        image = loader.build(SOURCE, defines)
         self.kernel = loader.load(image, KERNEL, self.device)
+        if stages:
+            self.kernel.prefer_max_shared()  # the stages need the largest carveout for 4 blocks per SM
+
+    def shared_bytes(self, hidden_size: int) -> int:
+        """Dynamic shared memory of a launch: the activation pairs (H / 2 x 4 bytes), then the stages."""
+        return 2 * hidden_size + self.stages * STAGE_BYTES
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, out=None, swiglu_limit: float | None = None):
         out = ws.act if out is None else out
         _check_inputs(hidden, w2, fp4, ws, out)
         grid = (route_blocks_grid(ws, self.pairs_grid), w2.layout.inter // ROWS_PER_BLOCK)
-        smem = 2 * w2.layout.hidden  # activation pairs: H / 2 x 4 bytes
+        smem = self.shared_bytes(w2.layout.hidden)
         self.kernel.allow_shared(smem)
         self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream, ARG_KINDS,
                            launch_args(hidden, top_k, w2, fp4, layer, ws, out, swiglu_limit))
