@@ -13,7 +13,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -603,6 +603,18 @@ case "$step" in
     stage cuda-w2-v4 200 python3 benchmarks/cuda_w2.py --commit "$commit" --tokens 1,8 \
       --variants cuda_mma_ahead2,cuda_mma_ahead2_eg,cuda_mma_ahead2_egs3,cuda_mma_ahead2_egs4,cuda_whole,cuda_whole_egp,cuda_whole_egps3,cuda_whole_egps4 \
       --json "$work/cuda-w2-v4-deepseek-v3.json"
+    ;;
+  stages2)  # stages' probe timed eagerly measured Python's launch rate (~53 us per launch for every variant): now a CUDA
+    # graph of the launches; and ncu's view of the T = 1 gate_up (the adopted eg build, the 3-stage one): warp stalls,
+    # issue, memory throughput (--clock-control none; ncu may not read counters on this machine's runtime: its log
+    # says). Stage limits 60 + 90 + 90 s. Estimates, not measured: probe ~15 s, each ncu run ~20-40 s.
+    stage w2-access 60 python3 benchmarks/w2_access.py --ahead 1,2,3,4 --commit "$commit" --json "$work/w2-access.json"
+    for build in "--v3" "--v3 --stages 3"; do
+      name="ncu-gate-up$(echo $build | tr -d ' -' | sed 's/v3/-eg/; s/stages/s/')"
+      stage "$name" 90 ncu --clock-control none --kernel-name w2_gate_up_mma --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+        --section Occupancy --section LaunchStats python3 benchmarks/gate_up_once.py $build
+    done
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

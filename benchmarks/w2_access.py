@@ -3,7 +3,7 @@ that reads, warp by warp and K tile by K tile, the bytes the gate_up reads at T 
 routed experts, 64 row tiles each) and only XORs them, at several depths of loads in flight (PROBE_AHEAD) and in two
 patterns: the pool's row layout (the gate_up's own addresses) and the same bytes per warp and tile contiguous (a
 layout that does not exist, as a comparison). One slot set per launch out of `--sets` (L2 defeated as in
-benchmarks/kernels.py), launches back to back between two events, variants interleaved round by round, the median
+benchmarks/kernels.py), a CUDA graph of back-to-back launches replayed between two events, variants interleaved round by round, the median
 per variant. The probe's output is checked against a torch XOR of the same bytes first (the row pattern at one depth
 and the contiguous one), so the reads are the ones described.
 
@@ -128,17 +128,30 @@ def main() -> None:
             checks[name] = bool(torch.equal(out, want))
     print("checks:", checks)
 
+    # Each variant's launches captured in one CUDA graph (a launch from Python takes longer than the kernel runs:
+    # timed eagerly, the host's issue rate would be measured), replayed between two events.
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graphs = {}
+    with torch.cuda.stream(stream):
+        for name, (kernel, _, _) in variants.items():
+            for s in range(args.sets):  # warm-up outside the capture
+                launch(kernel, s)
+            graphs[name] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[name], stream=stream):
+                for i in range(args.launches):
+                    launch(kernel, i % args.sets)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = {name: [] for name in variants}
-    for name, (kernel, _, _) in variants.items():  # warm-up
-        for s in range(args.sets):
-            launch(kernel, s)
+    for name in variants:
+        graphs[name].replay()
     for _ in range(args.rounds):
-        for name, (kernel, _, _) in variants.items():
+        for name in variants:
             torch.cuda.synchronize()
             start.record()
-            for i in range(args.launches):
-                launch(kernel, i % args.sets)
+            graphs[name].replay()
             end.record()
             end.synchronize()
             times[name].append(1000 * start.elapsed_time(end) / args.launches)

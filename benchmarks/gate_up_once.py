@@ -1,0 +1,45 @@
+"""One W2 gate_up build launched a few times on DeepSeek-V3's shapes at T = 1 (8 routed experts, random codes, scale
+bytes 110-130), for a profiler to pick a launch (`ncu --kernel-name w2_gate_up_mma --launch-skip 2 --launch-count
+1`; cuda-w2-notes.md "v4"). Not a timing: the benchmark is benchmarks/cuda_w2.py.
+
+    python3 benchmarks/gate_up_once.py [--stages N] [--v3]
+"""
+import argparse
+
+import torch
+
+from tierstore.kernels import MissLog, MoeWorkspace, fp4_tier, moe_route, w2_tier
+from tierstore.kernels.cuda.w2_gate_up import W2GateUpCuda
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--inter", type=int, default=2048)
+    parser.add_argument("--stages", type=int, default=0)
+    parser.add_argument("--v3", action="store_true", help="the early prologue and the pairs grid (the adopted build)")
+    parser.add_argument("--launches", type=int, default=4)
+    args = parser.parse_args()
+    experts, top_k = 8, 8
+    w2 = w2_tier(args.hidden, args.inter, experts, 1, experts, "cuda")
+    lay = w2.layout
+    w2.slots.copy_(torch.randint(0, 256, w2.slots.shape, dtype=torch.uint8, device="cuda"))
+    for offset, m in ((lay.w13_scales_offset, lay.w13), (lay.w2_scales_offset, lay.w2)):
+        w2.slots[:, offset:offset + m.scale_bytes] = torch.randint(110, 131, (experts, m.scale_bytes), dtype=torch.uint8,
+                                                                   device="cuda")
+    w2.table[0] = torch.arange(experts, dtype=torch.int32, device="cuda")
+    f4 = fp4_tier(args.hidden, args.inter, 1, 1, experts, "cuda")
+    ids = torch.arange(experts, dtype=torch.int32, device="cuda").view(1, top_k)
+    ws = MoeWorkspace.allocate(1, top_k, experts, args.hidden, args.inter, torch.bfloat16, "cuda", block_tokens=1)
+    moe_route(ids, w2, f4, 0, MissLog.allocate(4, "cuda"), ws)
+    x = torch.randn(1, args.hidden, device="cuda").to(torch.bfloat16)
+    options = dict(early=True, pairs_grid=True) if args.v3 else {}
+    kernel = W2GateUpCuda(ahead=2, stages=args.stages, **options)
+    for _ in range(args.launches):
+        kernel(x, top_k, w2, f4, 0, ws)
+    torch.cuda.synchronize()
+    print("act finite:", bool(ws.act.isfinite().all()), tuple(ws.act.shape))
+
+
+if __name__ == "__main__":
+    main()
