@@ -74,7 +74,13 @@ SINGLE_V3 += ([("gate_up", f"cuda_mma_ahead2_egs{n}", dict(ahead=2, early=True, 
                for n in V4_STAGES]
               + [("whole", f"cuda_whole_egps{n}", dict(WHOLE["cuda_whole"], gate_single=V3["egp"] | {"stages": n},
                                                       down_single=V3["egp"])) for n in V4_STAGES])
-V3_OF = {name: V3_BASE[stage] for stage, name, _ in SINGLE_V3}  # v3 / v4 variant -> the variant its bytes must equal
+# v5 (cuda-w2-notes.md "v5"): slot pairs 0..4 decoded by a multiply-add (W2_DECODE_MAD, `mad`) on top of v3's options:
+# gate_up alone (early, pairs_grid), down alone (pairs_grid), the whole op (the adopted egp, both kernels so built).
+SINGLE_V3 += [("gate_up", "cuda_mma_ahead2_egm", dict(ahead=2, **V3["eg"], mad=True)),
+              ("down", "cuda_down_gm", dict(DOWN["cuda_down"], **V3["g"], mad=True)),
+              ("whole", "cuda_whole_egpm", dict(WHOLE["cuda_whole"], gate_single=V3["egp"] | {"mad": True},
+                                               down_single=V3["egp"] | {"mad": True}))]
+V3_OF = {name: V3_BASE[stage] for stage, name, _ in SINGLE_V3}  # v3-v5 variant -> the variant its bytes must equal
 TRITON = {"gate_up": "triton_gate_up", "down": "triton_down", "whole": "triton_whole"}  # each stage's baseline
 FIRST = {"gate_up": "cuda_mma", "down": "cuda_down", "whole": "cuda_whole"}  # the variant the others must equal
 DEVICE = "cuda"  # the CPU test of this script's bookkeeping sets "cpu"

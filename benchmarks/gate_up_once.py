@@ -2,7 +2,7 @@
 bytes 110-130), for a profiler to pick a launch (`ncu --kernel-name w2_gate_up_mma --launch-skip 2 --launch-count
 1`; cuda-w2-notes.md "v4"). Not a timing: the benchmark is benchmarks/cuda_w2.py.
 
-    python3 benchmarks/gate_up_once.py [--stages N] [--v3]
+    python3 benchmarks/gate_up_once.py [--stages N] [--v3] [--mad]
 """
 import argparse
 
@@ -18,6 +18,7 @@ def main() -> None:
     parser.add_argument("--inter", type=int, default=2048)
     parser.add_argument("--stages", type=int, default=0)
     parser.add_argument("--v3", action="store_true", help="the early prologue and the pairs grid (the adopted build)")
+    parser.add_argument("--mad", action="store_true", help="slot pairs 0..4 decoded by a multiply-add (W2_DECODE_MAD)")
     parser.add_argument("--launches", type=int, default=4)
     args = parser.parse_args()
     experts, top_k = 8, 8
@@ -34,7 +35,7 @@ def main() -> None:
     moe_route(ids, w2, f4, 0, MissLog.allocate(4, "cuda"), ws)
     x = torch.randn(1, args.hidden, device="cuda").to(torch.bfloat16)
     options = dict(early=True, pairs_grid=True) if args.v3 else {}
-    kernel = W2GateUpCuda(ahead=2, stages=args.stages, **options)
+    kernel = W2GateUpCuda(ahead=2, stages=args.stages, mad=args.mad, **options)
     for _ in range(args.launches):
         kernel(x, top_k, w2, f4, 0, ws)
     torch.cuda.synchronize()

@@ -13,7 +13,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -614,6 +614,26 @@ case "$step" in
       stage "$name" 90 ncu --clock-control none --kernel-name w2_gate_up_mma --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
         --section Occupancy --section LaunchStats python3 benchmarks/gate_up_once.py $build
+    done
+    ;;
+  mad)  # v5 (cuda-w2-notes.md): slot pairs 0..4 decoded by a multiply-add (W2_DECODE_MAD) against the default decode:
+    # GPU tests (bytes equal), cuda_w2.py on DeepSeek-V3 at T = 1 / 8 (gate_up, down, whole op) and on ds-v2-lite and
+    # qwen3-30b-a3b at T = 1 (the whole op), ncu's pipe and stall view of both T = 1 gate_up builds. Stage limits 150 +
+    # 120 + 2 x 90 + 2 x 90 s. Estimates, not measured: tests ~60 s, DeepSeek-V3 ~30 s, each preset ~20 s, ncu ~10 s.
+    stage tests 150 python3 -m pytest tests/test_cuda_w2_decode_mad.py -m gpu -q
+    stage cuda-w2-v5 120 python3 benchmarks/cuda_w2.py --commit "$commit" --tokens 1,8 \
+      --variants cuda_mma_ahead2,cuda_mma_ahead2_eg,cuda_mma_ahead2_egm,cuda_down,cuda_down_g,cuda_down_gm,cuda_whole,cuda_whole_egp,cuda_whole_egpm \
+      --json "$work/cuda-w2-v5-deepseek-v3.json"
+    for preset in ds-v2-lite qwen3-30b-a3b; do
+      stage "cuda-w2-v5-$preset" 90 python3 benchmarks/cuda_w2.py --preset "$preset" --commit "$commit" --tokens 1 \
+        --variants cuda_whole,cuda_whole_egp,cuda_whole_egpm --json "$work/cuda-w2-v5-$preset.json"
+    done
+    for build in "--v3" "--v3 --mad"; do
+      name="ncu-gate-up$(echo $build | tr -d ' -' | sed 's/v3/-eg/')"
+      stage "$name" 90 ncu --clock-control none --kernel-name w2_gate_up_mma --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active" \
+        python3 benchmarks/gate_up_once.py $build
     done
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;

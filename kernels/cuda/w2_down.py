@@ -35,10 +35,10 @@ def rows_per_block(groups: int) -> int:
 
 
 def build_defines(ahead: int, groups: int, early: bool = False, route_major: bool = False, pdl: bool = False,
-                  wps: int = 32) -> dict:
-    """nvcc defines of a build (the v3 ones and W2_WPS only when not the default: the default's command is the one
-    before they existed)."""
-    defines = w2_gate_up.build_defines(ahead, early, route_major, pdl) | {"W2_GROUPS": groups}
+                  wps: int = 32, mad: bool = False) -> dict:
+    """nvcc defines of a build (the v3 / v5 ones and W2_WPS only when not the default: the default's command is the
+    one before they existed)."""
+    defines = w2_gate_up.build_defines(ahead, early, route_major, pdl, mad) | {"W2_GROUPS": groups}
     return defines | {"W2_WPS": 16} if wps == 16 else defines
 
 
@@ -152,19 +152,21 @@ class W2DownCuda:
     pdl: W2_PDL and every launch a programmatic dependent of the stream's preceding kernel (cuLaunchKernelEx): the
     prologue and first weight loads may overlap that kernel's tail, act is read after `griddepcontrol.wait`;
     pairs_grid: P route blocks in the grid instead of max_blocks (w2_gate_up.route_blocks_grid); wps: the w2 matrix's
-    words per bit slot this build reads (32, or 16 for an inter not a multiple of 512: `wps_of`).
+    words per bit slot this build reads (32, or 16 for an inter not a multiple of 512: `wps_of`); mad: the v5 decode
+    (W2_DECODE_MAD, as in `W2GateUpCuda`; same bytes).
     """
 
     def __init__(self, ahead: int = 2, groups: int = 1, device: int | None = None, early: bool = False,
-                 route_major: bool = False, pdl: bool = False, pairs_grid: bool = False, wps: int = 32) -> None:
+                 route_major: bool = False, pdl: bool = False, pairs_grid: bool = False, wps: int = 32,
+                 mad: bool = False) -> None:
         if pdl and not early:
             raise ValueError("pdl needs early (W2_PDL builds on W2_EARLY's FP4 branch)")
         check_wps(wps)
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
         self.ahead, self.groups, self.early, self.route_major, self.pdl = ahead, groups, early, route_major, pdl
-        self.pairs_grid, self.wps = pairs_grid, wps
-        image = loader.build(SOURCE, build_defines(ahead, groups, early, route_major, pdl, wps))
+        self.pairs_grid, self.wps, self.mad = pairs_grid, wps, mad
+        image = loader.build(SOURCE, build_defines(ahead, groups, early, route_major, pdl, wps, mad))
         self.kernel = loader.load(image, KERNEL, self.device)
 
     def __call__(self, w2, fp4, layer: int, ws, out=None):

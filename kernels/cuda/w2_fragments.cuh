@@ -19,6 +19,12 @@
 
 #include "bf16_mma.cuh"  // part, mma_bf16, WordTile, load_tile, Unit, store_unit
 
+// W2_DECODE_MAD 1 (v5, benchmarks/cuda-w2-notes.md): slot pairs 0..4 decoded by a multiply-add instead of a rotate-add
+// (`w2_pair`); the same bits out. 0 (default): the SASS of before.
+#ifndef W2_DECODE_MAD
+#define W2_DECODE_MAD 0
+#endif
+
 namespace {
 
 constexpr int kWps = 32;                     // words per bit slot
@@ -37,6 +43,16 @@ __device__ __forceinline__ uint32_t w2_pair(uint32_t w, int i, uint32_t scale) {
   const uint32_t rot = (8u - 2u * i) & 31u;
   const uint32_t mask = rot ? (0x81008100u >> rot) | (0x81008100u << (32u - rot)) : 0x81008100u;
   const uint32_t m = w & mask;
+#if W2_DECODE_MAD
+  if (i <= 4) {
+    // The pair's four bits lie 8 - 2i places below theirs (none wraps), so the rotation is a shift: m * 2^rot + scale
+    // in one IMAD, which runs on the FMA pipe instead of the integer ALU that the masks (LOP3) and the rotations of
+    // pairs 5..7 (LEA.HI) keep busy. Written in PTX: as C, nvcc splits it into more instructions.
+    uint32_t r;
+    asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(m), "r"(1u << rot), "r"(scale));
+    return r;
+  }
+#endif
   return __funnelshift_l(m, m, rot) + scale;
 }
 

@@ -82,11 +82,12 @@ def check_hidden_out(hidden, out, ws, hidden_size: int) -> None:
         raise ValueError(f"out must be [P, I] = {tuple(ws.act.shape)} with unit inner stride")
 
 
-def build_defines(ahead: int, early: bool = False, route_major: bool = False, pdl: bool = False) -> dict:
-    """nvcc defines of a build: the v3 defines only when on, so the default's command (and cached image) is the
+def build_defines(ahead: int, early: bool = False, route_major: bool = False, pdl: bool = False,
+                  mad: bool = False) -> dict:
+    """nvcc defines of a build: the v3 / v5 defines only when on, so the default's command (and cached image) is the
     same as before they existed. Shared with w2_down.py."""
     defines = {"W2_AHEAD": ahead}
-    for name, on in (("W2_EARLY", early), ("W2_ROUTE_MAJOR", route_major), ("W2_PDL", pdl)):
+    for name, on in (("W2_EARLY", early), ("W2_ROUTE_MAJOR", route_major), ("W2_PDL", pdl), ("W2_DECODE_MAD", mad)):
         if on:
             defines[name] = 1
     return defines
@@ -116,18 +117,19 @@ class W2GateUpCuda:
 
     stages (v4, cuda-w2-notes.md): 0 (default) the register ring of `ahead` tiles; n >= 2 the weight tiles staged
     through n shared-memory stages by cp.async (W2_STAGES, w2_stages.cuh; `ahead` unused), n - 1 tiles in flight per
-    warp; same bytes out.
+    warp; same bytes out. mad (v5): W2_DECODE_MAD, slot pairs 0..4 decoded by a multiply-add on the FMA pipe instead
+    of a rotate-add on the integer ALU (w2_fragments.cuh `w2_pair`); same bytes out.
     """
 
     def __init__(self, ahead: int = 1, device: int | None = None, early: bool = False, route_major: bool = False,
-                 pdl: bool = False, pairs_grid: bool = False, stages: int = 0) -> None:
+                 pdl: bool = False, pairs_grid: bool = False, stages: int = 0, mad: bool = False) -> None:
         if stages == 1 or stages < 0:
             raise ValueError(f"stages is 0 (the register ring) or at least 2, got {stages}")
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
         self.ahead, self.early, self.route_major, self.pdl = ahead, early, route_major, pdl
-        self.pairs_grid, self.stages = pairs_grid, stages
-        defines = build_defines(ahead, early, route_major, pdl) | ({"W2_STAGES": stages} if stages else {})
+        self.pairs_grid, self.stages, self.mad = pairs_grid, stages, mad
+        defines = build_defines(ahead, early, route_major, pdl, mad) | ({"W2_STAGES": stages} if stages else {})
         image = loader.build(SOURCE, defines)
         self.kernel = loader.load(image, KERNEL, self.device)
         if stages:
