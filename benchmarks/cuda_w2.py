@@ -54,6 +54,10 @@ V2_GATE = {"s4": dict(warps=8, stage_cols=4, carveout="fit"), "w4s3": dict(warps
            "w4s3e": dict(warps=4, stage_cols=3, carveout="fit", early=True)}
 MULTI_V2 = ([("gate_up", f"cuda_gate_up_multi_{k}", dict(ahead=2, **o)) for k, o in V2_GATE.items()]
             + [("whole", f"cuda_whole_multi_{k}", dict(MULTI["whole"][1], gate_multi=o)) for k, o in V2_GATE.items()])
+# v5 on the multi-token kernels: the runtime's multi-token whole op (gate_up s4e, 8 columns above WIDE_FROM pairs per
+# expert, down) with W2_DECODE_MAD on all three, against cuda_whole_multi_s4e (its bytes: cuda_whole_multi's)
+MULTI_V2 += [("whole", "cuda_whole_multi_s4em", dict(MULTI["whole"][1], gate_multi=V2_GATE["s4e"] | {"mad": True},
+                                                     gate_multi_wide={"mad": True}, down_multi={"mad": True}))]
 # v3 of the single-token kernels (W2GateUpCuda / W2DownCuda early, pairs_grid, route_major, pdl: cuda-w2-notes.md "v3"):
 # suffix -> options; gate_up on ahead 2, down on cuda_down's options, the whole op with both kernels so built (pdl: the
 # down launch a programmatic dependent of the gate_up's). Built only when --variants names them; INVALID unless
@@ -80,6 +84,12 @@ SINGLE_V3 += [("gate_up", "cuda_mma_ahead2_egm", dict(ahead=2, **V3["eg"], mad=T
               ("down", "cuda_down_gm", dict(DOWN["cuda_down"], **V3["g"], mad=True)),
               ("whole", "cuda_whole_egpm", dict(WHOLE["cuda_whole"], gate_single=V3["egp"] | {"mad": True},
                                                down_single=V3["egp"] | {"mad": True}))]
+# v5 with the v4 stages (the T = 1 gate_up's largest stall after v5 is the global loads: ncu at d227aff)
+SINGLE_V3 += ([("gate_up", f"cuda_mma_ahead2_egs{n}m", dict(ahead=2, **V3["eg"], stages=n, mad=True))
+               for n in V4_STAGES]
+              + [("whole", f"cuda_whole_egps{n}m", dict(WHOLE["cuda_whole"], gate_single=V3["egp"] | {"stages": n,
+                                                                                                 "mad": True},
+                                                       down_single=V3["egp"] | {"mad": True})) for n in V4_STAGES])
 V3_OF = {name: V3_BASE[stage] for stage, name, _ in SINGLE_V3}  # v3-v5 variant -> the variant its bytes must equal
 TRITON = {"gate_up": "triton_gate_up", "down": "triton_down", "whole": "triton_whole"}  # each stage's baseline
 FIRST = {"gate_up": "cuda_mma", "down": "cuda_down", "whole": "cuda_whole"}  # the variant the others must equal

@@ -13,7 +13,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -634,6 +634,23 @@ case "$step" in
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
         --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active" \
         python3 benchmarks/gate_up_once.py $build
+    done
+    ;;
+  mad2)  # v5 adopted for the single-token kernels (w2_moe.SINGLE); now the multi-token kernels with it (the runtime's
+    # T = 8 / 32 on the presets and DeepSeek-V3's T = 32; mixtral-8x7b at T = 32 runs the 8-column gate_up) and the v4
+    # stages on top of it at T = 1 / 8 (after v5 the T = 1 gate_up's largest stall is its global loads). GPU tests of
+    # v4, v5 and the runtime with cuda_w2 (its default changed). Stage limits 240 + 200 + 3 x 100 s. Estimates, not
+    # measured: tests ~120 s, DeepSeek-V3 ~60 s (T = 32 runs the single-token variants too), each preset ~20 s.
+    stage tests 240 python3 -m pytest tests/test_cuda_w2_decode_mad.py tests/test_cuda_w2_stages.py \
+      tests/test_runtime_cuda_w2.py -m gpu -q
+    stage cuda-w2-v5b 200 python3 benchmarks/cuda_w2.py --commit "$commit" --tokens 1,8,32 \
+      --variants cuda_mma_ahead2,cuda_mma_ahead2_egm,cuda_mma_ahead2_egs3m,cuda_mma_ahead2_egs4m,cuda_whole,cuda_whole_egpm,cuda_whole_egps3m,cuda_whole_egps4m,cuda_whole_multi,cuda_whole_multi_s4e,cuda_whole_multi_s4em \
+      --json "$work/cuda-w2-v5b-deepseek-v3.json"
+    for preset in ds-v2-lite qwen3-30b-a3b mixtral-8x7b; do
+      tokens=$([ "$preset" = mixtral-8x7b ] && echo 32 || echo 8,32)
+      stage "cuda-w2-v5b-$preset" 100 python3 benchmarks/cuda_w2.py --preset "$preset" --commit "$commit" \
+        --tokens "$tokens" --variants cuda_whole_multi,cuda_whole_multi_s4e,cuda_whole_multi_s4em \
+        --json "$work/cuda-w2-v5b-$preset.json"
     done
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;

@@ -22,10 +22,13 @@ from tierstore.kernels import MissLog, MoeWorkspace, moe_route
 from tierstore.kernels.cuda import loader, w2_down, w2_gate_up
 from tierstore.kernels.cuda.w2_down import W2DownCuda
 from tierstore.kernels.cuda.w2_gate_up import W2GateUpCuda
-from tierstore.kernels.cuda.w2_moe import SINGLE, W2MoeCuda
+from tierstore.kernels.cuda import w2_multi
+from tierstore.kernels.cuda.w2_moe import GATE_MULTI, SINGLE, W2MoeCuda
+from tierstore.kernels.cuda.w2_multi import W2DownMultiCuda, W2GateUpMultiCuda
 from tierstore.kernels.layout import w2_slot_layout
 
 EXPERTS, TOP_K = 8, 2
+EGP = dict(early=True, pairs_grid=True, pdl=True)  # the single-token options before v5
 
 
 def _pair_mask(i: int) -> tuple[int, int]:
@@ -90,8 +93,17 @@ def test_wrappers_pass_the_define(monkeypatch):
     assert built == [("w2_gate_up.cu", {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_DECODE_MAD": 1}),
                      ("w2_down.cu", {"W2_AHEAD": 2, "W2_DECODE_MAD": 1, "W2_GROUPS": 1, "W2_WPS": 16}),
                      ("w2_down.cu", {"W2_AHEAD": 2, "W2_GROUPS": 1})]  # off: the command of before
-    moe = W2MoeCuda(device=0, gate_single=SINGLE | {"mad": True}, down_single=SINGLE | {"mad": True})
-    assert moe.gate_up.mad and moe.down.mad and not W2MoeCuda(device=0).gate_up.mad
+    default = W2MoeCuda(device=0)  # v5 adopted for the single-token kernels (w2_moe.SINGLE)
+    assert SINGLE["mad"] and default.gate_up.mad and default.down.mad
+    before = W2MoeCuda(device=0, gate_single=EGP, down_single=EGP)
+    assert not (before.gate_up.mad or before.down.mad)
+    built.clear()
+    W2GateUpMultiCuda(device=0, early=True, mad=True)
+    W2DownMultiCuda(device=0, wps=16, mad=True)
+    assert built == [(w2_multi.GATE_SOURCE.name, {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_DECODE_MAD": 1}),
+                     (w2_multi.DOWN_SOURCE.name, {"W2_AHEAD": 2, "W2_GROUPS": 1, "W2_WPS": 16, "W2_DECODE_MAD": 1})]
+    moe = W2MoeCuda(device=0, gate_multi={"mad": True}, gate_multi_wide={"mad": True}, down_multi={"mad": True})
+    assert moe.gate_up_multi.mad and moe.gate_up_multi_wide.mad and moe.down_multi.mad
 
 
 def test_bench_v5_variants_are_checked_against_the_default_kernels():
@@ -99,7 +111,7 @@ def test_bench_v5_variants_are_checked_against_the_default_kernels():
     opts = {name: o for _, name, o in bench._variants("cuda_mma_ahead2_egm,cuda_down_gm,cuda_whole_egpm")}
     assert opts["cuda_mma_ahead2_egm"] == dict(ahead=2, early=True, pairs_grid=True, mad=True)
     assert opts["cuda_down_gm"] == dict(ahead=2, groups=1, pairs_grid=True, mad=True)
-    assert opts["cuda_whole_egpm"]["gate_single"] == opts["cuda_whole_egpm"]["down_single"] == SINGLE | {"mad": True}
+    assert opts["cuda_whole_egpm"]["gate_single"] == opts["cuda_whole_egpm"]["down_single"] == EGP | {"mad": True}
     assert [bench.V3_OF[n] for n in opts] == ["cuda_mma_ahead2", "cuda_down", "cuda_whole"]
 
 
@@ -173,8 +185,28 @@ def test_whole_op_with_the_mad_decode_equals_the_default(mad_case, tokens):
     weights = (torch.rand(tokens, TOP_K, generator=mad_case["gen"]) + 0.05).cuda()
     run = lambda moe: run_whole(x, ids, weights, mad_case["w2"], mad_case["f4_none"], moe, mad_case["inter"],
                                 EXPERTS, 4)
-    base, base_counts, _ = run(W2MoeCuda(wps=mad_case["wps"]))
+    base, base_counts, _ = run(W2MoeCuda(wps=mad_case["wps"], gate_single=EGP, down_single=EGP))
     assert not base.isnan().any() and any(base_counts)  # expert 6 missed
-    mad = SINGLE | {"mad": True}
-    out, counts, _ = run(W2MoeCuda(wps=mad_case["wps"], gate_single=mad, down_single=mad))
+    out, counts, _ = run(W2MoeCuda(wps=mad_case["wps"]))  # the default: SINGLE, mad included
+    assert same_bytes(out, base) and counts == base_counts
+
+
+@pytest.mark.gpu
+@needs_nvcc
+@pytest.mark.parametrize("tokens", [4, 40])  # 1 and 10 pairs per expert: the 4- and the 8-column gate_up
+def test_multi_token_kernels_with_the_mad_decode_give_the_default_bytes(mad_case, tokens):
+    """The whole op on block_tokens 16 (the multi-token gate_up's 4- or 8-column build, and down) with mad on every
+    multi-token kernel against the same without: same output bytes and miss counts."""
+    ids, _ = _routed(mad_case, tokens)
+    ids[0] = torch.tensor([0, 6], dtype=torch.int32)
+    x = torch.randn(tokens, mad_case["hidden"], generator=mad_case["gen"]).to(torch.bfloat16).cuda()
+    weights = (torch.rand(tokens, TOP_K, generator=mad_case["gen"]) + 0.05).cuda()
+    run = lambda moe: run_whole(x, ids, weights, mad_case["w2"], mad_case["f4_none"], moe, mad_case["inter"],
+                                EXPERTS, 4, block_tokens=16)
+    plain = W2MoeCuda(wps=mad_case["wps"], gate_multi=GATE_MULTI, gate_multi_wide={}, down_multi={})
+    base, base_counts, _ = run(plain)
+    assert not base.isnan().any() and any(base_counts)
+    mad = W2MoeCuda(wps=mad_case["wps"], gate_multi=GATE_MULTI | {"mad": True}, gate_multi_wide={"mad": True},
+                    down_multi={"mad": True})
+    out, counts, _ = run(mad)
     assert same_bytes(out, base) and counts == base_counts

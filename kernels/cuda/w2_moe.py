@@ -53,20 +53,25 @@ def wide_gate(tokens: int, top_k: int, experts: int) -> bool:
 # the H200 run at 6f908d0 (cuda-w2-v3-deepseek-v3.json): the early prologue, a grid of the routed pairs only, the down
 # launch a programmatic dependent of the gate_up's; whole op at T = 1 56.2 vs 60.8 us (5.25x vs 4.86x bf16), at T = 8
 # 303.9 vs 308.8 us, byte-identical outputs.
-SINGLE = dict(early=True, pairs_grid=True, pdl=True)
+# v5 (cuda-w2-notes.md "v5", H200 at d227aff, cuda-w2-v5-deepseek-v3.json): slot pairs 0..4 decoded by a multiply-add
+# (`mad`), same bytes; whole op at T = 1 53.3 vs 55.7 us (5.60x vs 5.35x bf16), at T = 8 281.1 vs 303.1 us.
+SINGLE = dict(early=True, pairs_grid=True, pdl=True, mad=True)
+
+# The multi-token down's options (W2DownMultiCuda besides ahead / groups / wps).
+DOWN_MULTI: dict = {}
 
 
 class W2MoeCuda:
     """gate_ahead: W2_AHEAD of both gate_up kernels (2: the measured faster one); down_ahead / down_groups: both
     down kernels' (w2_down.py); gate_multi: the multi-token gate_up's other options (None: GATE_MULTI);
-    gate_multi_wide: the same for batches above WIDE_FROM pairs per expert (None: GATE_MULTI_WIDE);
-    gate_single / down_single: the single-token kernels' v3 options (W2GateUpCuda / W2DownCuda; None: SINGLE; {}:
-    the kernels before v3); wps: the w2 matrix's words per bit slot both down kernels read (`w2_down.wps_of(layout)`
-    of the pools this op serves)."""
+    gate_multi_wide: the same for batches above WIDE_FROM pairs per expert (None: GATE_MULTI_WIDE); down_multi: the
+    multi-token down's other options (None: DOWN_MULTI); gate_single / down_single: the single-token kernels' v3 / v5
+    options (W2GateUpCuda / W2DownCuda; None: SINGLE; {}: the kernels before v3); wps: the w2 matrix's words per bit
+    slot both down kernels read (`w2_down.wps_of(layout)` of the pools this op serves)."""
 
     def __init__(self, gate_ahead: int = 2, down_ahead: int = 2, down_groups: int = 1, device: int | None = None,
                  gate_multi: dict | None = None, gate_single: dict | None = None, down_single: dict | None = None,
-                 gate_multi_wide: dict | None = None, wps: int = 32):
+                 gate_multi_wide: dict | None = None, wps: int = 32, down_multi: dict | None = None):
         self.gate_up = W2GateUpCuda(ahead=gate_ahead, device=device, **(SINGLE if gate_single is None else gate_single))
         self.down = W2DownCuda(ahead=down_ahead, groups=down_groups, device=device, wps=wps,
                                **(SINGLE if down_single is None else down_single))
@@ -74,7 +79,8 @@ class W2MoeCuda:
                                                **(GATE_MULTI if gate_multi is None else gate_multi))
         self.gate_up_multi_wide = W2GateUpMultiCuda(
             ahead=gate_ahead, device=device, **(GATE_MULTI_WIDE if gate_multi_wide is None else gate_multi_wide))
-        self.down_multi = W2DownMultiCuda(ahead=down_ahead, groups=down_groups, device=device, wps=wps)
+        self.down_multi = W2DownMultiCuda(ahead=down_ahead, groups=down_groups, device=device, wps=wps,
+                                          **(DOWN_MULTI if down_multi is None else down_multi))
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None) -> None:
         if ws.block_tokens == 1:

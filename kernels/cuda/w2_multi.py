@@ -128,17 +128,19 @@ class W2GateUpMultiCuda(_Built):
     W2_STAGE_COLS, the columns of activation pairs staged in shared memory per pass (1..8; a block runs its pairs in
     passes of stage_cols); carveout: "max" (the largest shared-memory carveout, the default) or "fit" (the smallest
     capacity holding 16 / warps blocks: the rest stays L1); early: W2_EARLY, the prologue's route and table words in
-    two dependent loads instead of five. Per pair the bytes are the default's."""
+    two dependent loads instead of five; mad: the v5 decode (W2_DECODE_MAD, as in `W2GateUpCuda`). Per pair the bytes
+    are the default's."""
 
     threads = GATE_THREADS  # the default's; an instance with warps = 4 has 128
     rows_per_block = GATE_ROWS_PER_BLOCK
 
     def __init__(self, ahead: int = 2, warps: int = 8, stage_cols: int = COLS, carveout: str = "max",
-                 early: bool = False, device: int | None = None) -> None:
+                 early: bool = False, device: int | None = None, mad: bool = False) -> None:
         if warps not in (4, 8) or not 1 <= stage_cols <= COLS or carveout not in ("max", "fit"):
             raise ValueError(f"warps 4 or 8, stage_cols 1..{COLS}, carveout 'max' or 'fit'; got {warps}, "
                              f"{stage_cols}, {carveout!r}")
         self.ahead, self.warps, self.stage_cols, self.carveout, self.early = ahead, warps, stage_cols, carveout, early
+        self.mad = mad
         self.threads = 32 * warps
         self.rows_per_block = 8 * warps
         defines = {"W2_AHEAD": ahead}
@@ -148,6 +150,8 @@ class W2GateUpMultiCuda(_Built):
             defines["W2_STAGE_COLS"] = stage_cols
         if early:
             defines["W2_EARLY"] = 1
+        if mad:
+            defines["W2_DECODE_MAD"] = 1
         super().__init__(GATE_SOURCE, GATE_KERNEL, defines, device)
         self._carveout_k = None  # the K the "fit" carveout was set for
 
@@ -181,14 +185,17 @@ class W2GateUpMultiCuda(_Built):
 
 class W2DownMultiCuda(_Built):
     """Builds (nvcc, cached) and loads w2_down_multi once; each call launches it on the current stream.
-    ahead / groups / wps: W2_AHEAD / W2_GROUPS / W2_WPS as in `W2DownCuda` (rows per block 64 * groups)."""
+    ahead / groups / wps / mad: W2_AHEAD / W2_GROUPS / W2_WPS / W2_DECODE_MAD as in `W2DownCuda` (rows per block
+    64 * groups)."""
 
     threads = DOWN_THREADS
 
-    def __init__(self, ahead: int = 2, groups: int = 1, device: int | None = None, wps: int = 32) -> None:
+    def __init__(self, ahead: int = 2, groups: int = 1, device: int | None = None, wps: int = 32,
+                 mad: bool = False) -> None:
         w2_down.check_wps(wps)
-        self.ahead, self.groups, self.wps = ahead, groups, wps
-        defines = {"W2_AHEAD": ahead, "W2_GROUPS": groups} | ({"W2_WPS": 16} if wps == 16 else {})
+        self.ahead, self.groups, self.wps, self.mad = ahead, groups, wps, mad
+        defines = ({"W2_AHEAD": ahead, "W2_GROUPS": groups} | ({"W2_WPS": 16} if wps == 16 else {})
+                   | ({"W2_DECODE_MAD": 1} if mad else {}))
         super().__init__(DOWN_SOURCE, DOWN_KERNEL, defines, device)
 
     def __call__(self, w2, fp4, layer: int, ws, out=None):
