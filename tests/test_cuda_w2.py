@@ -771,9 +771,10 @@ def test_v3_wrappers_pass_their_defines_and_w2moecuda_passes_options_through(mon
     assert (moe.gate_up.early, moe.gate_up.route_major, moe.down.early, moe.down.route_major) == (True, True, True, False)
     assert built[-5:] == [("w2_gate_up.cu", {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_ROUTE_MAJOR": 1}),
                           ("w2_down.cu", {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_GROUPS": 1}),
-                          (w2_multi.GATE_SOURCE.name, {"W2_AHEAD": 2, "W2_STAGE_COLS": 4, "W2_EARLY": 1}),
-                          (w2_multi.GATE_SOURCE.name, {"W2_AHEAD": 2}),  # the 8-column gate_up (w2_moe.WIDE_FROM)
-                          (w2_multi.DOWN_SOURCE.name, {"W2_AHEAD": 2, "W2_GROUPS": 1})]  # multi kernels: unchanged
+                          (w2_multi.GATE_SOURCE.name, {"W2_AHEAD": 2, "W2_STAGE_COLS": 4, "W2_EARLY": 1,
+                                                       "W2_DECODE_MAD": 1}),
+                          (w2_multi.GATE_SOURCE.name, {"W2_AHEAD": 2, "W2_DECODE_MAD": 1}),  # 8 columns (WIDE_FROM)
+                          (w2_multi.DOWN_SOURCE.name, {"W2_AHEAD": 2, "W2_GROUPS": 1, "W2_DECODE_MAD": 1})]
 
 
 def test_v3_bench_variants_are_named_only_and_checked_against_the_default_kernels(monkeypatch):

@@ -102,8 +102,9 @@ def test_wrappers_pass_the_define(monkeypatch):
     W2DownMultiCuda(device=0, wps=16, mad=True)
     assert built == [(w2_multi.GATE_SOURCE.name, {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_DECODE_MAD": 1}),
                      (w2_multi.DOWN_SOURCE.name, {"W2_AHEAD": 2, "W2_GROUPS": 1, "W2_WPS": 16, "W2_DECODE_MAD": 1})]
-    moe = W2MoeCuda(device=0, gate_multi={"mad": True}, gate_multi_wide={"mad": True}, down_multi={"mad": True})
-    assert moe.gate_up_multi.mad and moe.gate_up_multi_wide.mad and moe.down_multi.mad
+    assert default.gate_up_multi.mad and default.gate_up_multi_wide.mad and default.down_multi.mad  # v5 adopted
+    moe = W2MoeCuda(device=0, gate_multi={}, gate_multi_wide={}, down_multi={})
+    assert not (moe.gate_up_multi.mad or moe.gate_up_multi_wide.mad or moe.down_multi.mad)
 
 
 def test_bench_v5_variants_are_checked_against_the_default_kernels():
@@ -195,18 +196,16 @@ def test_whole_op_with_the_mad_decode_equals_the_default(mad_case, tokens):
 @needs_nvcc
 @pytest.mark.parametrize("tokens", [4, 40])  # 1 and 10 pairs per expert: the 4- and the 8-column gate_up
 def test_multi_token_kernels_with_the_mad_decode_give_the_default_bytes(mad_case, tokens):
-    """The whole op on block_tokens 16 (the multi-token gate_up's 4- or 8-column build, and down) with mad on every
-    multi-token kernel against the same without: same output bytes and miss counts."""
+    """The whole op on block_tokens 16 (the multi-token gate_up's 4- or 8-column build, and down) with W2MoeCuda's
+    defaults (mad on every multi-token kernel) against the options before v5: same output bytes and miss counts."""
     ids, _ = _routed(mad_case, tokens)
     ids[0] = torch.tensor([0, 6], dtype=torch.int32)
     x = torch.randn(tokens, mad_case["hidden"], generator=mad_case["gen"]).to(torch.bfloat16).cuda()
     weights = (torch.rand(tokens, TOP_K, generator=mad_case["gen"]) + 0.05).cuda()
     run = lambda moe: run_whole(x, ids, weights, mad_case["w2"], mad_case["f4_none"], moe, mad_case["inter"],
                                 EXPERTS, 4, block_tokens=16)
-    plain = W2MoeCuda(wps=mad_case["wps"], gate_multi=GATE_MULTI, gate_multi_wide={}, down_multi={})
-    base, base_counts, _ = run(plain)
+    before = {k: v for k, v in GATE_MULTI.items() if k != "mad"}  # the multi-token options before v5
+    base, base_counts, _ = run(W2MoeCuda(wps=mad_case["wps"], gate_multi=before, gate_multi_wide={}, down_multi={}))
     assert not base.isnan().any() and any(base_counts)
-    mad = W2MoeCuda(wps=mad_case["wps"], gate_multi=GATE_MULTI | {"mad": True}, gate_multi_wide={"mad": True},
-                    down_multi={"mad": True})
-    out, counts, _ = run(mad)
+    out, counts, _ = run(W2MoeCuda(wps=mad_case["wps"]))  # the defaults: mad on every multi-token kernel
     assert same_bytes(out, base) and counts == base_counts

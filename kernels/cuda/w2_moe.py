@@ -30,7 +30,10 @@ from .w2_multi import W2DownMultiCuda, W2GateUpMultiCuda
 # The multi-token gate_up's options (W2GateUpMultiCuda): "v2 s4e", adopted by the rule of cuda-w2-notes.md from the
 # H200 run at 57f6217 (cuda-w2-v2-deepseek-v3.json): 4 staged columns, the "fit" carveout, the early prologue; whole op
 # at T = 32 851.7 vs 961.5 us with the first multi kernel (1.13x), 311.2 vs 347.5 at T = 8, byte-identical outputs.
-GATE_MULTI = dict(warps=8, stage_cols=4, carveout="fit", early=True)
+# v5 (cuda-w2-notes.md "v5", H200 at b152159, cuda-w2-v5b-*.json): slot pairs 0..4 decoded by a multiply-add (`mad`)
+# on every multi-token kernel, same bytes; whole op at T = 32 792.8 vs 849.2 us (DeepSeek-V3), faster on every preset
+# timed (ds-v2-lite, qwen3-30b-a3b at T = 8 / 32, mixtral-8x7b at T = 32 on the 8-column gate_up).
+GATE_MULTI = dict(warps=8, stage_cols=4, carveout="fit", early=True, mad=True)
 
 # Batches with more than WIDE_FROM routed pairs per expert on average run the multi-token gate_up with all 8 columns
 # staged (GATE_MULTI_WIDE: the v1 kernel, W2GateUpMultiCuda's defaults) instead of GATE_MULTI's 4: a block then
@@ -40,7 +43,7 @@ GATE_MULTI = dict(warps=8, stage_cols=4, carveout="fit", early=True)
 # 149 vs 178 us) to 128 (mixtral-8x7b T = 512: 3824 vs 5139 us; deepseek-v3 T = 512, 16: 4271 vs 5340 us). Between
 # 2 and 8 not measured: the switch is set halfway.
 WIDE_FROM = 4
-GATE_MULTI_WIDE: dict = {}
+GATE_MULTI_WIDE = dict(mad=True)
 
 
 def wide_gate(tokens: int, top_k: int, experts: int) -> bool:
@@ -57,8 +60,8 @@ def wide_gate(tokens: int, top_k: int, experts: int) -> bool:
 # (`mad`), same bytes; whole op at T = 1 53.3 vs 55.7 us (5.60x vs 5.35x bf16), at T = 8 281.1 vs 303.1 us.
 SINGLE = dict(early=True, pairs_grid=True, pdl=True, mad=True)
 
-# The multi-token down's options (W2DownMultiCuda besides ahead / groups / wps).
-DOWN_MULTI: dict = {}
+# The multi-token down's options (W2DownMultiCuda besides ahead / groups / wps): v5's decode, as GATE_MULTI.
+DOWN_MULTI = dict(mad=True)
 
 
 class W2MoeCuda:
