@@ -57,7 +57,10 @@ MULTI_V2 = ([("gate_up", f"cuda_gate_up_multi_{k}", dict(ahead=2, **o)) for k, o
 # v5 on the multi-token kernels: the runtime's multi-token whole op (gate_up s4e, 8 columns above WIDE_FROM pairs per
 # expert, down) with W2_DECODE_MAD on all three, against cuda_whole_multi_s4e (its bytes: cuda_whole_multi's)
 MULTI_V2 += [("whole", "cuda_whole_multi_s4em", dict(MULTI["whole"][1], gate_multi=V2_GATE["s4e"] | {"mad": True},
-                                                     gate_multi_wide={"mad": True}, down_multi={"mad": True}))]
+                                                     gate_multi_wide={"mad": True}, down_multi={"mad": True})),
+             # the 8-column gate_up at every fill, v5 decode (where WIDE_FROM should lie: cuda-w2-notes.md "v5")
+             ("whole", "cuda_whole_multi_m", dict(MULTI["whole"][1], gate_multi={"mad": True},
+                                                  gate_multi_wide={"mad": True}, down_multi={"mad": True}))]
 # v3 of the single-token kernels (W2GateUpCuda / W2DownCuda early, pairs_grid, route_major, pdl: cuda-w2-notes.md "v3"):
 # suffix -> options; gate_up on ahead 2, down on cuda_down's options, the whole op with both kernels so built (pdl: the
 # down launch a programmatic dependent of the gate_up's). Built only when --variants names them; INVALID unless

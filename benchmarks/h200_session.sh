@@ -13,7 +13,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -652,6 +652,28 @@ case "$step" in
         --tokens "$tokens" --variants cuda_whole_multi,cuda_whole_multi_s4e,cuda_whole_multi_s4em \
         --json "$work/cuda-w2-v5b-$preset.json"
     done
+    ;;
+  widerule)  # where the multi-token gate_up's 8-column build (W2MoeCuda's wide gate_up) should take over from the
+    # 4-column s4e (WIDE_FROM = 4 pairs per expert today): both with v5's decode at 1.5-3 pairs per expert on three
+    # presets (ds-v2-lite T = 16 / 24 / 32, qwen3-30b-a3b T = 32 / 48, deepseek-v3 T = 64 / 80). Stage limits 3 x 100 s.
+    # Estimates, not measured: ~10-30 s each.
+    for preset in ds-v2-lite qwen3-30b-a3b deepseek-v3; do
+      tokens=$(case "$preset" in ds-v2-lite) echo 16,24,32 ;; qwen3-30b-a3b) echo 32,48 ;; *) echo 64,80 ;; esac)
+      stage "cuda-w2-wide-$preset" 100 python3 benchmarks/cuda_w2.py --preset "$preset" --commit "$commit" \
+        --tokens "$tokens" --variants cuda_whole_multi,cuda_whole_multi_s4em,cuda_whole_multi_m \
+        --json "$work/cuda-w2-wide-$preset.json"
+    done
+    ;;
+  closing7)  # the session's last code on the GPU (v5's decode in every W2 kernel by default): every CUDA kernel test and
+    # the runtime GPU tests with the default config (cuda_w2 auto), then the main job's command on the quality
+    # checkpoint with --verify-resident. Stage limits 420 + 80 s. Estimate, not measured: closing6's 135 tests plus
+    # the v4 / v5 files (~60 s), generate ~40 s.
+    stage tests 420 python3 -m pytest tests/test_cuda_w2.py tests/test_cuda_w2_multi.py tests/test_cuda_w2_half_tiles.py \
+      tests/test_cuda_w2_stages.py tests/test_cuda_w2_decode_mad.py tests/test_cuda_fp4.py tests/test_runtime_gpu.py \
+      tests/test_runtime_pool_copies.py tests/test_runtime_layer_waits.py tests/test_runtime_early_fetch.py \
+      tests/test_runtime_cuda_w2.py -m gpu -q
+    stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
