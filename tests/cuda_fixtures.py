@@ -212,3 +212,29 @@ def replayed_once(call, misses, out):
     graph.replay()
     torch.cuda.synchronize()
     return graph
+
+
+# ---- builds without nvcc or a GPU ---------------------------------------------------------------------------
+
+def stub_builds(monkeypatch) -> tuple[list, list]:
+    """Kernel wrappers built without nvcc or a device: loader.build records (source file name, defines), loader.load
+    returns a stand-in whose prefer_max_shared calls are counted. Returns (builds, carveout requests)."""
+    built, carveouts = [], []
+
+    class Loaded:
+        def prefer_max_shared(self):
+            carveouts.append(True)
+
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(loader, "build", lambda source, defines=None, **kw: built.append((source.name, defines)) or b"")
+    monkeypatch.setattr(loader, "load", lambda image, name, device: Loaded())
+    return built, carveouts
+
+
+def gate_up_into_nan(kernel, x, top_k: int, w2, fp4, ws, limit=None) -> torch.Tensor:
+    """A gate_up kernel's output for ws's route into a fresh NaN-poisoned [P, I] tensor, after a synchronize."""
+    out = torch.full_like(ws.act, float("nan"))
+    kernel(x, top_k, w2, fp4, 0, ws, out=out, swiglu_limit=limit)
+    torch.cuda.synchronize()
+    return out
+

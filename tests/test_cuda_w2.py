@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.cuda_fixtures import (M32, bench_module, bench_on_cpu, bf16_bits, captured, down_ref, fp4_pool, gate_up_ref,
+from tests.cuda_fixtures import (M32, bench_module, bench_on_cpu, bf16_bits, captured, down_ref, fp4_pool,
+                                  gate_up_into_nan, gate_up_ref,
                                   launched_twice, needs_nvcc, placed, ptxas_report, random_pool, registers,
-                                  replayed_once, run_whole, same_bytes, side_stream, signature_kinds, slot_rows,
+                                  replayed_once, run_whole, same_bytes, side_stream, signature_kinds, slot_rows, stub_builds,
                                   to_cuda, w2_pool, warm_up)
 from tierstore.kernels import (MissLog, MoeWorkspace, fp4_tier, moe_down, moe_gate_up, moe_mm, moe_mm_ref, moe_route,
                                w2_tier)
@@ -320,10 +321,7 @@ def _routed(case, tokens, limit=None):
 
 
 def _run(case, x, ws, limit=None, kernel="cuda"):
-    out = torch.full_like(ws.act, float("nan"))
-    case[kernel](x, TOP_K, case["w2"], case["f4"], 0, ws, out=out, swiglu_limit=limit)
-    torch.cuda.synchronize()
-    return out
+    return gate_up_into_nan(case[kernel], x, TOP_K, case["w2"], case["f4"], ws, limit)
 
 
 @pytest.mark.gpu
@@ -739,15 +737,7 @@ def test_v3_route_major_order_visits_every_block_once_live_ones_first():
 def test_v3_wrappers_pass_their_defines_and_w2moecuda_passes_options_through(monkeypatch):
     from tierstore.kernels.cuda import w2_gate_up, w2_multi
 
-    built = []
-
-    class Loaded:
-        def prefer_max_shared(self):
-            pass
-
-    monkeypatch.setattr(torch.cuda, "init", lambda: None)
-    monkeypatch.setattr(loader, "build", lambda source, defines=None, **kw: built.append((source.name, defines)) or b"")
-    monkeypatch.setattr(loader, "load", lambda image, name, device: Loaded())
+    built, _ = stub_builds(monkeypatch)
     W2GateUpCuda(device=0)
     W2GateUpCuda(ahead=2, device=0, early=True)
     W2DownCuda(device=0)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.cuda_fixtures import (M32, bench_module, fp4_pool, needs_nvcc, ptxas_report, registers, run_whole,
-                                 same_bytes, to_cuda, w2_pool)
+from tests.cuda_fixtures import (M32, bench_module, fp4_pool, gate_up_into_nan, needs_nvcc, ptxas_report, registers,
+                                 run_whole, same_bytes, stub_builds, to_cuda, w2_pool)
 from tests.test_cuda_w2 import _cuobjdump, rotl
 from tierstore.kernels import MissLog, MoeWorkspace, moe_route
 from tierstore.kernels.cuda import loader, w2_down, w2_gate_up
@@ -78,15 +78,7 @@ def test_mad_trades_rotate_adds_for_multiply_adds_one_for_one(tmp_path, source, 
 
 
 def test_wrappers_pass_the_define(monkeypatch):
-    built = []
-
-    class Loaded:
-        def prefer_max_shared(self):
-            pass
-
-    monkeypatch.setattr(torch.cuda, "init", lambda: None)
-    monkeypatch.setattr(loader, "build", lambda source, defines=None, **kw: built.append((source.name, defines)) or b"")
-    monkeypatch.setattr(loader, "load", lambda image, name, device: Loaded())
+    built, _ = stub_builds(monkeypatch)
     W2GateUpCuda(ahead=2, device=0, early=True, mad=True)
     W2DownCuda(device=0, wps=16, mad=True)
     W2DownCuda(device=0)
@@ -149,10 +141,7 @@ def test_mad_stages_give_the_default_bytes(mad_case, tokens):
     w2, f4 = mad_case["w2"], mad_case["f4"]
 
     def gate_up(kernel):
-        out = torch.full_like(ws.act, float("nan"))
-        kernel(x, TOP_K, w2, f4, 0, ws, out=out)
-        torch.cuda.synchronize()
-        return out
+        return gate_up_into_nan(kernel, x, TOP_K, w2, f4, ws)
 
     base = gate_up(W2GateUpCuda(ahead=2))
     assert base.isfinite().any() and base.isnan().any()  # W2 rows written; FP4 and missing pairs' rows not

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cuda_fixtures import (bench_module, captured, fp4_pool, gate_up_into_nan, needs_nvcc, ptxas_report,
+                                 registers, run_whole, same_bytes, side_stream, stub_builds, to_cuda, w2_pool)
 from tests.test_cuda_w2 import _cuobjdump
-from tests.cuda_fixtures import (bench_module, captured, fp4_pool, needs_nvcc, ptxas_report, registers, run_whole,
-                                 same_bytes, side_stream, to_cuda, w2_pool)
 from tierstore.kernels import MissLog, MoeWorkspace, moe_route
 from tierstore.kernels.cuda import loader, w2_gate_up
 from tierstore.kernels.cuda.w2_gate_up import SOURCE, W2GateUpCuda, w2_gate_up_ref
@@ -62,21 +62,13 @@ def test_stages_off_builds_the_sass_of_before(tmp_path, defines):
 
 
 def test_wrapper_refuses_one_stage_and_passes_the_define(monkeypatch):
-    built, carveouts = [], []
-
-    class Loaded:
-        def prefer_max_shared(self):
-            carveouts.append(True)
-
-    monkeypatch.setattr(torch.cuda, "init", lambda: None)
-    monkeypatch.setattr(loader, "build", lambda source, defines=None, **kw: built.append(defines) or b"")
-    monkeypatch.setattr(loader, "load", lambda image, name, device: Loaded())
+    built, carveouts = stub_builds(monkeypatch)
     for bad in (1, -2):
         with pytest.raises(ValueError, match="stages is 0 .* or at least 2"):
             W2GateUpCuda(ahead=2, device=0, stages=bad)
     plain = W2GateUpCuda(ahead=2, device=0)
     staged = W2GateUpCuda(ahead=2, device=0, early=True, stages=4)
-    assert built == [{"W2_AHEAD": 2}, {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_STAGES": 4}]
+    assert built == [("w2_gate_up.cu", {"W2_AHEAD": 2}), ("w2_gate_up.cu", {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_STAGES": 4})]
     assert carveouts == [True]  # only the staged build asks for the largest carveout
     assert plain.shared_bytes(7168) == 14336  # the activation pairs alone, as before
     assert staged.shared_bytes(7168) == 14336 + 4 * w2_gate_up.STAGE_BYTES == 51200  # 4 per SM fit 228 KB
@@ -122,10 +114,7 @@ def _route(case, tokens):
 
 
 def _launch(case, kernel, x, ws) -> torch.Tensor:
-    out = torch.full_like(ws.act, float("nan"))
-    kernel(x, TOP_K, case["w2"], case["f4"], 0, ws, out=out)
-    torch.cuda.synchronize()
-    return out
+    return gate_up_into_nan(kernel, x, TOP_K, case["w2"], case["f4"], ws)
 
 
 @pytest.mark.gpu
