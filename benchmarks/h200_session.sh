@@ -609,12 +609,11 @@ case "$step" in
     # issue, memory throughput (--clock-control none; ncu may not read counters on this machine's runtime: its log
     # says). Stage limits 60 + 90 + 90 s. Estimates, not measured: probe ~15 s, each ncu run ~20-40 s.
     stage w2-access 60 python3 benchmarks/w2_access.py --ahead 1,2,3,4 --commit "$commit" --json "$work/w2-access.json"
-    for build in "--v3" "--v3 --stages 3"; do
-      name="ncu-gate-up$(echo $build | tr -d ' -' | sed 's/v3/-eg/; s/stages/s/')"
-      stage "$name" 90 ncu --clock-control none --kernel-name w2_gate_up_mma --launch-skip 2 --launch-count 1 \
-        --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-        --section Occupancy --section LaunchStats python3 benchmarks/gate_up_once.py $build
-    done
+    ncu_flags="--clock-control none --kernel-name w2_gate_up_mma --launch-skip 2 --launch-count 1 --section SpeedOfLight
+      --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy
+      --section LaunchStats"
+    stage ncu-gate-up-eg 90 ncu $ncu_flags python3 benchmarks/gate_up_once.py --v3
+    stage ncu-gate-up-egs3 90 ncu $ncu_flags python3 benchmarks/gate_up_once.py --v3 --stages 3
     ;;
   mad)  # v5 (cuda-w2-notes.md): slot pairs 0..4 decoded by a multiply-add (W2_DECODE_MAD) against the default decode:
     # GPU tests (bytes equal), cuda_w2.py on DeepSeek-V3 at T = 1 / 8 (gate_up, down, whole op) and on ds-v2-lite and
@@ -628,13 +627,11 @@ case "$step" in
       stage "cuda-w2-v5-$preset" 90 python3 benchmarks/cuda_w2.py --preset "$preset" --commit "$commit" --tokens 1 \
         --variants cuda_whole,cuda_whole_egp,cuda_whole_egpm --json "$work/cuda-w2-v5-$preset.json"
     done
-    for build in "--v3" "--v3 --mad"; do
-      name="ncu-gate-up$(echo $build | tr -d ' -' | sed 's/v3/-eg/')"
-      stage "$name" 90 ncu --clock-control none --kernel-name w2_gate_up_mma --launch-skip 2 --launch-count 1 \
-        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active" \
-        python3 benchmarks/gate_up_once.py $build
-    done
+    ncu_flags="--clock-control none --kernel-name w2_gate_up_mma --launch-skip 2 --launch-count 1 --section SpeedOfLight
+      --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats
+      --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active"
+    stage ncu-gate-up-eg 90 ncu $ncu_flags python3 benchmarks/gate_up_once.py --v3
+    stage ncu-gate-up-egmad 90 ncu $ncu_flags python3 benchmarks/gate_up_once.py --v3 --mad
     ;;
   mad2)  # v5 adopted for the single-token kernels (w2_moe.SINGLE); now the multi-token kernels with it (the runtime's
     # T = 8 / 32 on the presets and DeepSeek-V3's T = 32; mixtral-8x7b at T = 32 runs the 8-column gate_up) and the v4
