@@ -11,13 +11,12 @@ by device events (and the host time to issue it), interleaved round by round.
 import argparse
 import ctypes
 import json
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, "benchmarks")
+from h2d_rounds import check_rows, print_table, timed_rounds  # noqa: E402
 from replay import provenance  # noqa: E402
 
 from tierstore.kernels.cuda.loader import driver  # noqa: E402
@@ -57,7 +56,6 @@ def main() -> None:
     stream = torch.cuda.Stream()
     gen = torch.Generator().manual_seed(0)
     events = [torch.cuda.Event() for _ in range(args.layers)]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     attrs = MemcpyAttributes(ACCESS_ORDER_STREAM, 0, 0, 0, 0, 0)
 
     def layer_groups(n):
@@ -103,34 +101,9 @@ def main() -> None:
         pool.fill_(0xA5)
         fn(src, dst)
         stream.synchronize()
-        for s, d in zip(src, dst):
-            if not torch.equal(pool[d].cpu(), arena[s]):
-                raise SystemExit(f"{name}: slot {d} != arena row {s}")
-        print(f"{name}: bytes checked", flush=True)
-    device_ms = {name: [] for name in variants}
-    host_us = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, fn in variants.items():
-            src, dst = plan()
-            stream.synchronize()
-            start.record(stream)
-            t = time.perf_counter()
-            fn(src, dst)
-            host_us[name].append((time.perf_counter() - t) * 1e6)
-            end.record(stream)
-            end.synchronize()
-            device_ms[name].append(start.elapsed_time(end))
-    total = rows * nbytes
-    results = {}
-    for name in variants:
-        ms = statistics.median(device_ms[name][5:])
-        results[name] = dict(device_ms=ms, gbps=total / ms / 1e6, host_issue_us=statistics.median(host_us[name][5:]))
-    base = results["per_row"]["device_ms"]
-    print(f"{rows} rows x {nbytes} B over {args.layers} layers ({total / 1e6:.1f} MB), median of {args.rounds - 5}:")
-    print(f"{'variant':18s} {'device ms':>10s} {'GB/s':>7s} {'host us':>8s} {'x per_row':>9s}")
-    for name, r in results.items():
-        print(f"{name:18s} {r['device_ms']:10.3f} {r['gbps']:7.1f} {r['host_issue_us']:8.1f} "
-              f"{base / r['device_ms']:9.3f}")
+        check_rows(name, pool, arena, src, dst)
+    results = timed_rounds(variants, plan, stream, args.rounds, rows * nbytes)
+    print_table(results, rows, nbytes, args.layers, args.rounds)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(provenance=provenance(args.commit),

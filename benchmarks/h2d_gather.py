@@ -11,14 +11,13 @@ clock starts, so the host time is the issuing alone.
 import argparse
 import ctypes
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, "benchmarks")
+from h2d_rounds import check_rows, print_table, timed_rounds  # noqa: E402
 from replay import provenance  # noqa: E402
 
 from tierstore.kernels.cuda import loader  # noqa: E402
@@ -54,7 +53,6 @@ def main() -> None:
     stream = torch.cuda.Stream()
     gen = torch.Generator().manual_seed(0)
     events = [torch.cuda.Event() for _ in range(args.layers)]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     bounds = [round(i * rows / args.layers) for i in range(args.layers + 1)]
     groups = [range(bounds[i], bounds[i + 1]) for i in range(args.layers)]
 
@@ -96,34 +94,9 @@ def main() -> None:
         torch.cuda.synchronize()
         fn(srcs, dsts)
         stream.synchronize()
-        for s, d in zip(src, dst):
-            if not torch.equal(pool[d].cpu(), arena[s]):
-                raise SystemExit(f"{name}: slot {d} != arena row {s}")
-        print(f"{name}: bytes checked", flush=True)
-    device_ms = {name: [] for name in variants}
-    host_us = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, fn in variants.items():
-            srcs, dsts, _, _ = plan()
-            stream.synchronize()
-            start.record(stream)
-            t = time.perf_counter()
-            fn(srcs, dsts)
-            host_us[name].append((time.perf_counter() - t) * 1e6)
-            end.record(stream)
-            end.synchronize()
-            device_ms[name].append(start.elapsed_time(end))
-    total = rows * nbytes
-    results = {}
-    for name in variants:
-        ms = statistics.median(device_ms[name][5:])
-        results[name] = dict(device_ms=ms, gbps=total / ms / 1e6, host_issue_us=statistics.median(host_us[name][5:]))
-    base = results["per_row"]
-    print(f"{rows} rows x {nbytes} B over {args.layers} layers ({total / 1e6:.1f} MB), median of {args.rounds - 5}:")
-    print(f"{'variant':20s} {'device ms':>10s} {'GB/s':>7s} {'host us':>8s} {'device x per_row':>16s}")
-    for name, r in results.items():
-        print(f"{name:20s} {r['device_ms']:10.3f} {r['gbps']:7.1f} {r['host_issue_us']:8.1f} "
-              f"{base['device_ms'] / r['device_ms']:16.3f}")
+        check_rows(name, pool, arena, src, dst)
+    results = timed_rounds(variants, lambda: plan()[:2], stream, args.rounds, rows * nbytes)
+    print_table(results, rows, nbytes, args.layers, args.rounds)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(provenance=provenance(args.commit),
