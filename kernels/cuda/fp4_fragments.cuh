@@ -128,6 +128,21 @@ __device__ __forceinline__ Unit f4_load_unit(const uint16_t* __restrict__ a, int
           *reinterpret_cast<const uint2*>(a + k0 + 32), *reinterpret_cast<const uint2*>(a + k0 + 48)};
 }
 
+using Rows = TileRows<uint2>;  // a warp's two A rows for first_loads / k_loop (bf16_mma.cuh), 32-word tiles
+
+// A lane's two A rows of the slot at `base`: ra (scales sa) at row n, rb (sb) `apart` rows further (the gate_ups: the
+// up row, inter rows on; the downs: 8).
+__device__ __forceinline__ Rows rows_at(const uint8_t* base, long long words_off, long long scales_off,
+                                        int words_per_row, int blocks_per_row, int n, int apart) {
+  const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 8;
+  Rows r;
+  r.ra = reinterpret_cast<const uint4*>(base + words_off) + n * row_vecs;
+  r.rb = r.ra + apart * row_vecs;
+  r.sa = reinterpret_cast<const uint2*>(base + scales_off) + n * scale_vecs;
+  r.sb = r.sa + apart * scale_vecs;
+  return r;
+}
+
 // All of a block's threads: up to 4 units per thread per round, every load of a round issued before its stores.
 __device__ __forceinline__ void f4_build_pairs(const uint16_t* __restrict__ a, uint32_t* xp, int k_len) {
   constexpr int kUnroll = 4;

@@ -34,8 +34,6 @@ constexpr int kWarps = 4;
 constexpr int kGateRowsPerBlock = kWarps * 8;   // 32
 constexpr int kDownRowsPerBlock = kWarps * 16;  // 64
 
-using Rows = TileRows<uint2>;  // a warp's two A rows for first_loads / k_loop (bf16_mma.cuh)
-
 // Both kernels' prologue: the block's FP4 slot and pair, or false (the block exits) past the route or when its
 // expert is not FP4-resident (the W2 kernel's pair).
 __device__ __forceinline__ bool route(const int* __restrict__ num_blocks, const int* __restrict__ f4_table, int table_row,
@@ -94,12 +92,7 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) fp4_gate_up_mma(
   const int n = blockIdx.y * kGateRowsPerBlock + (threadIdx.x >> 5) * 8 + g;  // output row
 
   const uint8_t* base = slots + static_cast<long long>(slot) * slot_bytes;
-  const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 8;
-  Rows r;
-  r.ra = reinterpret_cast<const uint4*>(base + words_off) + n * row_vecs;            // gate row n
-  r.rb = r.ra + inter * row_vecs;                                                     // up row n
-  r.sa = reinterpret_cast<const uint2*>(base + scales_off) + n * scale_vecs;
-  r.sb = r.sa + inter * scale_vecs;
+  const Rows r = rows_at(base, words_off, scales_off, words_per_row, blocks_per_row, n, inter);  // gate and up row n
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   row_sums(r, x + (pair / top_k) * stride_x, xp, hidden, words_per_row, c, acc);
   if (c == 0) {
@@ -135,12 +128,7 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) fp4_down_mma(
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   row_sums(r, act + pair * stride_act, xp, inter, c, acc);
 #else
-  const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 8;
-  Rows r;
-  r.ra = reinterpret_cast<const uint4*>(base + words_off) + n * row_vecs;
-  r.rb = r.ra + 8 * row_vecs;
-  r.sa = reinterpret_cast<const uint2*>(base + scales_off) + n * scale_vecs;
-  r.sb = r.sa + 8 * scale_vecs;
+  const Rows r = rows_at(base, words_off, scales_off, words_per_row, blocks_per_row, n, 8);
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   row_sums(r, act + pair * stride_act, xp, inter, words_per_row, c, acc);
 #endif

@@ -75,8 +75,6 @@ constexpr int kPadWords = 2;
 static_assert(kGateWarps == 4 || kGateWarps == 8, "FP4_WARPS must be 4 or 8");
 static_assert(kGateCols >= 1 && kGateCols <= 8, "FP4_STAGE_COLS must be 1..8");
 
-using Rows = TileRows<uint2>;  // a warp's two A rows for first_loads / k_loop (bf16_mma.cuh)
-
 // The block's FP4 slot, fill and pairs, or false (the block exits) past the route or when its expert is not
 // FP4-resident. FP4_EARLY 1: num_blocks, block_expert[b] and block_fill[b] (both have gridDim.x entries) in one
 // round trip, the table entry in a second, one exit after both (nvcc sinks a load below any exit that does not
@@ -99,18 +97,6 @@ __device__ __forceinline__ bool route(const int* __restrict__ num_blocks, const 
 #endif
   pairs = block_pairs + b * block_tokens;
   return true;
-}
-
-// A lane's two A rows: ra (scales sa) at row n, rb (sb) `apart` rows further.
-__device__ __forceinline__ Rows rows_at(const uint8_t* base, long long words_off, long long scales_off,
-                                        int words_per_row, int blocks_per_row, int n, int apart) {
-  const long long row_vecs = words_per_row / 4, scale_vecs = blocks_per_row / 8;
-  Rows r;
-  r.ra = reinterpret_cast<const uint4*>(base + words_off) + n * row_vecs;
-  r.rb = r.ra + apart * row_vecs;
-  r.sa = reinterpret_cast<const uint2*>(base + scales_off) + n * scale_vecs;
-  r.sb = r.sa + apart * scale_vecs;
-  return r;
 }
 
 #if FP4_PDL
