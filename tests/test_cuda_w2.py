@@ -235,13 +235,19 @@ def test_model_of_the_kernel_matches_the_reference():
     assert np.abs(got - ref).max() <= 1e-9 * np.abs(ref).max()
 
 
-def test_model_of_the_down_kernel_matches_the_reference():
-    gen = torch.Generator().manual_seed(4)
-    w2 = w2_tier(128, DOWN_INTER, 1, 1, EXPERTS, "cpu")
+def down_model_and_reference(model, hidden: int, inter: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(model(slot, layout, act), the float64 product of the unpacked w2 and act) for a random W2 slot (every word and
+    scale byte random, padding included) and random bf16 activations [inter]."""
+    gen = torch.Generator().manual_seed(seed)
+    w2 = w2_tier(hidden, inter, 1, 1, EXPERTS, "cpu")
     random_pool(w2, gen)
-    act = torch.randn(DOWN_INTER, generator=gen).to(torch.bfloat16)
+    act = torch.randn(inter, generator=gen).to(torch.bfloat16)
     ref = (unpack_matrix_ref(w2.slots[0], w2.layout, "w2").double() @ act.double()).numpy()
-    got = model_down(w2.slots[0], w2.layout, act)
+    return model(w2.slots[0], w2.layout, act), ref
+
+
+def test_model_of_the_down_kernel_matches_the_reference():
+    got, ref = down_model_and_reference(model_down, 128, DOWN_INTER, 4)
     assert np.abs(got - ref).max() <= 1e-9 * np.abs(ref).max()
 
 

@@ -26,7 +26,7 @@ from tests import test_cuda_fp4 as fp4_model
 from tests.cuda_fixtures import (bf16_bits, fp4_pool, launched_twice, needs_nvcc, ptxas_report, random_pool,
                                   random_slots, registers, replayed_once, run_whole, same_bytes, slot_rows, to_cuda,
                                   w2_pool)
-from tests.test_cuda_w2 import M32, _cuobjdump, bf16_halves, prmt, w2_pair, warp_acc
+from tests.test_cuda_w2 import M32, _cuobjdump, bf16_halves, down_model_and_reference, prmt, w2_pair, warp_acc
 from tierstore.kernels import MissLog, MoeWorkspace, fp4_tier, moe_down, moe_mm, moe_mm_ref, moe_route, w2_tier
 from tierstore.kernels.cuda import fp4_multi, fp4_stages, w2_down, w2_gate_up, w2_multi
 from tierstore.kernels.cuda.w2_down import W2DownCuda, w2_down_ref
@@ -100,12 +100,7 @@ def test_model_of_the_half_tile_down_matches_the_reference(inter):
     1408 (ds-v2-lite): six, the last half padding. random_pool fills every word and scale byte, padding included."""
     layout = w2_slot_layout(32, inter)
     assert layout.w2.wps == 16
-    gen = torch.Generator().manual_seed(inter)
-    w2 = w2_tier(32, inter, 1, 1, EXPERTS, "cpu")
-    random_pool(w2, gen)
-    act = torch.randn(inter, generator=gen).to(torch.bfloat16)
-    ref = (unpack_matrix_ref(w2.slots[0], w2.layout, "w2").double() @ act.double()).numpy()
-    got = model_down16(w2.slots[0], w2.layout, act)
+    got, ref = down_model_and_reference(model_down16, 32, inter, inter)
     assert np.abs(got - ref).max() <= 1e-9 * np.abs(ref).max()
 
 
