@@ -14,7 +14,7 @@ benchmarks/cuda_w2.py. Checks first (outputs poisoned with NaN, against the plai
 `moe_mm_ref`, vs Triton, repeats byte-identical, variants byte-identical, miss counts equal); a failed check
 marks its CUDA rows invalid (time kept aside). JSON written after every step.
 
-    python3 benchmarks/cuda_fp4.py --commit <sha> --json cuda_fp4.json
+    python3 benchmarks/cuda_fp4.py --commit <sha> --json cuda_fp4.json [--variants cuda_fp4_gate_up_m,...]
 """
 
 from __future__ import annotations
@@ -37,7 +37,12 @@ VARIANTS = {"cuda_fp4_gate_up": ("gate_up", 2), "cuda_fp4_gate_up_a3": ("gate_up
             "cuda_tier_mixed_multi_e": ("mixed", 2), "cuda_fp4_whole_multi_d1": ("whole", 2),
             "cuda_fp4_whole_multi_w4s3": ("whole", 2), "cuda_fp4_whole_multi_s2": ("whole", 2),
             "cuda_fp4_whole_multi_max": ("whole", 2), "cuda_fp4_whole_multi_pdl": ("whole", 2),
-            "cuda_tier_mixed_multi_pdl": ("mixed", 2), "cuda_tier_mixed_multi_d1": ("mixed", 2)}
+            "cuda_tier_mixed_multi_pdl": ("mixed", 2), "cuda_tier_mixed_multi_d1": ("mixed", 2),
+            "cuda_fp4_gate_up_m": ("gate_up", 2), "cuda_fp4_down_m": ("down", 2), "cuda_fp4_whole_m": ("whole", 2),
+            "cuda_tier_mixed_m": ("mixed", 2), "cuda_fp4_whole_multi_pdl_m": ("whole", 2),
+            "cuda_tier_mixed_multi_pdl_m": ("mixed", 2)}
+# single-token variants built with FP4_DECODE_MAD (`mad`: the decode's shifts on the FMA pipe; cuda-fp4-notes.md "v2")
+SINGLE_MAD = {"cuda_fp4_gate_up_m", "cuda_fp4_down_m", "cuda_fp4_whole_m", "cuda_tier_mixed_m"}
 # multi-token variants (TierMoeCuda on a block_tokens MULTI_BT workspace: fp4_multi.py and w2_multi.py) -> the FP4
 # kernels' options (Fp4GateUpMultiCuda, Fp4DownMultiCuda; gate={} / down={}: no FP4_PDL, the down at FP4_AHEAD 2, as
 # measured before b4f70f0); their bytes must equal the stage's first variant's (one pair per block)
@@ -57,7 +62,10 @@ MULTI = {"cuda_fp4_whole_multi": dict(gate={}, down={}),
          # beside the down of d1; adopted after 595ce02 (TierMoeCuda's FP4_GATE_MULTI / FP4_DOWN_MULTI)
          "cuda_fp4_whole_multi_pdl": dict(gate=dict(pdl=True), down=dict(ahead=1, pdl=True)),
          "cuda_tier_mixed_multi_pdl": dict(gate=dict(pdl=True), down=dict(ahead=1, pdl=True)),
-         "cuda_tier_mixed_multi_d1": dict(gate={}, down=dict(ahead=1))}
+         "cuda_tier_mixed_multi_d1": dict(gate={}, down=dict(ahead=1)),
+         # the adopted multi-token builds with FP4_DECODE_MAD
+         "cuda_fp4_whole_multi_pdl_m": dict(gate=dict(pdl=True, mad=True), down=dict(ahead=1, pdl=True, mad=True)),
+         "cuda_tier_mixed_multi_pdl_m": dict(gate=dict(pdl=True, mad=True), down=dict(ahead=1, pdl=True, mad=True))}
 MULTI_BT = 16
 FIRST = {"gate_up": "cuda_fp4_gate_up", "down": "cuda_fp4_down", "whole": "cuda_fp4_whole", "mixed": "cuda_tier_mixed"}
 MIXED_EVERY = 4  # the mixed-residency stage: experts e % 4 == 0 FP4-resident, the others W2
@@ -96,6 +104,7 @@ def _build(name: str, geo) -> tuple[object, dict]:
     from tierstore.kernels.cuda.w2_moe import W2MoeCuda
 
     stage, ahead = VARIANTS[name]
+    mad = name in SINGLE_MAD
     w2_wps, fp4_wps = _tile_widths(geo)
     started = time.perf_counter()
     if name == "cuda_fp4_only":
@@ -105,16 +114,28 @@ def _build(name: str, geo) -> tuple[object, dict]:
     elif stage in ("whole", "mixed"):
         options = MULTI.get(name, {})
         built = TierMoeCuda(w2=W2MoeCuda(wps=w2_wps), fp4_ahead=ahead, fp4_gate_multi=options.get("gate"),
-                            fp4_down_multi=options.get("down"), fp4_wps=fp4_wps)
+                            fp4_down_multi=options.get("down"), fp4_wps=fp4_wps, fp4_single=dict(mad=mad))
         multi = name in MULTI
         attrs = {f"fp4_{k}_{a}": v for k, s in (("gate_up", built.fp4_gate_up_multi if multi else built.fp4_gate_up),
                                                 ("down", built.fp4_down_multi if multi else built.fp4_down))
                  for a, v in s.attributes().items()}
     else:
-        built = Fp4GateUpCuda(ahead) if stage == "gate_up" else Fp4DownCuda(ahead, wps=fp4_wps)
+        built = Fp4GateUpCuda(ahead, mad=mad) if stage == "gate_up" else Fp4DownCuda(ahead, wps=fp4_wps, mad=mad)
         attrs = built.attributes()
     widths = dict(w2_wps=w2_wps, fp4_wps=fp4_wps) if (w2_wps, fp4_wps) != (32, 32) else {}  # recorded where not 32
     return built, dict(stage=stage, ahead=ahead, seconds=round(time.perf_counter() - started, 2), **widths, **attrs)
+
+
+def selected(only: str | None) -> list[str]:
+    """The variants to build, check and time: all, or those named in the comma-separated `only` plus each stage's
+    first (the one the others must equal byte for byte)."""
+    if only is None:
+        return list(VARIANTS)
+    names = set(only.split(","))
+    unknown = names - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown variant(s) {sorted(unknown)}; known: {list(VARIANTS)}")
+    return [name for name in VARIANTS if name in names or name in FIRST.values()]
 
 
 def _workspace(geo, tokens, ids, state, f4=None, block_tokens=1):
@@ -243,7 +264,7 @@ def run(kb, cw2, args, result: dict, emit) -> None:
     result.update(status="running: build", errors=runner.errors, checks=[], cases=[], build={})
     kernels = {}
     geo = get_preset(args.preset)
-    for name in VARIANTS:
+    for name in selected(args.variants):
         built, err = runner.attempt(f"build and load {name}", lambda: _build(name, geo))
         result["build"][name] = built[1] if built else {"error": err}
         if built:
@@ -272,7 +293,8 @@ def run(kb, cw2, args, result: dict, emit) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cw2 = _load("cuda_w2")
-    args = cw2._arguments(__doc__.splitlines()[0], argv, variants=False)
+    args = cw2._arguments(__doc__.splitlines()[0], argv)
+    selected(args.variants)  # unknown names fail here, before any GPU work
     if not torch.cuda.is_available():
         print("cuda_fp4: no CUDA device; this benchmark measures GPU kernels only, nothing was run", file=sys.stderr)
         return 2

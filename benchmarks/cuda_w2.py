@@ -572,14 +572,13 @@ def _run_and_report(kb, json_path: str, result: dict, run_fn) -> int:
 
 
 
-def _arguments(description: str, argv: list[str] | None, variants: bool = True) -> argparse.Namespace:
-    """The command line of this script and of cuda_fp4.py (which has no --variants)."""
+def _arguments(description: str, argv: list[str] | None) -> argparse.Namespace:
+    """The command line of this script and of cuda_fp4.py."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--preset", default="deepseek-v3")
     parser.add_argument("--tokens", default="1,8,32")
     parser.add_argument("--reps", type=int, default=10)
-    if variants:
-        parser.add_argument("--variants", help="comma-separated CUDA variants to build, check and time (default: all)")
+    parser.add_argument("--variants", help="comma-separated CUDA variants to build, check and time (default: all)")
     parser.add_argument("--json", required=True)
     parser.add_argument("--commit", help="commit of the tree being measured (the device copy may have no .git)")
     return parser.parse_args(argv)

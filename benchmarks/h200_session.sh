@@ -13,7 +13,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -671,6 +671,26 @@ case "$step" in
       tests/test_runtime_cuda_w2.py -m gpu -q
     stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    ;;
+  fp4mad)  # FP4 v2 (cuda-fp4-notes.md): the FP4 decode's right shifts as IMAD.HI (FP4_DECODE_MAD) against the default
+    # decode: GPU tests (bytes equal), cuda_fp4.py on DeepSeek-V3 at T = 1 / 8 / 32 in two processes (T = 32 sits on the
+    # 3x line), on ds-v2-lite once (16-word FP4 downs), ncu's pipe and stall view of both T = 1 FP4 gate_up builds. Stage
+    # limits 200 + 2 x 200 + 120 + 2 x 90 s. Estimates, not measured: tests ~90 s with the builds, each DeepSeek-V3 run
+    # ~90 s, ds-v2-lite ~50 s, ncu ~15 s each.
+    stage tests 200 python3 -m pytest tests/test_cuda_fp4_decode_mad.py -m gpu -q
+    for run in a b; do
+      stage "cuda-fp4-mad-$run" 200 python3 benchmarks/cuda_fp4.py --commit "$commit" --tokens 1,8,32 \
+        --variants cuda_fp4_gate_up_m,cuda_fp4_down_m,cuda_fp4_whole_m,cuda_tier_mixed_m,cuda_fp4_whole_multi_pdl,cuda_fp4_whole_multi_pdl_m,cuda_tier_mixed_multi_pdl,cuda_tier_mixed_multi_pdl_m \
+        --json "$work/cuda-fp4-mad-$run-deepseek-v3.json"
+    done
+    stage cuda-fp4-mad-ds-v2-lite 120 python3 benchmarks/cuda_fp4.py --preset ds-v2-lite --commit "$commit" \
+      --tokens 1,8,32 --variants cuda_fp4_gate_up_m,cuda_fp4_down_m,cuda_fp4_whole_m,cuda_fp4_whole_multi_pdl,cuda_fp4_whole_multi_pdl_m,cuda_tier_mixed_multi_pdl,cuda_tier_mixed_multi_pdl_m \
+      --json "$work/cuda-fp4-mad-ds-v2-lite.json"
+    ncu_flags="--clock-control none --kernel-name fp4_gate_up_mma --launch-skip 2 --launch-count 1 --section SpeedOfLight
+      --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats
+      --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active"
+    stage ncu-fp4-gate-up 90 ncu $ncu_flags python3 benchmarks/gate_up_once.py --fp4
+    stage ncu-fp4-gate-up-mad 90 ncu $ncu_flags python3 benchmarks/gate_up_once.py --fp4 --mad
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

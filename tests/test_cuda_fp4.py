@@ -712,7 +712,7 @@ def test_bench_runs_end_to_end_on_cpu_with_stand_in_kernels(monkeypatch):
 
     bench_on_cpu(monkeypatch, bench, kb, build, (8, 2, 256, 256))
     result, emitted = {}, []
-    bench.run(kb, cw2, argparse.Namespace(preset="tiny", tokens="2", reps=1), result,
+    bench.run(kb, cw2, argparse.Namespace(preset="tiny", tokens="2", reps=1, variants=None), result,
               lambda r: emitted.append(r["status"]))
     assert result["status"] == "complete" and not result["errors"], result["errors"]
     assert [(c["tokens"], c["stage"]) for c in result["checks"]] == [(2, s) for s in ("gate_up", "down", "whole",

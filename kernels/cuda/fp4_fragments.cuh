@@ -30,6 +30,13 @@
 
 #include "bf16_mma.cuh"  // part, mma_bf16, WordTile, load_tile, Unit, store_unit
 
+// FP4_DECODE_MAD 1: the decode's right shifts (the selectors' w >> 1, w >> 2 and upper halves >> 16) as the high word
+// of a multiply by 2^(32 - n) (PTX mul.hi.u32: IMAD.HI on the FMA pipe) instead of SHF on the integer ALU, which the
+// PRMT lookups and LOP3 masks keep busy. The same bits. 0 (default): the SASS of before.
+#ifndef FP4_DECODE_MAD
+#define FP4_DECODE_MAD 0
+#endif
+
 namespace {
 
 constexpr int kF4Wps = 32;              // words per nibble slot
@@ -49,9 +56,21 @@ struct Selectors {
   uint32_t lo, hi;
 };
 
+// x >> n for n in 0..31 (FP4_DECODE_MAD: for n > 0 the high word of x * 2^(32 - n)).
+__device__ __forceinline__ uint32_t f4_shr(uint32_t x, int n) {
+#if FP4_DECODE_MAD
+  if (n == 0) return x;
+  uint32_t r;
+  asm("mul.hi.u32 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(1u << (32 - n)));
+  return r;
+#else
+  return x >> n;
+#endif
+}
+
 __device__ __forceinline__ Selectors f4_selectors(uint32_t w) {
-  const uint32_t nonzero = (w | (w >> 2)) & 0x11111111u;  // bit 4k: m | e1 (e0 comes in from w >> 1 below)
-  return {w & 0x77777777u, ((w >> 1) & 0x77777777u) | nonzero};
+  const uint32_t nonzero = (w | f4_shr(w, 2)) & 0x11111111u;  // bit 4k: m | e1 (e0 comes in from w >> 1 below)
+  return {w & 0x77777777u, (f4_shr(w, 1) & 0x77777777u) | nonzero};
 }
 
 // prmt.b32 (default mode) in inline PTX: the compiler does not re-mask the selector's unused upper half, as it
@@ -65,8 +84,8 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 // Byte i of the word (nibbles 2i, 2i+1) as unscaled bf16x2 (nibble 2i in the low half).
 __device__ __forceinline__ uint32_t f4_pair_bits(const Selectors& s, int i) {
   const int shift = (i >> 1) * 16;  // PRMT reads selector bits 0..15: nibbles 4 (i >> 1) .. 4 (i >> 1) + 3
-  const uint32_t lo = prmt(kLoTable0, kLoTable1, s.lo >> shift);
-  const uint32_t hi = prmt(kHiTable0, kHiTable1, s.hi >> shift);
+  const uint32_t lo = prmt(kLoTable0, kLoTable1, f4_shr(s.lo, shift));
+  const uint32_t hi = prmt(kHiTable0, kHiTable1, f4_shr(s.hi, shift));
   return __byte_perm(lo, hi, (i & 1) ? 0x7362u : 0x5140u);
 }
 

@@ -65,6 +65,11 @@ def check_down_inputs(fp4, ws, out, wps: int = 32) -> None:
     w2_down.check_act_out(ws, out)
 
 
+def _mad_define(mad: bool) -> dict:
+    """FP4_DECODE_MAD only when on (the default builds keep the commands of before the define existed)."""
+    return {"FP4_DECODE_MAD": 1} if mad else {}
+
+
 class _Built:
     def __init__(self, kernel: str, defines: dict, device: int | None) -> None:
         self.device = torch.cuda.current_device() if device is None else device
@@ -81,19 +86,19 @@ class Fp4GateUpMultiCuda(_Built):
     ahead: FP4_AHEAD; warps: FP4_WARPS (4 or 8; 8 rows each); stage_cols: FP4_STAGE_COLS (1..8, pairs per pass);
     carveout: "fit" (the smallest shared-memory capacity holding 16 / warps blocks, the rest stays L1) or "max";
     early: FP4_EARLY (the prologue's route and table words in two round trips); pdl: FP4_PDL (every block lets a
-    programmatic dependent launch, `Fp4DownMultiCuda(pdl=True)`, be scheduled before this grid completes). Per pair
-    the bytes do not depend on these (same arithmetic)."""
+    programmatic dependent launch, `Fp4DownMultiCuda(pdl=True)`, be scheduled before this grid completes); mad:
+    FP4_DECODE_MAD (`Fp4GateUpCuda`). Per pair the bytes do not depend on these (same arithmetic)."""
 
     def __init__(self, ahead: int = 2, warps: int = 8, stage_cols: int = 4, carveout: str = "fit",
-                 early: bool = False, pdl: bool = False, device: int | None = None) -> None:
+                 early: bool = False, pdl: bool = False, device: int | None = None, mad: bool = False) -> None:
         if warps not in (4, 8) or not 1 <= stage_cols <= 8 or carveout not in ("max", "fit"):
             raise ValueError(f"warps 4 or 8, stage_cols 1..8, carveout 'max' or 'fit'; got {warps}, {stage_cols}, "
                              f"{carveout!r}")
         self.ahead, self.warps, self.stage_cols, self.carveout, self.early = ahead, warps, stage_cols, carveout, early
-        self.pdl = pdl
+        self.pdl, self.mad = pdl, mad
         self.threads, self.rows_per_block = 32 * warps, 8 * warps
         super().__init__(GATE_KERNEL, {"FP4_AHEAD": ahead, "FP4_WARPS": warps, "FP4_STAGE_COLS": stage_cols,
-                                       "FP4_EARLY": int(early), "FP4_PDL": int(pdl)}, device)
+                                       "FP4_EARLY": int(early), "FP4_PDL": int(pdl)} | _mad_define(mad), device)
         self._carveout_k = None  # the K the "fit" carveout was set for
 
     def _set_carveout(self, k_len: int) -> None:
@@ -116,13 +121,13 @@ class Fp4GateUpMultiCuda(_Built):
 class Fp4DownMultiCuda(_Built):
     """As Fp4GateUpMultiCuda, for the down kernel (4 warps of 16 rows, 8 columns per pass; ahead, early). pdl:
     FP4_PDL, and every launch a programmatic dependent of the stream's preceding kernel (cuLaunchKernelEx): for a
-    down launched right after an `Fp4GateUpMultiCuda(pdl=True)`. wps: FP4_WPS as in `Fp4DownCuda`."""
+    down launched right after an `Fp4GateUpMultiCuda(pdl=True)`. wps: FP4_WPS as in `Fp4DownCuda`; mad: FP4_DECODE_MAD."""
 
     def __init__(self, ahead: int = 2, early: bool = False, pdl: bool = False, device: int | None = None,
-                 wps: int = 32) -> None:
+                 wps: int = 32, mad: bool = False) -> None:
         w2_down.check_wps(wps)
-        self.ahead, self.early, self.pdl, self.wps = ahead, early, pdl, wps
-        defines = {"FP4_AHEAD": ahead, "FP4_EARLY": int(early), "FP4_PDL": int(pdl)}
+        self.ahead, self.early, self.pdl, self.wps, self.mad = ahead, early, pdl, wps, mad
+        defines = {"FP4_AHEAD": ahead, "FP4_EARLY": int(early), "FP4_PDL": int(pdl)} | _mad_define(mad)
         super().__init__(DOWN_KERNEL, defines | ({"FP4_WPS": 16} if wps == 16 else {}), device)
 
     def __call__(self, fp4, layer: int, ws, out=None):

@@ -83,20 +83,24 @@ def check_down_inputs(fp4, ws, out, wps: int = 32) -> None:
     w2_down.check_act_out(ws, out)
 
 
-def build_image(ahead: int, wps: int = 32) -> bytes:
-    """fp4_moe.cu's image (FP4_WPS only for 16: the 32-word build's command is the one before it existed)."""
-    return loader.build(SOURCE, {"FP4_AHEAD": ahead} | ({"FP4_WPS": 16} if wps == 16 else {}))
+def build_image(ahead: int, wps: int = 32, mad: bool = False) -> bytes:
+    """fp4_moe.cu's image (FP4_WPS only for 16 and FP4_DECODE_MAD only when on: the default builds' commands are the
+    ones from before those defines existed)."""
+    return loader.build(SOURCE, {"FP4_AHEAD": ahead} | ({"FP4_WPS": 16} if wps == 16 else {})
+                        | ({"FP4_DECODE_MAD": 1} if mad else {}))
 
 
 class Fp4GateUpCuda:
     """Builds (nvcc, cached) and loads the kernel once; each call launches it on the current stream.
-    ahead: K tiles of weight loads in flight per lane while one is computed (FP4_AHEAD; no change to the bytes)."""
+    ahead: K tiles of weight loads in flight per lane while one is computed (FP4_AHEAD; no change to the bytes).
+    mad: FP4_DECODE_MAD, the decode's right shifts as the high word of a multiply (IMAD.HI, FMA pipe) instead of SHF
+    on the integer ALU (fp4_fragments.cuh `f4_shr`); the same bytes out."""
 
-    def __init__(self, ahead: int = 2, device: int | None = None) -> None:
+    def __init__(self, ahead: int = 2, device: int | None = None, mad: bool = False) -> None:
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
-        self.ahead = ahead
-        self.kernel = loader.load(build_image(ahead), GATE_UP_KERNEL, self.device)
+        self.ahead, self.mad = ahead, mad
+        self.kernel = loader.load(build_image(ahead, mad=mad), GATE_UP_KERNEL, self.device)
 
     def __call__(self, hidden, top_k: int, fp4, layer: int, ws, out=None, swiglu_limit: float | None = None):
         out = ws.act if out is None else out
@@ -114,14 +118,14 @@ class Fp4GateUpCuda:
 
 class Fp4DownCuda:
     """As Fp4GateUpCuda, for the down kernel; wps: the w2 matrix's words per nibble slot this build reads (32, or 16
-    for an inter not a multiple of 256: `w2_down.wps_of`)."""
+    for an inter not a multiple of 256: `w2_down.wps_of`); mad: FP4_DECODE_MAD as in `Fp4GateUpCuda`."""
 
-    def __init__(self, ahead: int = 2, device: int | None = None, wps: int = 32) -> None:
+    def __init__(self, ahead: int = 2, device: int | None = None, wps: int = 32, mad: bool = False) -> None:
         w2_down.check_wps(wps)
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
-        self.ahead, self.wps = ahead, wps
-        self.kernel = loader.load(build_image(ahead, wps), DOWN_KERNEL, self.device)
+        self.ahead, self.wps, self.mad = ahead, wps, mad
+        self.kernel = loader.load(build_image(ahead, wps, mad), DOWN_KERNEL, self.device)
 
     def __call__(self, fp4, layer: int, ws, out=None):
         out = ws.y if out is None else out

@@ -41,19 +41,25 @@ FP4_GATE_MULTI_WIDE = dict(stage_cols=8)
 FP4_GATE_MULTI = dict(pdl=True)
 FP4_DOWN_MULTI = dict(ahead=1, pdl=True)
 
+# The single-token FP4 stages' options besides FP4_AHEAD (Fp4GateUpCuda / Fp4DownCuda: `mad`).
+FP4_SINGLE: dict = {}
+
 
 class TierMoeCuda:
     """w2: the W2 stages (a `W2MoeCuda`, built with its defaults when None); fp4_ahead: FP4_AHEAD of the FP4
     kernels; fp4_gate_multi / fp4_down_multi: the multi-token FP4 kernels' other options (Fp4GateUpMultiCuda /
-    Fp4DownMultiCuda; an "ahead" there wins over fp4_ahead; None: FP4_GATE_MULTI, FP4_DOWN_MULTI); fp4_wps: the FP4
-    pool's w2 tile width both FP4 downs read (`w2_down.wps_of(fp4 layout)`)."""
+    Fp4DownMultiCuda; an "ahead" there wins over fp4_ahead; None: FP4_GATE_MULTI, FP4_DOWN_MULTI); fp4_single: the
+    single-token FP4 kernels' other options (None: FP4_SINGLE); fp4_wps: the FP4 pool's w2 tile width both FP4 downs
+    read (`w2_down.wps_of(fp4 layout)`)."""
 
     def __init__(self, w2: W2MoeCuda | None = None, fp4_ahead: int = 2, device: int | None = None,
-                 fp4_gate_multi: dict | None = None, fp4_down_multi: dict | None = None, fp4_wps: int = 32):
+                 fp4_gate_multi: dict | None = None, fp4_down_multi: dict | None = None, fp4_wps: int = 32,
+                 fp4_single: dict | None = None):
         self.w2 = W2MoeCuda(device=device) if w2 is None else w2
         self.fp4_wps = fp4_wps
-        self.fp4_gate_up = Fp4GateUpCuda(ahead=fp4_ahead, device=device)
-        self.fp4_down = Fp4DownCuda(ahead=fp4_ahead, device=device, wps=fp4_wps)
+        single = FP4_SINGLE if fp4_single is None else fp4_single
+        self.fp4_gate_up = Fp4GateUpCuda(ahead=fp4_ahead, device=device, **single)
+        self.fp4_down = Fp4DownCuda(ahead=fp4_ahead, device=device, wps=fp4_wps, **single)
         gate = {"ahead": fp4_ahead, **(FP4_GATE_MULTI if fp4_gate_multi is None else fp4_gate_multi)}
         self.fp4_gate_up_multi = Fp4GateUpMultiCuda(device=device, **gate)
         self.fp4_gate_up_multi_wide = Fp4GateUpMultiCuda(device=device, **{**gate, **FP4_GATE_MULTI_WIDE})
