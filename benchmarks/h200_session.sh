@@ -13,7 +13,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -691,6 +691,12 @@ case "$step" in
       --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active"
     stage ncu-fp4-gate-up 90 ncu $ncu_flags python3 benchmarks/gate_up_once.py --fp4
     stage ncu-fp4-gate-up-mad 90 ncu $ncu_flags python3 benchmarks/gate_up_once.py --fp4 --mad
+    ;;
+  routecost)  # the fused op's two weightless launches (moe_route, moe_combine) alone and together against an empty
+    # Triton launch, per preset and T (route + combine were 9.5 / 14.2 / 37.9 us of DeepSeek-V3's whole op at T = 1 / 8
+    # / 32, never split). Stage limit 200 s. Estimate, not measured: ~60 s.
+    stage route-cost 200 python3 benchmarks/route_cost.py --presets deepseek-v3,ds-v2-lite,qwen3-30b-a3b \
+      --tokens 1,8,32 --commit "$commit" --json "$work/route-cost.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
