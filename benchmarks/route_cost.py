@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
 ROOT = Path(__file__).resolve().parents[1]
 ROTATIONS = 16  # routings per graph (one launch each)
