@@ -13,7 +13,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -697,6 +697,18 @@ case "$step" in
     # / 32, never split). Stage limit 200 s. Estimate, not measured: ~60 s.
     stage route-cost 200 python3 benchmarks/route_cost.py --presets deepseek-v3,ds-v2-lite,qwen3-30b-a3b \
       --tokens 1,8,32 --commit "$commit" --json "$work/route-cost.json"
+    ;;
+  route2)  # the routing kernel's second version (kernel-notes.md, "The routing kernel") on the GPU: its tests against
+    # the plain-Python reference on the device, then route_cost.py with every variant beside route_v1, the usual case
+    # (no misses) on three presets and DeepSeek-V3 at prefill sizes, and once with 4 missing experts (the miss log's
+    # atomics). Stage limits 120 + 240 + 120 s. Estimates, not measured: tests ~30 s, ~80 s, ~40 s.
+    stage tests 120 python3 -m pytest tests/test_route_kernel.py -q
+    stage route-cost 240 python3 benchmarks/route_cost.py --presets deepseek-v3,ds-v2-lite,qwen3-30b-a3b \
+      --tokens 1,8,32 --commit "$commit" --json "$work/route-cost.json"
+    stage route-cost-prefill 120 python3 benchmarks/route_cost.py --presets deepseek-v3 --tokens 64,512 \
+      --commit "$commit" --json "$work/route-cost-prefill.json"
+    stage route-cost-missing 120 python3 benchmarks/route_cost.py --presets deepseek-v3,ds-v2-lite --tokens 1,32 \
+      --missing 4 --commit "$commit" --json "$work/route-cost-missing.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -1,7 +1,11 @@
 """What the fused op's two weightless launches cost: `moe_route` and `moe_combine` (kernels/moe_mm.py) timed alone,
 together, and an empty Triton launch (a captured graph's floor per kernel node), per preset and T, by CUDA-graph
-replay over rotated routings (benchmarks/kernels.py's timer). Every expert resident in the W2 table; misses are
-what `--missing` experts give (0 by default: the decode step's usual case).
+replay over rotated routings (benchmarks/kernels.py's timer). Every expert resident in the W2 table except
+`--missing` experts (0 by default: the decode step's usual case).
+
+Routing kernels side by side: `route_v1` (the kernel before the seventh session, benchmarks/route_v1.py) and the
+current `route_kernel` with each chunk size and way of counting (`route_c{CHUNK}`, `_hist`: tl.histogram); before
+timing, every variant's blocks and miss log are checked against `moe_route_ref` (a mismatch marks the row invalid).
 
     python3 benchmarks/route_cost.py --presets deepseek-v3,ds-v2-lite --tokens 1,8,32 --json route_cost.json
 """
@@ -26,16 +30,50 @@ def _empty_kernel(x_ptr):
     pass
 
 
-def _bench_kernels():
-    spec = importlib.util.spec_from_file_location("bench_kernels_for_route_cost", ROOT / "benchmarks" / "kernels.py")
+def _load(name: str):
+    """benchmarks/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}_for_route_cost", ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
+V1: dict = {}  # "kernel": route_v1.route_v1_kernel, loaded by main()
+ROUTES = {"route_v1": None, "route_c32": (32, False), "route_c128": (128, False), "route_c32_hist": (32, True),
+          "route_c128_hist": (128, True)}  # name -> (CHUNK, HISTOGRAM) of route_kernel; None: the v1 baseline
+
+
+def _route_launch(name: str, ids, w2, f4, misses, ws):
+    from tierstore.kernels._triton.route import route_kernel
+
+    experts = w2.table.shape[1]
+    args = (ids, ids.numel(), w2.table, f4.table, 0, experts, ws.block_expert, ws.block_fill, ws.block_pairs,
+            ws.num_blocks, misses.counts, misses.entries, misses.entries.shape[0])
+    common = dict(EP=triton.next_power_of_2(experts), BT=ws.block_tokens, num_warps=4)
+    if ROUTES[name] is None:
+        return V1["kernel"][(1,)](*args, CHUNK=32, **common)
+    chunk, histogram = ROUTES[name]
+    return route_kernel[(1,)](*args, CHUNK=chunk, HISTOGRAM=histogram, **common)
+
+
+def _route_matches(name: str, ids, w2, f4, ws, misses) -> bool:
+    """One launch of `name` on a fresh miss log equals moe_route_ref (blocks, miss counts, logged experts)."""
+    from tierstore.kernels import moe_route_ref
+
+    misses.counts.zero_()
+    _route_launch(name, ids, w2, f4, misses, ws)
+    ref = moe_route_ref(ids, w2, f4, 0, ws.block_tokens)
+    n, bt = int(ws.num_blocks[0]), ws.block_tokens
+    expert, fill, pairs = ws.block_expert.tolist(), ws.block_fill.tolist(), ws.block_pairs.tolist()
+    blocks = [(expert[b], pairs[b * bt: b * bt + fill[b]]) for b in range(n)]
+    logged = [e for _, e in misses.entries[: len(ref["missing_experts"])].tolist()]
+    return (blocks == ref["blocks"] and misses.counts.tolist() == [ref["missing_pairs"], len(ref["missing_experts"])]
+            and logged == ref["missing_experts"])
+
+
 def case(kb, geo, tokens: int, block_tokens: int, missing: int, reps: int) -> dict:
-    """Microseconds per launch of each variant at one (preset, T, block_tokens)."""
-    from tierstore.kernels import MissLog, MoeWorkspace, moe_combine, moe_route, w2_tier, fp4_tier
+    """Microseconds per launch of each variant at one (preset, T, block_tokens), and which routes checked out."""
+    from tierstore.kernels import MissLog, MoeWorkspace, fp4_tier, moe_combine, moe_route, w2_tier
 
     device = "cuda"
     w2 = w2_tier(geo.hidden, geo.expert_inter, 1, 1, geo.num_experts, device)  # one slot: the launches read tables
@@ -51,17 +89,21 @@ def case(kb, geo, tokens: int, block_tokens: int, missing: int, reps: int) -> di
     outs = [torch.empty(tokens, geo.hidden, device=device, dtype=torch.bfloat16) for _ in routings]
     for ws in spaces:
         ws.y.copy_(torch.randn_like(ws.y))
+    valid = {name: all(_route_matches(name, r[0], w2, f4, ws, misses) for r, ws in zip(routings, spaces))
+             for name in ROUTES}
     flag = torch.zeros(1, device=device)
     variants = {
         "empty_launch": [lambda: _empty_kernel[(1,)](flag) for _ in routings],
-        "route": [lambda r=r, ws=ws: moe_route(r[0], w2, f4, 0, misses, ws) for r, ws in zip(routings, spaces)],
+        "moe_route": [lambda r=r, ws=ws: moe_route(r[0], w2, f4, 0, misses, ws) for r, ws in zip(routings, spaces)],
         "combine": [lambda r=r, ws=ws, o=o: moe_combine(r[0], r[1], w2, f4, 0, ws, o)
                     for r, ws, o in zip(routings, spaces, outs)],
         "route_combine": [lambda r=r, ws=ws, o=o: (moe_route(r[0], w2, f4, 0, misses, ws),
                                                    moe_combine(r[0], r[1], w2, f4, 0, ws, o))
                           for r, ws, o in zip(routings, spaces, outs)],
     }
-    return {name: round(kb._graph_time_us(fns, reps), 2) for name, fns in variants.items()}
+    variants |= {name: [lambda r=r, ws=ws, name=name: _route_launch(name, r[0], w2, f4, misses, ws)
+                        for r, ws in zip(routings, spaces)] for name in ROUTES}
+    return dict(us={name: round(kb._graph_time_us(fns, reps), 2) for name, fns in variants.items()}, valid=valid)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,21 +120,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from tierstore.geometry import get_preset
 
-    kb = _bench_kernels()
-    cw2_spec = importlib.util.spec_from_file_location("bench_cuda_w2_for_route_cost", ROOT / "benchmarks" / "cuda_w2.py")
-    cw2 = importlib.util.module_from_spec(cw2_spec)
-    cw2_spec.loader.exec_module(cw2)
+    kb, cw2 = _load("kernels"), _load("cuda_w2")
+    V1["kernel"] = _load("route_v1").route_v1_kernel
     result = dict(provenance=cw2._provenance(args.commit), missing=args.missing, rotations=ROTATIONS, cases=[])
-    print(f"{'preset':15s} {'T':>3s} {'BT':>3s}  " + "  ".join(f"{n:>13s}" for n in
-                                                              ("empty_launch", "route", "combine", "route_combine")))
+    names = ["empty_launch", "moe_route", "combine", "route_combine", *ROUTES]
+    print(f"{'preset':15s} {'T':>3s} {'BT':>3s} " + " ".join(f"{n[:15]:>15s}" for n in names) + "  invalid")
     for preset in args.presets.split(","):
         geo = get_preset(preset)
         for tokens in (int(t) for t in args.tokens.split(",")):
             for block_tokens in ((1,) if tokens == 1 else (1, 16)):
                 row = case(kb, geo, tokens, block_tokens, args.missing, args.reps)
-                result["cases"].append(dict(preset=preset, tokens=tokens, block_tokens=block_tokens, us=row))
-                print(f"{preset:15s} {tokens:3d} {block_tokens:3d}  " + "  ".join(f"{v:13.2f}" for v in row.values()),
-                      flush=True)
+                result["cases"].append(dict(preset=preset, tokens=tokens, block_tokens=block_tokens, **row))
+                invalid = [n for n, ok in row["valid"].items() if not ok]
+                print(f"{preset:15s} {tokens:3d} {block_tokens:3d} " + " ".join(f"{row['us'][n]:15.2f}" for n in names)
+                      + f"  {','.join(invalid) or '-'}", flush=True)
                 Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     result["status"] = "complete"
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

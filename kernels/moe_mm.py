@@ -21,6 +21,7 @@ from ._triton.route import route_kernel
 from .layout import SlotLayout, fp4_slot_layout, unpack_matrix_ref, w2_slot_layout
 
 _ROUTE_CHUNK = 32
+_ROUTE_HISTOGRAM = False  # count pairs per expert by tl.histogram instead of a comparison
 _COMBINE_BH = 256
 
 
@@ -212,8 +213,29 @@ def moe_route(topk_ids: torch.Tensor, w2: TierPool, fp4: TierPool, layer: int, m
         topk_ids, topk_ids.numel(), w2.table, fp4.table, layer, num_experts,
         workspace.block_expert, workspace.block_fill, workspace.block_pairs, workspace.num_blocks,
         misses.counts, misses.entries, misses.entries.shape[0],
-        EP=triton.next_power_of_2(num_experts), CHUNK=_ROUTE_CHUNK, BT=workspace.block_tokens, num_warps=4,
+        EP=triton.next_power_of_2(num_experts), CHUNK=_ROUTE_CHUNK, BT=workspace.block_tokens,
+        HISTOGRAM=_ROUTE_HISTOGRAM, num_warps=4,
     )
+
+
+def moe_route_ref(topk_ids: torch.Tensor, w2: TierPool, fp4: TierPool, layer: int, block_tokens: int) -> dict:
+    """What `moe_route` writes, in plain Python: blocks [(expert, [pairs])] of up to block_tokens pairs of one resident
+    expert (experts ascending, pairs ascending), the missing pairs' count and the missing experts (ascending)."""
+    ids = topk_ids.reshape(-1).tolist()
+    resident = ((w2.table[layer] >= 0) | (fp4.table[layer] >= 0)).tolist()
+    by_expert: dict[int, list[int]] = {}
+    for pair, expert in enumerate(ids):
+        if 0 <= expert < len(resident):
+            by_expert.setdefault(expert, []).append(pair)
+    blocks, missing_pairs, missing_experts = [], 0, []
+    for expert in sorted(by_expert):
+        pairs = by_expert[expert]
+        if resident[expert]:
+            blocks += [(expert, pairs[i: i + block_tokens]) for i in range(0, len(pairs), block_tokens)]
+        else:
+            missing_pairs += len(pairs)
+            missing_experts.append(expert)
+    return dict(blocks=blocks, missing_pairs=missing_pairs, missing_experts=missing_experts)
 
 
 def moe_gate_up(hidden: torch.Tensor, top_k: int, w2: TierPool, fp4: TierPool, layer: int, workspace: MoeWorkspace,

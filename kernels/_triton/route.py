@@ -18,20 +18,24 @@ def route_kernel(
     w2_table_ptr, f4_table_ptr, layer, num_experts,
     block_expert_ptr, block_fill_ptr, block_pairs_ptr, num_blocks_ptr,
     miss_counts_ptr, miss_list_ptr, miss_capacity,
-    EP: tl.constexpr, CHUNK: tl.constexpr, BT: tl.constexpr,
+    EP: tl.constexpr, CHUNK: tl.constexpr, BT: tl.constexpr, HISTOGRAM: tl.constexpr,
 ):
+    """Per expert (EP lanes): pairs routed to it, residency, first block, missing; per pair (CHUNK lanes at a
+    time): its expert's numbers looked up with `tl.gather` and its rank among the earlier pairs of that expert.
+    HISTOGRAM: count the pairs per expert with `tl.histogram` instead of a [CHUNK, EP] comparison."""
     experts = tl.arange(0, EP)
     lanes = tl.arange(0, CHUNK)
     real = experts < num_experts
     table_row = layer * num_experts
-
-    counts = tl.zeros([EP], tl.int32)
-    for c0 in range(0, num_pairs, CHUNK):
-        ids = tl.load(topk_ids_ptr + c0 + lanes, mask=c0 + lanes < num_pairs, other=-1)  # [CHUNK]
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-
+    # the tables do not depend on the ids: their loads go out first, beside the first chunk's
     in_w2 = tl.load(w2_table_ptr + table_row + experts, mask=real, other=-1) >= 0
     in_f4 = tl.load(f4_table_ptr + table_row + experts, mask=real, other=-1) >= 0
+
+    counts = tl.zeros([EP], tl.int32)  # [EP] pairs routed to each expert id below EP
+    for c0 in range(0, num_pairs, CHUNK):
+        ids = tl.load(topk_ids_ptr + c0 + lanes, mask=c0 + lanes < num_pairs, other=-1)  # [CHUNK]
+        counts += _count(ids, experts, EP, HISTOGRAM)
+
     resident = (in_w2 | in_f4).to(tl.int32)  # [EP]
     blocks = resident * ((counts + BT - 1) // BT)
     block_start = tl.cumsum(blocks, axis=0) - blocks
@@ -39,27 +43,38 @@ def route_kernel(
 
     missing = ((counts > 0) & (resident == 0)).to(tl.int32)
     num_missing = tl.sum(missing, axis=0)
-    tl.atomic_add(miss_counts_ptr, tl.sum(missing * counts, axis=0))
-    first = tl.atomic_add(miss_counts_ptr + 1, num_missing)
-    entry = first + tl.cumsum(missing, axis=0) - missing
-    logged = (missing == 1) & (entry < miss_capacity)
-    tl.store(miss_list_ptr + 2 * entry, layer + 0 * experts, mask=logged)
-    tl.store(miss_list_ptr + 2 * entry + 1, experts, mask=logged)
+    if num_missing > 0:  # the usual decode step has none: no atomics, no round trip for `first`
+        tl.atomic_add(miss_counts_ptr, tl.sum(missing * counts, axis=0))
+        first = tl.atomic_add(miss_counts_ptr + 1, num_missing)
+        entry = first + tl.cumsum(missing, axis=0) - missing
+        logged = (missing == 1) & (entry < miss_capacity)
+        tl.store(miss_list_ptr + 2 * entry, layer + 0 * experts, mask=logged)
+        tl.store(miss_list_ptr + 2 * entry + 1, experts, mask=logged)
 
-    seen = tl.zeros([EP], tl.int32)  # pairs of each expert already placed
+    seen = tl.zeros([EP], tl.int32)  # pairs of each expert in earlier chunks
     for c0 in range(0, num_pairs, CHUNK):
         pairs = c0 + lanes
         valid = pairs < num_pairs
         ids = tl.load(topk_ids_ptr + pairs, mask=valid, other=-1)  # [CHUNK]
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, EP]
+        in_range = valid & (ids >= 0) & (ids < EP)
+        index = tl.where(in_range, ids, 0)
         earlier = (ids[:, None] == ids[None, :]) & (lanes[None, :] < lanes[:, None])  # [CHUNK, CHUNK]
-        rank = tl.sum(onehot * seen[None, :], axis=1) + tl.sum(earlier.to(tl.int32), axis=1)
-        start = tl.sum(onehot * block_start[None, :], axis=1)
-        total = tl.sum(onehot * counts[None, :], axis=1)
-        placed = valid & (tl.sum(onehot * resident[None, :], axis=1) > 0)
-        block = start + rank // BT
+        rank = tl.gather(seen, index, 0) + tl.sum(earlier.to(tl.int32), axis=1)
+        placed = in_range & (tl.gather(resident, index, 0) > 0)
+        block = tl.gather(block_start, index, 0) + rank // BT
         tl.store(block_pairs_ptr + block * BT + rank % BT, pairs, mask=placed)
         leads = placed & (rank % BT == 0)
         tl.store(block_expert_ptr + block, ids, mask=leads)
-        tl.store(block_fill_ptr + block, tl.minimum(total - rank, BT), mask=leads)
-        seen += tl.sum(onehot, axis=0)
+        tl.store(block_fill_ptr + block, tl.minimum(tl.gather(counts, index, 0) - rank, BT), mask=leads)
+        if c0 + CHUNK < num_pairs:
+            seen += _count(ids, experts, EP, HISTOGRAM)
+
+
+@triton.jit
+def _count(ids, experts, EP: tl.constexpr, HISTOGRAM: tl.constexpr):
+    """[EP] how many of `ids` (-1: no pair) equal each expert id below EP."""
+    if HISTOGRAM:
+        in_range = (ids >= 0) & (ids < EP)
+        return tl.histogram(tl.where(in_range, ids, 0), EP, mask=in_range)
+    else:
+        return tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
