@@ -21,7 +21,7 @@ from ._triton.route import route_kernel
 from .layout import SlotLayout, fp4_slot_layout, unpack_matrix_ref, w2_slot_layout
 
 _ROUTE_CHUNK = 32
-_ROUTE_HISTOGRAM = False  # count pairs per expert by tl.histogram instead of a comparison
+_ROUTE_HISTOGRAM = True  # count pairs per expert by tl.histogram instead of a comparison (kernel-notes.md, "The routing kernel")
 _COMBINE_BH = 256
 
 
