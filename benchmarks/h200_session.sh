@@ -13,7 +13,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -709,6 +709,39 @@ case "$step" in
       --commit "$commit" --json "$work/route-cost-prefill.json"
     stage route-cost-missing 120 python3 benchmarks/route_cost.py --presets deepseek-v3,ds-v2-lite --tokens 1,32 \
       --missing 4 --commit "$commit" --json "$work/route-cost-missing.json"
+    ;;
+  closing8)  # the routing kernel's second version (moe_route's default since f705acb) under everything that routes: the
+    # kernel, CUDA and runtime GPU tests, the route's tests on the device, the whole ops at the adopted defaults (W2 on
+    # DeepSeek-V3 and the runtime's presets, FP4 on DeepSeek-V3), the main job's --verify-resident. Stage limits 300 +
+    # 60 + 150 + 2 x 90 + 120 + 80 s. Estimates, not measured: tests ~150 s (closing7's 161 in 120 s), route ~20 s,
+    # DeepSeek-V3 ~60 s, presets ~30 s each, FP4 ~40 s, generate ~40 s.
+    stage tests 300 python3 -m pytest tests/test_kernels_moe.py tests/test_cuda_w2.py tests/test_cuda_w2_multi.py \
+      tests/test_cuda_w2_half_tiles.py tests/test_cuda_w2_decode_mad.py tests/test_cuda_fp4.py \
+      tests/test_cuda_fp4_decode_mad.py tests/test_runtime_gpu.py tests/test_runtime_pool_copies.py \
+      tests/test_runtime_layer_waits.py tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py -m gpu -q
+    stage route-tests 60 python3 -m pytest tests/test_route_kernel.py -q
+    stage cuda-w2-route2 150 python3 benchmarks/cuda_w2.py --commit "$commit" --tokens 1,8,32 \
+      --variants cuda_whole,cuda_whole_egpm,cuda_whole_multi,cuda_whole_multi_s4em --json "$work/cuda-w2-route2-deepseek-v3.json"
+    for preset in ds-v2-lite qwen3-30b-a3b; do
+      stage "cuda-w2-route2-$preset" 90 python3 benchmarks/cuda_w2.py --preset "$preset" --commit "$commit" \
+        --tokens 1,8,32 --variants cuda_whole,cuda_whole_egpm,cuda_whole_multi,cuda_whole_multi_s4em \
+        --json "$work/cuda-w2-route2-$preset.json"
+    done
+    stage cuda-fp4-route2 120 python3 benchmarks/cuda_fp4.py --commit "$commit" --tokens 1,8,32 \
+      --variants cuda_fp4_whole_multi_pdl,cuda_tier_mixed_multi_pdl --json "$work/cuda-fp4-route2-deepseek-v3.json"
+    stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    ;;
+  replay8)  # the replay benchmark with the routing kernel's second version (every launch of a step routes once per
+    # layer): ds-v2-lite (8 layers) and qwen3-30b-a3b (16), synthetic trace, 4 GiB arena preloaded, bf16, the default
+    # kernels (auto: CUDA on the H200), as halftiles2 ran them at 9cad872. Stage limits 120 + 150 s. Measured at
+    # 9cad872: 73-91 s per ds-v2-lite run.
+    stage replay-ds 120 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 1.0,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --commit "$commit" --out "$work/replay_ds_route2.json"
+    stage replay-qwen3 150 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+      --steps 220 --warmup 20 --coverages 1.0,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --commit "$commit" --out "$work/replay_qwen3_route2.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
