@@ -699,7 +699,8 @@ case "$step" in
       --tokens 1,8,32 --commit "$commit" --json "$work/route-cost.json"
     ;;
   route2)  # the routing kernel's second version (kernel-notes.md, "The routing kernel") on the GPU: its tests against
-    # the plain-Python reference on the device, then route_cost.py with every variant beside route_v1, the usual case
+    # the plain-Python reference on the device, then route_cost.py with every variant beside route_v1 (benchmarks/route_v1.py,
+    # removed after this run: run route2 from 4a0c5b4 to repeat the comparison), the usual case
     # (no misses) on three presets and DeepSeek-V3 at prefill sizes, and once with 4 missing experts (the miss log's
     # atomics). Stage limits 120 + 240 + 120 s. Estimates, not measured: tests ~30 s, ~80 s, ~40 s.
     stage tests 120 python3 -m pytest tests/test_route_kernel.py -q

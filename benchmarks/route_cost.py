@@ -3,9 +3,10 @@ together, and an empty Triton launch (a captured graph's floor per kernel node),
 replay over rotated routings (benchmarks/kernels.py's timer). Every expert resident in the W2 table except
 `--missing` experts (0 by default: the decode step's usual case).
 
-Routing kernels side by side: `route_v1` (the kernel before the seventh session, benchmarks/route_v1.py) and the
-current `route_kernel` with each chunk size and way of counting (`route_c{CHUNK}`, `_hist`: tl.histogram); before
-timing, every variant's blocks and miss log are checked against `moe_route_ref` (a mismatch marks the row invalid).
+Routing kernels side by side: the current `route_kernel` with each chunk size and way of counting (`route_c{CHUNK}`,
+`_hist`: tl.histogram); before timing, every variant's blocks and miss log are checked against `moe_route_ref` (a
+mismatch marks the row invalid). The previous kernel (`route_v1` in the results of 4a0c5b4) was timed beside them
+at that commit, where benchmarks/route_v1.py held it.
 
     python3 benchmarks/route_cost.py --presets deepseek-v3,ds-v2-lite --tokens 1,8,32 --json route_cost.json
 """
@@ -38,9 +39,8 @@ def _load(name: str):
     return mod
 
 
-V1: dict = {}  # "kernel": route_v1.route_v1_kernel, loaded by main()
-ROUTES = {"route_v1": None, "route_c32": (32, False), "route_c128": (128, False), "route_c32_hist": (32, True),
-          "route_c128_hist": (128, True)}  # name -> (CHUNK, HISTOGRAM) of route_kernel; None: the v1 baseline
+ROUTES = {"route_c32": (32, False), "route_c128": (128, False), "route_c32_hist": (32, True),
+          "route_c128_hist": (128, True)}  # name -> (CHUNK, HISTOGRAM) of route_kernel
 
 
 def _route_launch(name: str, ids, w2, f4, misses, ws):
@@ -50,8 +50,6 @@ def _route_launch(name: str, ids, w2, f4, misses, ws):
     args = (ids, ids.numel(), w2.table, f4.table, 0, experts, ws.block_expert, ws.block_fill, ws.block_pairs,
             ws.num_blocks, misses.counts, misses.entries, misses.entries.shape[0])
     common = dict(EP=triton.next_power_of_2(experts), BT=ws.block_tokens, num_warps=4)
-    if ROUTES[name] is None:
-        return V1["kernel"][(1,)](*args, CHUNK=32, **common)
     chunk, histogram = ROUTES[name]
     return route_kernel[(1,)](*args, CHUNK=chunk, HISTOGRAM=histogram, **common)
 
@@ -121,7 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     from tierstore.geometry import get_preset
 
     kb, cw2 = _load("kernels"), _load("cuda_w2")
-    V1["kernel"] = _load("route_v1").route_v1_kernel
     result = dict(provenance=cw2._provenance(args.commit), missing=args.missing, rotations=ROTATIONS, cases=[])
     names = ["empty_launch", "moe_route", "combine", "route_combine", *ROUTES]
     print(f"{'preset':15s} {'T':>3s} {'BT':>3s} " + " ".join(f"{n[:15]:>15s}" for n in names) + "  invalid")
