@@ -4,8 +4,9 @@ One program. Pairs (p = token * top_k + j) of a resident expert are placed, in i
 into blocks of BT pairs that all use that expert; experts appear in increasing id. A pair
 whose expert is in neither pool gets no block; it adds one to `miss_counts[0]`, and each such
 expert adds one to `miss_counts[1]` and appends (layer, expert) to `miss_list` while it has room
-(entries past `miss_capacity` are counted, not written). Everything else is plain loads/stores,
-so the block lists are deterministic.
+(entries past `miss_capacity` are counted, not written). The pairs per expert are integer counts (a comparison
+sum or `tl.histogram`), exact in any order, and everything else is plain loads/stores, so the block lists are
+deterministic. Plain-Python reference: `moe_route_ref` (kernels/moe_mm.py).
 """
 
 import triton
