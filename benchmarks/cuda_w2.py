@@ -93,6 +93,10 @@ SINGLE_V3 += ([("gate_up", f"cuda_mma_ahead2_egs{n}m", dict(ahead=2, **V3["eg"],
               + [("whole", f"cuda_whole_egps{n}m", dict(WHOLE["cuda_whole"], gate_single=V3["egp"] | {"stages": n,
                                                                                                  "mad": True},
                                                        down_single=V3["egp"] | {"mad": True})) for n in V4_STAGES])
+# Pair order (cuda-w2-notes.md "Pair order"): the adopted single-token kernels reading the router's ids instead of the
+# route output (pair_order), so moe_mm runs the route beside them on the workspace's side stream; the whole op only.
+PAIR_ORDER = V3["egp"] | {"mad": True, "pair_order": True}
+SINGLE_V3 += [("whole", "cuda_whole_egpmo", dict(WHOLE["cuda_whole"], gate_single=PAIR_ORDER, down_single=PAIR_ORDER))]
 V3_OF = {name: V3_BASE[stage] for stage, name, _ in SINGLE_V3}  # v3-v5 variant -> the variant its bytes must equal
 TRITON = {"gate_up": "triton_gate_up", "down": "triton_down", "whole": "triton_whole"}  # each stage's baseline
 FIRST = {"gate_up": "cuda_mma", "down": "cuda_down", "whole": "cuda_whole"}  # the variant the others must equal

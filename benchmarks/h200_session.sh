@@ -13,7 +13,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -743,6 +743,19 @@ case "$step" in
     stage replay-qwen3 150 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
       --steps 220 --warmup 20 --coverages 1.0,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
       --commit "$commit" --out "$work/replay_qwen3_route2.json"
+    ;;
+  pairorder)  # the single-token kernels in pair order with the route beside them (cuda-w2-notes.md "Pair order"):
+    # their GPU tests and the tests of every file moe_mm's fork touches, then the whole op on DeepSeek-V3 at T = 1 / 8
+    # and on ds-v2-lite / qwen3-30b-a3b at T = 1, `_egpmo` against `_egpm` in one process. Stage limits 300 + 100 +
+    # 2 x 70 s. Estimates, not measured: tests ~150 s, DeepSeek-V3 ~25 s, each preset ~15 s.
+    stage tests 300 python3 -m pytest tests/test_cuda_w2_pair_order.py tests/test_cuda_w2.py tests/test_kernels_moe.py \
+      tests/test_runtime_cuda_w2.py tests/test_runtime_gpu.py -m gpu -q
+    stage cuda-w2-pairorder 100 python3 benchmarks/cuda_w2.py --commit "$commit" --tokens 1,8 \
+      --variants cuda_whole,cuda_whole_egpm,cuda_whole_egpmo --json "$work/cuda-w2-pairorder-deepseek-v3.json"
+    for preset in ds-v2-lite qwen3-30b-a3b; do
+      stage "cuda-w2-pairorder-$preset" 70 python3 benchmarks/cuda_w2.py --preset "$preset" --commit "$commit" \
+        --tokens 1 --variants cuda_whole,cuda_whole_egpm,cuda_whole_egpmo --json "$work/cuda-w2-pairorder-$preset.json"
+    done
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

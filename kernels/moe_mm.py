@@ -102,6 +102,10 @@ class MoeWorkspace:
     # The down GEMM's launch: rows per program and warps (chosen in `allocate`; gate_up uses block_n / num_warps).
     down_block_n: int = 64
     down_num_warps: int = 8
+    # [1] int32, the tables' expert count (the pair-order CUDA kernels' bound on an id), and on CUDA a stream of the
+    # workspace's own on which `moe_mm` routes beside a route-free `cuda_w2` (created here, never during a capture).
+    experts: torch.Tensor | None = None
+    side_stream: object = None
 
     @classmethod
     def allocate(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype, device,
@@ -149,6 +153,8 @@ class MoeWorkspace:
             fp4_bf16x2=fp4_bf16x2,
             down_block_n=down_block_n,
             down_num_warps=down_num_warps,
+            experts=torch.full((1,), num_experts, **i32),
+            side_stream=torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None,
         )
 
 
@@ -270,20 +276,39 @@ def moe_mm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
 
     Capture-safe when `out` is given: four launches, no allocation, no host sync. cuda_w2: None (default) or a
     `tierstore.kernels.cuda.w2_moe.W2MoeCuda`, which then runs gate_up and down (CUDA C++, W2 pairs only: for
-    layers without FP4-resident experts, see its docstring) between the same route and combine.
+    layers without FP4-resident experts, see its docstring) between the same route and combine. When
+    `cuda_w2.route_free(workspace)` says its kernels read the router's ids rather than the route output (pair-order
+    builds, called with topk_ids=), the route runs beside them on the workspace's side stream (CUDA only).
     """
     _check(hidden, topk_ids, w2, fp4, workspace)
     if out is None:
         out = torch.empty_like(hidden)
     top_k = topk_ids.shape[1]
-    moe_route(topk_ids, w2, fp4, layer, misses, workspace)
-    if cuda_w2 is None:
-        moe_gate_up(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit)
-        moe_down(top_k, w2, fp4, layer, workspace)
+    if cuda_w2 is not None and workspace.side_stream is not None and getattr(cuda_w2, "route_free", None) \
+            and cuda_w2.route_free(workspace):
+        _route_beside(lambda: cuda_w2(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit, topk_ids=topk_ids),
+                      topk_ids, w2, fp4, layer, misses, workspace)
     else:
-        cuda_w2(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit)
+        moe_route(topk_ids, w2, fp4, layer, misses, workspace)
+        if cuda_w2 is None:
+            moe_gate_up(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit)
+            moe_down(top_k, w2, fp4, layer, workspace)
+        else:
+            cuda_w2(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit)
     moe_combine(topk_ids, topk_weights, w2, fp4, layer, workspace, out)
     return out
+
+
+def _route_beside(stages, topk_ids, w2, fp4, layer: int, misses: MissLog, workspace: MoeWorkspace) -> None:
+    """`stages()` (kernels that read the router's ids, not the route output) on the current stream while the route
+    runs on the workspace's side stream, forked from the current stream before and joined into it after: two
+    branches of a captured graph, the miss log and the route output complete before anything after this call."""
+    main, side = torch.cuda.current_stream(), workspace.side_stream
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        moe_route(topk_ids, w2, fp4, layer, misses, workspace)
+    stages()
+    main.wait_stream(side)
 
 
 def moe_mm_ref(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w2: TierPool, fp4: TierPool,

@@ -58,6 +58,13 @@
 #ifndef W2_ROUTE_MAJOR
 #define W2_ROUTE_MAJOR 0
 #endif
+// W2_PAIR_ORDER 1 (with W2_EARLY): block b is routed pair b, as in w2_gate_up.cu.
+#ifndef W2_PAIR_ORDER
+#define W2_PAIR_ORDER 0
+#endif
+#if W2_PAIR_ORDER && !W2_EARLY
+#error "W2_PAIR_ORDER needs W2_EARLY"
+#endif
 #include "w2_half_tiles.cuh"  // W2_WPS (32 or 16) and, for 16, the pair tiles
 
 namespace {
@@ -128,8 +135,15 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
   const auto [b, row_tile] = block_tile<W2_ROUTE_MAJOR != 0>();  // w2_fragments.cuh
 #if W2_EARLY
   // Round 1: the route words; `|` (not `||`) so that the exit reads all three and none is sunk below it.
+#if W2_PAIR_ORDER
+  // Pair order: block b is routed pair b, block_expert the router's topk ids [P], num_blocks the table's expert count
+  // (an id outside it is no block; block_pairs unread).
+  const int experts = *num_blocks, expert = block_expert[b], pair = b;
+  if ((expert < 0) | (expert >= experts)) return;
+#else
   const int route_blocks = *num_blocks, expert = block_expert[b], pair = block_pairs[b];
   if ((b >= route_blocks) | (expert < 0) | (pair < 0)) return;
+#endif
   // Round 2: both table words, read by one branch (a W2 route block's expert has a W2 slot: w2_slot < 0 with
   // f4_slot < 0 does not occur; it would exit without writing).
   const int f4_slot = f4_table[table_row + expert], w2_slot = w2_table[table_row + expert];

@@ -35,10 +35,10 @@ def rows_per_block(groups: int) -> int:
 
 
 def build_defines(ahead: int, groups: int, early: bool = False, route_major: bool = False, pdl: bool = False,
-                  wps: int = 32, mad: bool = False) -> dict:
-    """nvcc defines of a build (the v3 / v5 ones and W2_WPS only when not the default: the default's command is the
-    one before they existed)."""
-    defines = w2_gate_up.build_defines(ahead, early, route_major, pdl, mad) | {"W2_GROUPS": groups}
+                  wps: int = 32, mad: bool = False, pair_order: bool = False) -> dict:
+    """nvcc defines of a build (the v3 / v5 / pair-order ones and W2_WPS only when not the default: the default's
+    command is the one before they existed)."""
+    defines = w2_gate_up.build_defines(ahead, early, route_major, pdl, mad, pair_order) | {"W2_GROUPS": groups}
     return defines | {"W2_WPS": 16} if wps == 16 else defines
 
 
@@ -105,11 +105,10 @@ def check_geometry(layout: SlotLayout, groups: int = 1) -> None:
                          f"got {layout.hidden}")
 
 
-def launch_args(w2, fp4, layer: int, ws, out) -> list:
-    """The kernel's arguments in ARG_KINDS order (pointers as ints)."""
+def launch_args(w2, fp4, layer: int, ws, out, topk_ids=None) -> list:
+    """The kernel's arguments in ARG_KINDS order (pointers as ints); topk_ids: a pair-order launch's."""
     return [ws.act.data_ptr(), ws.act.stride(0), *w2_gate_up.slot_args(w2, (w2, fp4), layer, "w2"),
-            ws.block_expert.data_ptr(), ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(), out.data_ptr(),
-            out.stride(0), w2.layout.inter]
+            *w2_gate_up.route_words(ws, topk_ids), out.data_ptr(), out.stride(0), w2.layout.inter]
 
 
 def check_build(layout: SlotLayout, groups: int, wps: int) -> None:
@@ -153,29 +152,34 @@ class W2DownCuda:
     prologue and first weight loads may overlap that kernel's tail, act is read after `griddepcontrol.wait`;
     pairs_grid: P route blocks in the grid instead of max_blocks (w2_gate_up.route_blocks_grid); wps: the w2 matrix's
     words per bit slot this build reads (32, or 16 for an inter not a multiple of 512: `wps_of`); mad: the v5 decode
-    (W2_DECODE_MAD, as in `W2GateUpCuda`; same bytes).
+    (W2_DECODE_MAD, as in `W2GateUpCuda`; same bytes); pair_order: W2_PAIR_ORDER, one block per routed pair read
+    from the topk_ids each call passes (as in `W2GateUpCuda`; same bytes).
     """
 
     def __init__(self, ahead: int = 2, groups: int = 1, device: int | None = None, early: bool = False,
                  route_major: bool = False, pdl: bool = False, pairs_grid: bool = False, wps: int = 32,
-                 mad: bool = False) -> None:
+                 mad: bool = False, pair_order: bool = False) -> None:
         if pdl and not early:
             raise ValueError("pdl needs early (W2_PDL builds on W2_EARLY's FP4 branch)")
         check_wps(wps)
+        defines = build_defines(ahead, groups, early, route_major, pdl, wps, mad, pair_order)
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
         self.ahead, self.groups, self.early, self.route_major, self.pdl = ahead, groups, early, route_major, pdl
-        self.pairs_grid, self.wps, self.mad = pairs_grid, wps, mad
-        image = loader.build(SOURCE, build_defines(ahead, groups, early, route_major, pdl, wps, mad))
-        self.kernel = loader.load(image, KERNEL, self.device)
+        self.pairs_grid, self.wps, self.mad, self.pair_order = pairs_grid, wps, mad, pair_order
+        self.kernel = loader.load(loader.build(SOURCE, defines), KERNEL, self.device)
 
-    def __call__(self, w2, fp4, layer: int, ws, out=None):
+    def __call__(self, w2, fp4, layer: int, ws, out=None, topk_ids=None):
         out = ws.y if out is None else out
         _check_inputs(w2, fp4, ws, out, self.groups, self.wps)
-        grid = (w2_gate_up.route_blocks_grid(ws, self.pairs_grid), w2.layout.hidden // rows_per_block(self.groups))
+        if self.pair_order:
+            w2_gate_up.check_topk_ids(topk_ids, ws)
+        blocks = ws.act.shape[0] if self.pair_order else w2_gate_up.route_blocks_grid(ws, self.pairs_grid)
+        grid = (blocks, w2.layout.hidden // rows_per_block(self.groups))
         smem = 2 * act_k(w2.layout)  # activation pairs: K / 2 x 4 bytes
         self.kernel.allow_shared(smem)
-        stream, args = torch.cuda.current_stream().cuda_stream, launch_args(w2, fp4, layer, ws, out)
+        stream = torch.cuda.current_stream().cuda_stream
+        args = launch_args(w2, fp4, layer, ws, out, topk_ids if self.pair_order else None)
         if self.pdl:
             launch_dependent(self.kernel, grid, (THREADS,), smem, stream, ARG_KINDS, args)
         else:

@@ -53,6 +53,14 @@
 #ifndef W2_ROUTE_MAJOR
 #define W2_ROUTE_MAJOR 0
 #endif
+// W2_PAIR_ORDER 1 (with W2_EARLY): block b is routed pair b, its expert read from the router's topk ids instead of the
+// route output, so the routing kernel may run beside this grid (kernels/moe_mm.py `moe_mm`).
+#ifndef W2_PAIR_ORDER
+#define W2_PAIR_ORDER 0
+#endif
+#if W2_PAIR_ORDER && !W2_EARLY
+#error "W2_PAIR_ORDER needs W2_EARLY"
+#endif
 
 // W2_STAGES n >= 2 (benchmarks/cuda-w2-notes.md "v4"): the weight tiles go through n shared-memory stages filled by
 // cp.async (w2_stages.cuh), n - 1 tiles in flight per warp while one is computed, instead of the register ring of
@@ -109,8 +117,15 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_gate_up_mma(
   const auto [b, row_tile] = block_tile<W2_ROUTE_MAJOR != 0>();  // w2_fragments.cuh
 #if W2_EARLY
   // Round 1: the route words; `|` (not `||`) so that the exit reads all three and none is sunk below it.
+#if W2_PAIR_ORDER
+  // Pair order: block b is routed pair b, block_expert the router's topk ids [P], num_blocks the table's expert count
+  // (an id outside it is no block; block_pairs unread).
+  const int experts = *num_blocks, expert = block_expert[b], pair = b;
+  if ((expert < 0) | (expert >= experts)) return;
+#else
   const int route_blocks = *num_blocks, expert = block_expert[b], pair = block_pairs[b];
   if ((b >= route_blocks) | (expert < 0) | (pair < 0)) return;
+#endif
   // Round 2: the expert's table words (a W2 route block's expert has a W2 slot: w2_slot < 0 does not occur).
   const int f4_slot = f4_table[table_row + expert], w2_slot = w2_table[table_row + expert];
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;

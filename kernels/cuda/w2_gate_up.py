@@ -51,11 +51,30 @@ def limit_args(swiglu_limit: float | None) -> list:
     return [0.0 if swiglu_limit is None else float(swiglu_limit), int(swiglu_limit is not None)]
 
 
-def launch_args(hidden, top_k, w2, fp4, layer: int, ws, out, swiglu_limit: float | None) -> list:
-    """The kernel's arguments in ARG_KINDS order (pointers as ints)."""
-    return [hidden.data_ptr(), hidden.stride(0), *slot_args(w2, (w2, fp4), layer, "w13"), ws.block_expert.data_ptr(),
-            ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(), top_k, out.data_ptr(), out.stride(0),
-            w2.layout.inter, w2.layout.hidden, *limit_args(swiglu_limit)]
+def route_words(ws, topk_ids=None) -> list:
+    """The single-token kernels' three route arguments (block_expert, block_pairs, num_blocks): the route output, or
+    for a pair-order build (W2_PAIR_ORDER) the router's topk ids twice and the tables' expert count on the device."""
+    if topk_ids is None:
+        return [ws.block_expert.data_ptr(), ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr()]
+    return [topk_ids.data_ptr(), topk_ids.data_ptr(), ws.experts.data_ptr()]
+
+
+def check_topk_ids(topk_ids, ws) -> None:
+    """What a pair-order launch reads in place of the route output: the [T, k] int32 ids of ws's pairs, on its device."""
+    if topk_ids is None:
+        raise ValueError("a pair-order build (pair_order=True) reads the router's topk_ids: pass them")
+    pairs = ws.act.shape[0]
+    if topk_ids.dtype != torch.int32 or topk_ids.numel() != pairs or not topk_ids.is_contiguous():
+        raise ValueError(f"topk_ids must be contiguous int32 with {pairs} ids (the workspace's pairs), got "
+                         f"{topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if topk_ids.device != ws.act.device:
+        raise ValueError(f"topk_ids on {topk_ids.device}, the workspace on {ws.act.device}")
+
+
+def launch_args(hidden, top_k, w2, fp4, layer: int, ws, out, swiglu_limit: float | None, topk_ids=None) -> list:
+    """The kernel's arguments in ARG_KINDS order (pointers as ints); topk_ids: a pair-order launch's."""
+    return [hidden.data_ptr(), hidden.stride(0), *slot_args(w2, (w2, fp4), layer, "w13"), *route_words(ws, topk_ids),
+            top_k, out.data_ptr(), out.stride(0), w2.layout.inter, w2.layout.hidden, *limit_args(swiglu_limit)]
 
 
 def _check_inputs(hidden, w2, fp4, ws, out) -> None:
@@ -83,11 +102,14 @@ def check_hidden_out(hidden, out, ws, hidden_size: int) -> None:
 
 
 def build_defines(ahead: int, early: bool = False, route_major: bool = False, pdl: bool = False,
-                  mad: bool = False) -> dict:
-    """nvcc defines of a build: the v3 / v5 defines only when on, so the default's command (and cached image) is the
-    same as before they existed. Shared with w2_down.py."""
+                  mad: bool = False, pair_order: bool = False) -> dict:
+    """nvcc defines of a build: the v3 / v5 / pair-order defines only when on, so the default's command (and cached
+    image) is the same as before they existed. Shared with w2_down.py."""
+    if pair_order and not early:
+        raise ValueError("pair_order needs early (W2_PAIR_ORDER builds on W2_EARLY's prologue)")
     defines = {"W2_AHEAD": ahead}
-    for name, on in (("W2_EARLY", early), ("W2_ROUTE_MAJOR", route_major), ("W2_PDL", pdl), ("W2_DECODE_MAD", mad)):
+    for name, on in (("W2_EARLY", early), ("W2_ROUTE_MAJOR", route_major), ("W2_PDL", pdl), ("W2_DECODE_MAD", mad),
+                     ("W2_PAIR_ORDER", pair_order)):
         if on:
             defines[name] = 1
     return defines
@@ -118,18 +140,22 @@ class W2GateUpCuda:
     stages (v4, cuda-w2-notes.md): 0 (default) the register ring of `ahead` tiles; n >= 2 the weight tiles staged
     through n shared-memory stages by cp.async (W2_STAGES, w2_stages.cuh; `ahead` unused), n - 1 tiles in flight per
     warp; same bytes out. mad (v5): W2_DECODE_MAD, slot pairs 0..4 decoded by a multiply-add on the FMA pipe instead
-    of a rotate-add on the integer ALU (w2_fragments.cuh `w2_pair`); same bytes out.
+    of a rotate-add on the integer ALU (w2_fragments.cuh `w2_pair`); same bytes out. pair_order (needs early):
+    W2_PAIR_ORDER, one block per routed pair in pair order, its expert read from the router's topk_ids (passed to
+    each call) instead of the route output, so the routing kernel may run beside it; same bytes out.
     """
 
     def __init__(self, ahead: int = 1, device: int | None = None, early: bool = False, route_major: bool = False,
-                 pdl: bool = False, pairs_grid: bool = False, stages: int = 0, mad: bool = False) -> None:
+                 pdl: bool = False, pairs_grid: bool = False, stages: int = 0, mad: bool = False,
+                 pair_order: bool = False) -> None:
         if stages == 1 or stages < 0:
             raise ValueError(f"stages is 0 (the register ring) or at least 2, got {stages}")
+        defines = build_defines(ahead, early, route_major, pdl, mad, pair_order)
+        defines |= {"W2_STAGES": stages} if stages else {}
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
         self.ahead, self.early, self.route_major, self.pdl = ahead, early, route_major, pdl
-        self.pairs_grid, self.stages, self.mad = pairs_grid, stages, mad
-        defines = build_defines(ahead, early, route_major, pdl, mad) | ({"W2_STAGES": stages} if stages else {})
+        self.pairs_grid, self.stages, self.mad, self.pair_order = pairs_grid, stages, mad, pair_order
         image = loader.build(SOURCE, defines)
         self.kernel = loader.load(image, KERNEL, self.device)
         if stages:
@@ -139,14 +165,19 @@ class W2GateUpCuda:
         """Dynamic shared memory of a launch: the activation pairs (H / 2 x 4 bytes), then the stages."""
         return 2 * hidden_size + self.stages * STAGE_BYTES
 
-    def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, out=None, swiglu_limit: float | None = None):
+    def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, out=None, swiglu_limit: float | None = None,
+                 topk_ids=None):
         out = ws.act if out is None else out
         _check_inputs(hidden, w2, fp4, ws, out)
-        grid = (route_blocks_grid(ws, self.pairs_grid), w2.layout.inter // ROWS_PER_BLOCK)
+        if self.pair_order:
+            check_topk_ids(topk_ids, ws)
+        blocks = ws.act.shape[0] if self.pair_order else route_blocks_grid(ws, self.pairs_grid)
+        grid = (blocks, w2.layout.inter // ROWS_PER_BLOCK)
         smem = self.shared_bytes(w2.layout.hidden)
         self.kernel.allow_shared(smem)
         self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream, ARG_KINDS,
-                           launch_args(hidden, top_k, w2, fp4, layer, ws, out, swiglu_limit))
+                           launch_args(hidden, top_k, w2, fp4, layer, ws, out, swiglu_limit,
+                                       topk_ids if self.pair_order else None))
         return out
 
     def attributes(self) -> dict:

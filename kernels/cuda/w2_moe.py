@@ -69,15 +69,20 @@ class W2MoeCuda:
     down kernels' (w2_down.py); gate_multi: the multi-token gate_up's other options (None: GATE_MULTI);
     gate_multi_wide: the same for batches above WIDE_FROM pairs per expert (None: GATE_MULTI_WIDE); down_multi: the
     multi-token down's other options (None: DOWN_MULTI); gate_single / down_single: the single-token kernels' v3 / v5
-    options (W2GateUpCuda / W2DownCuda; None: SINGLE; {}: the kernels before v3); wps: the w2 matrix's words per bit
-    slot both down kernels read (`w2_down.wps_of(layout)` of the pools this op serves)."""
+    options (W2GateUpCuda / W2DownCuda; None: SINGLE; {}: the kernels before v3; `pair_order` in both or neither);
+    wps: the w2 matrix's words per bit slot both down kernels read (`w2_down.wps_of(layout)` of the pools this op
+    serves)."""
 
     def __init__(self, gate_ahead: int = 2, down_ahead: int = 2, down_groups: int = 1, device: int | None = None,
                  gate_multi: dict | None = None, gate_single: dict | None = None, down_single: dict | None = None,
                  gate_multi_wide: dict | None = None, wps: int = 32, down_multi: dict | None = None):
-        self.gate_up = W2GateUpCuda(ahead=gate_ahead, device=device, **(SINGLE if gate_single is None else gate_single))
-        self.down = W2DownCuda(ahead=down_ahead, groups=down_groups, device=device, wps=wps,
-                               **(SINGLE if down_single is None else down_single))
+        gate_single = SINGLE if gate_single is None else gate_single
+        down_single = SINGLE if down_single is None else down_single
+        if gate_single.get("pair_order", False) != down_single.get("pair_order", False):
+            raise ValueError("gate_single and down_single take pair_order together (the route runs beside both or "
+                             "before both)")
+        self.gate_up = W2GateUpCuda(ahead=gate_ahead, device=device, **gate_single)
+        self.down = W2DownCuda(ahead=down_ahead, groups=down_groups, device=device, wps=wps, **down_single)
         self.gate_up_multi = W2GateUpMultiCuda(ahead=gate_ahead, device=device,
                                                **(GATE_MULTI if gate_multi is None else gate_multi))
         self.gate_up_multi_wide = W2GateUpMultiCuda(
@@ -85,10 +90,22 @@ class W2MoeCuda:
         self.down_multi = W2DownMultiCuda(ahead=down_ahead, groups=down_groups, device=device, wps=wps,
                                           **(DOWN_MULTI if down_multi is None else down_multi))
 
-    def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None) -> None:
+    def route_free(self, ws) -> bool:
+        """Whether this op's kernels for `ws` read the router's topk ids instead of the route output (the single-token
+        kernels built with pair_order), so that `moe_mm` may run the route beside them."""
+        return ws.block_tokens == 1 and self.gate_up.pair_order and self.down.pair_order
+
+    def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None,
+                 topk_ids=None) -> None:
+        """topk_ids: the router's ids, read by pair-order single-token kernels (`route_free`) only."""
         if ws.block_tokens == 1:
             w2_gate_up._check_inputs(hidden, w2, fp4, ws, ws.act)  # both stages' inputs before either launches
             w2_down._check_inputs(w2, fp4, ws, ws.y, self.down.groups, self.down.wps)
+            if self.route_free(ws):
+                w2_gate_up.check_topk_ids(topk_ids, ws)
+                self.gate_up(hidden, top_k, w2, fp4, layer, ws, swiglu_limit=swiglu_limit, topk_ids=topk_ids)
+                self.down(w2, fp4, layer, ws, topk_ids=topk_ids)  # a programmatic dependent of the gate_up (pdl)
+                return
             gate_up, down = self.gate_up, self.down
         else:
             w2_multi.gate_check_inputs(hidden, w2, fp4, ws, ws.act)
