@@ -13,7 +13,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -756,6 +756,22 @@ case "$step" in
       stage "cuda-w2-pairorder-$preset" 70 python3 benchmarks/cuda_w2.py --preset "$preset" --commit "$commit" \
         --tokens 1 --variants cuda_whole,cuda_whole_egpm,cuda_whole_egpmo --json "$work/cuda-w2-pairorder-$preset.json"
     done
+    ;;
+  closing9)  # pair order adopted (w2_moe.SINGLE, moe_mm routes beside the single-token kernels): every kernel, CUDA and
+    # runtime GPU test (the runtime's captured steps now fork the route), the route's tests, the main job's
+    # --verify-resident, and the replay benchmark on ds-v2-lite as replay8 ran it. Stage limits 330 + 60 + 80 + 120 s.
+    # Estimates, not measured: tests ~200 s (closing8: 167 in 161 s, plus pairorder's), ~20 s, ~25 s, ~70 s.
+    stage tests 330 python3 -m pytest tests/test_kernels_moe.py tests/test_cuda_w2.py tests/test_cuda_w2_multi.py \
+      tests/test_cuda_w2_half_tiles.py tests/test_cuda_w2_decode_mad.py tests/test_cuda_w2_stages.py \
+      tests/test_cuda_w2_pair_order.py tests/test_cuda_fp4.py tests/test_cuda_fp4_decode_mad.py tests/test_runtime_gpu.py \
+      tests/test_runtime_pool_copies.py tests/test_runtime_layer_waits.py tests/test_runtime_early_fetch.py \
+      tests/test_runtime_cuda_w2.py -m gpu -q
+    stage route-tests 60 python3 -m pytest tests/test_route_kernel.py -q
+    stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    stage replay-ds 120 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 1.0,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --commit "$commit" --out "$work/replay_ds_pairorder.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -276,25 +276,27 @@ def moe_mm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
 
     Capture-safe when `out` is given: four launches, no allocation, no host sync. cuda_w2: None (default) or a
     `tierstore.kernels.cuda.w2_moe.W2MoeCuda`, which then runs gate_up and down (CUDA C++, W2 pairs only: for
-    layers without FP4-resident experts, see its docstring) between the same route and combine. When
-    `cuda_w2.route_free(workspace)` says its kernels read the router's ids rather than the route output (pair-order
-    builds, called with topk_ids=), the route runs beside them on the workspace's side stream (CUDA only).
+    layers without FP4-resident experts, see its docstring) between the same route and combine; ops with a
+    `route_free` method (W2MoeCuda, TierMoeCuda) are also given topk_ids=. When `cuda_w2.route_free(workspace)` says
+    its kernels read the router's ids rather than the route output (pair-order builds), the route runs beside them on
+    the workspace's side stream (CUDA only).
     """
     _check(hidden, topk_ids, w2, fp4, workspace)
     if out is None:
         out = torch.empty_like(hidden)
     top_k = topk_ids.shape[1]
-    if cuda_w2 is not None and workspace.side_stream is not None and getattr(cuda_w2, "route_free", None) \
-            and cuda_w2.route_free(workspace):
-        _route_beside(lambda: cuda_w2(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit, topk_ids=topk_ids),
-                      topk_ids, w2, fp4, layer, misses, workspace)
+    takes_ids = hasattr(cuda_w2, "route_free")  # the library's ops (W2MoeCuda, TierMoeCuda) take topk_ids=
+    stages = (lambda: cuda_w2(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit, topk_ids=topk_ids)) \
+        if takes_ids else (lambda: cuda_w2(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit))
+    if takes_ids and workspace.side_stream is not None and cuda_w2.route_free(workspace):
+        _route_beside(stages, topk_ids, w2, fp4, layer, misses, workspace)
     else:
         moe_route(topk_ids, w2, fp4, layer, misses, workspace)
         if cuda_w2 is None:
             moe_gate_up(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit)
             moe_down(top_k, w2, fp4, layer, workspace)
         else:
-            cuda_w2(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit)
+            stages()
     moe_combine(topk_ids, topk_weights, w2, fp4, layer, workspace, out)
     return out
 

@@ -22,7 +22,8 @@ from tierstore.kernels.cuda.w2_down import W2DownCuda
 from tierstore.kernels.cuda.w2_gate_up import W2GateUpCuda
 from tierstore.kernels.cuda.w2_moe import SINGLE, W2MoeCuda
 
-PAIR = SINGLE | {"pair_order": True}
+PAIR = SINGLE | {"pair_order": True}  # the default since 692b975 measured it
+ROUTE = {k: v for k, v in SINGLE.items() if k != "pair_order"}  # the single-token options before it
 
 
 def test_the_define_needs_the_early_prologue_and_is_off_by_default():
@@ -52,9 +53,10 @@ def test_wrappers_route_free_and_the_ids_checks(monkeypatch):
     single = MoeWorkspace.allocate(2, TOP_K, EXPERTS, 1024, 512, torch.bfloat16, "cpu", block_tokens=1)
     multi = MoeWorkspace.allocate(2, TOP_K, EXPERTS, 1024, 512, torch.bfloat16, "cpu", block_tokens=16)
     assert op.route_free(single) and not op.route_free(multi)
-    assert not W2MoeCuda(device=0).route_free(single)  # the default: route order
+    assert SINGLE["pair_order"] and W2MoeCuda(device=0).route_free(single)  # adopted: W2MoeCuda's default
+    assert not W2MoeCuda(device=0, gate_single=ROUTE, down_single=ROUTE).route_free(single)
     with pytest.raises(ValueError, match="take pair_order together"):
-        W2MoeCuda(device=0, gate_single=PAIR, down_single=SINGLE)
+        W2MoeCuda(device=0, gate_single=PAIR, down_single=ROUTE)
     assert single.experts.tolist() == [EXPERTS] and single.side_stream is None  # no side stream off CUDA
     ids = torch.zeros(2, TOP_K, dtype=torch.int32)
     w2_gate_up.check_topk_ids(ids, single)
@@ -84,7 +86,7 @@ def test_pair_order_kernels_give_the_route_order_bytes(mad_case, tokens):  # noq
     ids, ws = _routed(mad_case, tokens)  # route order: moe_route ran; ids include an FP4 and a missing expert
     x = torch.randn(tokens, mad_case["hidden"], generator=mad_case["gen"]).to(torch.bfloat16).cuda()
     w2, f4 = mad_case["w2"], mad_case["f4"]
-    route = W2GateUpCuda(ahead=2, **SINGLE)
+    route = W2GateUpCuda(ahead=2, **ROUTE)
     pair = W2GateUpCuda(ahead=2, **PAIR)
 
     def gate_up(kernel, **kw):
@@ -105,7 +107,7 @@ def test_pair_order_kernels_give_the_route_order_bytes(mad_case, tokens):  # noq
         torch.cuda.synchronize()
         return out
 
-    base = down(W2DownCuda(wps=mad_case["wps"], **SINGLE))
+    base = down(W2DownCuda(wps=mad_case["wps"], **ROUTE))
     pair_down = W2DownCuda(wps=mad_case["wps"], **PAIR)
     assert same_bytes(down(pair_down, topk_ids=ids), base) and same_bytes(down(pair_down, topk_ids=ids), base)
 
@@ -127,7 +129,7 @@ def test_whole_op_routes_beside_the_pair_order_kernels(mad_case, tokens):  # noq
     weights = (torch.rand(tokens, TOP_K, generator=mad_case["gen"]) + 0.05).cuda()
     run = lambda moe: run_whole(x, ids, weights, mad_case["w2"], mad_case["f4_none"], moe, mad_case["inter"],
                                 EXPERTS, 4)
-    base, base_counts, base_entries = run(W2MoeCuda(wps=mad_case["wps"]))
+    base, base_counts, base_entries = run(W2MoeCuda(wps=mad_case["wps"], gate_single=ROUTE, down_single=ROUTE))
     assert not base.isnan().any() and base_counts[0] > 0
     op = W2MoeCuda(wps=mad_case["wps"], gate_single=PAIR, down_single=PAIR)
     out, counts, entries = run(op)

@@ -66,7 +66,13 @@ class TierMoeCuda:
         down = FP4_DOWN_MULTI if fp4_down_multi is None else {"ahead": fp4_ahead, **fp4_down_multi}
         self.fp4_down_multi = Fp4DownMultiCuda(device=device, wps=fp4_wps, **down)
 
-    def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None) -> None:
+    def route_free(self, ws) -> bool:
+        """False: the FP4 stages read the route output, so `moe_mm` routes before this op (its W2 stages may still
+        read the router's ids: topk_ids is passed on)."""
+        return False
+
+    def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None,
+                 topk_ids=None) -> None:
         # the FP4 stages' inputs before any launch (W2MoeCuda checks its own before its first launch)
         if ws.block_tokens == 1:
             fp4_stages.check_gate_up_inputs(hidden, fp4, ws, ws.act)
@@ -80,6 +86,6 @@ class TierMoeCuda:
             down = self.fp4_down_multi
         if fp4.table.shape != w2.table.shape:
             raise ValueError("the W2 and FP4 tables must have the same shape")
-        self.w2(hidden, top_k, w2, fp4, layer, ws, swiglu_limit)
+        self.w2(hidden, top_k, w2, fp4, layer, ws, swiglu_limit, topk_ids=topk_ids)
         gate_up(hidden, top_k, fp4, layer, ws, swiglu_limit=swiglu_limit)
         down(fp4, layer, ws)  # after the W2 down: overwrites its NaN rows of FP4 pairs

@@ -58,7 +58,11 @@ def wide_gate(tokens: int, top_k: int, experts: int) -> bool:
 # 303.9 vs 308.8 us, byte-identical outputs.
 # v5 (cuda-w2-notes.md "v5", H200 at d227aff, cuda-w2-v5-deepseek-v3.json): slot pairs 0..4 decoded by a multiply-add
 # (`mad`), same bytes; whole op at T = 1 53.3 vs 55.7 us (5.60x vs 5.35x bf16), at T = 8 281.1 vs 303.1 us.
-SINGLE = dict(early=True, pairs_grid=True, pdl=True, mad=True)
+# Pair order (cuda-w2-notes.md "Pair order", H200 at 692b975, cuda-w2-pairorder-*.json): both kernels read each block's
+# expert from the router's ids, so moe_mm routes beside them (route_free); same bytes; whole op at T = 1 47.4-47.5 vs
+# 49.0-49.4 us on DeepSeek-V3 (6.30x vs 6.06x-6.11x bf16), 13.8 vs 15.7 on ds-v2-lite, 13.0-13.2 vs 14.9-15.0 on
+# qwen3-30b-a3b; at T = 8 274.3 vs 275.3-275.5.
+SINGLE = dict(early=True, pairs_grid=True, pdl=True, mad=True, pair_order=True)
 
 # The multi-token down's options (W2DownMultiCuda besides ahead / groups / wps): v5's decode, as GATE_MULTI.
 DOWN_MULTI = dict(mad=True)
@@ -97,7 +101,8 @@ class W2MoeCuda:
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None,
                  topk_ids=None) -> None:
-        """topk_ids: the router's ids, read by pair-order single-token kernels (`route_free`) only."""
+        """topk_ids: the router's ids, read by pair-order single-token kernels only (whether or not the route ran
+        first: `moe_mm` runs it beside them when this op is `route_free`, before them when it is TierMoeCuda's)."""
         if ws.block_tokens == 1:
             w2_gate_up._check_inputs(hidden, w2, fp4, ws, ws.act)  # both stages' inputs before either launches
             w2_down._check_inputs(w2, fp4, ws, ws.y, self.down.groups, self.down.wps)
