@@ -58,13 +58,6 @@
 #ifndef W2_ROUTE_MAJOR
 #define W2_ROUTE_MAJOR 0
 #endif
-// W2_PAIR_ORDER 1 (with W2_EARLY): block b is routed pair b, as in w2_gate_up.cu.
-#ifndef W2_PAIR_ORDER
-#define W2_PAIR_ORDER 0
-#endif
-#if W2_PAIR_ORDER && !W2_EARLY
-#error "W2_PAIR_ORDER needs W2_EARLY"
-#endif
 #include "w2_half_tiles.cuh"  // W2_WPS (32 or 16) and, for 16, the pair tiles
 
 namespace {

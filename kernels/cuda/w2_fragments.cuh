@@ -25,6 +25,16 @@
 #define W2_DECODE_MAD 0
 #endif
 
+// W2_PAIR_ORDER 1 (w2_gate_up.cu, w2_down.cu; with W2_EARLY, set on the command line): block b is routed pair b, its
+// expert read from the router's topk ids instead of the route output, so the routing kernel may run beside the grid
+// (kernels/moe_mm.py `moe_mm`). 0 (default): route order, the SASS of before.
+#ifndef W2_PAIR_ORDER
+#define W2_PAIR_ORDER 0
+#endif
+#if W2_PAIR_ORDER && !W2_EARLY
+#error "W2_PAIR_ORDER needs W2_EARLY"
+#endif
+
 namespace {
 
 constexpr int kWps = 32;                     // words per bit slot

@@ -53,14 +53,6 @@
 #ifndef W2_ROUTE_MAJOR
 #define W2_ROUTE_MAJOR 0
 #endif
-// W2_PAIR_ORDER 1 (with W2_EARLY): block b is routed pair b, its expert read from the router's topk ids instead of the
-// route output, so the routing kernel may run beside this grid (kernels/moe_mm.py `moe_mm`).
-#ifndef W2_PAIR_ORDER
-#define W2_PAIR_ORDER 0
-#endif
-#if W2_PAIR_ORDER && !W2_EARLY
-#error "W2_PAIR_ORDER needs W2_EARLY"
-#endif
 
 // W2_STAGES n >= 2 (benchmarks/cuda-w2-notes.md "v4"): the weight tiles go through n shared-memory stages filled by
 // cp.async (w2_stages.cuh), n - 1 tiles in flight per warp while one is computed, instead of the register ring of
