@@ -1,10 +1,12 @@
 """The CUDA C++ gate_up and down stages together: `moe_mm(..., cuda_w2=W2MoeCuda())` (opt-in at `moe_mm`; the
 runtime passes it wherever it can run, config `cuda_w2` auto: tierstore/runtime/compute.py).
 
-`W2MoeCuda()(hidden, top_k, w2, fp4, layer, ws, swiglu_limit)` replaces `moe_gate_up` + `moe_down` between
-`moe_route` and `moe_combine`: ws.act then ws.y for every W2-resident pair, on the current stream (capture-safe:
-two launches, no allocation, no host sync). Route and combine stay the Triton launches, so misses are counted
-once, by the route, and the combine reads y exactly as on the default path.
+`W2MoeCuda()(hidden, top_k, w2, fp4, layer, ws, swiglu_limit, topk_ids=...)` replaces `moe_gate_up` + `moe_down`
+between `moe_route` and `moe_combine`: ws.act then ws.y for every W2-resident pair, on the current stream
+(capture-safe: two launches, no allocation, no host sync). Route and combine stay the Triton launches, so misses are
+counted once, by the route, and the combine reads y exactly as on the default path. The single-token kernels run in
+pair order by default (`SINGLE`: each block's expert read from topk_ids, not from the route output), so for a
+block_tokens 1 workspace `route_free` is true and `moe_mm` runs the route beside them on the workspace's side stream.
 
 The kernels follow the workspace's block size: block_tokens 1 runs the single-token kernels (one routed pair per
 CUDA block: w2_gate_up.cu, w2_down.cu); a multiple of 8 (16, 32, 64) runs the multi-token kernels (one expert's
