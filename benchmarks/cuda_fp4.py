@@ -40,9 +40,13 @@ VARIANTS = {"cuda_fp4_gate_up": ("gate_up", 2), "cuda_fp4_gate_up_a3": ("gate_up
             "cuda_tier_mixed_multi_pdl": ("mixed", 2), "cuda_tier_mixed_multi_d1": ("mixed", 2),
             "cuda_fp4_gate_up_m": ("gate_up", 2), "cuda_fp4_down_m": ("down", 2), "cuda_fp4_whole_m": ("whole", 2),
             "cuda_tier_mixed_m": ("mixed", 2), "cuda_fp4_whole_multi_pdl_m": ("whole", 2),
-            "cuda_tier_mixed_multi_pdl_m": ("mixed", 2)}
+            "cuda_tier_mixed_multi_pdl_m": ("mixed", 2), "cuda_fp4_whole_ro": ("whole", 2),
+            "cuda_tier_mixed_ro": ("mixed", 2)}
 # single-token variants built with FP4_DECODE_MAD (`mad`: the decode's shifts on the FMA pipe; cuda-fp4-notes.md "v2")
 SINGLE_MAD = {"cuda_fp4_gate_up_m", "cuda_fp4_down_m", "cuda_fp4_whole_m", "cuda_tier_mixed_m"}
+# single-token whole ops in route order (both tiers' kernels read the route output; moe_mm routes before them), beside
+# the default pair order (the route beside the kernels: cuda-fp4-notes.md "Pair order")
+ROUTE_ORDER = {"cuda_fp4_whole_ro", "cuda_tier_mixed_ro"}
 # multi-token variants (TierMoeCuda on a block_tokens MULTI_BT workspace: fp4_multi.py and w2_multi.py) -> the FP4
 # kernels' options (Fp4GateUpMultiCuda, Fp4DownMultiCuda; gate={} / down={}: no FP4_PDL, the down at FP4_AHEAD 2, as
 # measured before b4f70f0); their bytes must equal the stage's first variant's (one pair per block)
@@ -100,8 +104,8 @@ def _tile_widths(geo) -> tuple[int, int]:
 
 def _build(name: str, geo) -> tuple[object, dict]:
     from tierstore.kernels.cuda.fp4_stages import Fp4DownCuda, Fp4GateUpCuda
-    from tierstore.kernels.cuda.tier_moe import TierMoeCuda
-    from tierstore.kernels.cuda.w2_moe import W2MoeCuda
+    from tierstore.kernels.cuda.tier_moe import FP4_SINGLE, TierMoeCuda
+    from tierstore.kernels.cuda.w2_moe import SINGLE as W2_SINGLE, W2MoeCuda
 
     stage, ahead = VARIANTS[name]
     mad = name in SINGLE_MAD
@@ -113,8 +117,11 @@ def _build(name: str, geo) -> tuple[object, dict]:
                  for a, v in s.attributes().items()}
     elif stage in ("whole", "mixed"):
         options = MULTI.get(name, {})
-        built = TierMoeCuda(w2=W2MoeCuda(wps=w2_wps), fp4_ahead=ahead, fp4_gate_multi=options.get("gate"),
-                            fp4_down_multi=options.get("down"), fp4_wps=fp4_wps, fp4_single=dict(mad=mad))
+        order = {"pair_order": name not in ROUTE_ORDER}
+        w2_single = {k: v for k, v in W2_SINGLE.items() if k != "pair_order"} | order
+        built = TierMoeCuda(w2=W2MoeCuda(wps=w2_wps, gate_single=w2_single, down_single=w2_single), fp4_ahead=ahead,
+                            fp4_gate_multi=options.get("gate"), fp4_down_multi=options.get("down"), fp4_wps=fp4_wps,
+                            fp4_single=FP4_SINGLE | order | ({"mad": True} if mad else {}))
         multi = name in MULTI
         attrs = {f"fp4_{k}_{a}": v for k, s in (("gate_up", built.fp4_gate_up_multi if multi else built.fp4_gate_up),
                                                 ("down", built.fp4_down_multi if multi else built.fp4_down))

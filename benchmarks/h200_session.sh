@@ -13,7 +13,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -772,6 +772,17 @@ case "$step" in
     stage replay-ds 120 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
       --steps 220 --warmup 20 --coverages 1.0,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
       --commit "$commit" --out "$work/replay_ds_pairorder.json"
+    ;;
+  fp4pair)  # the single-token FP4 kernels in pair order (cuda-fp4-notes.md "Pair order for the single-token FP4
+    # kernels"), made TierMoeCuda's default in the same commit: the FP4 and runtime GPU tests, the all-FP4 and mixed ops
+    # at T = 1 against both tiers in route order, the main job's --verify-resident. Stage limits 200 + 60 + 60 s (the
+    # session's device time left: ~6 min). Estimates, not measured: tests ~150 s, ~15 s, ~25 s.
+    stage tests 200 python3 -m pytest tests/test_cuda_fp4_pair_order.py tests/test_cuda_fp4.py \
+      tests/test_runtime_cuda_w2.py -m gpu -q
+    stage cuda-fp4-pair 60 python3 benchmarks/cuda_fp4.py --commit "$commit" --tokens 1 \
+      --variants cuda_fp4_whole,cuda_fp4_whole_ro,cuda_tier_mixed,cuda_tier_mixed_ro --json "$work/cuda-fp4-pair-deepseek-v3.json"
+    stage generate-quality 60 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -149,6 +149,7 @@ def _tier_with_recorders(log):
     (tier.w2, tier.fp4_gate_up, tier.fp4_down, tier.fp4_gate_up_multi, tier.fp4_gate_up_multi_wide,
      tier.fp4_down_multi) = (_Recorder(n, log) for n in names)
     tier.fp4_gate_up_multi.rows_per_block = tier.fp4_gate_up_multi_wide.rows_per_block = 64
+    tier.fp4_gate_up.pair_order = tier.fp4_down.pair_order = False  # route order: no ids needed
     tier.fp4_wps = 32
     return tier
 

@@ -25,6 +25,11 @@
 #ifndef FP4_AHEAD
 #define FP4_AHEAD 2  // K tiles whose loads are in flight while one is computed (1, 2, 3: no spills)
 #endif
+// FP4_PAIR_ORDER 1: block b is routed pair b, its expert read from the router's topk ids (`block_expert`; `num_blocks`
+// the tables' expert count) instead of the route output, as W2_PAIR_ORDER does for the W2 kernels. 0: route order.
+#ifndef FP4_PAIR_ORDER
+#define FP4_PAIR_ORDER 0
+#endif
 #include "fp4_half_tiles.cuh"  // FP4_WPS (32 or 16) and, for 16, the down's pair tiles
 
 namespace {
@@ -40,11 +45,19 @@ __device__ __forceinline__ bool route(const int* __restrict__ num_blocks, const 
                                       const int* __restrict__ block_expert, const int* __restrict__ block_pairs,
                                       int& slot, int& pair) {
   const int b = blockIdx.x;
+#if FP4_PAIR_ORDER
+  const int experts = *num_blocks, expert = block_expert[b];
+  if ((expert < 0) | (expert >= experts)) return false;
+  slot = f4_table[table_row + expert];
+  pair = b;
+  return slot >= 0;
+#else
   if (b >= *num_blocks) return false;
   slot = f4_table[table_row + block_expert[b]];
   if (slot < 0) return false;
   pair = block_pairs[b];
   return true;
+#endif
 }
 
 // The warp's sums over all K tiles of its rows: the first loads, the block's activation pairs of row a [k_len]

@@ -52,18 +52,22 @@ def check_down_build(layout: SlotLayout, wps: int) -> None:
                          f"{w2_down.wps_of(layout)}")
 
 
-def gate_up_args(hidden, top_k: int, fp4, layer: int, ws, out, swiglu_limit: float | None) -> list:
-    """fp4_gate_up_mma's arguments in GATE_UP_ARG_KINDS order (pointers as ints)."""
+def gate_up_args(hidden, top_k: int, fp4, layer: int, ws, out, swiglu_limit: float | None, topk_ids=None) -> list:
+    """fp4_gate_up_mma's arguments in GATE_UP_ARG_KINDS order (pointers as ints); topk_ids: a pair-order launch's."""
     return [hidden.data_ptr(), hidden.stride(0), *w2_gate_up.slot_args(fp4, (fp4,), layer, "w13"),
-            ws.block_expert.data_ptr(), ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(), top_k, out.data_ptr(),
-            out.stride(0), fp4.layout.inter, fp4.layout.hidden, *w2_gate_up.limit_args(swiglu_limit)]
+            *w2_gate_up.route_words(ws, topk_ids), top_k, out.data_ptr(), out.stride(0), fp4.layout.inter,
+            fp4.layout.hidden, *w2_gate_up.limit_args(swiglu_limit)]
 
 
-def down_args(fp4, layer: int, ws, out) -> list:
-    """fp4_down_mma's arguments in DOWN_ARG_KINDS order (pointers as ints)."""
+def down_args(fp4, layer: int, ws, out, topk_ids=None) -> list:
+    """fp4_down_mma's arguments in DOWN_ARG_KINDS order (pointers as ints); topk_ids: a pair-order launch's."""
     return [ws.act.data_ptr(), ws.act.stride(0), *w2_gate_up.slot_args(fp4, (fp4,), layer, "w2"),
-            ws.block_expert.data_ptr(), ws.block_pairs.data_ptr(), ws.num_blocks.data_ptr(), out.data_ptr(),
-            out.stride(0), fp4.layout.inter]
+            *w2_gate_up.route_words(ws, topk_ids), out.data_ptr(), out.stride(0), fp4.layout.inter]
+
+
+def _grid_blocks(ws, pair_order: bool) -> int:
+    """The grid's block dimension: every routed pair in pair order, else every route block (max_blocks)."""
+    return ws.act.shape[0] if pair_order else ws.block_expert.numel()
 
 
 def _check_common(fp4, ws) -> None:
@@ -83,33 +87,39 @@ def check_down_inputs(fp4, ws, out, wps: int = 32) -> None:
     w2_down.check_act_out(ws, out)
 
 
-def build_image(ahead: int, wps: int = 32, mad: bool = False) -> bytes:
-    """fp4_moe.cu's image (FP4_WPS only for 16 and FP4_DECODE_MAD only when on: the default builds' commands are the
-    ones from before those defines existed)."""
+def build_image(ahead: int, wps: int = 32, mad: bool = False, pair_order: bool = False) -> bytes:
+    """fp4_moe.cu's image (FP4_WPS only for 16, FP4_DECODE_MAD and FP4_PAIR_ORDER only when on: the default builds'
+    commands are the ones from before those defines existed)."""
     return loader.build(SOURCE, {"FP4_AHEAD": ahead} | ({"FP4_WPS": 16} if wps == 16 else {})
-                        | ({"FP4_DECODE_MAD": 1} if mad else {}))
+                        | ({"FP4_DECODE_MAD": 1} if mad else {}) | ({"FP4_PAIR_ORDER": 1} if pair_order else {}))
 
 
 class Fp4GateUpCuda:
     """Builds (nvcc, cached) and loads the kernel once; each call launches it on the current stream.
     ahead: K tiles of weight loads in flight per lane while one is computed (FP4_AHEAD; no change to the bytes).
     mad: FP4_DECODE_MAD, the decode's right shifts as the high word of a multiply (IMAD.HI, FMA pipe) instead of SHF
-    on the integer ALU (fp4_fragments.cuh `f4_shr`); the same bytes out."""
+    on the integer ALU (fp4_fragments.cuh `f4_shr`); the same bytes out. pair_order: FP4_PAIR_ORDER, one block per
+    routed pair, its expert read from the topk_ids each call passes instead of the route output (as
+    `W2GateUpCuda(pair_order=True)`); the same bytes out."""
 
-    def __init__(self, ahead: int = 2, device: int | None = None, mad: bool = False) -> None:
+    def __init__(self, ahead: int = 2, device: int | None = None, mad: bool = False, pair_order: bool = False) -> None:
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
-        self.ahead, self.mad = ahead, mad
-        self.kernel = loader.load(build_image(ahead, mad=mad), GATE_UP_KERNEL, self.device)
+        self.ahead, self.mad, self.pair_order = ahead, mad, pair_order
+        self.kernel = loader.load(build_image(ahead, mad=mad, pair_order=pair_order), GATE_UP_KERNEL, self.device)
 
-    def __call__(self, hidden, top_k: int, fp4, layer: int, ws, out=None, swiglu_limit: float | None = None):
+    def __call__(self, hidden, top_k: int, fp4, layer: int, ws, out=None, swiglu_limit: float | None = None,
+                 topk_ids=None):
         out = ws.act if out is None else out
         check_gate_up_inputs(hidden, fp4, ws, out)
-        grid = (ws.block_expert.numel(), fp4.layout.inter // GATE_UP_ROWS_PER_BLOCK)
+        if self.pair_order:
+            w2_gate_up.check_topk_ids(topk_ids, ws)
+        grid = (_grid_blocks(ws, self.pair_order), fp4.layout.inter // GATE_UP_ROWS_PER_BLOCK)
         smem = 2 * fp4.layout.hidden  # activation pairs: H / 2 x 4 bytes
         self.kernel.allow_shared(smem)
         self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream, GATE_UP_ARG_KINDS,
-                           gate_up_args(hidden, top_k, fp4, layer, ws, out, swiglu_limit))
+                           gate_up_args(hidden, top_k, fp4, layer, ws, out, swiglu_limit,
+                                        topk_ids if self.pair_order else None))
         return out
 
     def attributes(self) -> dict:
@@ -118,23 +128,27 @@ class Fp4GateUpCuda:
 
 class Fp4DownCuda:
     """As Fp4GateUpCuda, for the down kernel; wps: the w2 matrix's words per nibble slot this build reads (32, or 16
-    for an inter not a multiple of 256: `w2_down.wps_of`); mad: FP4_DECODE_MAD as in `Fp4GateUpCuda`."""
+    for an inter not a multiple of 256: `w2_down.wps_of`); mad / pair_order: FP4_DECODE_MAD / FP4_PAIR_ORDER as in
+    `Fp4GateUpCuda`."""
 
-    def __init__(self, ahead: int = 2, device: int | None = None, wps: int = 32, mad: bool = False) -> None:
+    def __init__(self, ahead: int = 2, device: int | None = None, wps: int = 32, mad: bool = False,
+                 pair_order: bool = False) -> None:
         w2_down.check_wps(wps)
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
-        self.ahead, self.wps, self.mad = ahead, wps, mad
-        self.kernel = loader.load(build_image(ahead, wps, mad), DOWN_KERNEL, self.device)
+        self.ahead, self.wps, self.mad, self.pair_order = ahead, wps, mad, pair_order
+        self.kernel = loader.load(build_image(ahead, wps, mad, pair_order), DOWN_KERNEL, self.device)
 
-    def __call__(self, fp4, layer: int, ws, out=None):
+    def __call__(self, fp4, layer: int, ws, out=None, topk_ids=None):
         out = ws.y if out is None else out
         check_down_inputs(fp4, ws, out, self.wps)
-        grid = (ws.block_expert.numel(), fp4.layout.hidden // DOWN_ROWS_PER_BLOCK)
+        if self.pair_order:
+            w2_gate_up.check_topk_ids(topk_ids, ws)
+        grid = (_grid_blocks(ws, self.pair_order), fp4.layout.hidden // DOWN_ROWS_PER_BLOCK)
         smem = 2 * w2_down.act_k(fp4.layout)  # activation pairs: K / 2 x 4 bytes
         self.kernel.allow_shared(smem)
         self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream, DOWN_ARG_KINDS,
-                           down_args(fp4, layer, ws, out))
+                           down_args(fp4, layer, ws, out, topk_ids if self.pair_order else None))
         return out
 
     def attributes(self) -> dict:

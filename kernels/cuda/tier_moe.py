@@ -14,6 +14,10 @@ multi-token kernels of each tier (w2_multi.py, fp4_multi.py: an expert's tile de
 pairs), in the same order with the same roles; above w2_moe.WIDE_FROM pairs per expert (`wide_gate`) both gate_up kernels stage
 8 columns per pass instead of 4 (FP4: FP4_GATE_MULTI_WIDE).
 
+The single-token kernels of both tiers run in pair order by default (`FP4_SINGLE`, w2_moe.SINGLE): each block's
+expert comes from the router's topk ids, so at block_tokens 1 the op is `route_free` and `moe_mm` runs the route on
+the workspace's side stream beside these launches.
+
 So every resident pair's act and y are written exactly once by the tier that holds it (plus the NaN marker
 in between), missing pairs are left to the combine as on the Triton path, and the W2 files are unchanged:
 `W2MoeCuda` (steps 1 and 2) keeps its W2-only behaviour. Requires bfloat16 and hidden a multiple of 512 (the W2
@@ -25,6 +29,7 @@ from __future__ import annotations
 from . import fp4_multi, fp4_stages
 from .fp4_multi import Fp4DownMultiCuda, Fp4GateUpMultiCuda
 from .fp4_stages import Fp4DownCuda, Fp4GateUpCuda
+from . import w2_gate_up
 from .w2_moe import W2MoeCuda, wide_gate
 
 # The multi-token FP4 gate_up above WIDE_FROM pairs per expert: 8 columns per pass. H200 at 46074cb
@@ -41,8 +46,10 @@ FP4_GATE_MULTI_WIDE = dict(stage_cols=8)
 FP4_GATE_MULTI = dict(pdl=True)
 FP4_DOWN_MULTI = dict(ahead=1, pdl=True)
 
-# The single-token FP4 stages' options besides FP4_AHEAD (Fp4GateUpCuda / Fp4DownCuda: `mad`).
-FP4_SINGLE: dict = {}
+# The single-token FP4 stages' options besides FP4_AHEAD (Fp4GateUpCuda / Fp4DownCuda: `mad`, `pair_order`). Pair
+# order as the W2 kernels' (w2_moe.SINGLE): with both tiers' single-token kernels in pair order the op is route_free and
+# moe_mm routes beside it.
+FP4_SINGLE: dict = dict(pair_order=True)
 
 
 class TierMoeCuda:
@@ -67,17 +74,21 @@ class TierMoeCuda:
         self.fp4_down_multi = Fp4DownMultiCuda(device=device, wps=fp4_wps, **down)
 
     def route_free(self, ws) -> bool:
-        """False: the FP4 stages read the route output, so `moe_mm` routes before this op (its W2 stages may still
-        read the router's ids: topk_ids is passed on)."""
-        return False
+        """Whether every kernel this op launches for `ws` reads the router's ids instead of the route output (the
+        single-token kernels of both tiers in pair order), so that `moe_mm` may route beside it."""
+        return self.w2.route_free(ws) and self.fp4_gate_up.pair_order and self.fp4_down.pair_order
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None,
                  topk_ids=None) -> None:
         # the FP4 stages' inputs before any launch (W2MoeCuda checks its own before its first launch)
+        ids = {}  # what the FP4 kernels read besides the route: the router's ids, for pair-order ones
         if ws.block_tokens == 1:
             fp4_stages.check_gate_up_inputs(hidden, fp4, ws, ws.act)
             fp4_stages.check_down_inputs(fp4, ws, ws.y, self.fp4_wps)
             gate_up, down = self.fp4_gate_up, self.fp4_down
+            if self.fp4_gate_up.pair_order or self.fp4_down.pair_order:
+                w2_gate_up.check_topk_ids(topk_ids, ws)
+                ids = dict(topk_ids=topk_ids)
         else:
             wide = wide_gate(hidden.shape[0], top_k, fp4.table.shape[1])
             gate_up = self.fp4_gate_up_multi_wide if wide else self.fp4_gate_up_multi
@@ -87,5 +98,5 @@ class TierMoeCuda:
         if fp4.table.shape != w2.table.shape:
             raise ValueError("the W2 and FP4 tables must have the same shape")
         self.w2(hidden, top_k, w2, fp4, layer, ws, swiglu_limit, topk_ids=topk_ids)
-        gate_up(hidden, top_k, fp4, layer, ws, swiglu_limit=swiglu_limit)
-        down(fp4, layer, ws)  # after the W2 down: overwrites its NaN rows of FP4 pairs
+        gate_up(hidden, top_k, fp4, layer, ws, swiglu_limit=swiglu_limit, **ids)
+        down(fp4, layer, ws, **ids)  # after the W2 down: overwrites its NaN rows of FP4 pairs
