@@ -56,14 +56,12 @@ def _route_launch(name: str, ids, w2, f4, misses, ws):
 
 def _route_matches(name: str, ids, w2, f4, ws, misses) -> bool:
     """One launch of `name` on a fresh miss log equals moe_route_ref (blocks, miss counts, logged experts)."""
-    from tierstore.kernels import moe_route_ref
+    from tierstore.kernels import moe_route_ref, route_blocks
 
     misses.counts.zero_()
     _route_launch(name, ids, w2, f4, misses, ws)
     ref = moe_route_ref(ids, w2, f4, 0, ws.block_tokens)
-    n, bt = int(ws.num_blocks[0]), ws.block_tokens
-    expert, fill, pairs = ws.block_expert.tolist(), ws.block_fill.tolist(), ws.block_pairs.tolist()
-    blocks = [(expert[b], pairs[b * bt: b * bt + fill[b]]) for b in range(n)]
+    blocks = route_blocks(ws)
     logged = [e for _, e in misses.entries[: len(ref["missing_experts"])].tolist()]
     return (blocks == ref["blocks"] and misses.counts.tolist() == [ref["missing_pairs"], len(ref["missing_experts"])]
             and logged == ref["missing_experts"])

@@ -11,7 +11,7 @@ __all__ = ["ABI_TAG", "HAS_TRITON", "SlotLayout", "fp4_slot_layout", "pack_slot"
 if HAS_TRITON:
     from .confidence import confidence, confidence_ref  # noqa: F401  (the gate's signal on the device)
     from .moe_mm import (MissLog, MoeWorkspace, TierPool, fp4_tier, moe_combine, moe_down,
-                         moe_gate_up, moe_mm, moe_mm_ref, moe_route, moe_route_ref, w2_tier)
+                         moe_gate_up, moe_mm, moe_mm_ref, moe_route, moe_route_ref, route_blocks, w2_tier)
 
     __all__ += ["MissLog", "MoeWorkspace", "TierPool", "fp4_tier", "moe_combine", "moe_down",
-                "moe_gate_up", "moe_mm", "moe_mm_ref", "moe_route", "moe_route_ref", "w2_tier"]
+                "moe_gate_up", "moe_mm", "moe_mm_ref", "moe_route", "moe_route_ref", "route_blocks", "w2_tier"]

@@ -244,6 +244,13 @@ def moe_route_ref(topk_ids: torch.Tensor, w2: TierPool, fp4: TierPool, layer: in
     return dict(blocks=blocks, missing_pairs=missing_pairs, missing_experts=missing_experts)
 
 
+def route_blocks(workspace: MoeWorkspace) -> list[tuple[int, list[int]]]:
+    """The route output in `workspace`, read back in `moe_route_ref`'s form: (expert, pairs) of each block, in order."""
+    bt, n = workspace.block_tokens, int(workspace.num_blocks[0])
+    experts, fills, pairs = (t.tolist() for t in (workspace.block_expert, workspace.block_fill, workspace.block_pairs))
+    return [(experts[b], pairs[b * bt: b * bt + fills[b]]) for b in range(n)]
+
+
 def moe_gate_up(hidden: torch.Tensor, top_k: int, w2: TierPool, fp4: TierPool, layer: int, workspace: MoeWorkspace,
                 swiglu_limit: float | None = None) -> None:
     """Stage 2: workspace.act[pair] = SwiGLU(W13_e hidden[token]) for every placed pair."""
@@ -285,18 +292,17 @@ def moe_mm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if out is None:
         out = torch.empty_like(hidden)
     top_k = topk_ids.shape[1]
-    takes_ids = hasattr(cuda_w2, "route_free")  # the library's ops (W2MoeCuda, TierMoeCuda) take topk_ids=
-    stages = (lambda: cuda_w2(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit, topk_ids=topk_ids)) \
-        if takes_ids else (lambda: cuda_w2(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit))
-    if takes_ids and workspace.side_stream is not None and cuda_w2.route_free(workspace):
-        _route_beside(stages, topk_ids, w2, fp4, layer, misses, workspace)
+    ids = {"topk_ids": topk_ids} if hasattr(cuda_w2, "route_free") else {}  # the library's ops take them
+    if ids and workspace.side_stream is not None and cuda_w2.route_free(workspace):
+        _route_beside(lambda: cuda_w2(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit, **ids), topk_ids, w2,
+                      fp4, layer, misses, workspace)
     else:
         moe_route(topk_ids, w2, fp4, layer, misses, workspace)
         if cuda_w2 is None:
             moe_gate_up(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit)
             moe_down(top_k, w2, fp4, layer, workspace)
         else:
-            stages()
+            cuda_w2(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit, **ids)
     moe_combine(topk_ids, topk_weights, w2, fp4, layer, workspace, out)
     return out
 

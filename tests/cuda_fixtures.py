@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from tierstore.kernels import MissLog, MoeWorkspace, fp4_tier, moe_mm, w2_tier
+from tierstore.kernels import MissLog, MoeWorkspace, fp4_tier, moe_mm, route_blocks, w2_tier
 from tierstore.kernels.cuda import loader
 from tierstore.kernels.layout import unpack_matrix_ref
 
@@ -143,9 +143,9 @@ def bench_on_cpu(monkeypatch, bench, kb, build, geometry: tuple) -> None:
 
 def placed(ws):
     """(expert, pair) of every routed pair of a workspace's route output, any block size."""
-    for b in range(int(ws.num_blocks[0])):
-        for j in range(int(ws.block_fill[b])):
-            yield int(ws.block_expert[b]), int(ws.block_pairs[b * ws.block_tokens + j])
+    for expert, pairs in route_blocks(ws):
+        for pair in pairs:
+            yield expert, pair
 
 
 def gate_up_ref(slot: torch.Tensor, layout, x: torch.Tensor, limit=None) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import triton
 
-from tierstore.kernels import MissLog, MoeWorkspace, fp4_tier, moe_route, moe_route_ref, w2_tier
+from tierstore.kernels import MissLog, MoeWorkspace, fp4_tier, moe_route, moe_route_ref, route_blocks, w2_tier
 from tierstore.kernels._triton.route import route_kernel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,12 +46,6 @@ def _route(ids, w2, f4, block_tokens, chunk, histogram, misses):
     return ws
 
 
-def _blocks(ws, block_tokens: int) -> list[tuple[int, list[int]]]:
-    n = int(ws.num_blocks[0])
-    expert, fill, pairs = ws.block_expert.tolist(), ws.block_fill.tolist(), ws.block_pairs.tolist()
-    return [(expert[b], pairs[b * block_tokens: b * block_tokens + fill[b]]) for b in range(n)]
-
-
 CASES = [  # tokens, top_k, experts, block_tokens
     (1, 8, 64, 1), (3, 6, 64, 1), (8, 8, 256, 1), (20, 4, 16, 1), (20, 4, 16, 16), (40, 8, 60, 16), (5, 2, 8, 16)]
 
@@ -69,7 +63,7 @@ def test_route_matches_the_reference(tokens, top_k, experts, block_tokens, chunk
     misses.entries[0] = torch.tensor([0, 9], dtype=torch.int32)
     ws = _route(ids, w2, f4, block_tokens, chunk, histogram, misses)
     ref = moe_route_ref(ids, w2, f4, 1, block_tokens)
-    assert _blocks(ws, block_tokens) == ref["blocks"]
+    assert route_blocks(ws) == ref["blocks"]
     assert misses.counts.tolist() == [4 + ref["missing_pairs"], 1 + len(ref["missing_experts"])]
     logged = misses.entries[1: 1 + len(ref["missing_experts"])].tolist()
     assert logged == [[1, e] for e in ref["missing_experts"]]  # appended after the earlier entry, ascending
@@ -99,4 +93,4 @@ def test_moe_route_uses_the_kernel_with_its_defaults():
     misses = MissLog.allocate(8, DEVICE)
     moe_route(ids, w2, f4, 1, misses, ws)
     ref = moe_route_ref(ids, w2, f4, 1, 1)
-    assert _blocks(ws, 1) == ref["blocks"] and misses.counts.tolist()[0] == ref["missing_pairs"]
+    assert route_blocks(ws) == ref["blocks"] and misses.counts.tolist()[0] == ref["missing_pairs"]

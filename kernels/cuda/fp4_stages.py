@@ -65,10 +65,6 @@ def down_args(fp4, layer: int, ws, out, topk_ids=None) -> list:
             *w2_gate_up.route_words(ws, topk_ids), out.data_ptr(), out.stride(0), fp4.layout.inter]
 
 
-def _grid_blocks(ws, pair_order: bool) -> int:
-    """The grid's block dimension: every routed pair in pair order, else every route block (max_blocks)."""
-    return ws.act.shape[0] if pair_order else ws.block_expert.numel()
-
 
 def _check_common(fp4, ws) -> None:
     check_geometry(fp4.layout)
@@ -114,7 +110,7 @@ class Fp4GateUpCuda:
         check_gate_up_inputs(hidden, fp4, ws, out)
         if self.pair_order:
             w2_gate_up.check_topk_ids(topk_ids, ws)
-        grid = (_grid_blocks(ws, self.pair_order), fp4.layout.inter // GATE_UP_ROWS_PER_BLOCK)
+        grid = (w2_gate_up.route_blocks_grid(ws, False, self.pair_order), fp4.layout.inter // GATE_UP_ROWS_PER_BLOCK)
         smem = 2 * fp4.layout.hidden  # activation pairs: H / 2 x 4 bytes
         self.kernel.allow_shared(smem)
         self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream, GATE_UP_ARG_KINDS,
@@ -144,7 +140,7 @@ class Fp4DownCuda:
         check_down_inputs(fp4, ws, out, self.wps)
         if self.pair_order:
             w2_gate_up.check_topk_ids(topk_ids, ws)
-        grid = (_grid_blocks(ws, self.pair_order), fp4.layout.hidden // DOWN_ROWS_PER_BLOCK)
+        grid = (w2_gate_up.route_blocks_grid(ws, False, self.pair_order), fp4.layout.hidden // DOWN_ROWS_PER_BLOCK)
         smem = 2 * w2_down.act_k(fp4.layout)  # activation pairs: K / 2 x 4 bytes
         self.kernel.allow_shared(smem)
         self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream, DOWN_ARG_KINDS,

@@ -174,8 +174,8 @@ class W2DownCuda:
         _check_inputs(w2, fp4, ws, out, self.groups, self.wps)
         if self.pair_order:
             w2_gate_up.check_topk_ids(topk_ids, ws)
-        blocks = ws.act.shape[0] if self.pair_order else w2_gate_up.route_blocks_grid(ws, self.pairs_grid)
-        grid = (blocks, w2.layout.hidden // rows_per_block(self.groups))
+        grid = (w2_gate_up.route_blocks_grid(ws, self.pairs_grid, self.pair_order),
+                w2.layout.hidden // rows_per_block(self.groups))
         smem = 2 * act_k(w2.layout)  # activation pairs: K / 2 x 4 bytes
         self.kernel.allow_shared(smem)
         stream = torch.cuda.current_stream().cuda_stream

@@ -115,11 +115,15 @@ def build_defines(ahead: int, early: bool = False, route_major: bool = False, pd
     return defines
 
 
-def route_blocks_grid(ws, pairs_grid: bool) -> int:
-    """The grid's route-block dimension: every route block of the workspace (block_expert.numel() = max_blocks), or
-    with pairs_grid at most the routed pairs P: at block_tokens 1 the route places each pair of a resident expert in a
-    block of its own (kernels/_triton/route.py: num_blocks = sum of the resident experts' pair counts <= P), so the
-    blocks past P would all exit (at T = 1: 16 -> 8 route blocks, no exiting CUDA block unless a pair misses)."""
+def route_blocks_grid(ws, pairs_grid: bool, pair_order: bool = False) -> int:
+    """The grid's route-block dimension of a single-token kernel: every route block of the workspace
+    (block_expert.numel() = max_blocks), or with pairs_grid at most the routed pairs P: at block_tokens 1 the route
+    places each pair of a resident expert in a block of its own (kernels/_triton/route.py: num_blocks = sum of the
+    resident experts' pair counts <= P), so the blocks past P would all exit (at T = 1: 16 -> 8 route blocks, no
+    exiting CUDA block unless a pair misses). pair_order (a W2_PAIR_ORDER / FP4_PAIR_ORDER build): block b is pair b,
+    so exactly P."""
+    if pair_order:
+        return ws.act.shape[0]
     if pairs_grid and ws.block_tokens != 1:
         raise ValueError("pairs_grid holds for block_tokens 1 only")
     return min(ws.block_expert.numel(), ws.act.shape[0]) if pairs_grid else ws.block_expert.numel()
@@ -171,8 +175,7 @@ class W2GateUpCuda:
         _check_inputs(hidden, w2, fp4, ws, out)
         if self.pair_order:
             check_topk_ids(topk_ids, ws)
-        blocks = ws.act.shape[0] if self.pair_order else route_blocks_grid(ws, self.pairs_grid)
-        grid = (blocks, w2.layout.inter // ROWS_PER_BLOCK)
+        grid = (route_blocks_grid(ws, self.pairs_grid, self.pair_order), w2.layout.inter // ROWS_PER_BLOCK)
         smem = self.shared_bytes(w2.layout.hidden)
         self.kernel.allow_shared(smem)
         self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream, ARG_KINDS,

@@ -108,8 +108,7 @@ class W2MoeCuda:
         if ws.block_tokens == 1:
             w2_gate_up._check_inputs(hidden, w2, fp4, ws, ws.act)  # both stages' inputs before either launches
             w2_down._check_inputs(w2, fp4, ws, ws.y, self.down.groups, self.down.wps)
-            if self.route_free(ws):
-                w2_gate_up.check_topk_ids(topk_ids, ws)
+            if self.route_free(ws):  # the gate_up checks topk_ids before it launches; the down reads the same
                 self.gate_up(hidden, top_k, w2, fp4, layer, ws, swiglu_limit=swiglu_limit, topk_ids=topk_ids)
                 self.down(w2, fp4, layer, ws, topk_ids=topk_ids)  # a programmatic dependent of the gate_up (pdl)
                 return
