@@ -3,8 +3,8 @@
 (IMAD.HI).
 
 CPU: the builds compile without spills and trade SHF for IMAD.HI in SASS; the wrappers, TierMoeCuda and the
-benchmark pass the option. GPU: every FP4 kernel (single- and multi-token, both down tile widths) and the whole op give the default builds' bytes, also for down scale bytes over
-0..240.
+benchmark pass the option. GPU: every FP4 kernel (single- and multi-token, both down tile widths) and the whole op
+give the default builds' bytes, also for down scale bytes over 0..240.
 """
 
 from __future__ import annotations
