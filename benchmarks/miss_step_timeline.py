@@ -1,0 +1,195 @@
+"""Where a tiered step's wall time goes on the device: torch.profiler (CUPTI) around warm steps of the replay
+benchmark's setup (synthetic skewed trace, preloaded 4 GiB arena, bf16, CUDA graphs, pass-log readback folded), then
+each step cut into its phases from the device's own timestamps:
+
+    launch     step start (host) -> the first device activity of the step
+    pass1      the first forward on the device (first activity -> last activity before the first pass-log read ends)
+    to_copy    pass1's end -> the first row copy (host: read, parse, victims, arena lookups, install up to the copy)
+    copies     first row copy -> last row copy (span), `copy_busy` the time some row copy ran, GB/s over the span
+    replay     pass1's end -> the replay's first kernel; `tail`: last row copy -> the replay's last activity
+    end        the step's last device activity -> step end (host: sync wake-up, parse, bookkeeping)
+    gpu_idle   wall minus the union of the step's device activities
+
+Medians over the profiled steps that replayed (and, separately, those that did not). A diagnostic, not a timing:
+the profiler adds host time per launch and per copy. CUDA only.
+
+    python3 benchmarks/miss_step_timeline.py --preset ds-v2-lite --layers 8 --coverage 0.5 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROW_COPY_MIN_BYTES = 64 * 1024  # HtoD copies at least this large are expert rows (slot tables are smaller)
+STEP, READ, FETCH = "tierstore.step", "tierstore.read_pass", "tierstore.fetch"
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _interval(event: dict) -> tuple[float, float]:
+    return float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0))
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _is_row_copy(event: dict) -> bool:
+    """Kineto names a host-to-device copy "Memcpy HtoD (Pinned -> Device)"; its size is args["bytes"]."""
+    return (event["cat"] == "gpu_memcpy" and "HtoD" in event.get("name", "")
+            and int(event.get("args", {}).get("bytes", 0)) >= ROW_COPY_MIN_BYTES)
+
+
+def step_timelines(events: list[dict]) -> list[dict]:
+    """One dict of phase times (microseconds) per `tierstore.step` range of a Chrome trace's events.
+    A device activity belongs to the step whose host range holds its start (a step ends with a sync, so none of
+    its work runs past it); it belongs to pass i when it starts before the i-th pass-log read of the step ends."""
+    host = [e for e in events if e.get("cat") == "user_annotation" and e.get("ph") == "X"]
+    device = sorted((e for e in events if e.get("cat") in DEVICE_CATS and e.get("ph") == "X"), key=lambda e: e["ts"])
+    steps = sorted((_interval(e) for e in host if e["name"] == STEP))
+    reads = sorted(_interval(e) for e in host if e["name"] == READ)
+    out = []
+    for s0, s1 in steps:
+        acts = [e for e in device if s0 <= e["ts"] <= s1]
+        step_reads = [r for r in reads if s0 <= r[0] and r[1] <= s1]
+        if not acts or not step_reads:
+            continue
+        first_read_end = step_reads[0][1]
+        pass1 = [e for e in acts if e["ts"] < first_read_end]
+        later = [e for e in acts if e["ts"] >= first_read_end]
+        rows = [e for e in later if _is_row_copy(e)]
+        replay = [e for e in later if e["cat"] == "kernel"]
+        busy = _union([_interval(e) for e in acts])
+        pass1_start = min(_interval(e)[0] for e in pass1) if pass1 else None
+        pass1_end = max(_interval(e)[1] for e in pass1) if pass1 else None
+        last_end = max(_interval(e)[1] for e in acts)
+        t = dict(wall=s1 - s0, launch=float(acts[0]["ts"]) - s0, end=s1 - last_end, gpu_idle=(s1 - s0) - busy,
+                 passes=len(step_reads), replayed=len(step_reads) > 1)
+        if pass1_start is not None:
+            t["pass1"] = pass1_end - pass1_start
+            t["read1_after_pass1"] = first_read_end - pass1_end
+        if rows and pass1_end is not None:
+            c0 = min(_interval(e)[0] for e in rows)
+            c1 = max(_interval(e)[1] for e in rows)
+            nbytes = sum(int(e["args"]["bytes"]) for e in rows)
+            t.update(to_copy=c0 - pass1_end, copies=c1 - c0, copy_busy=_union([_interval(e) for e in rows]),
+                     row_copies=len(rows), copy_mb=nbytes / 1e6, copy_gbps=nbytes / (c1 - c0) / 1e3 if c1 > c0 else 0.0)
+            if replay:
+                t["tail"] = max(_interval(e)[1] for e in replay) - c1
+        if replay and pass1_end is not None:
+            t["replay_start"] = min(_interval(e)[0] for e in replay) - pass1_end
+            t["replay_kernels"] = sum(_interval(e)[1] - _interval(e)[0] for e in replay)
+        if pass1:
+            t["pass1_kernels"] = sum(_interval(e)[1] - _interval(e)[0] for e in pass1 if e["cat"] == "kernel")
+        out.append(t)
+    return out
+
+
+def medians(timelines: list[dict]) -> dict:
+    """Per field, the median over the steps that have it, and how many steps had it."""
+    fields = sorted({k for t in timelines for k, v in t.items() if isinstance(v, float | int) and not isinstance(v, bool)})
+    return {k: {"median_us": statistics.median(t[k] for t in timelines if k in t),
+                "steps": sum(1 for t in timelines if k in t)} for k in fields}
+
+
+def summarize(timelines: list[dict]) -> dict:
+    replayed = [t for t in timelines if t["replayed"]]
+    clean = [t for t in timelines if not t["replayed"]]
+    return {"steps": len(timelines), "replayed_steps": len(replayed),
+            "replayed": medians(replayed) if replayed else {}, "no_miss": medians(clean) if clean else {}}
+
+
+def _annotate(runtime) -> None:
+    """Mark the step, each pass-log read and each fetch as host ranges (instance attributes: `step` looks them up
+    on every call)."""
+    import torch
+
+    def ranged(name, fn):
+        def run(*args, **kwargs):
+            with torch.profiler.record_function(name):
+                return fn(*args, **kwargs)
+        return run
+    runtime.step = ranged(STEP, runtime.step)
+    runtime._read_pass = ranged(READ, runtime._read_pass)
+    runtime._fetch_for_step = ranged(FETCH, runtime._fetch_for_step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="ds-v2-lite")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--coverage", type=float, default=0.5, help="pool slots over the routed experts")
+    parser.add_argument("--warm-steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=40, help="profiled steps")
+    parser.add_argument("--pack-dir", default="/tmp/rp-timeline")
+    parser.add_argument("--trace", type=Path, help="also write the profiler's Chrome trace here (.json.gz)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--commit", default="")
+    args = parser.parse_args()
+
+    import torch
+    if not torch.cuda.is_available():
+        sys.exit("miss_step_timeline.py needs CUDA")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from replay import skewed_steps
+
+    from tierstore.geometry import get_preset
+    from tierstore.runtime import RuntimeConfig, TieredRuntime
+    from tierstore.runtime.replay import ensure_synthetic_pack, open_synthetic_rows, preload_arena
+    from tierstore.runtime.replay_drive import drive
+
+    g = get_preset(args.preset).with_layers(args.layers)
+    spec = ensure_synthetic_pack(g, args.pack_dir)
+    steps = skewed_steps(g, args.warm_steps + args.steps)
+    slots = round(args.coverage * g.total_routed_experts)
+    with TieredRuntime(g, open_synthetic_rows(spec, args.pack_dir), pool_slots=slots,
+                       arena_slots=int(4 * 2**30) // spec.stride, device="cuda",
+                       config=RuntimeConfig(kpi_every=0, force_pool=True), output_words=1) as rt:
+        preload_arena(rt)
+        if args.coverage >= 1.0:
+            rt.preload()
+        unprofiled = drive(rt, steps[:args.warm_steps], warmup=10, graph=True, readback="folded",
+                           dtype=torch.bfloat16)["steady"].as_dict()["step_ms"]
+        _annotate(rt)
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            started = time.perf_counter()
+            drive(rt, steps[args.warm_steps:], warmup=0, graph=True, readback="folded", dtype=torch.bfloat16)
+            profiled_ms = (time.perf_counter() - started) * 1e3 / args.steps
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            trace = json.loads(path.read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    if args.trace:
+        with gzip.open(args.trace, "wt") as f:
+            json.dump(events, f)
+    timelines = step_timelines(events)
+    report = {"provenance": {"commit": args.commit, "torch": torch.__version__, "device": torch.cuda.get_device_name()},
+              "preset": args.preset, "layers": args.layers, "coverage": args.coverage, "pool_slots": slots,
+              "unprofiled_step_ms": unprofiled, "profiled_step_ms": profiled_ms,
+              "summary": summarize(timelines), "timelines": timelines}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    print(f"{args.preset} {args.layers} layers, coverage {args.coverage}: step {unprofiled:.3f} ms unprofiled, "
+          f"{profiled_ms:.3f} ms profiled; {len(timelines)} steps read from the trace")
+    for kind in ("replayed", "no_miss"):
+        fields = report["summary"][kind]
+        if fields:
+            print(f"  {kind} ({next(iter(fields.values()))['steps']} steps), medians in us:")
+            print("    " + ", ".join(f"{k} {v['median_us']:.1f}" for k, v in fields.items()))
+
+
+if __name__ == "__main__":
+    main()
