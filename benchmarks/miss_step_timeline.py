@@ -11,7 +11,13 @@ each step cut into its phases from the device's own timestamps:
     gpu_idle   wall minus the union of the step's device activities
 
 Medians over the profiled steps that replayed (and, separately, those that did not). A diagnostic, not a timing:
-the profiler adds host time per launch and per copy. CUDA only.
+the profiler adds host time per launch and per copy (it doubles the step here).
+
+A second clock needs no profiler (`EventClock`, run first): CUDA events recorded by the benchmark around each
+pass's graph launch, the install's own start / end events on the copy stream (`DevicePool`'s marks), and host
+timestamps of the pass-log reads and fetches; device times are taken from the first pass's start event, host times
+from the step's start, and the two origins are taken as equal (the device is idle when a step starts, so its first
+event lands a few microseconds after the host records it).
 
     python3 benchmarks/miss_step_timeline.py --preset ds-v2-lite --layers 8 --coverage 0.5 --json out.json
 """
@@ -110,6 +116,81 @@ def summarize(timelines: list[dict]) -> dict:
             "replayed": medians(replayed) if replayed else {}, "no_miss": medians(clean) if clean else {}}
 
 
+class EventClock:
+    """Wraps a runtime's step, reads, fetches and installs to time each step's phases with CUDA events (see the
+    module doc). `timelines` gets one dict per step, in microseconds."""
+
+    def __init__(self, runtime):
+        import torch
+        self.torch, self.runtime, self.timelines = torch, runtime, []
+        self._step, self._read, self._fetch = runtime.step, runtime._read_pass, runtime._fetch_for_step
+        self._write = runtime.pool._write_device
+        runtime.step, runtime._read_pass, runtime._fetch_for_step = self.step, self.read, self.fetch
+        runtime.pool._write_device = self.write
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(16)]  # made once, recorded per pass
+
+    def detach(self) -> None:
+        runtime = self.runtime
+        del runtime.step, runtime._read_pass, runtime._fetch_for_step, runtime.pool._write_device
+
+    def step(self, forward, rewind, **kwargs):
+        self._t0, self._passes, self._copies, self._host = time.perf_counter(), [], [], {}
+
+        def timed_forward():
+            before, after = self._events[2 * len(self._passes)], self._events[2 * len(self._passes) + 1]
+            launched = self._since()
+            before.record()
+            result = forward()
+            after.record()
+            self._passes.append((before, after, launched))
+            return result
+        out = self._step(timed_forward, rewind, **kwargs)
+        wall = self._since()
+        self.torch.cuda.synchronize()
+        self.timelines.append(self._timeline(wall))
+        return out
+
+    def _since(self) -> float:
+        return (time.perf_counter() - self._t0) * 1e6
+
+    def read(self):
+        report = self._read()
+        self._host.setdefault("read_done", []).append(self._since())
+        return report
+
+    def fetch(self, *args, **kwargs):
+        self._host.setdefault("fetch_start", []).append(self._since())
+        try:
+            return self._fetch(*args, **kwargs)
+        finally:
+            self._host.setdefault("fetch_done", []).append(self._since())
+
+    def write(self, buffers, *args, **kwargs):
+        self._write(buffers, *args, **kwargs)
+        if buffers.marks is not None:
+            self._copies.append(tuple(buffers.marks))  # read at the step's end, before the next install reuses them
+
+    def _timeline(self, wall: float) -> dict:
+        origin = self._passes[0][0]
+
+        def at(event) -> float:
+            return origin.elapsed_time(event) * 1e3
+
+        passes = [(at(b), at(a), launched) for b, a, launched in self._passes]
+        t = dict(wall=wall, passes=len(passes), replayed=len(passes) > 1, pass1=passes[0][1],
+                 end=wall - passes[-1][1], read1_done=self._host["read_done"][0] - passes[0][1])
+        if self._copies:
+            c0, c1 = at(self._copies[0][0]), at(self._copies[-1][1])
+            t.update(to_copy=c0 - passes[0][1], copies=c1 - c0, installs=len(self._copies))
+            if len(passes) > 1:
+                t["tail"] = passes[-1][1] - c1
+        if len(passes) > 1:
+            t.update(replay_launch=passes[1][2] - passes[0][1], replay_pass=passes[1][1] - passes[1][0],
+                     fetch_host=self._host["fetch_done"][0] - self._host["fetch_start"][0],
+                     read_to_fetch_done=self._host["fetch_done"][0] - self._host["read_done"][0])
+        return t
+
+
 def _annotate(runtime) -> None:
     """Mark the step, each pass-log read and each fetch as host ranges (instance attributes: `step` looks them up
     on every call)."""
@@ -131,7 +212,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--coverage", type=float, default=0.5, help="pool slots over the routed experts")
     parser.add_argument("--warm-steps", type=int, default=60)
-    parser.add_argument("--steps", type=int, default=40, help="profiled steps")
+    parser.add_argument("--steps", type=int, default=40, help="steps timed by each clock (events, then profiler)")
     parser.add_argument("--pack-dir", default="/tmp/rp-timeline")
     parser.add_argument("--trace", type=Path, help="also write the profiler's Chrome trace here (.json.gz)")
     parser.add_argument("--json", type=Path)
@@ -151,7 +232,8 @@ def main() -> None:
 
     g = get_preset(args.preset).with_layers(args.layers)
     spec = ensure_synthetic_pack(g, args.pack_dir)
-    steps = skewed_steps(g, args.warm_steps + args.steps)
+    steps = skewed_steps(g, args.warm_steps + 2 * args.steps)
+    warm, timed, profiled = steps[:args.warm_steps], steps[args.warm_steps:-args.steps], steps[-args.steps:]
     slots = round(args.coverage * g.total_routed_experts)
     with TieredRuntime(g, open_synthetic_rows(spec, args.pack_dir), pool_slots=slots,
                        arena_slots=int(4 * 2**30) // spec.stride, device="cuda",
@@ -159,13 +241,17 @@ def main() -> None:
         preload_arena(rt)
         if args.coverage >= 1.0:
             rt.preload()
-        unprofiled = drive(rt, steps[:args.warm_steps], warmup=10, graph=True, readback="folded",
+        unprofiled = drive(rt, warm, warmup=10, graph=True, readback="folded",
                            dtype=torch.bfloat16)["steady"].as_dict()["step_ms"]
+        clock = EventClock(rt)
+        drive(rt, timed, warmup=0, graph=True, readback="folded", dtype=torch.bfloat16)
+        event_steps = clock.timelines
+        clock.detach()
         _annotate(rt)
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:
             started = time.perf_counter()
-            drive(rt, steps[args.warm_steps:], warmup=0, graph=True, readback="folded", dtype=torch.bfloat16)
+            drive(rt, profiled, warmup=0, graph=True, readback="folded", dtype=torch.bfloat16)
             profiled_ms = (time.perf_counter() - started) * 1e3 / args.steps
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "trace.json"
@@ -179,16 +265,18 @@ def main() -> None:
     report = {"provenance": {"commit": args.commit, "torch": torch.__version__, "device": torch.cuda.get_device_name()},
               "preset": args.preset, "layers": args.layers, "coverage": args.coverage, "pool_slots": slots,
               "unprofiled_step_ms": unprofiled, "profiled_step_ms": profiled_ms,
+              "events": {"summary": summarize(event_steps), "timelines": event_steps},
               "summary": summarize(timelines), "timelines": timelines}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     print(f"{args.preset} {args.layers} layers, coverage {args.coverage}: step {unprofiled:.3f} ms unprofiled, "
           f"{profiled_ms:.3f} ms profiled; {len(timelines)} steps read from the trace")
-    for kind in ("replayed", "no_miss"):
-        fields = report["summary"][kind]
-        if fields:
-            print(f"  {kind} ({next(iter(fields.values()))['steps']} steps), medians in us:")
-            print("    " + ", ".join(f"{k} {v['median_us']:.1f}" for k, v in fields.items()))
+    for clock, summary in (("events", report["events"]["summary"]), ("profiler", report["summary"])):
+        for kind in ("replayed", "no_miss"):
+            fields = summary[kind]
+            if fields:
+                print(f"  {clock}, {kind} ({fields['wall']['steps']} steps), medians in us:")
+                print("    " + ", ".join(f"{k} {v['median_us']:.1f}" for k, v in fields.items()))
 
 
 if __name__ == "__main__":
