@@ -124,14 +124,18 @@ class EventClock:
         import torch
         self.torch, self.runtime, self.timelines = torch, runtime, []
         self._step, self._read, self._fetch = runtime.step, runtime._read_pass, runtime._fetch_for_step
-        self._write = runtime.pool._write_device
+        self._write, self._log_read = runtime.pool._write_device, runtime.log.read
+        self._copy_rows, self._sync = runtime.pool._copy_rows, torch.cuda.Stream.synchronize
         runtime.step, runtime._read_pass, runtime._fetch_for_step = self.step, self.read, self.fetch
-        runtime.pool._write_device = self.write
+        runtime.pool._write_device, runtime.log.read, runtime.pool._copy_rows = self.write, self.log_read, self.copy_rows
+        torch.cuda.Stream.synchronize = self.synchronize
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(16)]  # made once, recorded per pass
 
     def detach(self) -> None:
         runtime = self.runtime
-        del runtime.step, runtime._read_pass, runtime._fetch_for_step, runtime.pool._write_device
+        del runtime.step, runtime._read_pass, runtime._fetch_for_step, runtime.pool._write_device, runtime.log.read
+        del runtime.pool._copy_rows
+        self.torch.cuda.Stream.synchronize = self._sync
 
     def step(self, forward, rewind, **kwargs):
         self._t0, self._passes, self._copies, self._host = time.perf_counter(), [], [], {}
@@ -153,10 +157,26 @@ class EventClock:
     def _since(self) -> float:
         return (time.perf_counter() - self._t0) * 1e6
 
+    def _mark(self, name: str) -> None:
+        if hasattr(self, "_host"):
+            self._host.setdefault(name, []).append(self._since())
+
     def read(self):
         report = self._read()
-        self._host.setdefault("read_done", []).append(self._since())
+        self._mark("read_done")
         return report
+
+    def log_read(self):
+        self._mark("log_read_start")
+        return self._log_read()
+
+    def synchronize(self, stream):
+        self._sync(stream)
+        self._mark("synced")
+
+    def copy_rows(self, *args, **kwargs):
+        self._mark("row_copy_issue")
+        return self._copy_rows(*args, **kwargs)
 
     def fetch(self, *args, **kwargs):
         self._host.setdefault("fetch_start", []).append(self._since())
@@ -177,8 +197,14 @@ class EventClock:
             return origin.elapsed_time(event) * 1e3
 
         passes = [(at(b), at(a), launched) for b, a, launched in self._passes]
-        t = dict(wall=wall, passes=len(passes), replayed=len(passes) > 1, pass1=passes[0][1],
-                 end=wall - passes[-1][1], read1_done=self._host["read_done"][0] - passes[0][1])
+        host = self._host
+        t = dict(wall=wall, passes=len(passes), replayed=len(passes) > 1, pass1=passes[0][1], end=wall - passes[-1][1])
+        # host marks against the device's pass ends (same origin assumed): negative = the host got there first
+        for name, mark, which in (("read1_start", "log_read_start", 0), ("read1_synced", "synced", 0),
+                                  ("read1_done", "read_done", 0), ("first_copy_issue", "row_copy_issue", 0),
+                                  ("last_synced", "synced", -1), ("last_read_done", "read_done", -1)):
+            if mark in host:
+                t[name] = host[mark][which] - passes[which][1]
         if self._copies:
             c0, c1 = at(self._copies[0][0]), at(self._copies[-1][1])
             t.update(to_copy=c0 - passes[0][1], copies=c1 - c0, installs=len(self._copies))
