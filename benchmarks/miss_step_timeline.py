@@ -128,7 +128,10 @@ class EventClock:
         self._copy_rows, self._sync = runtime.pool._copy_rows, torch.cuda.Stream.synchronize
         runtime.step, runtime._read_pass, runtime._fetch_for_step = self.step, self.read, self.fetch
         runtime.pool._write_device, runtime.log.read, runtime.pool._copy_rows = self.write, self.log_read, self.copy_rows
-        torch.cuda.Stream.synchronize = self.synchronize
+        def synchronize(stream):  # a plain function: the class attribute binds the stream as its argument
+            self._sync(stream)
+            self._mark("synced")
+        torch.cuda.Stream.synchronize = synchronize
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(16)]  # made once, recorded per pass
 
     def detach(self) -> None:
@@ -169,10 +172,6 @@ class EventClock:
     def log_read(self):
         self._mark("log_read_start")
         return self._log_read()
-
-    def synchronize(self, stream):
-        self._sync(stream)
-        self._mark("synced")
 
     def copy_rows(self, *args, **kwargs):
         self._mark("row_copy_issue")
