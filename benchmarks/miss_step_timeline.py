@@ -128,13 +128,28 @@ class EventClock:
         self._copy_rows, self._sync = runtime.pool._copy_rows, torch.cuda.Stream.synchronize
         runtime.step, runtime._read_pass, runtime._fetch_for_step = self.step, self.read, self.fetch
         runtime.pool._write_device, runtime.log.read, runtime.pool._copy_rows = self.write, self.log_read, self.copy_rows
+        self._entry_marks = []
+        for owner, name in ((runtime.pool, "missing"), (runtime, "_victims"), (runtime.arena, "holds_all"),
+                            (runtime.arena, "fetch"), (runtime.pool, "install"), (runtime.pool, "_take_install_buffers"),
+                            (runtime.pool, "_copy_by_layer"), (runtime.pool, "_map")):
+            self._entry_marks.append((owner, name))
+            setattr(owner, name, self._marked(f"enter_{name.strip('_')}", getattr(owner, name)))
+
         def synchronize(stream):  # a plain function: the class attribute binds the stream as its argument
             self._sync(stream)
             self._mark("synced")
         torch.cuda.Stream.synchronize = synchronize
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(16)]  # made once, recorded per pass
 
+    def _marked(self, mark: str, fn):
+        def run(*args, **kwargs):
+            self._mark(mark)
+            return fn(*args, **kwargs)
+        return run
+
     def detach(self) -> None:
+        for owner, name in self._entry_marks:
+            delattr(owner, name)
         runtime = self.runtime
         del runtime.step, runtime._read_pass, runtime._fetch_for_step, runtime.pool._write_device, runtime.log.read
         del runtime.pool._copy_rows
@@ -204,6 +219,9 @@ class EventClock:
                                   ("last_synced", "synced", -1), ("last_read_done", "read_done", -1)):
             if mark in host:
                 t[name] = host[mark][which] - passes[which][1]
+        for name, marks in host.items():  # the fetch path's entry marks, the first of each in the step
+            if name.startswith("enter_"):
+                t[name] = marks[0] - passes[0][1]
         if self._copies:
             c0, c1 = at(self._copies[0][0]), at(self._copies[-1][1])
             t.update(to_copy=c0 - passes[0][1], copies=c1 - c0, installs=len(self._copies))
@@ -231,6 +249,22 @@ def _annotate(runtime) -> None:
     runtime._fetch_for_step = ranged(FETCH, runtime._fetch_for_step)
 
 
+def _profiled(runtime, steps, drive) -> tuple[list[dict], float]:
+    """The steps under torch.profiler, host ranges marked: (the Chrome trace's events, ms per step)."""
+    import torch
+    _annotate(runtime)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        started = time.perf_counter()
+        drive(runtime, steps, warmup=0, graph=True, readback="folded", dtype=torch.bfloat16)
+        profiled_ms = (time.perf_counter() - started) * 1e3 / len(steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    return (trace["traceEvents"] if isinstance(trace, dict) else trace), profiled_ms
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="ds-v2-lite")
@@ -241,6 +275,7 @@ def main() -> None:
     parser.add_argument("--pack-dir", default="/tmp/rp-timeline")
     parser.add_argument("--trace", type=Path, help="also write the profiler's Chrome trace here (.json.gz)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--no-profiler", action="store_true", help="the event clock only")
     parser.add_argument("--commit", default="")
     args = parser.parse_args()
 
@@ -272,18 +307,8 @@ def main() -> None:
         drive(rt, timed, warmup=0, graph=True, readback="folded", dtype=torch.bfloat16)
         event_steps = clock.timelines
         clock.detach()
-        _annotate(rt)
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=activities) as prof:
-            started = time.perf_counter()
-            drive(rt, profiled, warmup=0, graph=True, readback="folded", dtype=torch.bfloat16)
-            profiled_ms = (time.perf_counter() - started) * 1e3 / args.steps
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "trace.json"
-            prof.export_chrome_trace(str(path))
-            trace = json.loads(path.read_text())
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    if args.trace:
+        events, profiled_ms = ([], None) if args.no_profiler else _profiled(rt, profiled, drive)
+    if args.trace and events:
         with gzip.open(args.trace, "wt") as f:
             json.dump(events, f)
     timelines = step_timelines(events)
@@ -294,13 +319,14 @@ def main() -> None:
               "summary": summarize(timelines), "timelines": timelines}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
+    profiled_note = f"{profiled_ms:.3f} ms profiled" if profiled_ms is not None else "not profiled"
     print(f"{args.preset} {args.layers} layers, coverage {args.coverage}: step {unprofiled:.3f} ms unprofiled, "
-          f"{profiled_ms:.3f} ms profiled; {len(timelines)} steps read from the trace")
-    for clock, summary in (("events", report["events"]["summary"]), ("profiler", report["summary"])):
+          f"{profiled_note}; {len(timelines)} steps read from the trace")
+    for clock_name, summary in (("events", report["events"]["summary"]), ("profiler", report["summary"])):
         for kind in ("replayed", "no_miss"):
             fields = summary[kind]
             if fields:
-                print(f"  {clock}, {kind} ({fields['wall']['steps']} steps), medians in us:")
+                print(f"  {clock_name}, {kind} ({fields['wall']['steps']} steps), medians in us:")
                 print("    " + ", ".join(f"{k} {v['median_us']:.1f}" for k, v in fields.items()))
 
 
