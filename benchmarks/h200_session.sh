@@ -13,7 +13,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -823,6 +823,24 @@ case "$step" in
       set -- $cell
       stage "timeline-$1-$3" 100 python3 benchmarks/miss_step_timeline.py --preset "$1" --layers "$2" --coverage "$3" \
         --no-profiler --commit "$commit" --json "$work/timeline-$1-$3.json"
+    done
+    ;;
+  hostcut)  # the fetch path's host cuts (one arena lookup, an all-hit fast path, no second key check, the pass log's
+    # stream by index) on the GPU: the runtime's GPU tests, then miss_step_timeline.py --no-profiler, the tree before
+    # them (15ce2d3, carried as .baseline/15ce2d3.tar.gz) and this one alternating, 2 rounds: ds-v2-lite 8 layers at
+    # 50 / 25 %, qwen3-30b-a3b 16 layers at 25 %
+    runtime_gpu_tests 200
+    mkdir -p /tmp/old && tar -xzf .baseline/15ce2d3.tar.gz -C /tmp/old
+    for round in 1 2; do
+      for tree in old new; do
+        dir=$PWD; [ "$tree" = old ] && dir=/tmp/old
+        for cell in "ds-v2-lite 8 0.5" "ds-v2-lite 8 0.25" "qwen3-30b-a3b 16 0.25"; do
+          set -- $cell
+          stage "timeline-$tree-$round-$1-$3" 100 env PYTHONPATH="$dir" bash -c "cd $dir && python3 \
+            benchmarks/miss_step_timeline.py --preset $1 --layers $2 --coverage $3 --no-profiler --commit $commit \
+            --json $work/timeline-$tree-$round-$1-$3.json"
+        done
+      done
     done
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;

@@ -129,7 +129,7 @@ class EventClock:
         runtime.step, runtime._read_pass, runtime._fetch_for_step = self.step, self.read, self.fetch
         runtime.pool._write_device, runtime.log.read, runtime.pool._copy_rows = self.write, self.log_read, self.copy_rows
         self._entry_marks = []
-        for owner, name in ((runtime.pool, "missing"), (runtime, "_victims"), (runtime.arena, "holds_all"),
+        for owner, name in ((runtime.pool, "missing"), (runtime, "_victims"),
                             (runtime.arena, "fetch"), (runtime.pool, "install"), (runtime.pool, "_take_install_buffers"),
                             (runtime.pool, "_copy_by_layer"), (runtime.pool, "_map")):
             self._entry_marks.append((owner, name))

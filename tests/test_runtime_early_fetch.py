@@ -69,9 +69,9 @@ def test_fetches_during_a_pass_evict_only_finished_layers_experts_it_did_not_rou
             installs.append({"finished": finished_layers, "protect": set(protect_ids)})
             return fetch(keys, protect_ids, scan, partial, finished_layers)
 
-        def recording_install(keys, rows, exclude, victims=None, after_compute=True, arena_rows=False):
+        def recording_install(keys, rows, exclude, victims=None, after_compute=True, **options):
             installs[-1].update(victims=list(victims or []), after_compute=after_compute)
-            install(keys, rows, exclude, victims, after_compute, arena_rows)
+            install(keys, rows, exclude, victims, after_compute, **options)
 
         runtime._fetch, runtime.pool.install = recording_fetch, recording_install
         for step in range(STEPS):
@@ -189,7 +189,7 @@ def test_a_read_error_during_the_pass_fails_the_step_closed_and_the_next_steps_a
     with make_runtime(g, 0.25, early_fetch=True) as runtime:
         fetch, read, failures = runtime.fetch, runtime.arena.fetch, []
 
-        def failing_read(keys, scan=False):
+        def failing_read(keys, scan=False, before_read=None):
             failures.append(list(keys))
             raise OSError(5, "Input/output error (injected)")
 

@@ -37,16 +37,22 @@ def test_per_step_split_adds_up_and_is_zero_without_a_fetch():
     assert medians["install_ms"] == float(np.median(np.asarray(per["install_ms"])[fetched]))
 
 
-def test_fetch_waits_for_the_last_copies_before_the_arena_and_close_waits():
+def test_fetch_waits_for_the_last_copies_before_the_arena_reads_and_close_waits():
+    """A fetch that reads rows into the arena waits for the pool's copies first (they may read arena rows the
+    read rewrites); one whose rows are all arena hits does not wait; close waits."""
     g = toy_geometry()
-    runtime = TieredRuntime(g, memory_source(g), pool_slots=12, arena_slots=16, config=RuntimeConfig(kpi_every=0))
+    source = memory_source(g)
+    runtime = TieredRuntime(g, source, pool_slots=12, arena_slots=16, config=RuntimeConfig(kpi_every=0))
     calls = []
-    wait, arena_fetch = runtime.pool.wait, runtime.arena.fetch
+    wait, read_rows = runtime.pool.wait, source.read_rows
     runtime.pool.wait = lambda: (calls.append("wait"), wait())[1]
-    runtime.arena.fetch = lambda *a, **k: (calls.append("arena"), arena_fetch(*a, **k))[1]
+    source.read_rows = lambda *a, **k: (calls.append("read"), read_rows(*a, **k))[1]
     runtime.fetch([(0, 1), (1, 2)], [])
-    assert calls[:2] == ["wait", "arena"]
+    assert calls == ["wait", "read"]
     calls.clear()
+    runtime.pool.clear()  # unmapped from the pool, still in the arena: the next fetch hits there only
+    runtime.fetch([(0, 1), (1, 2)], [])
+    assert calls == [] and runtime.pool.is_resident((0, 1)) and runtime.pool.is_resident((1, 2))
     runtime.close()
     assert calls == ["wait"]
 

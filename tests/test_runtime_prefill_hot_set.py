@@ -100,7 +100,8 @@ def test_prefill_layer_routing_more_experts_than_the_pool_runs_in_token_chunks(m
         runtime.pool.check_coherent()
         assert runtime.pool.num_slots == 8 and outcome.first_pass_missing_pairs == 0 and outcome.replays == 0
         assert runtime.stats().fetched_rows > 8  # chunks refetched into the same 8 slots
-    torch.testing.assert_close(got, prefill_reference(), rtol=1e-5, atol=1e-6)
+    # float32 GEMMs over different token counts round differently by CPU kernel (AVX2 / AVX-512): 3e-5 relative seen
+    torch.testing.assert_close(got, prefill_reference(), rtol=1e-4, atol=1e-5)
     monkeypatch.setattr(engine, "token_chunks", lambda ids, slots: [(0, len(ids))])
     with make_runtime(g, 8 / g.total_routed_experts) as runtime, pytest.raises(CapacityError, match="cannot hold"):
         runtime.step(lambda: model.forward(runtime, prompt), lambda: None, prefill=True)

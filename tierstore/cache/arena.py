@@ -21,7 +21,7 @@ import logging
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -167,10 +167,6 @@ class Arena:
     def __contains__(self, key: Key) -> bool:
         return key in self._table
 
-    def holds_all(self, keys: Sequence[Key]) -> bool:
-        """Whether a fetch of `keys` would read nothing (every one is in the arena)."""
-        return self._table.holds_all(keys)
-
     # -- fetch -------------------------------------------------------------------------------
     def _checked_keys(self, keys: Sequence[Key]) -> list[Key]:
         """`keys` as (int, int), each a row the source holds; PackFormatError at the first that is not."""
@@ -186,13 +182,19 @@ class Arena:
             checked.append((int(layer), int(expert)))
         return checked
 
-    def fetch(self, keys: Sequence[Key], scan: bool = False) -> list[torch.Tensor]:
+    def fetch(self, keys: Sequence[Key], scan: bool = False,
+              before_read: Callable[[], None] | None = None) -> list[torch.Tensor]:
         """Rows for `keys` as uint8 tensors [row_bytes]. `scan` (prefill): fill free slots only,
-        never evict."""
+        never evict. `before_read` runs once before any row is rewritten, only when some key must be
+        read from the source (a device pool waits there for copies that may still read arena rows)."""
         started = time.perf_counter()
-        found = self._table.hit_many(keys)  # {key: slot}
-        busy = set(found.values())
+        found = self._table.hit_many(keys)  # {key: slot}, in the order of keys
         rows = self._rows
+        if len(found) == len(keys):  # every key a hit, none repeated: nothing to read or check
+            self._hit_rows += len(found)
+            self._hit_latency.append(time.perf_counter() - started)
+            return [rows[slot] for slot in found.values()]
+        busy = set(found.values())
         resident: dict[Key, torch.Tensor] = {key: rows[slot] for key, slot in found.items()}
         hit_rows = len(resident)
         # only the table's keys hit, and each was checked when it was read: the rest are checked now
@@ -211,6 +213,8 @@ class Arena:
                 busy.add(slot)
                 placed.append((key, slot))
         if missing:
+            if before_read is not None:
+                before_read()
             self._read(placed, overflow, resident, scan)
         self._hit_rows += hit_rows
         self._miss_rows += len(missing)

@@ -32,11 +32,6 @@ class SlotTable:
             self._key_to_slot.move_to_end(key)
         return slot
 
-    def holds_all(self, keys) -> bool:
-        """Whether every key is published (recency unchanged)."""
-        table = self._key_to_slot
-        return all(key in table for key in keys)
-
     def hit_many(self, keys) -> dict:
         """`hit` of each key in order (a repeated key once, where it first occurs): {key: slot} of the
         published ones."""

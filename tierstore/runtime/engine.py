@@ -247,14 +247,20 @@ class TieredRuntime:
         if scan and self._decode_hot.size and victims:
             self._stats.prefill_hot_evictions += int(np.isin(victims, self._decode_hot).sum())
         started = time.perf_counter()
-        if not self.arena.holds_all(keys):
-            self.pool.wait()  # the arena will rewrite rows, maybe ones that copies still in flight read
-        looked_up = time.perf_counter()
-        rows = self.arena.fetch(keys, scan=scan)
+        waited = 0.0
+
+        def wait_for_copies() -> None:  # the arena will rewrite rows, maybe ones that copies still in flight read
+            nonlocal waited
+            begun = time.perf_counter()
+            self.pool.wait()
+            waited = time.perf_counter() - begun
+
+        rows = self.arena.fetch(keys, scan=scan, before_read=wait_for_copies)
         installing = time.perf_counter()
-        self.pool.install(keys, rows, (), victims, after_compute=finished_layers is None, arena_rows=True)
+        self.pool.install(keys, rows, (), victims, after_compute=finished_layers is None, arena_rows=True,
+                          keys_checked=True)
         done = time.perf_counter()
-        self._stats.add_fetch(len(keys), sum(r.numel() for r in rows), done - started, installing - looked_up,
+        self._stats.add_fetch(len(keys), sum(r.numel() for r in rows), done - started, installing - started - waited,
                               done - installing, during_pass=finished_layers is not None)
         return len(keys)
 

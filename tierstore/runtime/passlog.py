@@ -60,6 +60,8 @@ class PassLog:
     def __init__(self, num_layers: int, num_experts: int, top_k: int, capacity: int, device,
                  record_tokens: int = 0, output_words: int = 0, early_layers: bool = False):
         self.device = torch.device(device)
+        self._stream_index = self.device.index if self.device.index is not None else (
+            torch.cuda.current_device() if self.device.type == "cuda" else None)  # current_stream by index: fast
         self.num_experts = num_experts
         self.record_tokens = record_tokens
         sizes = (2, num_layers * num_experts, 2 * capacity, num_layers * record_tokens * top_k, output_words)
@@ -129,7 +131,7 @@ class PassLog:
     def read(self) -> PassReport:
         self._host.copy_(self.buffer, non_blocking=True)
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.current_stream(self._stream_index).synchronize()
         pairs, experts = self._host_counts.tolist()
         logged = min(experts, len(self._host_entries) // 2)
         missing = tuple(map(tuple, self._host_entries[:2 * logged].reshape(-1, 2).tolist())) if logged else ()

@@ -224,7 +224,8 @@ class DevicePool:
 
     # -- mutation -------------------------------------------------------------------------------
     def install(self, keys: Sequence[Key], rows: Sequence[torch.Tensor], exclude: Iterable[Key],
-                victims: list[int] | None = None, after_compute: bool = True, arena_rows: bool = False) -> None:
+                victims: list[int] | None = None, after_compute: bool = True, arena_rows: bool = False,
+                keys_checked: bool = False) -> None:
         """Copy host rows (uint8 [<= slot_bytes], pinned on CUDA) into slots and map them.
 
         Takes free slots first, then victims from the policy that are not in `exclude` (the
@@ -238,7 +239,8 @@ class DevicePool:
         from the host: `PassLog.layer_seen`); the table copy then rewrites the running pass's later
         layers with the values they already hold. `arena_rows`: the rows are the runtime's own arena rows (views
         of its uint8 host buffers, their size checked against the slots at boot by `check_row_source`), which
-        are not checked again row by row.
+        are not checked again row by row. `keys_checked`: the caller took the keys from `missing` over distinct
+        keys (the runtime's fetch), so they are not checked again for repeats and residency.
         """
         if len(keys) != len(rows):
             raise ValueError(f"{len(keys)} keys but {len(rows)} rows")
@@ -246,7 +248,7 @@ class DevicePool:
             return
         buffers = self._take_install_buffers()
         ids = self.key_ids(keys)
-        if len(set(ids)) != len(ids) or np.count_nonzero(self.mirror.reshape(-1)[ids] >= 0):
+        if not keys_checked and (len(set(ids)) != len(ids) or np.count_nonzero(self.mirror.reshape(-1)[ids] >= 0)):
             raise ValueError("install() takes distinct keys that are not resident")
         if not arena_rows:
             self._check_rows(rows)
