@@ -15,9 +15,11 @@ the profiler adds host time per launch and per copy (it doubles the step here).
 
 A second clock needs no profiler (`EventClock`, run first): CUDA events recorded by the benchmark around each
 pass's graph launch, the install's own start / end events on the copy stream (`DevicePool`'s marks), and host
-timestamps of the pass-log reads and fetches; device times are taken from the first pass's start event, host times
-from the step's start, and the two origins are taken as equal (the device is idle when a step starts, so its first
-event lands a few microseconds after the host records it).
+timestamps of the pass-log reads, their synchronize, the first row copy issued and the fetch path's entries. Device
+times run from the first pass's start event, host marks from the moment the host recorded it (`prologue`: the step's
+host time before that), taken as the same instant: the device is idle when a step starts, so the event lands a few
+microseconds after the host records it. (The runs of h200_session.sh timeline2 to timeline4 and hostcut took host
+marks from the step's start, so their host marks and `end` carry the prologue.)
 
     python3 benchmarks/miss_step_timeline.py --preset ds-v2-lite --layers 8 --coverage 0.5 --json out.json
 """
@@ -212,23 +214,25 @@ class EventClock:
 
         passes = [(at(b), at(a), launched) for b, a, launched in self._passes]
         host = self._host
-        t = dict(wall=wall, passes=len(passes), replayed=len(passes) > 1, pass1=passes[0][1], end=wall - passes[-1][1])
-        # host marks against the device's pass ends (same origin assumed): negative = the host got there first
+        lead = passes[0][2]  # host us from the step's start to the first launch, where the device origin is recorded
+        t = dict(wall=wall, prologue=lead, passes=len(passes), replayed=len(passes) > 1, pass1=passes[0][1],
+                 end=wall - lead - passes[-1][1])
+        # host marks against the device's pass ends, both from the first launch: negative = the host got there first
         for name, mark, which in (("read1_start", "log_read_start", 0), ("read1_synced", "synced", 0),
                                   ("read1_done", "read_done", 0), ("first_copy_issue", "row_copy_issue", 0),
                                   ("last_synced", "synced", -1), ("last_read_done", "read_done", -1)):
             if mark in host:
-                t[name] = host[mark][which] - passes[which][1]
+                t[name] = host[mark][which] - lead - passes[which][1]
         for name, marks in host.items():  # the fetch path's entry marks, the first of each in the step
             if name.startswith("enter_"):
-                t[name] = marks[0] - passes[0][1]
+                t[name] = marks[0] - lead - passes[0][1]
         if self._copies:
             c0, c1 = at(self._copies[0][0]), at(self._copies[-1][1])
             t.update(to_copy=c0 - passes[0][1], copies=c1 - c0, installs=len(self._copies))
             if len(passes) > 1:
                 t["tail"] = passes[-1][1] - c1
         if len(passes) > 1:
-            t.update(replay_launch=passes[1][2] - passes[0][1], replay_pass=passes[1][1] - passes[1][0],
+            t.update(replay_launch=passes[1][2] - lead - passes[0][1], replay_pass=passes[1][1] - passes[1][0],
                      fetch_host=self._host["fetch_done"][0] - self._host["fetch_start"][0],
                      read_to_fetch_done=self._host["fetch_done"][0] - self._host["read_done"][0])
         return t
