@@ -13,7 +13,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -858,6 +858,14 @@ case "$step" in
       stage "timeline-ds-v2-lite-$coverage" 60 python3 benchmarks/miss_step_timeline.py --preset ds-v2-lite --layers 8 \
         --coverage "$coverage" --no-profiler --commit "$commit" --json "$work/timeline-ds-v2-lite-$coverage.json"
     done
+    ;;
+  events11)  # the route's fork and join with the workspace's two events (kernels/moe_mm.py _route_beside, no event made
+    # per call): both pair-order test files (eager and captured), the runtime GPU tests (captured steps fork the route)
+    # and the main job's --verify-resident. Stage limits 150 + 200 + 80 s.
+    stage pair-tests 150 python3 -m pytest tests/test_cuda_w2_pair_order.py tests/test_cuda_fp4_pair_order.py -m gpu -q
+    runtime_gpu_tests 200
+    stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

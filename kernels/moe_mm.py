@@ -103,9 +103,11 @@ class MoeWorkspace:
     down_block_n: int = 64
     down_num_warps: int = 8
     # [1] int32, the tables' expert count (the pair-order CUDA kernels' bound on an id), and on CUDA a stream of the
-    # workspace's own on which `moe_mm` routes beside a route-free `cuda_w2` (created here, never during a capture).
+    # workspace's own on which `moe_mm` routes beside a route-free `cuda_w2` (created here, never during a capture),
+    # with the two events that fork the route onto it and join it back (reused by every call: no event per call)
     experts: torch.Tensor | None = None
     side_stream: object = None
+    route_events: tuple | None = None
 
     @classmethod
     def allocate(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, dtype, device,
@@ -155,6 +157,7 @@ class MoeWorkspace:
             down_num_warps=down_num_warps,
             experts=torch.full((1,), num_experts, **i32),
             side_stream=torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None,
+            route_events=(torch.cuda.Event(), torch.cuda.Event()) if torch.device(device).type == "cuda" else None,
         )
 
 
@@ -312,11 +315,14 @@ def _route_beside(stages, topk_ids, w2, fp4, layer: int, misses: MissLog, worksp
     runs on the workspace's side stream, forked from the current stream before and joined into it after: two
     branches of a captured graph, the miss log and the route output complete before anything after this call."""
     main, side = torch.cuda.current_stream(), workspace.side_stream
-    side.wait_stream(main)
+    fork, join = workspace.route_events
+    fork.record(main)
+    side.wait_event(fork)
     with torch.cuda.stream(side):
         moe_route(topk_ids, w2, fp4, layer, misses, workspace)
     stages()
-    main.wait_stream(side)
+    join.record(side)
+    main.wait_event(join)
 
 
 def moe_mm_ref(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w2: TierPool, fp4: TierPool,

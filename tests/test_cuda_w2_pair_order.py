@@ -143,3 +143,29 @@ def test_whole_op_routes_beside_the_pair_order_kernels(mad_case, tokens):  # noq
     replayed_once(lambda: moe_mm(x, ids, weights, mad_case["w2"], mad_case["f4_none"], 0, misses, ws, out=graph_out,
                                  cuda_w2=op), misses, graph_out)
     assert same_bytes(graph_out, base) and misses.counts.tolist() == base_counts
+
+
+@pytest.mark.gpu
+@needs_nvcc
+def test_routing_beside_reuses_the_workspaces_events(mad_case, monkeypatch):  # noqa: F811
+    """Eager calls fork and join the route with the workspace's two events: none is made per call (torch's
+    wait_stream makes one each time, two per MoE layer outside a graph); the bytes stay the route-order op's."""
+    ids, _ = _routed(mad_case, 1)
+    x = torch.randn(1, mad_case["hidden"], generator=mad_case["gen"]).to(torch.bfloat16).cuda()
+    weights = (torch.rand(1, TOP_K, generator=mad_case["gen"]) + 0.05).cuda()
+    base, _, _ = run_whole(x, ids, weights, mad_case["w2"], mad_case["f4_none"],
+                           W2MoeCuda(wps=mad_case["wps"], gate_single=ROUTE, down_single=ROUTE), mad_case["inter"],
+                           EXPERTS, 4)
+    op = W2MoeCuda(wps=mad_case["wps"], gate_single=PAIR, down_single=PAIR)
+    ws = MoeWorkspace.allocate(1, TOP_K, EXPERTS, mad_case["hidden"], mad_case["inter"], torch.bfloat16, "cuda",
+                               block_tokens=1)
+
+    def no_event_per_call(*args, **kwargs):
+        raise AssertionError("an event was made for this call")
+    monkeypatch.setattr(torch.cuda.Stream, "record_event", no_event_per_call)
+    for _ in range(2):
+        out = torch.full_like(x, float("nan"))
+        moe_mm(x, ids, weights, mad_case["w2"], mad_case["f4_none"], 0, MissLog.allocate(4, "cuda"), ws, out=out,
+               cuda_w2=op)
+        torch.cuda.synchronize()
+        assert same_bytes(out, base)
