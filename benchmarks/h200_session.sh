@@ -13,7 +13,7 @@
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11|hostcut2}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -866,6 +866,24 @@ case "$step" in
     runtime_gpu_tests 200
     stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    ;;
+  hostcut2)  # the step's fetch after a read skips the copy stream's wait for compute (its sync finished every kernel),
+    # the install groups its rows by layer lazily (the first layer's rows go out first): the runtime GPU tests, the main
+    # job's --verify-resident, then the replay benchmark on ds-v2-lite, the tree before (d450051, carried as
+    # .baseline/d450051.tar.gz) and this one in turn, and the timeline at ds-v2-lite 25 %. Stage limits 200 + 80 +
+    # 2 x 120 + 60 s.
+    runtime_gpu_tests 200
+    stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    mkdir -p /tmp/old && tar -xzf .baseline/d450051.tar.gz -C /tmp/old
+    stage replay-ds-old 120 env PYTHONPATH=/tmp/old bash -c "cd /tmp/old && python3 benchmarks/replay.py \
+      --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 --steps 220 --warmup 20 --coverages 1.0,0.5,0.25,0.1 \
+      --arena-gb 4 --arena-preload --dtype bfloat16 --commit d450051 --out $work/replay_ds_old.json"
+    stage replay-ds 120 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 1.0,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --commit "$commit" --out "$work/replay_ds_new.json"
+    stage timeline-ds-v2-lite-0.25 60 python3 benchmarks/miss_step_timeline.py --preset ds-v2-lite --layers 8 \
+      --coverage 0.25 --no-profiler --commit "$commit" --json "$work/timeline-ds-v2-lite-0.25.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

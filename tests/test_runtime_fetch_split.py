@@ -5,7 +5,8 @@ and on CUDA the compute stream reads nothing before the copies land (the `gpu` t
 import numpy as np
 import pytest
 import torch
-from test_runtime_fixtures import memory_source, toy_geometry
+from test_runtime_core import tokens
+from test_runtime_fixtures import ToyMoE, memory_source, toy_geometry
 from test_runtime_replay import skewed_routing
 
 from tierstore.cache.policy import get_policy
@@ -112,3 +113,23 @@ def test_hits_applied_before_each_read_change_no_eviction():
             finals.append((out["tokens"], runtime.pool.mirror.copy(), list(runtime.pool.policy._order)))
     assert finals[0][0] == finals[1][0] and np.array_equal(finals[0][1], finals[1][1])
     assert finals[0][2] == finals[1][2]
+
+
+def test_only_the_steps_fetch_after_a_read_skips_the_copies_wait_for_compute():
+    """The step's fetch follows a pass-log read (its sync finished every kernel that could read a victim's slot) and
+    installs with after_compute False; a fetch from outside the step (preload, a prefill layer's, a caller's) keeps
+    the wait."""
+    g = toy_geometry()
+    model = ToyMoE(g)
+    runtime = TieredRuntime(g, memory_source(g), pool_slots=12, arena_slots=16, config=RuntimeConfig(kpi_every=0))
+    flags = []
+    install = runtime.pool.install
+    runtime.pool.install = lambda *a, after_compute=True, **k: (flags.append(after_compute),
+                                                                 install(*a, after_compute=after_compute, **k))[1]
+    runtime.fetch([(0, 1)], [])
+    assert flags == [True]
+    flags.clear()
+    for step in range(4):
+        runtime.step(lambda x=tokens(g, step): model.forward(runtime, x), lambda: None)
+    assert flags and not any(flags)
+    runtime.close()

@@ -224,9 +224,11 @@ class TieredRuntime:
         return self._fetch(keys, frozenset(self.pool.key_ids(protect)), scan, partial, finished_layers)
 
     def _fetch(self, keys: Iterable[Key], protect_ids: frozenset[int], scan: bool = False, partial: bool = False,
-               finished_layers: int | None = None) -> int:
+               finished_layers: int | None = None, after_read: bool = False) -> int:
         """`fetch` with the protected experts as key ids (layer * E + expert): the step's path, where the
-        pass report holds them so (no key tuples between the pass-log read and the first row copy)."""
+        pass report holds them so (no key tuples between the pass-log read and the first row copy). `after_read`:
+        nothing was launched on the compute stream since a pass-log read synchronised it, so the copies need not
+        wait for it (the step's fetch: no kernel that could read a victim's slot is still running)."""
         self.settle()
         keys = self.pool.missing(dict.fromkeys(keys))
         if not keys:
@@ -257,8 +259,8 @@ class TieredRuntime:
 
         rows = self.arena.fetch(keys, scan=scan, before_read=wait_for_copies)
         installing = time.perf_counter()
-        self.pool.install(keys, rows, (), victims, after_compute=finished_layers is None, arena_rows=True,
-                          keys_checked=True)
+        self.pool.install(keys, rows, (), victims, after_compute=finished_layers is None and not after_read,
+                          arena_rows=True, keys_checked=True)
         done = time.perf_counter()
         self._stats.add_fetch(len(keys), sum(r.numel() for r in rows), done - started, installing - started - waited,
                               done - installing, during_pass=finished_layers is not None)
@@ -415,7 +417,7 @@ class TieredRuntime:
         return self.last_pass
 
     def _fetch_for_step(self, keys, routed_ids: frozenset[int], partial: bool) -> int:
-        return self._fetch(keys, routed_ids, scan=self._scan, partial=partial)
+        return self._fetch(keys, routed_ids, scan=self._scan, partial=partial, after_read=True)
 
     # -- observability ------------------------------------------------------------------------
     def stats(self) -> RuntimeStats:

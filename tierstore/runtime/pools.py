@@ -40,7 +40,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence, Set
-from itertools import islice
+from itertools import groupby, islice
 
 import numpy as np
 import torch
@@ -234,12 +234,12 @@ class DevicePool:
         num_free)` for them and got them all (the policy unchanged since: no second walk of its
         order). Returns when the copies are done, or with `overlap` as soon as they are issued
         (see the module doc). `after_compute` False (CUDA, `layer_waits`): the copies do not wait
-        for the work launched on the compute stream, for a caller that installs while a pass runs
-        and whose victims and new keys all belong to layers the pass has finished (it knows that
-        from the host: `PassLog.layer_seen`); the table copy then rewrites the running pass's later
-        layers with the values they already hold. `arena_rows`: the rows are the runtime's own arena rows (views
-        of its uint8 host buffers, their size checked against the slots at boot by `check_row_source`), which
-        are not checked again row by row. `keys_checked`: the caller took the keys from `missing` over distinct
+        for the work launched on the compute stream, for a caller that knows no launched kernel can still read
+        a victim's slot: the compute stream is idle (synchronised, nothing launched since), or a pass runs
+        whose finished layers hold every victim and new key (known from the host: `PassLog.layer_seen`), when
+        the table copy rewrites the running pass's later layers with the values they already hold.
+        `arena_rows`: the rows are the runtime's own arena rows (views of its uint8 host buffers, their size
+        checked against the slots at boot by `check_row_source`), which are not checked again row by row. `keys_checked`: the caller took the keys from `missing` over distinct
         keys (the runtime's fetch), so they are not checked again for repeats and residency.
         """
         if len(keys) != len(rows):
@@ -390,9 +390,11 @@ class DevicePool:
             self._copy(rows, slots, unmapped, final, None)
             self.copy_seconds += time.perf_counter() - started
             return
-        # one current-stream lookup per install (by index: fast), the streams passed explicitly from here on
-        compute, copy = torch.cuda.current_stream(self._device_index), self._stream
-        if after_compute or not self.layer_waits:
+        # at most one current-stream lookup per install (by index: fast), the streams passed explicitly from here on
+        copy, waits = self._stream, after_compute or not self.layer_waits
+        compute = torch.cuda.current_stream(self._device_index) if waits else None  # (overlap without layer waits
+        # always waits: it is the stream that waits for `end` below)
+        if waits:
             self._compute_mark.record(compute)
             copy.wait_event(self._compute_mark)
         start, end = buffers.marks
@@ -432,25 +434,29 @@ class DevicePool:
         last record of that layer, from an earlier install issued before this one on the same stream (so it
         completes first)."""
         experts = self.num_experts
-        by_layer: dict[int, list[int]] = {}
-        for index in sorted(range(len(ids)), key=ids.__getitem__):
-            by_layer.setdefault(ids[index] // experts, []).append(index)
-        only_victims = sorted({victim // experts for victim in victims} - by_layer.keys())
+        order = sorted(range(len(ids)), key=ids.__getitem__)  # row indices by key id: layer order
+        by_layer = groupby(order, key=lambda index: ids[index] // experts)  # lazily: the first rows go out first
+
+        def only_victims() -> list[int]:  # layers that lose victims and get no row
+            return sorted({victim // experts for victim in victims} - {ids[index] // experts for index in order})
+
         if self._side is None:
-            for count, (layer, indices) in enumerate(sorted(by_layer.items())):
+            for count, (layer, group) in enumerate(by_layer):
+                indices = list(group)
                 self._copy_rows([rows[i] for i in indices], [slots[i] for i in indices], stream)
                 if count == 0:
                     self._copy_table(self._stage_table(buffers, ids, slots, victims)[1], stream)
-                    for victim_layer in only_victims:
+                    for victim_layer in only_victims():
                         self._layer_ready[victim_layer].record(stream)
                 self._layer_ready[layer].record(stream)
             return
         self._copy_table(self._stage_table(buffers, ids, slots, victims)[1], stream)
-        for layer in only_victims:
+        for layer in only_victims():
             self._layer_ready[layer].record(stream)
         side, turn = self._side, 0
         side.wait_stream(stream)  # after the compute stream (the copy stream waited for it) and the table
-        for layer, indices in sorted(by_layer.items()):
+        for layer, group in by_layer:
+            indices = list(group)
             layer_rows, layer_slots = [rows[i] for i in indices], [slots[i] for i in indices]
             used = [False, False]
             for first, count, _ in self._runs(layer_rows, layer_slots):
