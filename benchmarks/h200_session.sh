@@ -34,6 +34,12 @@ runtime_gpu_tests() {  # runtime_gpu_tests LIMIT: the GPU tests of the runtime's
     tests/test_runtime_layer_waits.py tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py -m gpu -q
 }
 
+replay_matrix() {  # replay_matrix NAME LIMIT PRESET LAYERS OUT: benchmarks/replay.py as replay8 ran it (synthetic
+  # trace, 220 steps of which 20 warm-up, 100 / 50 / 25 / 10 %, 4 GiB arena preloaded, bf16)
+  stage "$1" "$2" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$3" --layers "$4" --steps 220 --warmup 20 \
+    --coverages 1.0,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 --commit "$commit" --out "$5"
+}
+
 fetch_ab() {  # fetch_ab NAME LIMIT ARGS...: benchmarks/fetch_overhead.py on CUDA, the old tree e8b7b7f (unpacked from
   # the carried .baseline/e8b7b7f.tar.gz: the device's .git lacks recent commits) against this one, 300 steps per worker
   local name="$1" limit="$2"
@@ -848,12 +854,8 @@ case "$step" in
     # 2 x 60 s. Estimates from earlier calls: ~25 s, ~80 s, ~110 s, ~15 s each.
     stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
-    stage replay-ds 120 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
-      --steps 220 --warmup 20 --coverages 1.0,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --commit "$commit" --out "$work/replay_ds_closing10.json"
-    stage replay-qwen3 150 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
-      --steps 220 --warmup 20 --coverages 1.0,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --commit "$commit" --out "$work/replay_qwen3_closing10.json"
+    replay_matrix replay-ds 120 ds-v2-lite 8 "$work/replay_ds_closing10.json"
+    replay_matrix replay-qwen3 150 qwen3-30b-a3b 16 "$work/replay_qwen3_closing10.json"
     for coverage in 0.5 1.0; do
       stage "timeline-ds-v2-lite-$coverage" 60 python3 benchmarks/miss_step_timeline.py --preset ds-v2-lite --layers 8 \
         --coverage "$coverage" --no-profiler --commit "$commit" --json "$work/timeline-ds-v2-lite-$coverage.json"
@@ -879,9 +881,7 @@ case "$step" in
     stage replay-ds-old 120 env PYTHONPATH=/tmp/old bash -c "cd /tmp/old && python3 benchmarks/replay.py \
       --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 --steps 220 --warmup 20 --coverages 1.0,0.5,0.25,0.1 \
       --arena-gb 4 --arena-preload --dtype bfloat16 --commit d450051 --out $work/replay_ds_old.json"
-    stage replay-ds 120 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
-      --steps 220 --warmup 20 --coverages 1.0,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --commit "$commit" --out "$work/replay_ds_new.json"
+    replay_matrix replay-ds 120 ds-v2-lite 8 "$work/replay_ds_new.json"
     stage timeline-ds-v2-lite-0.25 60 python3 benchmarks/miss_step_timeline.py --preset ds-v2-lite --layers 8 \
       --coverage 0.25 --no-profiler --commit "$commit" --json "$work/timeline-ds-v2-lite-0.25.json"
     ;;
