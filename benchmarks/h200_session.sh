@@ -11,7 +11,8 @@
 # Each step writes one archive, $OUT/<step>.tar.gz (the device returns at most 8 files), and prints
 # a summary. Every stage has its own time limit, so one that hangs or fails leaves the rest to run;
 # its log says what happened. The device's copy of .git can be stale, so the JSON files' provenance
-# `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`).
+# `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`), except
+# under $work/baseline/, where the runs of an older tree write (their --commit names that tree).
 set -uo pipefail
 step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|inflight|ahead|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11|hostcut2}"
 out="${OUT:?set OUT to the folder that comes back}"
@@ -837,6 +838,7 @@ case "$step" in
     # 50 / 25 %, qwen3-30b-a3b 16 layers at 25 %
     runtime_gpu_tests 200
     mkdir -p /tmp/old && tar -xzf .baseline/15ce2d3.tar.gz -C /tmp/old
+    mkdir -p "$work/baseline"
     for round in 1 2; do
       for tree in old new; do
         dir=$PWD; [ "$tree" = old ] && dir=/tmp/old
@@ -844,7 +846,7 @@ case "$step" in
           set -- $cell
           stage "timeline-$tree-$round-$1-$3" 100 env PYTHONPATH="$dir" bash -c "cd $dir && python3 \
             benchmarks/miss_step_timeline.py --preset $1 --layers $2 --coverage $3 --no-profiler --commit $commit \
-            --json $work/timeline-$tree-$round-$1-$3.json"
+            --json $work/$([ "$tree" = old ] && echo baseline/)timeline-$tree-$round-$1-$3.json"
         done
       done
     done
@@ -877,10 +879,10 @@ case "$step" in
     runtime_gpu_tests 200
     stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
-    mkdir -p /tmp/old && tar -xzf .baseline/d450051.tar.gz -C /tmp/old
+    mkdir -p /tmp/old "$work/baseline" && tar -xzf .baseline/d450051.tar.gz -C /tmp/old
     stage replay-ds-old 120 env PYTHONPATH=/tmp/old bash -c "cd /tmp/old && python3 benchmarks/replay.py \
       --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 --steps 220 --warmup 20 --coverages 1.0,0.5,0.25,0.1 \
-      --arena-gb 4 --arena-preload --dtype bfloat16 --commit d450051 --out $work/replay_ds_old.json"
+      --arena-gb 4 --arena-preload --dtype bfloat16 --commit d450051 --out $work/baseline/replay_ds_old.json"
     replay_matrix replay-ds 120 ds-v2-lite 8 "$work/replay_ds_new.json"
     stage timeline-ds-v2-lite-0.25 60 python3 benchmarks/miss_step_timeline.py --preset ds-v2-lite --layers 8 \
       --coverage 0.25 --no-profiler --commit "$commit" --json "$work/timeline-ds-v2-lite-0.25.json"
