@@ -126,16 +126,16 @@ class EventClock:
         import torch
         self.torch, self.runtime, self.timelines = torch, runtime, []
         self._step, self._read, self._fetch = runtime.step, runtime._read_pass, runtime._fetch_for_step
-        self._write, self._log_read = runtime.pool._write_device, runtime.log.read
-        self._copy_rows, self._sync = runtime.pool._copy_rows, torch.cuda.Stream.synchronize
+        self._write, self._sync = runtime.pool._write_device, torch.cuda.Stream.synchronize
         runtime.step, runtime._read_pass, runtime._fetch_for_step = self.step, self.read, self.fetch
-        runtime.pool._write_device, runtime.log.read, runtime.pool._copy_rows = self.write, self.log_read, self.copy_rows
-        self._entry_marks = []
-        for owner, name in ((runtime.pool, "missing"), (runtime, "_victims"),
-                            (runtime.arena, "fetch"), (runtime.pool, "install"), (runtime.pool, "_take_install_buffers"),
-                            (runtime.pool, "_copy_by_layer"), (runtime.pool, "_map")):
-            self._entry_marks.append((owner, name))
-            setattr(owner, name, self._marked(f"enter_{name.strip('_')}", getattr(owner, name)))
+        runtime.pool._write_device = self.write
+        # a host mark as each of these is entered: the pass log's read, the first row copy, the fetch path
+        self._entry_marks = [(runtime.log, "read", "log_read_start"), (runtime.pool, "_copy_rows", "row_copy_issue")]
+        self._entry_marks += [(owner, name, f"enter_{name.strip('_')}") for owner, name in (
+            (runtime.pool, "missing"), (runtime, "_victims"), (runtime.arena, "fetch"), (runtime.pool, "install"),
+            (runtime.pool, "_take_install_buffers"), (runtime.pool, "_copy_by_layer"), (runtime.pool, "_map"))]
+        for owner, name, mark in self._entry_marks:
+            setattr(owner, name, self._marked(mark, getattr(owner, name)))
 
         def synchronize(stream):  # a plain function: the class attribute binds the stream as its argument
             self._sync(stream)
@@ -150,11 +150,10 @@ class EventClock:
         return run
 
     def detach(self) -> None:
-        for owner, name in self._entry_marks:
+        for owner, name, _ in self._entry_marks:
             delattr(owner, name)
         runtime = self.runtime
-        del runtime.step, runtime._read_pass, runtime._fetch_for_step, runtime.pool._write_device, runtime.log.read
-        del runtime.pool._copy_rows
+        del runtime.step, runtime._read_pass, runtime._fetch_for_step, runtime.pool._write_device
         self.torch.cuda.Stream.synchronize = self._sync
 
     def step(self, forward, rewind, **kwargs):
@@ -186,20 +185,12 @@ class EventClock:
         self._mark("read_done")
         return report
 
-    def log_read(self):
-        self._mark("log_read_start")
-        return self._log_read()
-
-    def copy_rows(self, *args, **kwargs):
-        self._mark("row_copy_issue")
-        return self._copy_rows(*args, **kwargs)
-
     def fetch(self, *args, **kwargs):
-        self._host.setdefault("fetch_start", []).append(self._since())
+        self._mark("fetch_start")
         try:
             return self._fetch(*args, **kwargs)
         finally:
-            self._host.setdefault("fetch_done", []).append(self._since())
+            self._mark("fetch_done")
 
     def write(self, buffers, *args, **kwargs):
         self._write(buffers, *args, **kwargs)

@@ -248,19 +248,12 @@ class TieredRuntime:
                 return 0
         if scan and self._decode_hot.size and victims:
             self._stats.prefill_hot_evictions += int(np.isin(victims, self._decode_hot).sum())
-        started = time.perf_counter()
-        waited = 0.0
-
-        def wait_for_copies() -> None:  # the arena will rewrite rows, maybe ones that copies still in flight read
-            nonlocal waited
-            begun = time.perf_counter()
-            self.pool.wait()
-            waited = time.perf_counter() - begun
-
-        rows = self.arena.fetch(keys, scan=scan, before_read=wait_for_copies)
-        installing = time.perf_counter()
+        started, waited = time.perf_counter(), self.pool.wait_seconds
+        # before a read the arena rewrites rows, maybe ones that copies still in flight read: the pool waits for them
+        rows = self.arena.fetch(keys, scan=scan, before_read=self.pool.wait)
+        installing, waited = time.perf_counter(), self.pool.wait_seconds - waited
         self.pool.install(keys, rows, (), victims, after_compute=finished_layers is None and not after_read,
-                          arena_rows=True, keys_checked=True)
+                          runtime_fetch=True)
         done = time.perf_counter()
         self._stats.add_fetch(len(keys), sum(r.numel() for r in rows), done - started, installing - started - waited,
                               done - installing, during_pass=finished_layers is not None)

@@ -224,8 +224,7 @@ class DevicePool:
 
     # -- mutation -------------------------------------------------------------------------------
     def install(self, keys: Sequence[Key], rows: Sequence[torch.Tensor], exclude: Iterable[Key],
-                victims: list[int] | None = None, after_compute: bool = True, arena_rows: bool = False,
-                keys_checked: bool = False) -> None:
+                victims: list[int] | None = None, after_compute: bool = True, runtime_fetch: bool = False) -> None:
         """Copy host rows (uint8 [<= slot_bytes], pinned on CUDA) into slots and map them.
 
         Takes free slots first, then victims from the policy that are not in `exclude` (the
@@ -238,9 +237,10 @@ class DevicePool:
         a victim's slot: the compute stream is idle (synchronised, nothing launched since), or a pass runs
         whose finished layers hold every victim and new key (known from the host: `PassLog.layer_seen`), when
         the table copy rewrites the running pass's later layers with the values they already hold.
-        `arena_rows`: the rows are the runtime's own arena rows (views of its uint8 host buffers, their size
-        checked against the slots at boot by `check_row_source`), which are not checked again row by row. `keys_checked`: the caller took the keys from `missing` over distinct
-        keys (the runtime's fetch), so they are not checked again for repeats and residency.
+        `runtime_fetch`: the caller is the runtime's fetch, whose rows are its own arena rows (views of its uint8
+        host buffers, their size checked against the slots at boot by `check_row_source`) and whose keys it took
+        from `missing` over distinct keys: neither is checked again (rows one by one, keys for repeats and
+        residency).
         """
         if len(keys) != len(rows):
             raise ValueError(f"{len(keys)} keys but {len(rows)} rows")
@@ -248,9 +248,9 @@ class DevicePool:
             return
         buffers = self._take_install_buffers()
         ids = self.key_ids(keys)
-        if not keys_checked and (len(set(ids)) != len(ids) or np.count_nonzero(self.mirror.reshape(-1)[ids] >= 0)):
-            raise ValueError("install() takes distinct keys that are not resident")
-        if not arena_rows:
+        if not runtime_fetch:
+            if len(set(ids)) != len(ids) or np.count_nonzero(self.mirror.reshape(-1)[ids] >= 0):
+                raise ValueError("install() takes distinct keys that are not resident")
             self._check_rows(rows)
         if victims is None:
             victims = self._victims(len(ids) - self.num_free, exclude, ids)
@@ -392,8 +392,8 @@ class DevicePool:
             return
         # at most one current-stream lookup per install (by index: fast), the streams passed explicitly from here on
         copy, waits = self._stream, after_compute or not self.layer_waits
-        compute = torch.cuda.current_stream(self._device_index) if waits else None  # (overlap without layer waits
-        # always waits: it is the stream that waits for `end` below)
+        # (overlap without layer waits always waits: `compute` is then also the stream that waits for `end` below)
+        compute = torch.cuda.current_stream(self._device_index) if waits else None
         if waits:
             self._compute_mark.record(compute)
             copy.wait_event(self._compute_mark)
