@@ -32,13 +32,25 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a limit, log to $work/NAME.
 
 runtime_gpu_tests() {  # runtime_gpu_tests LIMIT: the GPU tests of the runtime's pool, layer waits, early fetch, cuda_w2
   stage tests "$1" python3 -m pytest tests/test_runtime_gpu.py tests/test_runtime_pool_copies.py \
-    tests/test_runtime_layer_waits.py tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py -m gpu -q
+    tests/test_runtime_layer_waits.py tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py \
+    tests/test_runtime_located_fetch.py tests/test_runtime_fetch_split.py -m gpu -q
 }
 
 replay_matrix() {  # replay_matrix NAME LIMIT PRESET LAYERS OUT: benchmarks/replay.py as replay8 ran it (synthetic
   # trace, 220 steps of which 20 warm-up, 100 / 50 / 25 / 10 %, 4 GiB arena preloaded, bf16)
   stage "$1" "$2" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$3" --layers "$4" --steps 220 --warmup 20 \
     --coverages 1.0,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 --commit "$commit" --out "$5"
+}
+
+old_replay() {  # old_replay NAME LIMIT PRESET LAYERS OUT SHA: replay_matrix's run of the old tree unpacked in /tmp/old
+  stage "$1" "$2" env PYTHONPATH=/tmp/old bash -c "cd /tmp/old && python3 benchmarks/replay.py --pack-dir /tmp/rp \
+    --presets $3 --layers $4 --steps 220 --warmup 20 --coverages 1.0,0.5,0.25,0.1 --arena-gb 4 --arena-preload \
+    --dtype bfloat16 --commit $6 --out $5"
+}
+
+old_timeline() {  # old_timeline NAME LIMIT PRESET LAYERS COVERAGE OUT SHA: the event clock over the old tree in /tmp/old
+  stage "$1" "$2" env PYTHONPATH=/tmp/old bash -c "cd /tmp/old && python3 benchmarks/miss_step_timeline.py \
+    --preset $3 --layers $4 --coverage $5 --no-profiler --commit $7 --json $6"
 }
 
 fetch_ab() {  # fetch_ab NAME LIMIT ARGS...: benchmarks/fetch_overhead.py on CUDA, the old tree e8b7b7f (unpacked from
@@ -886,6 +898,28 @@ case "$step" in
     replay_matrix replay-ds 120 ds-v2-lite 8 "$work/replay_ds_new.json"
     stage timeline-ds-v2-lite-0.25 60 python3 benchmarks/miss_step_timeline.py --preset ds-v2-lite --layers 8 \
       --coverage 0.25 --no-profiler --commit "$commit" --json "$work/timeline-ds-v2-lite-0.25.json"
+    ;;
+  located)  # the step's fetch from located arena rows (victims planned while the pass runs, rows by key id, the
+    # first copy before the bookkeeping): the runtime GPU tests, the main job's --verify-resident, then the replay
+    # benchmark on ds-v2-lite, the tree before (675e2db, carried as .baseline/675e2db.tar.gz) and this one in turn,
+    # and the timeline at ds-v2-lite 25 %, old and new. Stage limits 240 + 80 + 2 x 120 + 2 x 60 s.
+    runtime_gpu_tests 240
+    stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    mkdir -p /tmp/old "$work/baseline" && tar -xzf .baseline/675e2db.tar.gz -C /tmp/old
+    old_replay replay-ds-old 120 ds-v2-lite 8 "$work/baseline/replay_ds_old.json" 675e2db
+    replay_matrix replay-ds 120 ds-v2-lite 8 "$work/replay_ds_new.json"
+    old_timeline timeline-old-ds-v2-lite-0.25 60 ds-v2-lite 8 0.25 "$work/baseline/timeline-old-ds-v2-lite-0.25.json" 675e2db
+    stage timeline-ds-v2-lite-0.25 60 python3 benchmarks/miss_step_timeline.py --preset ds-v2-lite --layers 8 \
+      --coverage 0.25 --no-profiler --commit "$commit" --json "$work/timeline-ds-v2-lite-0.25.json"
+    ;;
+  located2)  # the same A/B on qwen3-30b-a3b (16 layers), then a second round on ds-v2-lite, new before old this time.
+    # Stage limits 2 x 150 + 2 x 120 s.
+    mkdir -p /tmp/old "$work/baseline" && tar -xzf .baseline/675e2db.tar.gz -C /tmp/old
+    old_replay replay-qwen3-old 150 qwen3-30b-a3b 16 "$work/baseline/replay_qwen3_old.json" 675e2db
+    replay_matrix replay-qwen3 150 qwen3-30b-a3b 16 "$work/replay_qwen3_new.json"
+    replay_matrix replay-ds-2 120 ds-v2-lite 8 "$work/replay_ds_new_2.json"
+    old_replay replay-ds-old-2 120 ds-v2-lite 8 "$work/baseline/replay_ds_old_2.json" 675e2db
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

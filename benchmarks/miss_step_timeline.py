@@ -126,14 +126,16 @@ class EventClock:
         import torch
         self.torch, self.runtime, self.timelines = torch, runtime, []
         self._step, self._read, self._fetch = runtime.step, runtime._read_pass, runtime._fetch_for_step
-        self._write, self._sync = runtime.pool._write_device, torch.cuda.Stream.synchronize
+        self._take_buffers, self._sync = runtime.pool._take_install_buffers, torch.cuda.Stream.synchronize
         runtime.step, runtime._read_pass, runtime._fetch_for_step = self.step, self.read, self.fetch
-        runtime.pool._write_device = self.write
+        runtime.pool._take_install_buffers = self.take_buffers  # wrapped again by its entry mark below
         # a host mark as each of these is entered: the pass log's read, the first row copy, the fetch path
-        self._entry_marks = [(runtime.log, "read", "log_read_start"), (runtime.pool, "_copy_rows", "row_copy_issue")]
+        self._entry_marks = [(runtime.log, "read", "log_read_start"), (runtime.pool, "_issue", "row_copy_issue")]
         self._entry_marks += [(owner, name, f"enter_{name.strip('_')}") for owner, name in (
             (runtime.pool, "missing"), (runtime, "_victims"), (runtime.arena, "fetch"), (runtime.pool, "install"),
-            (runtime.pool, "_take_install_buffers"), (runtime.pool, "_copy_by_layer"), (runtime.pool, "_map"))]
+            (runtime.pool, "_take_install_buffers"), (runtime.pool, "_copy_by_layer"), (runtime.pool, "_map"),
+            (runtime.pool, "plan_victims"), (runtime, "_fetch_located"), (runtime.arena, "locate"),
+            (runtime.pool, "planned_victims"), (runtime.pool, "install_located"), (runtime.pool, "_issue_by_layer"))]
         for owner, name, mark in self._entry_marks:
             setattr(owner, name, self._marked(mark, getattr(owner, name)))
 
@@ -153,7 +155,7 @@ class EventClock:
         for owner, name, _ in self._entry_marks:
             delattr(owner, name)
         runtime = self.runtime
-        del runtime.step, runtime._read_pass, runtime._fetch_for_step, runtime.pool._write_device
+        del runtime.step, runtime._read_pass, runtime._fetch_for_step  # (_take_install_buffers: an entry mark)
         self.torch.cuda.Stream.synchronize = self._sync
 
     def step(self, forward, rewind, **kwargs):
@@ -192,10 +194,12 @@ class EventClock:
         finally:
             self._mark("fetch_done")
 
-    def write(self, buffers, *args, **kwargs):
-        self._write(buffers, *args, **kwargs)
+    def take_buffers(self):
+        """An install's staging set, whose start / end events it records around its copies (both install paths)."""
+        buffers = self._take_buffers()
         if buffers.marks is not None:
             self._copies.append(tuple(buffers.marks))  # read at the step's end, before the next install reuses them
+        return buffers
 
     def _timeline(self, wall: float) -> dict:
         origin = self._passes[0][0]

@@ -40,22 +40,27 @@ def test_a_cpu_pool_has_no_layer_events():
         rt.pool.wait_layer(0)  # nothing to wait on: returns at once
 
 
-def _runtime(g, fraction, layer_waits, copy_streams=1):
-    return TieredRuntime(g, memory_source(g, 0), pool_slots=round(fraction * g.total_routed_experts), arena_slots=16,
-                         device="cuda", backend="triton",
-                         config=RuntimeConfig(kpi_every=0, layer_waits=layer_waits, copy_streams=copy_streams))
+def _runtime(g, fraction, layer_waits, copy_streams=1, arena_slots=16):
+    """arena_slots "all": an arena preloaded with every row, so the step's fetches go by located rows."""
+    every = [(layer, expert) for layer in range(g.num_moe_layers) for expert in range(g.num_experts)]
+    rt = TieredRuntime(g, memory_source(g, 0), pool_slots=round(fraction * g.total_routed_experts),
+                       arena_slots=len(every) if arena_slots == "all" else arena_slots, device="cuda", backend="triton",
+                       config=RuntimeConfig(kpi_every=0, layer_waits=layer_waits, copy_streams=copy_streams))
+    if arena_slots == "all":
+        rt.arena.fetch(every, scan=True)
+    return rt
 
 
 def _hold_rows(pool: DevicePool) -> None:
     """Delay every install's row copies (not its table copy) by a device sleep on the copy stream."""
-    copy_rows = pool._copy_rows
+    issue = pool._issue
 
-    def held(rows, slots, stream):
+    def held(runs, stream):
         with torch.cuda.stream(stream):  # the pool's copy stream
             torch.cuda._sleep(HOLD_CYCLES)
-        copy_rows(rows, slots, stream)
+        issue(runs, stream)
 
-    pool._copy_rows = held
+    pool._issue = held
 
 
 def _steps(small: TieredRuntime, model: ToyMoE, g, graph: bool) -> list[torch.Tensor]:
@@ -96,11 +101,11 @@ def case():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("copy_streams", [1, 2])
+@pytest.mark.parametrize("copy_streams,arena", [(1, 16), (2, 16), (1, "all")])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_replay_with_rows_held_back_equals_the_resident_run(case, graph, copy_streams):
+def test_replay_with_rows_held_back_equals_the_resident_run(case, graph, copy_streams, arena):
     g, model, want = case
-    with _runtime(g, 0.25, True, copy_streams) as small:
+    with _runtime(g, 0.25, True, copy_streams, arena) as small:
         _hold_rows(small.pool)
         got = _steps(small, model, g, graph)
         assert small.stats().replayed_steps > 0
@@ -110,9 +115,10 @@ def test_replay_with_rows_held_back_equals_the_resident_run(case, graph, copy_st
 
 
 @pytest.mark.gpu
-def test_negative_control_without_any_wait_reads_stale_rows(case):
+@pytest.mark.parametrize("arena", [16, "all"])
+def test_negative_control_without_any_wait_reads_stale_rows(case, arena):
     g, model, want = case
-    with _runtime(g, 0.25, True) as small:
+    with _runtime(g, 0.25, True, arena_slots=arena) as small:
         _hold_rows(small.pool)
         small.pool.wait_layer = lambda layer: None  # with layer_waits nothing else makes the compute stream wait
         try:

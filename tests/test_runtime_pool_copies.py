@@ -166,14 +166,14 @@ def test_two_installs_in_flight_keep_their_own_staging_and_a_third_waits_for_the
         pytest.skip("needs CUDA")
     p = DevicePool(4, SLOT, LAYERS, EXPERTS, "cuda", get_policy("lru"), layer_waits=True)
     p.slots.fill_(0xA5)
-    copy_rows = p._copy_rows
+    issue = p._issue
 
-    def held(rows, slots, stream):
+    def held(runs, stream):
         with torch.cuda.stream(stream):
             torch.cuda._sleep(20_000_000)  # ~10 ms on the copy stream before each install's rows
-        copy_rows(rows, slots, stream)
+        issue(runs, stream)
 
-    p._copy_rows = held
+    p._issue = held
     first, second, third = [(0, 1), (0, 2)], [(1, 3), (1, 4)], [(0, 5), (1, 6)]
     rows = host_rows(6, seed=7, pin=True)
     p.install(first, [rows[0], rows[1]], exclude=first)

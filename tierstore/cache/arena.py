@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tierstore.cache.heat import HeatWriter, parse_heat
@@ -130,6 +131,10 @@ class Arena:
         # slot s's row bytes, a view made once (a hit then costs no tensor indexing)
         self._rows = self.memory.view(num_slots, self.stride)[:, :source.row_bytes].unbind(0)
         self._table = SlotTable(num_slots)
+        # the table by key id (layer * E + expert), for `locate`: slot of each id (-1: none), id of each slot (-1: free)
+        self._num_experts = source.num_experts
+        self._slot_of_id = np.full(source.num_layers * source.num_experts, -1, dtype=np.int64)  # [L * E]
+        self._id_of_slot = np.full(num_slots, -1, dtype=np.int64)  # [num_slots]
         self.registered = False
         self._unregister = None
         register = getattr(source, "register_memory", None)  # optional (PackRows has it)
@@ -207,6 +212,8 @@ class Arena:
                 slot = self._table.evict_lru(busy)
                 if slot is not None:
                     self._evictions += 1
+                    self._slot_of_id[self._id_of_slot[slot]] = -1
+                    self._id_of_slot[slot] = -1
             if slot is None:
                 overflow.append(key)
             else:
@@ -233,7 +240,7 @@ class Arena:
                 self._table.release(slot)
             raise
         for key, slot in placed:
-            self._table.publish(key, slot)
+            self._publish(key, slot)
             resident[key] = self._rows[slot]
         for key, tensor in zip(overflow, staging):
             resident[key] = tensor[:self.source.row_bytes]
@@ -246,6 +253,28 @@ class Arena:
             self._placing_calls += 1
             if self._heat is not None and self._placing_calls % self.heat_every == 0:
                 self._heat.submit(self._table.hottest_first())
+
+    def _publish(self, key: Key, slot: int) -> None:
+        self._table.publish(key, slot)
+        key_id = key[0] * self._num_experts + key[1]
+        self._slot_of_id[key_id], self._id_of_slot[slot] = slot, key_id
+
+    def locate(self, ids: np.ndarray) -> np.ndarray | None:
+        """Host addresses (int64 [n]) of the rows of key ids `ids` (int64 [n], layer * E + expert)
+        when every one is in the arena, else None; changes nothing (no recency, no counts). The
+        addresses stay valid while the rows do (see the module doc); `hit_ids` then records the use."""
+        slots = self._slot_of_id[ids]  # [n]
+        if slots.size and slots.min() < 0:
+            return None
+        return self.memory.data_ptr() + slots * self.stride
+
+    def hit_ids(self, ids: Sequence[int], seconds: float = 0.0) -> None:
+        """Record a use of the located rows of `ids` as `fetch` does for hits: each becomes most
+        recently used, in order, and counts as a hit row (`seconds`: the lookup's host time)."""
+        experts = self._num_experts
+        self._table.hit_many([divmod(key_id, experts) for key_id in ids])
+        self._hit_rows += len(ids)
+        self._hit_latency.append(seconds)
 
     # -- stats -------------------------------------------------------------------------------
     def row_counts(self) -> tuple[int, int]:
@@ -287,7 +316,7 @@ class Arena:
             self._table.clear()
             return
         for key, slot in reversed(list(zip(keys, slots))):  # the hottest ends most recently used
-            self._table.publish(key, slot)
+            self._publish(key, slot)
 
     def close(self) -> None:
         """Finish background heat writes, write the final hot set, withdraw the slot memory from

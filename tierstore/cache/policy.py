@@ -47,6 +47,9 @@ class EvictionPolicy:
     """Base class: bookkeeping of resident keys, sizes and pins; subclasses define the order."""
 
     name = "base"
+    # True where `eviction_order(exclude)` is `eviction_order()` less the excluded keys and the order changes only
+    # with `version`: a victim list planned ahead then only needs filtering (`DevicePool.plan_victims`)
+    filtered_order = False
 
     def __init__(self) -> None:
         self.sizes: dict[int, int] = {}

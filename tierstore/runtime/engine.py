@@ -107,6 +107,11 @@ class TieredRuntime:
         # the pool's deferred hits reach its policy before each pass-log read, while the forward runs on the
         # device, not in a fetch after the sync; only where a fetch can evict and the device runs asynchronously
         self._early_hits = self.device.type == "cuda" and self.pool.num_slots < geometry.total_routed_experts
+        # the step's fetch from the arena (`_fetch_located`): victims planned while the pass runs (on CUDA; on a CPU
+        # the pass is done by then, the logic the same), where a fetch can evict, the pool can install located rows
+        # and the policy's order can be planned and filtered
+        self._plans_victims = (self.pool.num_slots < geometry.total_routed_experts and self.pool.installs_located
+                               and self.pool.policy.filtered_order)
         self.arena = Arena(source, arena_slots, heat_path=heat_path, pin=self.device.type == "cuda")
         self.source = source
         # early_fetch: a pool that can miss reads each finished layer's routing while the pass runs (`moe`, `step`)
@@ -404,13 +409,54 @@ class TieredRuntime:
         self.settle()
         if self._early_hits:
             self.pool.apply_hits()
+        if self._plans_victims and not self._scan:
+            self.pool.plan_victims(self._victim_plan_size())
         started = time.perf_counter()
         self.last_pass = self.log.read()
         self._stats.read_seconds += time.perf_counter() - started
         return self.last_pass
 
-    def _fetch_for_step(self, keys, routed_ids: frozenset[int], partial: bool) -> int:
-        return self._fetch(keys, routed_ids, scan=self._scan, partial=partial, after_read=True)
+    def _victim_plan_size(self) -> int:
+        """How many candidates `plan_victims` notes: the last pass's routed experts (the plan's filter may drop
+        that many) plus twice its missing ones and a margin (what the next fetch is likely to lack)."""
+        last = self.last_pass
+        if last is None:
+            return 2 * working_set_slots(self.geometry, self.config.tokens_per_step, 1.0)
+        return len(last.routed_ids) + 2 * len(last.missing_ids) + 16
+
+    def _fetch_for_step(self, report: PassReport, partial: bool) -> int:
+        if self._plans_victims and not self._scan:
+            installed = self._fetch_located(report)
+            if installed is not None:
+                return installed
+        return self._fetch(report.missing_keys, report.routed_id_set, scan=self._scan, partial=partial,
+                           after_read=True)
+
+    def _fetch_located(self, report: PassReport) -> int | None:
+        """The step's fetch after the pass-log read when every missing row is in the arena and the victims
+        planned while the pass ran still hold: key ids and host addresses throughout, and the first row copy
+        issued before the bookkeeping (the arena's recency, the stats). None, having changed nothing, when
+        that is not the case (the general `_fetch` then runs)."""
+        started = time.perf_counter()
+        ids = np.unique(report.missing_ids)  # [n] ascending: layer order
+        ids = ids[self.pool.mirror.reshape(-1)[ids] < 0]
+        if not ids.size:
+            return 0
+        addresses = self.arena.locate(ids)  # [n]
+        if addresses is None:
+            return None
+        lacking = ids.size - self.pool.num_free
+        victims = self.pool.planned_victims(report.routed_ids, lacking) if lacking > 0 else []
+        if victims is None:
+            return None
+        installing = time.perf_counter()
+        row_bytes = self.source.row_bytes
+        self.pool.install_located(ids, addresses, row_bytes, victims)
+        done = time.perf_counter()
+        self.arena.hit_ids(ids.tolist(), installing - started)
+        self._stats.add_fetch(ids.size, ids.size * row_bytes, done - started, installing - started, done - installing,
+                              during_pass=False)
+        return ids.size
 
     # -- observability ------------------------------------------------------------------------
     def stats(self) -> RuntimeStats:

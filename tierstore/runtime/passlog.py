@@ -33,12 +33,18 @@ Key = tuple[int, int]
 @dataclass(frozen=True)
 class PassReport:
     missing_pairs: int
-    missing_keys: tuple[Key, ...]  # distinct, as logged (at most the log's capacity)
+    missing_ids: np.ndarray  # int64 [n] layer * E + expert of the missing experts, as logged (at most the capacity)
     unlogged_experts: int  # missing experts past the log's capacity (found again by the next pass)
     routed_ids: np.ndarray = field(repr=False)  # int64 ascending layer * E + expert of every routed expert
     routing: np.ndarray | None  # int32 [layers, T, k] routed ids, when recording
     num_experts: int = field(repr=False)
     outputs: np.ndarray | None = None  # int32 [output_words]: what the forward published, when asked for
+
+    @cached_property
+    def missing_keys(self) -> tuple[Key, ...]:
+        """`missing_ids` as (layer, expert), in the same order."""
+        layers, experts = np.divmod(self.missing_ids, self.num_experts)
+        return tuple(zip(layers.tolist(), experts.tolist()))
 
     @cached_property
     def routed_keys(self) -> tuple[Key, ...]:
@@ -134,7 +140,8 @@ class PassLog:
             torch.cuda.current_stream(self._stream_index).synchronize()
         pairs, experts = self._host_counts.tolist()
         logged = min(experts, len(self._host_entries) // 2)
-        missing = tuple(map(tuple, self._host_entries[:2 * logged].reshape(-1, 2).tolist())) if logged else ()
+        entries = self._host_entries[:2 * logged].reshape(-1, 2).astype(np.int64)  # [logged, (layer, expert)]
+        missing = entries[:, 0] * self.num_experts + entries[:, 1]  # [logged]
         routed = self._host_seen.nonzero()[0]  # 1-D view: ascending = row-major (no ravel)
         routing = self._host_routing.reshape(self.routing.shape).copy() if self.routing is not None else None
         outputs = self._host_outputs.copy() if self.outputs is not None else None

@@ -37,6 +37,7 @@ order into free slots in order) are merged into one copy per run.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence, Set
@@ -122,6 +123,8 @@ class DevicePool:
         self._side_done = torch.cuda.Event() if self._side is not None else None
         for event in (self._layer_ready or []) + (self._side_ready or []):
             event.record(torch.cuda.current_stream(self.device))
+        self._plan = None  # `plan_victims`: (policy version, free slots, candidate key ids int64 [n])
+        self._excluded = np.zeros(num_layers * num_experts, dtype=bool)  # [L * E] scratch of `planned_victims`
         self.copies = 0  # row copies issued (a merged run counts once)
         self.copy_seconds = 0.0  # the copies' own time (device events on CUDA; the memcpys on CPU)
         self.wait_seconds = 0.0  # host time blocked on copies
@@ -257,7 +260,7 @@ class DevicePool:
         victim_slots = self.mirror.reshape(-1)[victims].tolist()
         slots = self._free[len(self._free) - min(len(keys), self.num_free):][::-1] + victim_slots  # pop() order
         self._write_device(buffers, rows, slots, ids, victims, after_compute)
-        self._map(keys, ids, slots, victims, victim_slots)
+        self._map(ids, slots, victims, victim_slots)
         if not self.overlap:
             self.wait()
 
@@ -268,6 +271,71 @@ class DevicePool:
                                  f"on {row.device}")
             if row.numel() > self.slot_bytes:
                 raise CapacityError(f"row of {row.numel()} bytes does not fit a {self.slot_bytes}-byte slot")
+
+    # -- the step's install from located rows (planned while the pass runs) ------------------------
+    @property
+    def installs_located(self) -> bool:
+        """Whether `install_located` works here: a CPU pool, or CUDA with `layer_waits` and one copy stream."""
+        return self._stream is None or (self.layer_waits and self._side is None)
+
+    def plan_victims(self, count: int) -> None:
+        """While a pass runs, before its pass-log read: note the first `count` key ids of the policy's
+        eviction order (a policy with `filtered_order`), for `planned_victims` after the read."""
+        policy = self.policy
+        if policy.filtered_order:
+            candidates = np.fromiter(islice(policy.eviction_order(), count), dtype=np.int64)
+            self._plan = (policy.version, len(self._free), candidates)
+
+    def planned_victims(self, exclude_ids: np.ndarray, count: int) -> list[int] | None:
+        """The victims `evictable_ids(exclude_ids, count)` would name, from the plan without walking the
+        policy: its candidates outside `exclude_ids` (int64 [n]). None, and the caller walks the policy, when
+        the plan is gone, stale (the policy or the free slots changed since) or holds fewer than `count`."""
+        plan, self._plan = self._plan, None
+        if plan is None or plan[0] != self.policy.version or plan[1] != len(self._free):
+            return None
+        candidates, excluded = plan[2], self._excluded
+        excluded[exclude_ids] = True
+        kept = candidates[~excluded[candidates]]  # [m] in eviction order
+        excluded[exclude_ids] = False
+        return kept[:count].tolist() if len(kept) >= count else None
+
+    def install_located(self, ids: np.ndarray, addresses: np.ndarray, nbytes: int, victims: list[int]) -> None:
+        """`install` for the runtime's fetch right after a pass-log read (`installs_located`; nothing launched on
+        the compute stream since its sync, so the copies do not wait for it): key ids `ids` (int64 [n] ascending,
+        distinct, not resident), their rows at host `addresses` (int64 [n] of `nbytes` <= slot_bytes each, pinned,
+        untouched until `wait()`), and `victims` for the free slots lacking (from `planned_victims`, exactly
+        that many). The first layer's rows are on the bus before the host state changes."""
+        if len(victims) != len(ids) - min(len(ids), self.num_free):
+            raise ValueError(f"{len(ids)} rows over {self.num_free} free slots need "
+                             f"{max(0, len(ids) - self.num_free)} victims, got {len(victims)}")
+        if not len(ids):
+            return
+        buffers = self._take_install_buffers()
+        victim_slots = self.mirror.reshape(-1)[victims]  # [v]
+        free = self._free[len(self._free) - (len(ids) - len(victims)):][::-1]  # pop() order
+        slots = np.concatenate((np.asarray(free, dtype=np.int64), victim_slots))  # [n]
+        layers = ids // self.num_experts  # [n]
+        # a row continues the last copy when it is the same layer's, a full slot, the next slot and the next bytes
+        joins = np.zeros(len(ids) - 1, dtype=bool) if nbytes != self.slot_bytes else (
+            (layers[1:] == layers[:-1]) & (slots[1:] == slots[:-1] + 1) & (addresses[1:] == addresses[:-1] + nbytes))
+        starts = np.flatnonzero(np.concatenate(([True], ~joins)))  # [runs] first row of each copy
+        sizes = np.diff(np.append(starts, len(ids))) * nbytes  # [runs]
+        runs = zip(layers[starts].tolist(), slots[starts].tolist(), addresses[starts].tolist(), sizes.tolist())
+        runs_by_layer = ((layer, [run[1:] for run in group]) for layer, group in groupby(runs, key=lambda run: run[0]))
+        id_list, copy = ids.tolist(), self._stream
+        if copy is None:  # CPU: the same copies at once, then the table
+            started = time.perf_counter()
+            for _, layer_runs in runs_by_layer:
+                self._issue(layer_runs, None)
+            self.table.copy_(self._stage_table(buffers, id_list, slots, victims)[1])
+            self.copy_seconds += time.perf_counter() - started
+        else:
+            start, end = buffers.marks
+            start.record(copy)
+            self._issue_by_layer(runs_by_layer, id_list, slots, victims, buffers, copy)
+            end.record(copy)
+            self._in_flight.append(buffers)
+        self._map(id_list, slots, victims, victim_slots)
 
     def reserve(self, count: int, exclude: Iterable[Key]) -> list[int]:
         """Take `count` slots for `write_reserved`: free ones first, then victims from the policy
@@ -360,15 +428,15 @@ class DevicePool:
                 f"{self.num_free} free and only {self.capacity_for(exclude) - self.num_free} evictable outside "
                 f"the step's routed set") from None
 
-    def _map(self, keys, ids: list[int], slots: list[int], victims: list[int], victim_slots: list[int]) -> None:
-        """The host state of an install (while its copies run)."""
+    def _map(self, ids: list[int], slots, victims: list[int], victim_slots) -> None:
+        """The host state of an install (while its copies run): key ids `ids` into `slots` (lists or int arrays)."""
         policy, mirror = self.policy, self.mirror.reshape(-1)
         mirror[victims] = -1
         self.owner[victim_slots] = -1
         policy.on_evict_many(victims)
         del self._free[len(self._free) - (len(slots) - len(victims)):]
         mirror[ids] = slots
-        self.owner[slots] = keys
+        self.owner[slots, 0], self.owner[slots, 1] = np.divmod(ids, self.num_experts)
         self.generation[slots] += 1
         policy.on_insert_many(ids)
 
@@ -422,12 +490,7 @@ class DevicePool:
 
     def _copy_by_layer(self, rows, slots: list[int], ids: list[int], victims: list[int], buffers: _InstallBuffers,
                        stream: torch.cuda.Stream) -> None:
-        """`layer_waits` order on the copy stream: the rows of the lowest layer that gets any, the final table
-        (staged on the host while those rows are on the bus), the events of that layer and of the layers that
-        only lost victims, then each later layer's rows followed by its event. No kernel reads a slot these
-        rows overwrite before the table unmaps its victim: what ran before is done (the copy stream waited for
-        it), or, for an install during a pass (`after_compute` False), reads only unfinished layers, which own
-        no victim; what runs later waits for a layer event, recorded after the table. With a second copy
+        """`layer_waits` order on the copy stream (`_issue_by_layer`) for host row tensors. With a second copy
         stream the table goes first; the layer's row runs alternate between the two streams, each stream
         records its own event for the layer when it copied some of its rows, and the copy stream waits for
         the second one at the end (so `end` covers both). A stream that copied none of a layer's rows keeps its
@@ -436,31 +499,23 @@ class DevicePool:
         experts = self.num_experts
         order = sorted(range(len(ids)), key=ids.__getitem__)  # row indices by key id: layer order
         by_layer = groupby(order, key=lambda index: ids[index] // experts)  # lazily: the first rows go out first
-
-        def only_victims() -> list[int]:  # layers that lose victims and get no row
-            return sorted({victim // experts for victim in victims} - {ids[index] // experts for index in order})
-
         if self._side is None:
-            for count, (layer, group) in enumerate(by_layer):
-                indices = list(group)
-                self._copy_rows([rows[i] for i in indices], [slots[i] for i in indices], stream)
-                if count == 0:
-                    self._copy_table(self._stage_table(buffers, ids, slots, victims)[1], stream)
-                    for victim_layer in only_victims():
-                        self._layer_ready[victim_layer].record(stream)
-                self._layer_ready[layer].record(stream)
+            def runs_by_layer():
+                for layer, group in by_layer:
+                    indices = list(group)
+                    yield layer, self._row_runs([rows[i] for i in indices], [slots[i] for i in indices])
+            self._issue_by_layer(runs_by_layer(), ids, slots, victims, buffers, stream)
             return
         self._copy_table(self._stage_table(buffers, ids, slots, victims)[1], stream)
-        for layer in only_victims():
+        for layer in self._layers_only_losing(ids, victims):
             self._layer_ready[layer].record(stream)
         side, turn = self._side, 0
         side.wait_stream(stream)  # after the compute stream (the copy stream waited for it) and the table
         for layer, group in by_layer:
             indices = list(group)
-            layer_rows, layer_slots = [rows[i] for i in indices], [slots[i] for i in indices]
             used = [False, False]
-            for first, count, _ in self._runs(layer_rows, layer_slots):
-                self._copy_rows(layer_rows[first:first + count], layer_slots[first:first + count], (stream, side)[turn])
+            for run in self._row_runs([rows[i] for i in indices], [slots[i] for i in indices]):
+                self._issue([run], (stream, side)[turn])
                 used[turn], turn = True, 1 - turn
             if used[0]:
                 self._layer_ready[layer].record(stream)
@@ -468,6 +523,29 @@ class DevicePool:
                 self._side_ready[layer].record(side)
         self._side_done.record(side)
         stream.wait_event(self._side_done)
+
+    def _issue_by_layer(self, runs_by_layer, ids, slots, victims: list[int], buffers: _InstallBuffers,
+                        stream: torch.cuda.Stream) -> None:
+        """The `layer_waits` order on one copy stream: the runs (slot, host address, bytes) of the lowest layer
+        that gets any, the final table (staged on the host while those rows are on the bus), the events of that
+        layer and of the layers that only lost victims, then each later layer's runs followed by its event.
+        `runs_by_layer`: (layer, runs) in ascending layer order, best lazily (the first rows go out first). No
+        kernel reads a slot these rows overwrite before the table unmaps its victim: what ran before is done
+        (the copy stream waited for it, or the caller synchronised it), or, for an install during a pass
+        (`after_compute` False), reads only unfinished layers, which own no victim; what runs later waits for a
+        layer event, recorded after the table."""
+        for count, (layer, runs) in enumerate(runs_by_layer):
+            self._issue(runs, stream)
+            if count == 0:
+                self._copy_table(self._stage_table(buffers, ids, slots, victims)[1], stream)
+                for victim_layer in self._layers_only_losing(ids, victims):
+                    self._layer_ready[victim_layer].record(stream)
+            self._layer_ready[layer].record(stream)
+
+    def _layers_only_losing(self, ids, victims: list[int]) -> list[int]:
+        """Layers that lose victims and get no row, ascending."""
+        experts = self.num_experts
+        return sorted({victim // experts for victim in victims} - {key_id // experts for key_id in ids})
 
     def wait(self) -> None:
         """Block until every install's copies are done (their host rows and the staging tables
@@ -514,19 +592,34 @@ class DevicePool:
             self._h2d.copy(self.table.data_ptr(), staged.data_ptr(), self._table_bytes, stream)
 
     def _copy_rows(self, rows, slots, stream: torch.cuda.Stream | None) -> None:
-        """Rows into slots: on `stream` through the driver (`HostToDevice`; CUDA), where the host issues a
-        row in a few microseconds, faster than the copy engine moves one; or at once (None: CPU)."""
-        base, slot_bytes = self.slots.data_ptr(), self.slot_bytes
+        """Rows into slots: on `stream` through the driver (`_issue`; CUDA), or at once (None: CPU)."""
+        if stream is not None:
+            self._issue(self._row_runs(rows, slots), stream)
+            return
         for first, count, nbytes in self._runs(rows, slots):
-            row = rows[first]
-            if stream is not None:  # `count` rows of `nbytes`: adjacent in one host buffer when count > 1
-                self._h2d.copy(base + slots[first] * slot_bytes, row.data_ptr(), count * nbytes, stream)
-            elif count == 1:
-                dest = self._slot_rows[slots[first]]
-                (dest if nbytes == slot_bytes else dest[:nbytes]).copy_(row)
+            dest = self._slot_rows[slots[first]]
+            if count == 1:
+                (dest if nbytes == self.slot_bytes else dest[:nbytes]).copy_(rows[first])
             else:
-                self.slots[slots[first]:slots[first] + count].view(-1).copy_(row.as_strided((count * nbytes,), (1,)))
+                self.slots[slots[first]:slots[first] + count].view(-1).copy_(
+                    rows[first].as_strided((count * nbytes,), (1,)))
             self.copies += 1
+
+    def _issue(self, runs, stream: torch.cuda.Stream | None) -> None:
+        """Copies (first slot, host address, bytes) into consecutive slots from there: asynchronous on `stream`
+        through the driver (`HostToDevice`), where the host issues one in a few microseconds, faster than the copy
+        engine moves a row; or at once (None: a CPU pool)."""
+        base, slot_bytes = self.slots.data_ptr(), self.slot_bytes
+        for slot, address, nbytes in runs:
+            if stream is None:
+                ctypes.memmove(base + slot * slot_bytes, address, nbytes)
+            else:
+                self._h2d.copy(base + slot * slot_bytes, address, nbytes, stream)
+        self.copies += len(runs)
+
+    def _row_runs(self, rows, slots) -> list[tuple[int, int, int]]:
+        """`_runs` of host row tensors as (first slot, host address, bytes) copies."""
+        return [(slots[first], rows[first].data_ptr(), count * nbytes) for first, count, nbytes in self._runs(rows, slots)]
 
     def _runs(self, rows, slots) -> list[tuple[int, int, int]]:
         """(first index, rows, row bytes) per copy: consecutive rows merge when each is a full slot,

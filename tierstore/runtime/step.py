@@ -50,10 +50,11 @@ class StepOutcome:
 
 
 def run_step(forward: Callable[[], T], rewind: Callable[[], None], read_pass: Callable[[], PassReport],
-             fetch: Callable[[tuple, frozenset, bool], int], config: RuntimeConfig,
+             fetch: Callable[[PassReport, bool], int], config: RuntimeConfig,
              during_pass: Callable[[], None] | None = None) -> tuple[T, StepOutcome]:
-    """Run one step to its fixed point. `fetch(keys, routed_ids, partial)` makes keys resident without
-    evicting the key ids `routed_ids` (partial: as many as fit) and returns how many it installed. `during_pass`,
+    """Run one step to its fixed point. `fetch(report, partial)` makes the pass's missing experts
+    (`report.missing_keys`) resident without evicting any it routed (`report.routed_ids`; partial: as many as
+    fit) and returns how many it installed. `during_pass`,
     when given, runs after each `forward()` returns and before its pass is read (on CUDA the pass
     is then still running on the device).
 
@@ -75,9 +76,8 @@ def run_step(forward: Callable[[], T], rewind: Callable[[], None], read_pass: Ca
         misses = report.missing_pairs
         if misses == 0:
             break
-        routed = report.routed_id_set
         if misses <= config.miss_tolerance:
-            fetch(report.missing_keys, routed, True)
+            fetch(report, True)
             tolerated = True
             break
         if replays >= config.fp_max:
@@ -91,7 +91,7 @@ def run_step(forward: Callable[[], T], rewind: Callable[[], None], read_pass: Ca
         if approximate and replays >= 1 and misses > config.fp_thresh:
             residue = misses
             break
-        installed = fetch(report.missing_keys, routed, approximate)
+        installed = fetch(report, approximate)
         if approximate and installed == 0 and report.unlogged_experts == 0:
             residue = misses  # nothing more fits: another replay would change nothing
             break

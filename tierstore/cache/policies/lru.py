@@ -11,6 +11,7 @@ from tierstore.cache.policy import _EMPTY, EvictionPolicy, register_policy
 @register_policy("lru")
 class LRUPolicy(EvictionPolicy):
     name = "lru"
+    filtered_order = True
 
     def __init__(self) -> None:
         super().__init__()
