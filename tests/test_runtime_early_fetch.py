@@ -117,14 +117,12 @@ def test_rows_fetched_during_the_pass_and_held_back_are_waited_for(graph, arena)
         if arena == "whole":
             preload_arena(small)
         _hold_rows(small.pool)
-        in_flight = []  # installs with copies in flight right after each install
-        install = small.pool.install
-
-        def counted(*args, **kwargs):
-            install(*args, **kwargs)
-            in_flight.append(len(small.pool._in_flight))
-
-        small.pool.install = counted
+        in_flight = []  # installs with copies in flight right after each install (either kind)
+        for name in ("install", "install_located"):
+            def counted(*args, _install=getattr(small.pool, name), **kwargs):
+                _install(*args, **kwargs)
+                in_flight.append(len(small.pool._in_flight))
+            setattr(small.pool, name, counted)
         got = _steps(small, model, g, graph)
         stats = small.stats()
         small.pool.check_coherent()

@@ -62,28 +62,42 @@ def test_lru_order_is_filtered_by_exclude():
     assert not get_policy("sieve").filtered_order  # a sweeping order is not a filter: never planned
 
 
+def _mask(ids) -> np.ndarray:
+    """int32 [L * E], nonzero at `ids` (like the pass log's routed counts)."""
+    mask = np.zeros(LAYERS * EXPERTS, dtype=np.int32)
+    mask[list(ids)] = 3
+    return mask
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_planned_victims_equal_the_walk_of_the_policy(seed):
     p, ids = _filled(12, seed)
     rng = random.Random(seed)
-    routed = np.array(sorted(rng.sample(ids, 5) + rng.sample(range(LAYERS * EXPERTS), 3)), dtype=np.int64)
+    routed = set(rng.sample(ids, 5) + rng.sample(range(LAYERS * EXPERTS), 3))
     count = rng.randint(1, 6)
     p.plan_victims(count + len(routed))
-    assert p.planned_victims(routed, count) == p.evictable_ids(set(routed.tolist()), count)
-    assert p.planned_victims(routed, count) is None  # a plan is used once
+    victims, slots = p.planned_victims(_mask(routed), count)
+    assert victims == p.evictable_ids(routed, count)
+    assert slots == [p.slot_of(divmod(v, EXPERTS)) for v in victims]
+    assert p.planned_victims(_mask(routed), count) is None  # a plan is used once
 
 
 def test_a_plan_goes_stale_when_the_policy_or_the_free_slots_change():
     p, ids = _filled(12, seed=1)
-    none = np.empty(0, dtype=np.int64)
+    none = _mask([])
     p.plan_victims(20)
     p.touch_ids(np.array([ids[0]], dtype=np.int64), now=2.0)  # a hit reaches the policy
     assert p.planned_victims(none, 1) is None
     p.plan_victims(20)
-    p._free.append(p._free.pop()) if p._free else None  # the same free list: still valid
-    assert p.planned_victims(none, 1) == p.evictable_ids(set(), 1)
+    assert p.planned_victims(none, 1)[0] == p.evictable_ids(set(), 1)
     p.plan_victims(2)
-    assert p.planned_victims(np.array(p.evictable_ids(set(), 2), dtype=np.int64), 1) is None  # too short to tell
+    assert p.planned_victims(_mask(p.evictable_ids(set(), 2)), 1) is None  # too short to tell
+    q, _ = _filled(12, seed=1, filled=9)
+    q.plan_victims(20)
+    absent = next((layer, expert) for layer in range(LAYERS) for expert in range(EXPERTS)
+                  if not q.is_resident((layer, expert)))
+    q.install([absent], [_host_rows(1, seed=2)[0]], exclude=())
+    assert q.planned_victims(none, 1) is None  # an install took a free slot (and changed the policy)
 
 
 def test_arena_locates_rows_by_id_and_records_their_use_only_when_told():
@@ -92,20 +106,19 @@ def test_arena_locates_rows_by_id_and_records_their_use_only_when_told():
     arena = Arena(source, num_slots=4, pin=False)
     keys = [(0, 1), (1, 3), (2, 5), (2, 6)]
     arena.fetch(keys)
-    ids = np.array([l * EXPERTS + e for l, e in keys], dtype=np.int64)
+    ids = [layer * EXPERTS + expert for layer, expert in keys]
     addresses = arena.locate(ids)
-    base, stride = arena.memory.data_ptr(), arena.stride
-    for (layer, expert), address in zip(keys, addresses.tolist()):
+    base = arena.memory.data_ptr()
+    for (layer, expert), address in zip(keys, addresses):
         row = arena.memory[address - base:address - base + source.row_bytes]
         assert torch.equal(row, source.rows[layer, expert].reshape(-1)[:source.row_bytes])
-    assert arena.locate(np.array([ids[0], 0], dtype=np.int64)) is None  # (0, 0) is not in the arena
+    assert arena.locate([ids[0], 0]) is None  # (0, 0) is not in the arena
     hits = arena.row_counts()[0]
-    arena.hit_ids([int(ids[0])])  # (0, 1) becomes the most recently used: the next read evicts (1, 3)
+    arena.hit_ids([ids[0]])  # (0, 1) becomes the most recently used: the next read evicts (1, 3)
     assert arena.row_counts()[0] == hits + 1
     arena.fetch([(0, 0)])
     assert (1, 3) not in arena and (0, 1) in arena
-    assert arena.locate(ids[1:2]) is None and arena.locate(np.array([0], dtype=np.int64)) is not None
-    assert stride >= source.row_bytes
+    assert arena.locate(ids[1:2]) is None and arena.locate([0]) is not None
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -115,20 +128,20 @@ def test_install_located_equals_install(device):
     results = []
     for located in (False, True):
         p, _ = _filled(12, seed=4, device=device, filled=10)  # 2 free slots, then 3 victims
-        ids = np.array(sorted(set(range(LAYERS * EXPERTS)) - set(p.policy.sizes))[:5], dtype=np.int64)
+        ids = sorted(set(range(LAYERS * EXPERTS)) - set(p.policy.sizes))[:5]
         rows = _host_rows(5, seed=9, pin=device != "cpu")
         victims = p.evictable_ids(set(), 5 - p.num_free)
-        p.slots.fill_(0)  # poison: every mapped slot must be written or kept
-        keys = [divmod(int(i), EXPERTS) for i in ids]
+        keys = [divmod(i, EXPERTS) for i in ids]
+        p.slots.fill_(0)  # poison: the new keys' bytes must come from the install
         if located:
-            addresses = rows.data_ptr() + np.arange(5, dtype=np.int64) * SLOT
-            p.install_located(ids, addresses, SLOT, victims)
+            addresses = [rows.data_ptr() + i * SLOT for i in range(5)]
+            p.install_located(ids, addresses, SLOT, victims, [p.slot_of(divmod(v, EXPERTS)) for v in victims])
         else:
             p.install(keys, list(rows), exclude=(), victims=victims)
         p.wait()
         p.check_coherent()
         for key, row in zip(keys, rows):
-            assert torch.equal(p.slots[p.slot_of(key)].cpu(), row)
+            assert torch.equal(p.slots[p.slot_of(key)].cpu(), row.cpu())
         results.append((p.mirror.copy(), p.owner.copy(), list(p.policy.eviction_order()), p.copies))
     (mirror, owner, order, _), (mirror2, owner2, order2, _) = results
     assert np.array_equal(mirror, mirror2) and np.array_equal(owner, owner2) and order == order2
@@ -137,20 +150,21 @@ def test_install_located_equals_install(device):
 def test_install_located_merges_adjacent_rows_into_one_copy_per_layer():
     p = _pool(8)
     rows = _host_rows(4, seed=5)
-    ids = np.array([0, 1, EXPERTS, EXPERTS + 1], dtype=np.int64)  # two layers, two rows each
+    ids = [0, 1, EXPERTS, EXPERTS + 1]  # two layers, two rows each
     before = p.copies
-    p.install_located(ids, rows.data_ptr() + np.arange(4, dtype=np.int64) * SLOT, SLOT, [])
+    p.install_located(ids, [rows.data_ptr() + i * SLOT for i in range(4)], SLOT, [], [])
     assert p.copies - before == 2  # adjacent bytes and slots merge, but not across a layer
-    for key_id, row in zip(ids.tolist(), rows):
+    for key_id, row in zip(ids, rows):
         assert torch.equal(p.slots[p.slot_of(divmod(key_id, EXPERTS))], row)
 
 
 def test_install_located_refuses_a_wrong_victim_count_and_changes_nothing():
     p, _ = _filled(10, seed=6)
     mirror = p.mirror.copy()
-    ids = np.array(sorted(set(range(LAYERS * EXPERTS)) - set(p.policy.sizes))[:3], dtype=np.int64)
+    ids = sorted(set(range(LAYERS * EXPERTS)) - set(p.policy.sizes))[:3]
+    victims = p.evictable_ids(set(), 1)
     with pytest.raises(ValueError, match="need 3 victims, got 1"):
-        p.install_located(ids, np.zeros(3, dtype=np.int64), SLOT, p.evictable_ids(set(), 1))
+        p.install_located(ids, [0, 0, 0], SLOT, victims, [p.slot_of(divmod(victims[0], EXPERTS))])
     assert np.array_equal(p.mirror, mirror)
 
 

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from tierstore.cache.heat import HeatWriter, parse_heat
@@ -131,10 +130,11 @@ class Arena:
         # slot s's row bytes, a view made once (a hit then costs no tensor indexing)
         self._rows = self.memory.view(num_slots, self.stride)[:, :source.row_bytes].unbind(0)
         self._table = SlotTable(num_slots)
-        # the table by key id (layer * E + expert), for `locate`: slot of each id (-1: none), id of each slot (-1: free)
+        # the table by key id (layer * E + expert), for `locate`: the row's host address of each id (None: not
+        # here), the id of each slot (None: free); plain lists, which a few dozen lookups read fastest
         self._num_experts = source.num_experts
-        self._slot_of_id = np.full(source.num_layers * source.num_experts, -1, dtype=np.int64)  # [L * E]
-        self._id_of_slot = np.full(num_slots, -1, dtype=np.int64)  # [num_slots]
+        self._address_of_id: list[int | None] = [None] * (source.num_layers * source.num_experts)
+        self._id_of_slot: list[int | None] = [None] * num_slots
         self.registered = False
         self._unregister = None
         register = getattr(source, "register_memory", None)  # optional (PackRows has it)
@@ -212,8 +212,7 @@ class Arena:
                 slot = self._table.evict_lru(busy)
                 if slot is not None:
                     self._evictions += 1
-                    self._slot_of_id[self._id_of_slot[slot]] = -1
-                    self._id_of_slot[slot] = -1
+                    self._address_of_id[self._id_of_slot[slot]] = self._id_of_slot[slot] = None
             if slot is None:
                 overflow.append(key)
             else:
@@ -257,16 +256,16 @@ class Arena:
     def _publish(self, key: Key, slot: int) -> None:
         self._table.publish(key, slot)
         key_id = key[0] * self._num_experts + key[1]
-        self._slot_of_id[key_id], self._id_of_slot[slot] = slot, key_id
+        self._address_of_id[key_id] = self.memory.data_ptr() + slot * self.stride
+        self._id_of_slot[slot] = key_id
 
-    def locate(self, ids: np.ndarray) -> np.ndarray | None:
-        """Host addresses (int64 [n]) of the rows of key ids `ids` (int64 [n], layer * E + expert)
-        when every one is in the arena, else None; changes nothing (no recency, no counts). The
-        addresses stay valid while the rows do (see the module doc); `hit_ids` then records the use."""
-        slots = self._slot_of_id[ids]  # [n]
-        if slots.size and slots.min() < 0:
-            return None
-        return self.memory.data_ptr() + slots * self.stride
+    def locate(self, ids: Sequence[int]) -> list[int] | None:
+        """Host addresses of the rows of key ids `ids` (layer * E + expert) when every one is in the
+        arena, else None; changes nothing (no recency, no counts). The addresses stay valid while the
+        rows do (see the module doc); `hit_ids` then records the use."""
+        address_of_id = self._address_of_id
+        addresses = [address_of_id[key_id] for key_id in ids]
+        return None if None in addresses else addresses
 
     def hit_ids(self, ids: Sequence[int], seconds: float = 0.0) -> None:
         """Record a use of the located rows of `ids` as `fetch` does for hits: each becomes most

@@ -434,29 +434,32 @@ class TieredRuntime:
 
     def _fetch_located(self, report: PassReport) -> int | None:
         """The step's fetch after the pass-log read when every missing row is in the arena and the victims
-        planned while the pass ran still hold: key ids and host addresses throughout, and the first row copy
-        issued before the bookkeeping (the arena's recency, the stats). None, having changed nothing, when
-        that is not the case (the general `_fetch` then runs)."""
+        planned while the pass ran still hold: key ids and host addresses in plain lists (a few dozen rows: no
+        array calls), and the first row copy issued before the bookkeeping (the arena's recency, the stats).
+        None, having changed nothing, when that is not the case (the general `_fetch` then runs)."""
         started = time.perf_counter()
-        ids = np.unique(report.missing_ids)  # [n] ascending: layer order
-        ids = ids[self.pool.mirror.reshape(-1)[ids] < 0]
-        if not ids.size:
+        ids = sorted(set(report.missing_ids))  # layer order
+        if self._early:  # the fetches during the pass may have installed some since they missed
+            mirror = self.pool.mirror.reshape(-1)
+            ids = [key_id for key_id in ids if mirror[key_id] < 0]
+        if not ids:
             return 0
-        addresses = self.arena.locate(ids)  # [n]
+        addresses = self.arena.locate(ids)
         if addresses is None:
             return None
-        lacking = ids.size - self.pool.num_free
-        victims = self.pool.planned_victims(report.routed_ids, lacking) if lacking > 0 else []
-        if victims is None:
+        lacking = len(ids) - self.pool.num_free
+        # the pass's routed experts (the read's counts, indexed by key id) are never victims
+        planned = self.pool.planned_victims(self.log.host_routed_counts(), lacking) if lacking > 0 else ([], [])
+        if planned is None:
             return None
         installing = time.perf_counter()
         row_bytes = self.source.row_bytes
-        self.pool.install_located(ids, addresses, row_bytes, victims)
+        self.pool.install_located(ids, addresses, row_bytes, *planned)
         done = time.perf_counter()
-        self.arena.hit_ids(ids.tolist(), installing - started)
-        self._stats.add_fetch(ids.size, ids.size * row_bytes, done - started, installing - started, done - installing,
+        self.arena.hit_ids(ids, installing - started)
+        self._stats.add_fetch(len(ids), len(ids) * row_bytes, done - started, installing - started, done - installing,
                               during_pass=False)
-        return ids.size
+        return len(ids)
 
     # -- observability ------------------------------------------------------------------------
     def stats(self) -> RuntimeStats:

@@ -33,7 +33,7 @@ Key = tuple[int, int]
 @dataclass(frozen=True)
 class PassReport:
     missing_pairs: int
-    missing_ids: np.ndarray  # int64 [n] layer * E + expert of the missing experts, as logged (at most the capacity)
+    missing_ids: tuple[int, ...]  # layer * E + expert of each missing expert, as logged (at most the log's capacity)
     unlogged_experts: int  # missing experts past the log's capacity (found again by the next pass)
     routed_ids: np.ndarray = field(repr=False)  # int64 ascending layer * E + expert of every routed expert
     routing: np.ndarray | None  # int32 [layers, T, k] routed ids, when recording
@@ -43,8 +43,8 @@ class PassReport:
     @cached_property
     def missing_keys(self) -> tuple[Key, ...]:
         """`missing_ids` as (layer, expert), in the same order."""
-        layers, experts = np.divmod(self.missing_ids, self.num_experts)
-        return tuple(zip(layers.tolist(), experts.tolist()))
+        experts = self.num_experts
+        return tuple(divmod(key_id, experts) for key_id in self.missing_ids)
 
     @cached_property
     def routed_keys(self) -> tuple[Key, ...]:
@@ -129,6 +129,10 @@ class PassLog:
         copy has not landed."""
         return self._host_layer_rows[layer] if self._host_layer_stamps[layer] else None
 
+    def host_routed_counts(self) -> np.ndarray:
+        """int32 [L * E]: `host_seen` by key id (layer * E + expert), without a reshape."""
+        return self._host_seen
+
     def host_seen(self) -> np.ndarray:
         """int32 [L, E]: the routed pairs per expert of the last `read()` (a view of its host copy,
         rewritten by the next read)."""
@@ -140,8 +144,8 @@ class PassLog:
             torch.cuda.current_stream(self._stream_index).synchronize()
         pairs, experts = self._host_counts.tolist()
         logged = min(experts, len(self._host_entries) // 2)
-        entries = self._host_entries[:2 * logged].reshape(-1, 2).astype(np.int64)  # [logged, (layer, expert)]
-        missing = entries[:, 0] * self.num_experts + entries[:, 1]  # [logged]
+        flat, width = self._host_entries[:2 * logged].tolist(), self.num_experts  # [2 * logged] (layer, expert)...
+        missing = tuple([flat[i] * width + flat[i + 1] for i in range(0, len(flat), 2)])
         routed = self._host_seen.nonzero()[0]  # 1-D view: ascending = row-major (no ravel)
         routing = self._host_routing.reshape(self.routing.shape).copy() if self.routing is not None else None
         outputs = self._host_outputs.copy() if self.outputs is not None else None

@@ -280,62 +280,76 @@ class DevicePool:
 
     def plan_victims(self, count: int) -> None:
         """While a pass runs, before its pass-log read: note the first `count` key ids of the policy's
-        eviction order (a policy with `filtered_order`), for `planned_victims` after the read."""
+        eviction order (a policy with `filtered_order`) and their slots, for `planned_victims` after the read."""
         policy = self.policy
         if policy.filtered_order:
-            candidates = np.fromiter(islice(policy.eviction_order(), count), dtype=np.int64)
-            self._plan = (policy.version, len(self._free), candidates)
+            candidates = np.fromiter(islice(policy.eviction_order(), count), dtype=np.int64)  # [<= count]
+            slots = self.mirror.reshape(-1)[candidates].tolist()
+            self._plan = (policy.version, len(self._free), candidates, candidates.tolist(), slots)
 
-    def planned_victims(self, exclude_ids: np.ndarray, count: int) -> list[int] | None:
-        """The victims `evictable_ids(exclude_ids, count)` would name, from the plan without walking the
-        policy: its candidates outside `exclude_ids` (int64 [n]). None, and the caller walks the policy, when
-        the plan is gone, stale (the policy or the free slots changed since) or holds fewer than `count`."""
+    def planned_victims(self, excluded: np.ndarray, count: int) -> tuple[list[int], list[int]] | None:
+        """(victims, their slots): what `evictable_ids` would name for `count` outside the key ids where
+        `excluded` (indexed by key id, e.g. the pass log's routed counts [L * E]) is nonzero, from the plan
+        without walking the policy. None, and the caller walks the policy, when the plan is gone, stale (the
+        policy or the free slots changed since) or holds fewer than `count` such victims."""
         plan, self._plan = self._plan, None
         if plan is None or plan[0] != self.policy.version or plan[1] != len(self._free):
             return None
-        candidates, excluded = plan[2], self._excluded
-        excluded[exclude_ids] = True
-        kept = candidates[~excluded[candidates]]  # [m] in eviction order
-        excluded[exclude_ids] = False
-        return kept[:count].tolist() if len(kept) >= count else None
+        victims, slots = [], []
+        for key_id, slot, routed in zip(plan[3], plan[4], excluded[plan[2]].tolist()):
+            if not routed:
+                victims.append(key_id)
+                slots.append(slot)
+                if len(victims) == count:
+                    return victims, slots
+        return None
 
-    def install_located(self, ids: np.ndarray, addresses: np.ndarray, nbytes: int, victims: list[int]) -> None:
+    def install_located(self, ids: list[int], addresses: list[int], nbytes: int, victims: list[int],
+                        victim_slots: list[int]) -> None:
         """`install` for the runtime's fetch right after a pass-log read (`installs_located`; nothing launched on
-        the compute stream since its sync, so the copies do not wait for it): key ids `ids` (int64 [n] ascending,
-        distinct, not resident), their rows at host `addresses` (int64 [n] of `nbytes` <= slot_bytes each, pinned,
-        untouched until `wait()`), and `victims` for the free slots lacking (from `planned_victims`, exactly
+        the compute stream since its sync, so the copies do not wait for it): key ids `ids` (ascending, distinct,
+        not resident), their rows at host `addresses` (`nbytes` <= slot_bytes each, pinned, untouched until
+        `wait()`), and (`victims`, `victim_slots`) for the free slots lacking (from `planned_victims`, exactly
         that many). The first layer's rows are on the bus before the host state changes."""
-        if len(victims) != len(ids) - min(len(ids), self.num_free):
+        if len(victims) != len(ids) - min(len(ids), self.num_free) or len(victim_slots) != len(victims):
             raise ValueError(f"{len(ids)} rows over {self.num_free} free slots need "
                              f"{max(0, len(ids) - self.num_free)} victims, got {len(victims)}")
-        if not len(ids):
+        if not ids:
             return
         buffers = self._take_install_buffers()
-        victim_slots = self.mirror.reshape(-1)[victims]  # [v]
-        free = self._free[len(self._free) - (len(ids) - len(victims)):][::-1]  # pop() order
-        slots = np.concatenate((np.asarray(free, dtype=np.int64), victim_slots))  # [n]
-        layers = ids // self.num_experts  # [n]
-        # a row continues the last copy when it is the same layer's, a full slot, the next slot and the next bytes
-        joins = np.zeros(len(ids) - 1, dtype=bool) if nbytes != self.slot_bytes else (
-            (layers[1:] == layers[:-1]) & (slots[1:] == slots[:-1] + 1) & (addresses[1:] == addresses[:-1] + nbytes))
-        starts = np.flatnonzero(np.concatenate(([True], ~joins)))  # [runs] first row of each copy
-        sizes = np.diff(np.append(starts, len(ids))) * nbytes  # [runs]
-        runs = zip(layers[starts].tolist(), slots[starts].tolist(), addresses[starts].tolist(), sizes.tolist())
-        runs_by_layer = ((layer, [run[1:] for run in group]) for layer, group in groupby(runs, key=lambda run: run[0]))
-        id_list, copy = ids.tolist(), self._stream
+        slots = self._free[len(self._free) - (len(ids) - len(victims)):][::-1] + victim_slots  # pop() order
+        copy = self._stream
         if copy is None:  # CPU: the same copies at once, then the table
             started = time.perf_counter()
-            for _, layer_runs in runs_by_layer:
+            for _, layer_runs in self._located_runs(ids, slots, addresses, nbytes):
                 self._issue(layer_runs, None)
-            self.table.copy_(self._stage_table(buffers, id_list, slots, victims)[1])
+            self.table.copy_(self._stage_table(buffers, ids, slots, victims)[1])
             self.copy_seconds += time.perf_counter() - started
         else:
             start, end = buffers.marks
             start.record(copy)
-            self._issue_by_layer(runs_by_layer, id_list, slots, victims, buffers, copy)
+            self._issue_by_layer(self._located_runs(ids, slots, addresses, nbytes), ids, slots, victims, buffers, copy)
             end.record(copy)
             self._in_flight.append(buffers)
-        self._map(id_list, slots, victims, victim_slots)
+        self._map(ids, slots, victims, victim_slots)
+
+    def _located_runs(self, ids: list[int], slots: list[int], addresses: list[int], nbytes: int):
+        """(layer, [(first slot, host address, bytes)]) per layer of `ids` (ascending), lazily: a row continues
+        the last copy when it is a full slot, the next slot and the next bytes (never across a layer)."""
+        experts, full = self.num_experts, nbytes == self.slot_bytes
+        layer, runs, last_slot, last_end = ids[0] // experts, [], -2, -1
+        for key_id, slot, address in zip(ids, slots, addresses):
+            if key_id // experts != layer:
+                yield layer, runs
+                layer, runs = key_id // experts, []
+            elif full and slot == last_slot + 1 and address == last_end:
+                first_slot, first_address, size = runs[-1]
+                runs[-1] = (first_slot, first_address, size + nbytes)
+                last_slot, last_end = slot, address + nbytes
+                continue
+            runs.append((slot, address, nbytes))
+            last_slot, last_end = slot, address + nbytes
+        yield layer, runs
 
     def reserve(self, count: int, exclude: Iterable[Key]) -> list[int]:
         """Take `count` slots for `write_reserved`: free ones first, then victims from the policy
