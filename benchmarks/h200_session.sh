@@ -913,8 +913,10 @@ case "$step" in
     stage timeline-ds-v2-lite-0.25 60 python3 benchmarks/miss_step_timeline.py --preset ds-v2-lite --layers 8 \
       --coverage 0.25 --no-profiler --commit "$commit" --json "$work/timeline-ds-v2-lite-0.25.json"
     ;;
-  located2)  # the same A/B on qwen3-30b-a3b (16 layers), then a second round on ds-v2-lite, new before old this time.
-    # Stage limits 2 x 150 + 2 x 120 s.
+  located2)  # after the located fetch's residency filter (the negative control of layer waits logs resident keys as
+    # missing): the runtime GPU tests again, the same A/B on qwen3-30b-a3b (16 layers), then a second round on
+    # ds-v2-lite, new before old this time. Stage limits 200 + 2 x 150 + 2 x 120 s.
+    runtime_gpu_tests 200
     mkdir -p /tmp/old "$work/baseline" && tar -xzf .baseline/675e2db.tar.gz -C /tmp/old
     old_replay replay-qwen3-old 150 qwen3-30b-a3b 16 "$work/baseline/replay_qwen3_old.json" 675e2db
     replay_matrix replay-qwen3 150 qwen3-30b-a3b 16 "$work/replay_qwen3_new.json"

@@ -439,9 +439,8 @@ class TieredRuntime:
         None, having changed nothing, when that is not the case (the general `_fetch` then runs)."""
         started = time.perf_counter()
         ids = sorted(set(report.missing_ids))  # layer order
-        if self._early:  # the fetches during the pass may have installed some since they missed
-            mirror = self.pool.mirror.reshape(-1)
-            ids = [key_id for key_id in ids if mirror[key_id] < 0]
+        # resident ones are not fetched again: early fetch may have installed them since they missed
+        ids = [key_id for key_id, slot in zip(ids, self.pool.mirror.reshape(-1)[ids].tolist()) if slot < 0]
         if not ids:
             return 0
         addresses = self.arena.locate(ids)
