@@ -438,9 +438,8 @@ class TieredRuntime:
         array calls), and the first row copy issued before the bookkeeping (the arena's recency, the stats).
         None, having changed nothing, when that is not the case (the general `_fetch` then runs)."""
         started = time.perf_counter()
-        ids = sorted(set(report.missing_ids))  # layer order
-        # resident ones are not fetched again: early fetch may have installed them since they missed
-        ids = [key_id for key_id, slot in zip(ids, self.pool.mirror.reshape(-1)[ids].tolist()) if slot < 0]
+        # in layer order; resident ones are not fetched again (early fetch may have installed them since they missed)
+        ids = self.pool.missing_ids(sorted(set(report.missing_ids)))
         if not ids:
             return 0
         addresses = self.arena.locate(ids)
