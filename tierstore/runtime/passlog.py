@@ -144,8 +144,10 @@ class PassLog:
             torch.cuda.current_stream(self._stream_index).synchronize()
         pairs, experts = self._host_counts.tolist()
         logged = min(experts, len(self._host_entries) // 2)
-        flat, width = self._host_entries[:2 * logged].tolist(), self.num_experts  # [2 * logged] (layer, expert)...
-        missing = tuple([flat[i] * width + flat[i + 1] for i in range(0, len(flat), 2)])
+        missing = ()
+        if logged:  # a no-miss pass builds nothing here
+            flat, width = self._host_entries[:2 * logged].tolist(), self.num_experts  # [2 * logged] (layer, expert)...
+            missing = tuple([flat[i] * width + flat[i + 1] for i in range(0, len(flat), 2)])
         routed = self._host_seen.nonzero()[0]  # 1-D view: ascending = row-major (no ravel)
         routing = self._host_routing.reshape(self.routing.shape).copy() if self.routing is not None else None
         outputs = self._host_outputs.copy() if self.outputs is not None else None
