@@ -923,6 +923,25 @@ case "$step" in
     replay_matrix replay-ds-2 120 ds-v2-lite 8 "$work/replay_ds_new_2.json"
     old_replay replay-ds-old-2 120 ds-v2-lite 8 "$work/baseline/replay_ds_old_2.json" 675e2db
     ;;
+  located3)  # order-balanced A/B of the located fetch with the event clock (miss_step_timeline.py --no-profiler): the
+    # tree before (675e2db) and this one, 3 rounds in the order old new / new old / old new, ds-v2-lite 8 layers at 50 %
+    # and qwen3-30b-a3b 16 layers at 25 %. Stage limit 60 s each (7-13 s measured in located).
+    mkdir -p /tmp/old "$work/baseline" && tar -xzf .baseline/675e2db.tar.gz -C /tmp/old
+    for round in 1 2 3; do
+      order="old new"; [ "$round" = 2 ] && order="new old"
+      for tree in $order; do
+        for cell in "ds-v2-lite 8 0.5" "qwen3-30b-a3b 16 0.25"; do
+          set -- $cell
+          if [ "$tree" = old ]; then
+            old_timeline "timeline-old-$round-$1-$3" 60 "$1" "$2" "$3" "$work/baseline/timeline-old-$round-$1-$3.json" 675e2db
+          else
+            stage "timeline-new-$round-$1-$3" 60 python3 benchmarks/miss_step_timeline.py --preset "$1" --layers "$2" \
+              --coverage "$3" --no-profiler --commit "$commit" --json "$work/timeline-new-$round-$1-$3.json"
+          fi
+        done
+      done
+    done
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
