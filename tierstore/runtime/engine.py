@@ -140,6 +140,7 @@ class TieredRuntime:
         self._scan = False
         self._on_close = list(on_close)
         self.last_pass: PassReport | None = None
+        self._recent_missing = 0  # experts missed by a recent pass, decaying (`_victim_plan_size`)
         self._untouched = None  # (routed ids, time) of the last step, not yet told to the pool's policy
         self._decode_hot = np.empty(0, dtype=np.int64)  # [n] key ids the last decode step routed: prefill evicts them last
         self.closed = False
@@ -418,11 +419,13 @@ class TieredRuntime:
 
     def _victim_plan_size(self) -> int:
         """How many candidates `plan_victims` notes: the last pass's routed experts (the plan's filter may drop
-        that many) plus twice its missing ones and a margin (what the next fetch is likely to lack)."""
+        that many) plus twice the most experts a recent pass missed (decaying) and a margin; a plan that falls
+        short only sends that fetch down the general path."""
         last = self.last_pass
         if last is None:
             return 2 * working_set_slots(self.geometry, self.config.tokens_per_step, 1.0)
-        return len(last.routed_ids) + 2 * len(last.missing_ids) + 16
+        self._recent_missing = max(len(last.missing_ids), self._recent_missing * 7 // 8)
+        return len(last.routed_ids) + 2 * self._recent_missing + 16
 
     def _fetch_for_step(self, report: PassReport, partial: bool) -> int:
         if self._plans_victims and not self._scan:

@@ -3,7 +3,8 @@ per-slot owners, with eviction through the policy API.
 
 Invariants (checked by `check_coherent`): `table` (device) == `mirror` (host); slot s is owned by
 (l, e) iff mirror[l, e] == s; a slot is free iff it has no owner; the policy holds exactly the
-mapped keys. Bytes change only in `install`, between launches: the copy stream first waits for
+mapped keys. Bytes change only in `install` (or `install_located`, its form for the runtime's step fetch from
+located arena rows, with victims planned by `plan_victims` while the pass runs), between launches: the copy stream first waits for
 the compute stream (nothing launched before still reads a victim), victims are unmapped on it
 before their slots are rewritten, and the new mappings are written after the copies. The host
 state changes while the copies run; `install` returns once they are done, or, with `overlap`,
