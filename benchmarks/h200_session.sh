@@ -942,6 +942,14 @@ case "$step" in
       done
     done
     ;;
+  syncwake)  # how soon the host learns that a pass ended: benchmarks/sync_wake.py, the pass log's read-back ways
+    # (copy + stream sync, copy + event sync, copy + stamp spun on, bare sync) interleaved on one captured pass, with the
+    # log of ds-v2-lite 8 layers (1.6k words) and of qwen3-30b-a3b 16 layers (6.2k). Stage limit 60 s each.
+    stage sync-wake-1600 60 python3 benchmarks/sync_wake.py --iterations 400 --words 1600 --commit "$commit" \
+      --json "$work/sync_wake_1600.json"
+    stage sync-wake-6200 60 python3 benchmarks/sync_wake.py --iterations 400 --words 6200 --commit "$commit" \
+      --json "$work/sync_wake_6200.json"
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
