@@ -89,3 +89,19 @@ def test_other_policies_get_observe_and_hits_at_once():
     p.install([(0, 1), (0, 2)], [row] * 2, exclude=[])
     p.touch_ids(np.array([1, 1 + EXPERTS]), 1.0)
     assert list(p.policy.eviction_order())[-1] == 1  # (0, 1) was hit; (1, 1) was not resident
+
+
+def test_routed_ids_are_computed_late_but_from_their_own_pass():
+    """A report's routed ids wait until asked for, and the log's next read computes them first, before it
+    overwrites the host copy they come from: a report read earlier keeps its own pass's ids."""
+    log = PassLog(LAYERS, EXPERTS, top_k=2, capacity=4, device="cpu")
+    log.reset()
+    log.record(0, torch.tensor([[1, 4]]))
+    first = log.read()
+    assert "routed_ids" not in first.__dict__  # not computed by the read itself
+    log.reset()
+    log.record(2, torch.tensor([[3, 5]]))
+    second = log.read()
+    assert "routed_ids" in first.__dict__  # the second read computed it before its copy
+    assert first.routed_ids.tolist() == [1, 4] and second.routed_ids.tolist() == [19, 21]
+    assert first.routed_keys == ((0, 1), (0, 4)) and second.routed_id_set == frozenset({19, 21})

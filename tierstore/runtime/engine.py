@@ -47,6 +47,7 @@ log = logging.getLogger("tierstore.runtime")
 
 Key = tuple[int, int]
 BACKENDS = ("auto", "torch", "triton")
+NO_IDS = np.empty(0, dtype=np.int64)
 NO_LOCK = nullcontext()  # a step's safe point without an FP4 tier (reusable: it holds nothing)
 COUNTERS = ("steps", "replays", "fetched_bytes", "fetch_s", "arena_hit_rows", "arena_miss_rows", "arena_s",
             "install_s", "copy_s", "copy_wait_s", "read_s")  # TieredRuntime.counters()
@@ -141,8 +142,8 @@ class TieredRuntime:
         self._on_close = list(on_close)
         self.last_pass: PassReport | None = None
         self._recent_missing = 0  # experts missed by a recent pass, decaying (`_victim_plan_size`)
-        self._untouched = None  # (routed ids, time) of the last step, not yet told to the pool's policy
-        self._decode_hot = np.empty(0, dtype=np.int64)  # [n] key ids the last decode step routed: prefill evicts them last
+        self._untouched = None  # (last pass report, time) of the last step, not yet told to the pool's policy
+        self._decode_pass: PassReport | None = None  # the last decode step's last pass: prefill evicts its experts last
         self.closed = False
         log.info("device pool: %d slots x %.2f MiB = %.3f GiB (%.1f%% of %d experts) on %s, backend %s; arena %d slots",
                  self.pool.num_slots, self.layout.slot_bytes / 2**20, self.pool.num_slots * self.layout.slot_bytes / 2**30,
@@ -265,6 +266,11 @@ class TieredRuntime:
                               done - installing, during_pass=finished_layers is not None)
         return len(keys)
 
+    @property
+    def _decode_hot(self) -> np.ndarray:
+        """int64 [n] key ids the last decode step routed (empty before one)."""
+        return self._decode_pass.routed_ids if self._decode_pass is not None else NO_IDS
+
     def _victims(self, protect_ids: frozenset[int], lacking: int, scan: bool, below: int | None = None) -> list[int]:
         """Key ids an install lacking `lacking` free slots evicts, never one of `protect_ids` (nor an id
         at or above `below`). A prefill (`scan`) fetch takes them outside the decode hot set (the last
@@ -346,9 +352,10 @@ class TieredRuntime:
         # the pool's policy hears of this step's routed experts when the next pass is read (its
         # forward is then running on the device) or when anything uses the pool first: off the
         # host path between a no-miss step's sync and its return (the FP4 tier never uses this pool)
-        self._untouched = self.last_pass.routed_ids, time.monotonic()
+        # the reports, not their routed ids: those are computed when used, at the latest by the pass log's next read
+        self._untouched = self.last_pass, time.monotonic()
         if not prefill:
-            self._decode_hot = self.last_pass.routed_ids
+            self._decode_pass = self.last_pass
         if self.fp4 is not None:
             self.fp4.close_step(step_routed if outcome.gate is not None else self.last_pass.routed_ids)
             self._fp4_snapshot.push(self.log.host_seen())  # the last read's counts: no device work
@@ -402,9 +409,9 @@ class TieredRuntime:
         pass's read, `stats()` and `close()` settle first). Call it before reading
         `runtime.pool.policy` directly."""
         if self._untouched is not None:
-            ids, now = self._untouched
+            report, now = self._untouched
             self._untouched = None
-            self.pool.touch_ids(ids, now)
+            self.pool.touch_ids(report.routed_ids, now)
 
     def _read_pass(self) -> PassReport:
         self.settle()

@@ -30,15 +30,22 @@ import torch
 Key = tuple[int, int]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PassReport:
     missing_pairs: int
     missing_ids: tuple[int, ...]  # layer * E + expert of each missing expert, as logged (at most the log's capacity)
     unlogged_experts: int  # missing experts past the log's capacity (found again by the next pass)
-    routed_ids: np.ndarray = field(repr=False)  # int64 ascending layer * E + expert of every routed expert
     routing: np.ndarray | None  # int32 [layers, T, k] routed ids, when recording
     num_experts: int = field(repr=False)
     outputs: np.ndarray | None = None  # int32 [output_words]: what the forward published, when asked for
+    # int32 [L * E] the log's host copy of the routed counts, valid until the log's next read, which computes
+    # `routed_ids` from it first: so that costs nothing between a read and the fetch or the step's return
+    _host_seen: np.ndarray | None = field(default=None, repr=False)
+
+    @cached_property
+    def routed_ids(self) -> np.ndarray:
+        """int64 [n] ascending layer * E + expert of every routed expert."""
+        return self._host_seen.nonzero()[0]  # 1-D: ascending = row-major
 
     @cached_property
     def missing_keys(self) -> tuple[Key, ...]:
@@ -84,6 +91,7 @@ class PassLog:
         self._host_counts, self._host_seen, self._host_entries, self._host_routing, self._host_outputs = np.split(
             host, np.cumsum(sizes)[:4])
         self._layer_rows = self._layer_stamps = None
+        self._last_report: PassReport | None = None  # the last read's, whose routed ids the next read computes first
         if early_layers:
             pin = self.device.type == "cuda"
             self._layer_rows = torch.zeros(num_layers, num_experts, dtype=torch.int32, pin_memory=pin)  # [L, E]
@@ -139,6 +147,8 @@ class PassLog:
         return self._host_seen.reshape(self.seen.shape)
 
     def read(self) -> PassReport:
+        if self._last_report is not None:  # its routed ids from the host copy, before this read overwrites it
+            self._last_report.routed_ids  # a cached property: computed here
         self._host.copy_(self.buffer, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self._stream_index).synchronize()
@@ -148,7 +158,8 @@ class PassLog:
         if logged:  # a no-miss pass builds nothing here
             flat, width = self._host_entries[:2 * logged].tolist(), self.num_experts  # [2 * logged] (layer, expert)...
             missing = tuple([flat[i] * width + flat[i + 1] for i in range(0, len(flat), 2)])
-        routed = self._host_seen.nonzero()[0]  # 1-D view: ascending = row-major (no ravel)
         routing = self._host_routing.reshape(self.routing.shape).copy() if self.routing is not None else None
         outputs = self._host_outputs.copy() if self.outputs is not None else None
-        return PassReport(pairs, missing, experts - logged, routed, routing, self.num_experts, outputs)
+        self._last_report = PassReport(pairs, missing, experts - logged, routing, self.num_experts, outputs,
+                                       self._host_seen)
+        return self._last_report

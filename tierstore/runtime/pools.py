@@ -91,7 +91,6 @@ class DevicePool:
         self.table = torch.full((num_layers, num_experts), -1, dtype=torch.int32, device=self.device)  # [L, E]
         self._table_bytes = self.table.numel() * self.table.element_size()
         self.mirror = np.full((num_layers, num_experts), -1, dtype=np.int32)  # [L, E]
-        self._mirror_ids = self.mirror.reshape(-1)  # [L * E] view by key id
         self.owner = np.full((num_slots, 2), -1, dtype=np.int32)  # [S, (layer, expert)]
         self.generation = np.zeros(num_slots, dtype=np.int64)  # bumped whenever a slot's bytes change
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
@@ -158,9 +157,10 @@ class DevicePool:
         return not np.count_nonzero(self.mirror.reshape(-1)[ids] < 0)
 
     def missing_ids(self, ids: Iterable[int]) -> list[int]:
-        """The key ids of `ids` that are not resident, in order (a few dozen: no array call)."""
-        mirror = self._mirror_ids
-        return [key_id for key_id in ids if mirror[key_id] < 0]
+        """The key ids of `ids` that are not resident, in order: dict lookups in the policy's keys, which are
+        exactly the mapped ones (see the module doc), not array reads one by one."""
+        mapped = self._policy.sizes
+        return [key_id for key_id in ids if key_id not in mapped]
 
     def missing(self, keys: Iterable[Key]) -> list[Key]:
         """The keys that are not resident, in order (`is_resident` of each, without its call)."""
