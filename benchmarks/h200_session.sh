@@ -950,6 +950,31 @@ case "$step" in
     stage sync-wake-6200 60 python3 benchmarks/sync_wake.py --iterations 400 --words 6200 --commit "$commit" \
       --json "$work/sync_wake_6200.json"
     ;;
+  closing11)  # the session's last code (pass reports' routed ids computed late, the located fetch's residency filter
+    # in the policy's keys): the runtime GPU tests, the main job's --verify-resident, the event-clock A/B against the
+    # located fetch before them (27a48d4, carried as .baseline/27a48d4.tar.gz) as located3 ran it, then the replay
+    # benchmark on both presets. Stage limits 200 + 80 + 12 x 60 + 120 + 150 s (~75 + 15 + 12 x 10 + 45 + 55 measured).
+    runtime_gpu_tests 200
+    stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    mkdir -p /tmp/old "$work/baseline" && tar -xzf .baseline/27a48d4.tar.gz -C /tmp/old
+    for round in 1 2 3; do
+      order="old new"; [ "$round" = 2 ] && order="new old"
+      for tree in $order; do
+        for cell in "ds-v2-lite 8 0.5" "qwen3-30b-a3b 16 0.25"; do
+          set -- $cell
+          if [ "$tree" = old ]; then
+            old_timeline "timeline-old-$round-$1-$3" 60 "$1" "$2" "$3" "$work/baseline/timeline-old-$round-$1-$3.json" 27a48d4
+          else
+            stage "timeline-new-$round-$1-$3" 60 python3 benchmarks/miss_step_timeline.py --preset "$1" --layers "$2" \
+              --coverage "$3" --no-profiler --commit "$commit" --json "$work/timeline-new-$round-$1-$3.json"
+          fi
+        done
+      done
+    done
+    replay_matrix replay-ds 120 ds-v2-lite 8 "$work/replay_ds_closing11.json"
+    replay_matrix replay-qwen3 150 qwen3-30b-a3b 16 "$work/replay_qwen3_closing11.json"
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
