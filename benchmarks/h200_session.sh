@@ -975,6 +975,29 @@ case "$step" in
     replay_matrix replay-ds 120 ds-v2-lite 8 "$work/replay_ds_closing11.json"
     replay_matrix replay-qwen3 150 qwen3-30b-a3b 16 "$work/replay_qwen3_closing11.json"
     ;;
+  planvariant)  # closing11 found qwen3-30b-a3b's miss steps slower at its code than at 27a48d4 (the first copy
+    # later, the syncs later too): which change? 27a48d4, this tree, and a1d77a4 (this tree with the plan size of
+    # 27a48d4), event clock at qwen3-30b-a3b 16 layers 25 % and ds-v2-lite 8 layers 50 %, 2 rounds in the orders
+    # old new v1 / v1 new old. Stage limit 60 s each (~10 s measured).
+    for tree in 27a48d4 a1d77a4; do mkdir -p "/tmp/$tree" && tar -xzf ".baseline/$tree.tar.gz" -C "/tmp/$tree"; done
+    mkdir -p "$work/baseline"
+    for round in 1 2; do
+      order="27a48d4 new a1d77a4"; [ "$round" = 2 ] && order="a1d77a4 new 27a48d4"
+      for tree in $order; do
+        for cell in "qwen3-30b-a3b 16 0.25" "ds-v2-lite 8 0.5"; do
+          set -- $cell
+          if [ "$tree" = new ]; then
+            stage "timeline-new-$round-$1-$3" 60 python3 benchmarks/miss_step_timeline.py --preset "$1" --layers "$2" \
+              --coverage "$3" --no-profiler --commit "$commit" --json "$work/timeline-new-$round-$1-$3.json"
+          else
+            stage "timeline-$tree-$round-$1-$3" 60 env PYTHONPATH="/tmp/$tree" bash -c "cd /tmp/$tree && python3 \
+              benchmarks/miss_step_timeline.py --preset $1 --layers $2 --coverage $3 --no-profiler --commit $tree \
+              --json $work/baseline/timeline-$tree-$round-$1-$3.json"
+          fi
+        done
+      done
+    done
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
