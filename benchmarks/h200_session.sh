@@ -1000,16 +1000,18 @@ case "$step" in
     ;;
   pinning)  # the runs' host speed moves by process (planvariant: one ds-v2-lite run's read started 70 us before the pass's
     # end against 125-137 in the five others): the machine's CPU / GPU topology, then the event clock at ds-v2-lite 8
-    # layers 50 % and qwen3-30b-a3b 16 layers 25 %, each run pinned (taskset) to the GPU's NUMA-local cores and unpinned,
+    # layers 50 % and qwen3-30b-a3b 16 layers 25 %, each run pinned (taskset) to four of the GPU's local cores and not,
     # 2 rounds. Stage limit 60 s each.
     { nvidia-smi topo -m; lscpu | grep -iE "model name|numa|^cpu\(s\)|mhz"; } > "$work/topology.log" 2>&1
     local_cpus=$(nvidia-smi topo -m 2>/dev/null | awk '/^GPU0/ {for (i = 2; i <= NF; i++) if ($i ~ /^[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*$/ && $i ~ /-/) {print $i; exit}}')
-    echo "GPU0 CPU affinity: ${local_cpus:-unknown}" | tee -a "$work/summary.txt"
+    first=${local_cpus%%-*}; first=${first%%,*}
+    pinned_cpus=$(( ${first:-0} + 2 ))-$(( ${first:-0} + 5 ))  # four of the local cores, clear of core 0's interrupts
+    echo "GPU0 CPU affinity: ${local_cpus:-unknown}; pinned runs on cores $pinned_cpus" | tee -a "$work/summary.txt"
     for round in 1 2; do
       for mode in pinned free; do
         for cell in "ds-v2-lite 8 0.5" "qwen3-30b-a3b 16 0.25"; do
           set -- $cell
-          prefix=""; [ "$mode" = pinned ] && [ -n "$local_cpus" ] && prefix="taskset -c $local_cpus"
+          prefix=""; [ "$mode" = pinned ] && prefix="taskset -c $pinned_cpus"
           stage "timeline-$mode-$round-$1-$3" 60 $prefix python3 benchmarks/miss_step_timeline.py --preset "$1" \
             --layers "$2" --coverage "$3" --no-profiler --commit "$commit" --json "$work/timeline-$mode-$round-$1-$3.json"
         done
