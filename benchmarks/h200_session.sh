@@ -53,6 +53,26 @@ old_timeline() {  # old_timeline NAME LIMIT PRESET LAYERS COVERAGE OUT SHA: the 
     --preset $3 --layers $4 --coverage $5 --no-profiler --commit $7 --json $6"
 }
 
+timeline_ab() {  # timeline_ab SHA: the event clock (miss_step_timeline.py --no-profiler) over the old tree SHA unpacked in
+  # /tmp/old and this one, 3 rounds in the orders old new / new old / old new, at ds-v2-lite 8 layers 50 % and
+  # qwen3-30b-a3b 16 layers 25 %; stage limit 60 s each
+  local sha_old="$1" round order tree cell
+  for round in 1 2 3; do
+    order="old new"; [ "$round" = 2 ] && order="new old"
+    for tree in $order; do
+      for cell in "ds-v2-lite 8 0.5" "qwen3-30b-a3b 16 0.25"; do
+        set -- $cell
+        if [ "$tree" = old ]; then
+          old_timeline "timeline-old-$round-$1-$3" 60 "$1" "$2" "$3" "$work/baseline/timeline-old-$round-$1-$3.json" "$sha_old"
+        else
+          stage "timeline-new-$round-$1-$3" 60 python3 benchmarks/miss_step_timeline.py --preset "$1" --layers "$2" \
+            --coverage "$3" --no-profiler --commit "$commit" --json "$work/timeline-new-$round-$1-$3.json"
+        fi
+      done
+    done
+  done
+}
+
 fetch_ab() {  # fetch_ab NAME LIMIT ARGS...: benchmarks/fetch_overhead.py on CUDA, the old tree e8b7b7f (unpacked from
   # the carried .baseline/e8b7b7f.tar.gz: the device's .git lacks recent commits) against this one, 300 steps per worker
   local name="$1" limit="$2"
@@ -927,20 +947,7 @@ case "$step" in
     # tree before (675e2db) and this one, 3 rounds in the order old new / new old / old new, ds-v2-lite 8 layers at 50 %
     # and qwen3-30b-a3b 16 layers at 25 %. Stage limit 60 s each (7-13 s measured in located).
     mkdir -p /tmp/old "$work/baseline" && tar -xzf .baseline/675e2db.tar.gz -C /tmp/old
-    for round in 1 2 3; do
-      order="old new"; [ "$round" = 2 ] && order="new old"
-      for tree in $order; do
-        for cell in "ds-v2-lite 8 0.5" "qwen3-30b-a3b 16 0.25"; do
-          set -- $cell
-          if [ "$tree" = old ]; then
-            old_timeline "timeline-old-$round-$1-$3" 60 "$1" "$2" "$3" "$work/baseline/timeline-old-$round-$1-$3.json" 675e2db
-          else
-            stage "timeline-new-$round-$1-$3" 60 python3 benchmarks/miss_step_timeline.py --preset "$1" --layers "$2" \
-              --coverage "$3" --no-profiler --commit "$commit" --json "$work/timeline-new-$round-$1-$3.json"
-          fi
-        done
-      done
-    done
+    timeline_ab 675e2db
     ;;
   syncwake)  # how soon the host learns that a pass ended: benchmarks/sync_wake.py, the pass log's read-back ways
     # (copy + stream sync, copy + event sync, copy + stamp spun on, bare sync) interleaved on one captured pass, with the
@@ -958,20 +965,7 @@ case "$step" in
     stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     mkdir -p /tmp/old "$work/baseline" && tar -xzf .baseline/27a48d4.tar.gz -C /tmp/old
-    for round in 1 2 3; do
-      order="old new"; [ "$round" = 2 ] && order="new old"
-      for tree in $order; do
-        for cell in "ds-v2-lite 8 0.5" "qwen3-30b-a3b 16 0.25"; do
-          set -- $cell
-          if [ "$tree" = old ]; then
-            old_timeline "timeline-old-$round-$1-$3" 60 "$1" "$2" "$3" "$work/baseline/timeline-old-$round-$1-$3.json" 27a48d4
-          else
-            stage "timeline-new-$round-$1-$3" 60 python3 benchmarks/miss_step_timeline.py --preset "$1" --layers "$2" \
-              --coverage "$3" --no-profiler --commit "$commit" --json "$work/timeline-new-$round-$1-$3.json"
-          fi
-        done
-      done
-    done
+    timeline_ab 27a48d4
     replay_matrix replay-ds 120 ds-v2-lite 8 "$work/replay_ds_closing11.json"
     replay_matrix replay-qwen3 150 qwen3-30b-a3b 16 "$work/replay_qwen3_closing11.json"
     ;;
