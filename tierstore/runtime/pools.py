@@ -3,9 +3,10 @@ per-slot owners, with eviction through the policy API.
 
 Invariants (checked by `check_coherent`): `table` (device) == `mirror` (host); slot s is owned by
 (l, e) iff mirror[l, e] == s; a slot is free iff it has no owner; the policy holds exactly the
-mapped keys. Bytes change only in `install` (or `install_located`, its form for the runtime's step fetch from
-located arena rows, with victims planned by `plan_victims` while the pass runs), between launches: the copy stream first waits for
-the compute stream (nothing launched before still reads a victim), victims are unmapped on it
+mapped keys. Bytes change only in `install` (or `install_located`, its form for the runtime's step fetch
+from located arena rows, with victims planned by `plan_victims` while the pass runs), between launches: the
+copy stream first waits for the compute stream (nothing launched before still reads a victim; the step's
+fetch after a pass-log read needs no wait, the read synchronised it), victims are unmapped on it
 before their slots are rewritten, and the new mappings are written after the copies. The host
 state changes while the copies run; `install` returns once they are done, or, with `overlap`,
 at once: the compute stream then waits for them on the device (an event), so nothing launched
@@ -124,8 +125,8 @@ class DevicePool:
         self._side_done = torch.cuda.Event() if self._side is not None else None
         for event in (self._layer_ready or []) + (self._side_ready or []):
             event.record(torch.cuda.current_stream(self.device))
-        self._plan = None  # `plan_victims`: (policy version, free slots, candidate key ids int64 [n])
-        self._excluded = np.zeros(num_layers * num_experts, dtype=bool)  # [L * E] scratch of `planned_victims`
+        # `plan_victims`: (policy version, free slots, candidate key ids int64 [n], the same as a list, their slots)
+        self._plan = None
         self.copies = 0  # row copies issued (a merged run counts once)
         self.copy_seconds = 0.0  # the copies' own time (device events on CUDA; the memcpys on CPU)
         self.wait_seconds = 0.0  # host time blocked on copies
