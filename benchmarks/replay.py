@@ -216,7 +216,8 @@ def main() -> None:
                               f"fetch host {split['fetch_ms']:.3f} ms (arena {split['arena_ms']:.3f}, pool install "
                               f"{split['install_ms']:.3f}, copy wait {split['copy_wait_ms']:.3f}), copies "
                               f"{split['copy_ms']:.3f} ms on the device (window: {t['steady']['copy_gbps']:.1f} GB/s vs "
-                              f"pinned H2D {result['h2d_gbps']:.1f})", flush=True)
+                              f"pinned H2D {result['h2d_gbps']:.1f}); rows by the located fetch "
+                              f"{t.get('steady_located_rows', 0)}", flush=True)
                     if "nomiss_overhead" in result:
                         v = result["nomiss_overhead"]["variants"]
                         print("  no-miss interleaved: " + ", ".join(

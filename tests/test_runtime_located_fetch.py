@@ -201,3 +201,4 @@ def test_runtime_takes_the_located_fetch_and_equals_the_resident_run(monkeypatch
         stats = small.stats()
     assert stats.replayed_steps > 10
     assert None not in located and sum(1 for n in located if n) >= stats.replayed_steps
+    assert stats.located_rows == sum(located) and stats.fetched_rows >= stats.located_rows > 0

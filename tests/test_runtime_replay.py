@@ -46,6 +46,11 @@ def test_replay_reports_cold_and_steady_windows_and_the_floor(tmp_path):
     assert tiered["cold"]["arena_miss_bytes"] > 0  # the cold arena reads the pack
     steady = tiered["steady"]
     assert steady["arena_hit_bytes"] + steady["arena_miss_bytes"] == steady["fetched_bytes"]
+    rows = open_synthetic_rows(spec, tmp_path)
+    row_bytes = rows.row_bytes
+    rows.close()
+    # the located fetch takes arena rows only (steps whose rows all hit the arena; here some do, some do not)
+    assert 0 < tiered["steady_located_rows"] * row_bytes <= steady["arena_hit_bytes"]
     assert runs["naive"]["steady"]["replay_rate"] == 0.0 and runs["naive"]["cold"]["fetched_bytes"] > 0
     assert result["floor_step_ms"] >= runs["resident"]["steady"]["step_ms"] > 0
     assert result["source_read_gbps"] > 0 and result["coverage"] == 12 / 48

@@ -466,7 +466,7 @@ class TieredRuntime:
         done = time.perf_counter()
         self.arena.hit_ids(ids, installing - started)
         self._stats.add_fetch(len(ids), len(ids) * row_bytes, done - started, installing - started, done - installing,
-                              during_pass=False)
+                              located=True)
         return len(ids)
 
     # -- observability ------------------------------------------------------------------------

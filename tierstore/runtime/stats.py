@@ -31,6 +31,7 @@ class RuntimeStats:
     pool_slots: int
     pool_coverage: float  # pool slots / routed experts of the model
     early_fetched_rows: int  # of fetched_rows, those fetched while their pass still ran (config early_fetch)
+    located_rows: int  # of fetched_rows, those a step fetched by the located path (arena rows, victims planned)
     prefill_hot_evictions: int  # decode hot-set experts a prefill fetch had to evict (the pool lacked room)
 
     @property
@@ -57,7 +58,7 @@ class StatsRecorder:
         self.steps = self.replayed = self.replays = self.second_order = 0
         self.tolerated = self.residue_steps = self.residue_pairs = self.failed = 0
         self.first_pass_misses = 0
-        self.fetched_rows = self.fetched_bytes = self.early_fetched_rows = 0
+        self.fetched_rows = self.fetched_bytes = self.early_fetched_rows = self.located_rows = 0
         self.fetch_seconds = 0.0
         self.prefill_hot_evictions = 0
         self.arena_seconds = self.install_seconds = 0.0  # the parts of fetch_seconds in the arena and the pool
@@ -66,9 +67,10 @@ class StatsRecorder:
         self.recent: deque[tuple[bool, int]] = deque(maxlen=WINDOW)  # (replayed, first-pass missing pairs)
 
     def add_fetch(self, rows: int, nbytes: int, seconds: float, arena_seconds: float, install_seconds: float,
-                  during_pass: bool = False) -> None:
+                  during_pass: bool = False, located: bool = False) -> None:
         self.fetched_rows += rows
         self.early_fetched_rows += rows if during_pass else 0
+        self.located_rows += rows if located else 0
         self.fetched_bytes += nbytes
         self.fetch_seconds += seconds
         self.arena_seconds += arena_seconds
@@ -99,7 +101,8 @@ class StatsRecorder:
             step_p50_s=float(np.percentile(times, 50)), step_p99_s=float(np.percentile(times, 99)),
             arena_hit_share=arena_hits / looked_up if looked_up else 0.0,
             pool_slots=self.pool_slots, pool_coverage=self.pool_slots / self.total_experts,
-            early_fetched_rows=self.early_fetched_rows, prefill_hot_evictions=self.prefill_hot_evictions,
+            early_fetched_rows=self.early_fetched_rows, located_rows=self.located_rows,
+            prefill_hot_evictions=self.prefill_hot_evictions,
         )
 
     def kpi_line(self, last: int, arena_hits: int, arena_misses: int, copy_seconds: float) -> str:
