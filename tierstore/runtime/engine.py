@@ -449,7 +449,7 @@ class TieredRuntime:
         None, having changed nothing, when that is not the case (the general `_fetch` then runs)."""
         started = time.perf_counter()
         # in layer order; resident ones are not fetched again (early fetch may have installed them since they missed)
-        ids = self.pool.missing_ids(sorted(set(report.missing_ids)))
+        ids = self.pool.unmapped_ids(sorted(set(report.missing_ids)))
         if not ids:
             return 0
         addresses = self.arena.locate(ids)

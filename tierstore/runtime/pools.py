@@ -44,6 +44,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence, Set
 from itertools import groupby, islice
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -56,6 +57,15 @@ from tierstore.runtime.h2d import HostToDevice
 Key = tuple[int, int]
 
 INSTALLS_IN_FLIGHT = 2  # installs whose copies may run at once (each has its own staging tables)
+
+
+class _VictimPlan(NamedTuple):
+    """`plan_victims`' note: valid while the policy's version and the free slot count are these."""
+    version: int
+    free: int
+    candidates: np.ndarray  # int64 [n] key ids, first victim first
+    candidate_ids: list[int]  # the same as ints
+    slots: list[int]  # their slots
 
 
 class _InstallBuffers:
@@ -125,8 +135,7 @@ class DevicePool:
         self._side_done = torch.cuda.Event() if self._side is not None else None
         for event in (self._layer_ready or []) + (self._side_ready or []):
             event.record(torch.cuda.current_stream(self.device))
-        # `plan_victims`: (policy version, free slots, candidate key ids int64 [n], the same as a list, their slots)
-        self._plan = None
+        self._plan: _VictimPlan | None = None
         self.copies = 0  # row copies issued (a merged run counts once)
         self.copy_seconds = 0.0  # the copies' own time (device events on CUDA; the memcpys on CPU)
         self.wait_seconds = 0.0  # host time blocked on copies
@@ -157,7 +166,7 @@ class DevicePool:
         """Whether every key id of `ids` (int [N]) is resident."""
         return not np.count_nonzero(self.mirror.reshape(-1)[ids] < 0)
 
-    def missing_ids(self, ids: Iterable[int]) -> list[int]:
+    def unmapped_ids(self, ids: Iterable[int]) -> list[int]:
         """The key ids of `ids` that are not resident, in order: dict lookups in the policy's keys, which are
         exactly the mapped ones (see the module doc), not array reads one by one."""
         mapped = self._policy.sizes
@@ -293,7 +302,7 @@ class DevicePool:
         if policy.filtered_order:
             candidates = np.fromiter(islice(policy.eviction_order(), count), dtype=np.int64)  # [<= count]
             slots = self.mirror.reshape(-1)[candidates].tolist()
-            self._plan = (policy.version, len(self._free), candidates, candidates.tolist(), slots)
+            self._plan = _VictimPlan(policy.version, len(self._free), candidates, candidates.tolist(), slots)
 
     def planned_victims(self, excluded: np.ndarray, count: int) -> tuple[list[int], list[int]] | None:
         """(victims, their slots): what `evictable_ids` would name for `count` outside the key ids where
@@ -301,10 +310,10 @@ class DevicePool:
         without walking the policy. None, and the caller walks the policy, when the plan is gone, stale (the
         policy or the free slots changed since) or holds fewer than `count` such victims."""
         plan, self._plan = self._plan, None
-        if plan is None or plan[0] != self.policy.version or plan[1] != len(self._free):
+        if plan is None or plan.version != self.policy.version or plan.free != len(self._free):
             return None
         victims, slots = [], []
-        for key_id, slot, routed in zip(plan[3], plan[4], excluded[plan[2]].tolist()):
+        for key_id, slot, routed in zip(plan.candidate_ids, plan.slots, excluded[plan.candidates].tolist()):
             if not routed:
                 victims.append(key_id)
                 slots.append(slot)
