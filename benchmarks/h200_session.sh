@@ -1012,6 +1012,22 @@ case "$step" in
       done
     done
     ;;
+  gather)  # the pass's own fetch (config gather_in_pass): its GPU tests (the CUDA plan and copy against the reference,
+    # the runtime eager and in a graph) and the runtime's other GPU tests, the quality checkpoint's --verify-resident
+    # with it, then the replay benchmark with --compare-config gather_in_pass=1 (the default and the gather in one
+    # process) on ds-v2-lite 8 layers (50 / 25 / 10 %) and qwen3-30b-a3b 16 layers (50 / 25 %). Stage limits
+    # 240 + 80 + 150 + 150 s.
+    stage gather-tests 240 python3 -m pytest tests/test_runtime_pass_gather.py tests/test_runtime_gpu.py \
+      tests/test_runtime_layer_waits.py tests/test_runtime_located_fetch.py tests/test_runtime_cuda_w2.py -m gpu -q
+    stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --gather-in-pass --verify-resident
+    for cell in "ds-v2-lite 8 0.5,0.25,0.1" "qwen3-30b-a3b 16 0.5,0.25"; do
+      set -- $cell
+      stage "replay-$1" 150 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$1" --layers "$2" --steps 220 \
+        --warmup 20 --coverages "$3" --arena-gb 4 --arena-preload --dtype bfloat16 --compare-config gather_in_pass=1 \
+        --commit "$commit" --out "$work/replay_$1_gather.json"
+    done
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 

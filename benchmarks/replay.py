@@ -208,7 +208,9 @@ def main() -> None:
                               f"{result['flipped_over_floor']:.2f}x the floor, tokens match resident: "
                               f"{result['flipped_tokens_match_resident']}; steady rows fetched during their pass "
                               f"{t.get('steady_early_fetched_rows', 0)} vs "
-                              f"{runs['tiered_flipped'].get('steady_early_fetched_rows', 0)})", flush=True)
+                              f"{runs['tiered_flipped'].get('steady_early_fetched_rows', 0)}; gathered by their pass "
+                              f"{t.get('steady_gathered_rows', 0)} vs {runs['tiered_flipped'].get('steady_gathered_rows', 0)}"
+                              f"; steady bytes {t['steady']['fetched_bytes']} vs {f['fetched_bytes']})", flush=True)
                     split = b.get("fetch_step_median_ms")
                     if b.get("fetch_steps"):
                         print(f"  steady steps that fetched {b['fetch_steps']}, medians: step {split['ms']:.3f} ms, "
@@ -217,7 +219,8 @@ def main() -> None:
                               f"{split['install_ms']:.3f}, copy wait {split['copy_wait_ms']:.3f}), copies "
                               f"{split['copy_ms']:.3f} ms on the device (window: {t['steady']['copy_gbps']:.1f} GB/s vs "
                               f"pinned H2D {result['h2d_gbps']:.1f}); rows by the located fetch "
-                              f"{t.get('steady_located_rows', 0)}", flush=True)
+                              f"{t.get('steady_located_rows', 0)}, gathered by their pass "
+                              f"{t.get('steady_gathered_rows', 0)}", flush=True)
                     if "nomiss_overhead" in result:
                         v = result["nomiss_overhead"]["variants"]
                         print("  no-miss interleaved: " + ", ".join(

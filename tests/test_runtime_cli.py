@@ -36,6 +36,16 @@ def test_generate_with_early_fetch_fetches_during_the_pass_and_stays_bit_identic
     assert "rows fetched during their pass" in out  # the KPI line names them only when there were some
 
 
+def test_generate_with_gather_in_pass_gathers_in_the_pass_and_stays_bit_identical(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TIERSTORE_CACHE_DIR", str(tmp_path))
+    code = main(["generate", "--demo", "--prompt", "tiers", "--max-new-tokens", "6", "--gpu-pool-frac", "0.25",
+                 "--gather-in-pass", "--verify-resident"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "bit-identical: yes (6 steps)" in out
+    assert "rows gathered by their pass" in out  # the KPI line names them only when there were some
+
+
 def test_generate_prefills_in_steps_when_one_layer_of_the_prompt_cannot_fit_and_stays_bit_identical(
         tmp_path, monkeypatch, capsys):
     """A 20-slot pool (16%) passes the start-up check (4 layers x top-4 x 1.15 = 19) but one layer of a 40-token

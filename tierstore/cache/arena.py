@@ -135,6 +135,7 @@ class Arena:
         self._num_experts = source.num_experts
         self._address_of_id: list[int | None] = [None] * (source.num_layers * source.num_experts)
         self._id_of_slot: list[int | None] = [None] * num_slots
+        self.version = 0  # bumped whenever a row's address changes (`address_table` then differs)
         self.registered = False
         self._unregister = None
         register = getattr(source, "register_memory", None)  # optional (PackRows has it)
@@ -213,6 +214,7 @@ class Arena:
                 if slot is not None:
                     self._evictions += 1
                     self._address_of_id[self._id_of_slot[slot]] = self._id_of_slot[slot] = None
+                    self.version += 1
             if slot is None:
                 overflow.append(key)
             else:
@@ -258,6 +260,7 @@ class Arena:
         key_id = key[0] * self._num_experts + key[1]
         self._address_of_id[key_id] = self.memory.data_ptr() + slot * self.stride
         self._id_of_slot[slot] = key_id
+        self.version += 1
 
     def locate(self, ids: Sequence[int]) -> list[int] | None:
         """Host addresses of the rows of key ids `ids` (layer * E + expert) when every one is in the
@@ -266,6 +269,11 @@ class Arena:
         address_of_id = self._address_of_id
         addresses = [address_of_id[key_id] for key_id in ids]
         return None if None in addresses else addresses
+
+    def address_table(self) -> list[int | None]:
+        """Each key id's row address (None: not here), as `locate` reads it; the list itself, not a copy: read it,
+        never change it. Valid until `version` changes."""
+        return self._address_of_id
 
     def hit_ids(self, ids: Sequence[int], seconds: float = 0.0) -> None:
         """Record a use of the located rows of `ids` as `fetch` does for hits: each becomes most

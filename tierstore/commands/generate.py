@@ -32,6 +32,8 @@ def register(subparsers) -> None:
     parser.add_argument("--no-cuda-graph", action="store_true", help="run the decode step eagerly on cuda")
     parser.add_argument("--early-fetch", action="store_true",
                         help="fetch each finished MoE layer's misses while the decode pass still runs (config early_fetch)")
+    parser.add_argument("--gather-in-pass", action="store_true",
+                        help="each decode pass maps and copies its own missing arena rows (config gather_in_pass)")
     add_cuda_w2_flag(parser, "the model's")
     parser.add_argument("--verify-resident", action="store_true",
                         help="rerun all-resident and compare every step's logits bit for bit")

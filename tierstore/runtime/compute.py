@@ -22,6 +22,7 @@ import torch
 from tierstore.errors import ConfigError
 from tierstore.kernels.layout import SlotLayout, unpack_matrix_ref
 from tierstore.reference_moe import swiglu
+from tierstore.runtime.pass_gather import PassGather
 from tierstore.runtime.passlog import PassLog
 from tierstore.runtime.pools import DevicePool
 
@@ -131,10 +132,11 @@ def cuda_w2_block_tokens(pairs: int, experts: int, fp4: bool = False) -> int | N
 
 class TorchExperts:
     def __init__(self, pool: DevicePool, layout: SlotLayout, log: PassLog, swiglu_limit: float | None,
-                 fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None, cuda_w2: bool | str = False):
+                 fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None, cuda_w2: bool | str = False,
+                 gather: PassGather | None = None):
         if cuda_w2 is True:  # raises: the knob needs the triton backend (after naming any other unmet condition)
             check_cuda_w2(layout, fp4_layout if fp4_pool is not None else None, pool.device, "torch")
-        self.pool, self.layout, self.log, self.swiglu_limit = pool, layout, log, swiglu_limit
+        self.pool, self.layout, self.log, self.swiglu_limit, self.gather = pool, layout, log, swiglu_limit, gather
         self.tiers = [(pool, layout)] + ([(fp4_pool, fp4_layout)] if fp4_pool is not None else [])
         self._decoded: dict[tuple[int, int], tuple[int, torch.Tensor, torch.Tensor]] = {}  # (tier, slot) -> (gen, w13, w2)
 
@@ -163,6 +165,8 @@ class TorchExperts:
         ids = topk_ids.to(torch.int64)  # [T, k]
         tokens, top_k = ids.shape
         self.log.record(layer, ids)
+        if self.gather is not None:
+            self.gather.layer(layer, ids.numel(), self.tiers[1][0].table if len(self.tiers) > 1 else None)
         tiers, slots = self._slots(layer, ids)  # [T, k], slot -1 = miss
         missing = slots < 0
         self._log_misses(layer, ids[missing])
@@ -193,7 +197,8 @@ class TorchExperts:
 
 class TritonExperts:
     def __init__(self, pool: DevicePool, layout: SlotLayout, log: PassLog, swiglu_limit: float | None,
-                 fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None, cuda_w2: bool | str = False):
+                 fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None, cuda_w2: bool | str = False,
+                 gather: PassGather | None = None):
         from tierstore.kernels.moe_mm import MissLog, TierPool, fp4_tier
 
         # config cuda_w2: the CUDA C++ gate_up + down, built here once (boot), or None (Triton stages); `auto` falls back
@@ -203,7 +208,7 @@ class TritonExperts:
         self.cuda_w2 = (auto_cuda_w2(layout, tier4, pool.device) if cuda_w2 == "auto"
                         else load_cuda_w2(layout, tier4, pool.device) if cuda_w2 else None)
         self._fp4 = fp4_pool is not None
-        self.log, self.swiglu_limit = log, swiglu_limit
+        self.log, self.swiglu_limit, self.gather = log, swiglu_limit, gather
         self.w2_pool = TierPool(pool.slots, pool.table, layout)
         if fp4_pool is None:  # the kernels always take an FP4 tier: an empty one
             self.fp4_pool = fp4_tier(layout.hidden, layout.inter, 1, pool.num_layers, pool.num_experts, pool.device)
@@ -231,6 +236,8 @@ class TritonExperts:
 
         ids = topk_ids.to(torch.int32).contiguous()  # [T, k]
         self.log.record(layer, ids)
+        if self.gather is not None:  # config gather_in_pass: the layer's missing arena rows, before its route
+            self.gather.layer(layer, ids.numel(), self.fp4_pool.table)
         # with config cuda_w2: decode-sized batches run the CUDA kernels (`cuda_w2_block_tokens`), larger ones (prefill)
         # keep the Triton stages
         workspace, cuda_w2 = self._workspace(ids.shape[0], ids.shape[1], hidden.dtype)

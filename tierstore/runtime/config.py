@@ -71,6 +71,14 @@ class RuntimeConfig:
       replay's result is unchanged; the pass pays two small device-to-host copies per MoE layer. On the H200
       it was slower than the default in 16 of 24 cells and faster in 8, by at most 1.22x (docs/runtime.md,
       "Early fetch"), hence off.
+    - `gather_in_pass` (default off; decode steps, a pool that can miss, an arena): the pass fetches for itself.
+      Before each decode pass the host arms spare slots (free ones, then the first experts of the policy's
+      eviction order as victims); before each MoE layer's experts the pass maps the layer's missing experts that
+      the arena holds into those spares and copies their rows from pinned host memory with a kernel, skipping a
+      victim the pass has routed so far. The pass-log read brings the mappings back and the host state follows
+      them; what still misses (no spare left, a row not in the arena) is fetched as before. Same rows and kernels:
+      the result is unchanged. Not with `early_fetch`; armed only when no fetch's copies are in flight. On CUDA
+      the kernels are CUDA C++ built with nvcc (`kernels/cuda/pass_gather.cu`); on a CPU their torch reference.
 
     Kernels:
 
@@ -120,6 +128,7 @@ class RuntimeConfig:
     layer_waits: bool = True
     copy_streams: int = 1
     early_fetch: bool = False
+    gather_in_pass: bool = False
     cuda_w2: bool | str = "auto"
 
     def __post_init__(self) -> None:
@@ -133,6 +142,8 @@ class RuntimeConfig:
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if self.copy_streams not in (1, 2) or type(self.copy_streams) is not int:
             raise ConfigError(f"copy_streams must be 1 or 2, got {self.copy_streams!r}")
+        if self.gather_in_pass and self.early_fetch:
+            raise ConfigError("gather_in_pass and early_fetch both fetch while a pass runs; turn one of them off")
         object.__setattr__(self, "cuda_w2", _cuda_w2_setting(self.cuda_w2))  # frozen: normalised once here
         if not self.working_set_margin >= 1.0:
             raise ConfigError(f"working_set_margin must be >= 1.0, got {self.working_set_margin!r}")

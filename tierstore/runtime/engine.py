@@ -35,6 +35,7 @@ from tierstore.runtime.fp4_tier import Fp4Stats, Fp4Tier
 from tierstore.runtime.gate import ConfidenceGate
 from tierstore.runtime.gate_stats import GateRecorder, GateStats
 from tierstore.runtime.gated_step import run_gated
+from tierstore.runtime.pass_gather import PassGather, gather_capacity
 from tierstore.runtime.passlog import PassLog, PassReport
 from tierstore.runtime.pools import DevicePool
 from tierstore.runtime.rows import check_row_source
@@ -120,8 +121,15 @@ class TieredRuntime:
         if self._early and self.device.type == "cuda" and not self.pool.layer_waits:
             raise ConfigError("early_fetch needs layer_waits: the copies it starts during a pass must be waited for "
                               "per layer by the replay")
+        # gather_in_pass: decode passes map and copy their own missing arena rows (`PassGather`)
+        gathers = self.config.gather_in_pass and slots < geometry.total_routed_experts
+        spares = (gather_capacity(slots, shape[0], min(shape[1], geometry.top_k * self.config.tokens_per_step))
+                  if gathers else 0)
         self.log = PassLog(*shape, geometry.top_k, capacity=shape[0] * shape[1], device=self.device,
-                           record_tokens=record_tokens, output_words=output_words, early_layers=self._early)
+                           record_tokens=record_tokens, output_words=output_words, early_layers=self._early,
+                           gather_capacity=spares)
+        self._gather = PassGather(self.pool, self.arena, self.log, spares) if gathers else None
+        self._gather_demand = 0  # experts a recent decode pass gathered or missed, decaying (`_with_armed_gather`)
         self.backend = _resolve_backend(backend, self.device)
         self.fp4, self.gate, self._fp4_manager, self._gate_budget = None, None, None, None
         self._setup_precision_tier(fp4_source, fp4_slots, fp4_arena_slots)
@@ -130,7 +138,7 @@ class TieredRuntime:
         fp4_layout = self.fp4.layout if self.fp4 is not None else None
         try:  # a refused compute (e.g. config cuda_w2 beside an FP4 pool) must not leave the FP4 manager running
             self.experts = experts_class(self.pool, self.layout, self.log, geometry.swiglu_limit, fp4_pool, fp4_layout,
-                                         cuda_w2=self.config.cuda_w2)
+                                         cuda_w2=self.config.cuda_w2, gather=self._gather)
         except BaseException:
             if self._fp4_manager is not None:
                 self._fp4_manager.close()
@@ -332,6 +340,8 @@ class TieredRuntime:
                 during_pass = None
                 if self._early and not prefill:
                     forward, during_pass = self._with_cleared_layers(forward), self._fetch_during_pass
+                if self._gather is not None and not prefill:
+                    forward = self._with_armed_gather(forward)
                 first = run_step(forward, rewind, self._read_pass, self._fetch_for_step, self.config, during_pass)
                 result, outcome = first
                 if gated:
@@ -341,6 +351,8 @@ class TieredRuntime:
         except BaseException:
             if self._early and self.device.type == "cuda":  # a pass that failed before its read may still run:
                 torch.cuda.current_stream(self.device).synchronize()  # its host copies land before the next clear
+            if self._gather is not None:
+                self._recover_gathered()
             self.settle()
             self._stats.failed += 1
             raise
@@ -375,6 +387,40 @@ class TieredRuntime:
             self._gate_signal.copy_(self.gate.signal_tensor(logits_of(result)), non_blocking=True)
             return result
         return run
+
+    def _with_armed_gather(self, forward: Callable[[], object]):
+        """`forward` after arming its spares (gather_in_pass): the policy first hears of the last step's routed
+        experts, so the victims are the least recently used as of now."""
+        def run():
+            self.settle()
+            self._gather.arm(2 * self._gather_demand + 32)
+            return forward()
+        return run
+
+    def _map_gathered(self, report: PassReport) -> None:
+        """The host state of what the pass just read mapped for itself (gather_in_pass): pool, arena recency,
+        stats; and the demand the next arming sizes its spares by."""
+        ids, slots, victims = self.log.host_gathered()
+        if ids:
+            self.pool.map_gathered(ids, slots, victims)
+            self.arena.hit_ids(ids)
+            self._stats.add_fetch(len(ids), len(ids) * self.source.row_bytes, 0.0, 0.0, 0.0, gathered=True)
+        if not self._scan:
+            self._gather_demand = max(len(ids) + len(report.missing_ids), self._gather_demand * 7 // 8)
+
+    def _recover_gathered(self) -> None:
+        """After a failed step (gather_in_pass): disarm, wait for the device, and map on the host what a pass
+        that was not read mapped for itself (an entry the device table holds and the mirror does not), so the
+        tables and the mirror agree again."""
+        self._gather.disarm()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        gathered, table = self.log.gathered.cpu().tolist(), self.pool.table.cpu().view(-1).tolist()
+        mirror = self.pool.mirror.reshape(-1)
+        entries = [gathered[1 + 3 * i:4 + 3 * i] for i in range(gathered[0])]
+        new = [(key, slot, victim) for key, slot, victim in entries if table[key] == slot and mirror[key] != slot]
+        if new:
+            self.pool.map_gathered(*(list(column) for column in zip(*new)))
 
     def _with_cleared_layers(self, forward: Callable[[], object]):
         """`forward` after zeroing the pass log's host stamps (early fetch: no stamp of the last pass
@@ -422,6 +468,8 @@ class TieredRuntime:
         started = time.perf_counter()
         self.last_pass = self.log.read()
         self._stats.read_seconds += time.perf_counter() - started
+        if self._gather is not None:
+            self._map_gathered(self.last_pass)
         return self.last_pass
 
     def _victim_plan_size(self) -> int:

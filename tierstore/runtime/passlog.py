@@ -4,8 +4,10 @@ The device tensors are written by the MoE layers (inside a CUDA graph on CUDA) a
 the start of every pass by the first MoE layer; `read()` brings them to the host with one
 device-to-host copy into pinned memory and one synchronisation, the only ones of a pass.
 
-All of them are views of one int32 device buffer, laid out [counts | seen | entries | routing |
-outputs]: `reset()` zeroes the first two with one fill and `read()` copies the whole buffer at once.
+All of them are views of one int32 device buffer, laid out [counts | gathered | seen | entries | routing |
+outputs]: `reset()` zeroes the first three with one fill and `read()` copies the whole buffer at once.
+`gathered` (`gather_capacity` > 0, the runtime's `gather_in_pass`): how many experts the pass mapped for
+itself, then (key id, slot, victim key id or -1) of each (`kernels/cuda/pass_gather.py`); `host_gathered()`.
 
 With `early_layers` (the runtime's `early_fetch`), `publish_layer(layer)` (capturable, called after a
 layer's MoE) also copies that layer's `seen` row to pinned host memory, then a stamp after it on the
@@ -68,28 +70,32 @@ class PassReport:
 class PassLog:
     """counts int32 [2] = (missing pairs, missing experts); entries int32 [cap, 2] = (layer, expert);
     seen int32 [L, E] = routed pairs per expert; routing int32 [L, T_max, k] when recording;
-    outputs int32 [output_words] written by `publish`."""
+    outputs int32 [output_words] written by `publish`; gathered int32 [1 + 3 * gather_capacity]."""
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, capacity: int, device,
-                 record_tokens: int = 0, output_words: int = 0, early_layers: bool = False):
+                 record_tokens: int = 0, output_words: int = 0, early_layers: bool = False,
+                 gather_capacity: int = 0):
         self.device = torch.device(device)
         self._stream_index = self.device.index if self.device.index is not None else (
             torch.cuda.current_device() if self.device.type == "cuda" else None)  # current_stream by index: fast
         self.num_experts = num_experts
         self.record_tokens = record_tokens
-        sizes = (2, num_layers * num_experts, 2 * capacity, num_layers * record_tokens * top_k, output_words)
+        gathered_words = 1 + 3 * gather_capacity if gather_capacity else 0
+        sizes = (2, gathered_words, num_layers * num_experts, 2 * capacity, num_layers * record_tokens * top_k,
+                 output_words)
         self.buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=self.device)
-        counts, seen, entries, routing, outputs = self.buffer.split(sizes)
+        counts, gathered, seen, entries, routing, outputs = self.buffer.split(sizes)
+        self.gathered = gathered if gather_capacity else None
         self.outputs = outputs if output_words else None
         self.counts = counts
         self.seen = seen.view(num_layers, num_experts)
         self.entries = entries.view(capacity, 2).fill_(-1)
         self.routing = routing.view(num_layers, record_tokens, top_k).fill_(-1) if record_tokens else None
-        self._cleared = self.buffer[:sizes[0] + sizes[1]]
+        self._cleared = self.buffer[:sizes[0] + sizes[1] + sizes[2]]
         self._host = torch.empty_like(self.buffer, device="cpu", pin_memory=self.device.type == "cuda")
         host = self._host.numpy()
-        self._host_counts, self._host_seen, self._host_entries, self._host_routing, self._host_outputs = np.split(
-            host, np.cumsum(sizes)[:4])
+        (self._host_counts, self._host_gathered, self._host_seen, self._host_entries, self._host_routing,
+         self._host_outputs) = np.split(host, np.cumsum(sizes)[:5])
         self._layer_rows = self._layer_stamps = None
         self._last_report: PassReport | None = None  # the last read's, whose routed ids the next read computes first
         if early_layers:
@@ -100,7 +106,7 @@ class PassLog:
             self._host_layer_rows, self._host_layer_stamps = self._layer_rows.numpy(), self._layer_stamps.numpy()
 
     def reset(self) -> None:
-        """Start a pass (called from the first MoE layer; capturable): one fill of counts and seen."""
+        """Start a pass (called from the first MoE layer; capturable): one fill of counts, gathered and seen."""
         self._cleared.zero_()
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
@@ -140,6 +146,15 @@ class PassLog:
     def host_routed_counts(self) -> np.ndarray:
         """int32 [L * E]: `host_seen` by key id (layer * E + expert), without a reshape."""
         return self._host_seen
+
+    def host_gathered(self) -> tuple[list[int], list[int], list[int]]:
+        """(key ids, slots, victim key ids or -1) of the experts the last `read()` pass mapped for itself, in
+        the order it mapped them."""
+        count = int(self._host_gathered[0]) if self.gathered is not None else 0
+        if not count:
+            return [], [], []
+        flat = self._host_gathered[1:1 + 3 * count].tolist()
+        return flat[0::3], flat[1::3], flat[2::3]
 
     def host_seen(self) -> np.ndarray:
         """int32 [L, E]: the routed pairs per expert of the last `read()` (a view of its host copy,

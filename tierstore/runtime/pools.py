@@ -368,6 +368,38 @@ class DevicePool:
             last_slot, last_end = slot, address + nbytes
         yield layer, runs
 
+    # -- the pass's own fetch (config gather_in_pass) -------------------------------------------
+    def gather_spares(self, count: int) -> tuple[list[int], list[int]]:
+        """(slots, victim key ids or -1) of up to `count` spares for a pass that fetches for itself: the free slots
+        in the order `install` takes them, then the first experts of the policy's eviction order with their slots
+        (only for a policy with `filtered_order`: the pass skips the victims it routed, a filter of that order).
+        Changes nothing; `map_gathered` records what the pass used."""
+        free = self._free[::-1][:count]  # pop order
+        slots, victims = free, [-1] * len(free)
+        policy = self.policy
+        if len(free) < count and policy.filtered_order:
+            candidates = list(islice(policy.eviction_order(), count - len(free)))
+            slots = free + self.mirror.reshape(-1)[candidates].tolist()
+            victims = victims + candidates
+        return slots, victims
+
+    def map_gathered(self, ids: list[int], slots: list[int], victims: list[int]) -> None:
+        """The host state of what a pass mapped for itself (its table and bytes are already on the device): key
+        ids `ids` into `slots`, each taken from the free list (victim -1) or from its victim, in the pass's order
+        (a victim may be an expert of a later layer that the pass then gathered again into another slot)."""
+        if not ids:
+            return
+        mirror, evicted = self.mirror.reshape(-1), [victim for victim in victims if victim >= 0]
+        mirror[evicted] = -1
+        self.policy.on_evict_many(evicted)
+        taken = {slot for slot, victim in zip(slots, victims) if victim < 0}
+        if taken:
+            self._free = [slot for slot in self._free if slot not in taken]
+        mirror[ids] = slots
+        self.owner[slots, 0], self.owner[slots, 1] = np.divmod(ids, self.num_experts)
+        self.generation[slots] += 1
+        self.policy.on_insert_many(ids)
+
     def reserve(self, count: int, exclude: Iterable[Key]) -> list[int]:
         """Take `count` slots for `write_reserved`: free ones first, then victims from the policy
         outside `exclude`, unmapped now (their table copy done on return, so a forward launched

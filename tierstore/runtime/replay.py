@@ -201,7 +201,7 @@ def _run(geometry, source_factory, steps, *, pool_slots: int, arena_slots: int, 
             "cuda_w2_kernels": cuda_kernels,
             "readback": drive_args.get("readback", "none"), "tokens": out["tokens"],
             "steady_early_fetched_rows": out["steady_early_fetched_rows"],
-            "steady_located_rows": out["steady_located_rows"],
+            "steady_located_rows": out["steady_located_rows"], "steady_gathered_rows": out["steady_gathered_rows"],
             "cold": out["cold"].as_dict(), "steady": out["steady"].as_dict()}
 
 

@@ -32,6 +32,7 @@ class RuntimeStats:
     pool_coverage: float  # pool slots / routed experts of the model
     early_fetched_rows: int  # of fetched_rows, those fetched while their pass still ran (config early_fetch)
     located_rows: int  # of fetched_rows, those a step fetched by the located path (arena rows, victims planned)
+    gathered_rows: int  # of fetched_rows, those passes fetched for themselves (config gather_in_pass)
     prefill_hot_evictions: int  # decode hot-set experts a prefill fetch had to evict (the pool lacked room)
 
     @property
@@ -58,7 +59,7 @@ class StatsRecorder:
         self.steps = self.replayed = self.replays = self.second_order = 0
         self.tolerated = self.residue_steps = self.residue_pairs = self.failed = 0
         self.first_pass_misses = 0
-        self.fetched_rows = self.fetched_bytes = self.early_fetched_rows = self.located_rows = 0
+        self.fetched_rows = self.fetched_bytes = self.early_fetched_rows = self.located_rows = self.gathered_rows = 0
         self.fetch_seconds = 0.0
         self.prefill_hot_evictions = 0
         self.arena_seconds = self.install_seconds = 0.0  # the parts of fetch_seconds in the arena and the pool
@@ -67,10 +68,11 @@ class StatsRecorder:
         self.recent: deque[tuple[bool, int]] = deque(maxlen=WINDOW)  # (replayed, first-pass missing pairs)
 
     def add_fetch(self, rows: int, nbytes: int, seconds: float, arena_seconds: float, install_seconds: float,
-                  during_pass: bool = False, located: bool = False) -> None:
+                  during_pass: bool = False, located: bool = False, gathered: bool = False) -> None:
         self.fetched_rows += rows
         self.early_fetched_rows += rows if during_pass else 0
         self.located_rows += rows if located else 0
+        self.gathered_rows += rows if gathered else 0
         self.fetched_bytes += nbytes
         self.fetch_seconds += seconds
         self.arena_seconds += arena_seconds
@@ -101,7 +103,7 @@ class StatsRecorder:
             step_p50_s=float(np.percentile(times, 50)), step_p99_s=float(np.percentile(times, 99)),
             arena_hit_share=arena_hits / looked_up if looked_up else 0.0,
             pool_slots=self.pool_slots, pool_coverage=self.pool_slots / self.total_experts,
-            early_fetched_rows=self.early_fetched_rows, located_rows=self.located_rows,
+            early_fetched_rows=self.early_fetched_rows, located_rows=self.located_rows, gathered_rows=self.gathered_rows,
             prefill_hot_evictions=self.prefill_hot_evictions,
         )
 
@@ -127,6 +129,8 @@ class StatsRecorder:
             line += f" | DEGRADED: {stats.residue_steps} steps with residue ({stats.residue_pairs} pairs)"
         if stats.early_fetched_rows:
             line += f" | {stats.early_fetched_rows} rows fetched during their pass"
+        if stats.gathered_rows:
+            line += f" | {stats.gathered_rows} rows gathered by their pass"
         if stats.prefill_hot_evictions:
             line += f" | prefill evicted {stats.prefill_hot_evictions} decode-hot experts (pool short of room)"
         return line

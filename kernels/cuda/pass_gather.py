@@ -1,0 +1,118 @@
+"""The pass's own fetch (`pass_gather.cu`): per MoE layer, plan which missing experts go to which spare slots
+(`plan_pass_gather`, one block), then copy their rows from pinned host memory (`gather_pass_rows`). `PassGatherCuda`
+builds and launches both on the current stream (capturable); `plan_pass_gather_ref` is the plain-torch reference
+of the plan and `gather_rows_ref` of the copy, which the CPU runtime runs as its stand-in.
+
+Buffers (see the .cu file): `GatherBuffers` holds the device ones the runtime owns: state int32 [3] (armed spares,
+cursor, rows of the last plan), spares int32 [C, 2] (slot, victim key id or -1), addresses int64 [L * E] (host
+address of each expert's arena row, 0 = not held) and desc int64 [R, 2]; `gathered` int32 [1 + 3C] lives in the pass
+log's buffer (it comes back with the pass-log read).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().with_name("pass_gather.cu")
+PLAN_THREADS = 1024  # the .cu file's kPlanThreads: at most this many experts per layer, this many spares a window
+COPY_THREADS = 256
+BLOCKS_PER_ROW = 16
+ALIGN = 16  # bytes: rows, row addresses and slots are copied in 16-byte words
+
+
+@dataclass
+class GatherBuffers:
+    control: torch.Tensor  # int32 [3 + 2C]: state, then spares (what the host writes before a pass, in one copy)
+    state: torch.Tensor  # int32 [3], a view of control
+    spares: torch.Tensor  # int32 [C, 2], a view of control
+    addresses: torch.Tensor  # int64 [L * E]
+    desc: torch.Tensor  # int64 [R, 2]
+
+    @classmethod
+    def allocate(cls, capacity: int, num_keys: int, max_rows: int, device) -> GatherBuffers:
+        control = torch.zeros(3 + 2 * capacity, dtype=torch.int32, device=device)
+        return cls(control, control[:3], control[3:].view(capacity, 2),
+                   torch.zeros(num_keys, dtype=torch.int64, device=device),
+                   torch.zeros(max_rows, 2, dtype=torch.int64, device=device))
+
+
+def check_alignment(row_bytes: int, slot_bytes: int, stride: int, base: int) -> None:
+    """ValueError unless rows, slots, the arena's stride and its base address are multiples of 16 bytes."""
+    for name, value in (("row bytes", row_bytes), ("slot bytes", slot_bytes), ("arena stride", stride),
+                        ("arena address", base)):
+        if value % ALIGN:
+            raise ValueError(f"the pass's gather copies 16-byte words: {name} {value} is not a multiple of {ALIGN}")
+
+
+class PassGatherCuda:
+    """Builds (nvcc, cached) and loads both kernels once; `__call__` launches them for one layer."""
+
+    def __init__(self, device: int | None = None) -> None:
+        from tierstore.kernels.cuda import loader
+
+        self.device = torch.cuda.current_device() if device is None else device
+        torch.cuda.init()
+        image = loader.build(SOURCE)
+        self.plan = loader.load(image, "plan_pass_gather", self.device)
+        self.gather = loader.load(image, "gather_pass_rows", self.device)
+
+    def __call__(self, layer: int, rows: int, seen: torch.Tensor, w2_table: torch.Tensor, f4_table: torch.Tensor,
+                 buffers: GatherBuffers, gathered: torch.Tensor, slots: torch.Tensor, row_bytes: int) -> None:
+        """Plan and copy `layer`'s rows; `rows`: the most the plan can give (routed pairs of the layer, at most
+        desc's rows): the copy's grid."""
+        num_layers, num_experts = w2_table.shape
+        if num_experts > PLAN_THREADS:
+            raise ValueError(f"the pass's gather plans up to {PLAN_THREADS} experts per layer, got {num_experts}")
+        stream = torch.cuda.current_stream().cuda_stream
+        self.plan.launch((1,), (PLAN_THREADS,), 0, stream, "ppppppppiiipq",
+                         [seen.data_ptr(), w2_table.data_ptr(), f4_table.data_ptr(), buffers.addresses.data_ptr(),
+                          buffers.state.data_ptr(), buffers.spares.data_ptr(), gathered.data_ptr(),
+                          buffers.desc.data_ptr(), layer, num_experts, num_layers, slots.data_ptr(), slots.shape[1]])
+        self.gather.launch((BLOCKS_PER_ROW, min(rows, buffers.desc.shape[0])), (COPY_THREADS,), 0, stream, "ppq",
+                           [buffers.state.data_ptr(), buffers.desc.data_ptr(), row_bytes])
+
+
+def plan_pass_gather_ref(layer: int, seen: torch.Tensor, w2_table: torch.Tensor, f4_table: torch.Tensor,
+                         buffers: GatherBuffers, gathered: torch.Tensor, slot_base: int, slot_bytes: int) -> None:
+    """What `plan_pass_gather` writes, in plain torch on the same tensors (any device): the layer's routed experts
+    in neither pool whose rows the arena holds, ascending, take the eligible spares from the cursor on in order (a
+    spare is eligible when it is free or its victim was not routed so far), as many as both allow; victims
+    unmapped, experts mapped, (key, slot, victim) appended to `gathered`, desc and the state updated, and the last
+    layer disarms."""
+    num_layers, num_experts = w2_table.shape
+    flat_table, flat_f4, flat_seen = w2_table.view(-1), f4_table.view(-1), seen.view(-1)
+    armed, cursor, _ = buffers.state.tolist()
+    keys = torch.arange(layer * num_experts, (layer + 1) * num_experts, device=w2_table.device)  # [E]
+    sources = buffers.addresses[keys]  # [E]
+    need = (flat_seen[keys] > 0) & (flat_table[keys] < 0) & (flat_f4[keys] < 0) & (sources != 0)
+    need &= cursor < armed
+    wanted = keys[need].tolist()
+    window = buffers.spares[cursor:min(armed, cursor + PLAN_THREADS)].tolist()  # [(slot, victim)]
+    eligible = [(cursor + i, slot, victim) for i, (slot, victim) in enumerate(window)
+                if victim < 0 or int(flat_seen[victim]) == 0]
+    take = min(len(wanted), len(eligible))
+    first = int(gathered[0])
+    entries = gathered[1:].view(-1, 3)
+    for rank in range(take):
+        key, (_, slot, victim) = wanted[rank], eligible[rank]
+        if victim >= 0:
+            flat_table[victim] = -1
+        flat_table[key] = slot
+        entries[first + rank] = torch.tensor([key, slot, victim], dtype=torch.int32)
+        buffers.desc[rank, 0] = int(buffers.addresses[key])
+        buffers.desc[rank, 1] = slot_base + slot * slot_bytes
+    gathered[0] = first + take
+    buffers.state[1] = eligible[take - 1][0] + 1 if take else cursor
+    buffers.state[2] = take
+    if layer == num_layers - 1:
+        buffers.state[0] = 0
+
+
+def gather_rows_ref(buffers: GatherBuffers, row_bytes: int) -> None:
+    """What `gather_pass_rows` does, for host memory (a CPU pool): the last plan's rows by address."""
+    for source, destination in buffers.desc[:int(buffers.state[2])].tolist():
+        ctypes.memmove(destination, source, row_bytes)

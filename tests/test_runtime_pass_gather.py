@@ -1,0 +1,298 @@
+"""The pass's own fetch (config `gather_in_pass`): spares armed before a decode pass, each MoE layer mapping and
+copying its missing arena rows before its experts run, the host state following the pass-log read.
+
+CPU: the plan's reference against its contract on random states; the runtime end to end (every step equal to the
+all-resident run bit for bit, the pool's bytes and tables exact after each), with an arena holding every row and
+with one holding a part (the rest goes the host path), at 1 and 3 tokens per step; a pass that fails mid-way leaves
+the host state in step; unarmed passes gather nothing; the knob's refusals. GPU: the CUDA plan and copy equal the
+reference on random states (outputs poisoned first), and the runtime end to end, eager and in a CUDA graph."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_runtime_fixtures import ToyMoE, memory_source, toy_geometry
+
+from tierstore.errors import ConfigError
+from tierstore.kernels.cuda.pass_gather import GatherBuffers, gather_rows_ref, plan_pass_gather_ref
+from tierstore.runtime import RuntimeConfig, TieredRuntime
+
+LAYERS, EXPERTS = 4, 16
+
+
+def _plan_case(seed: int, device: str = "cpu"):
+    """A random state before layer `layer`'s plan: tables with some experts resident (base or FP4), a pass that
+    routed some experts of layers <= layer, an arena holding most rows, armed spares (free slots, then victims)."""
+    rng = random.Random(seed)
+    layer = rng.randrange(LAYERS)
+    slots = 40
+    keys = list(range(LAYERS * EXPERTS))
+    resident = rng.sample(keys, 30)
+    table = torch.full((LAYERS * EXPERTS,), -1, dtype=torch.int32)
+    table[resident] = torch.tensor(rng.sample(range(slots), 30), dtype=torch.int32)
+    f4 = torch.full((LAYERS * EXPERTS,), -1, dtype=torch.int32)
+    f4[rng.sample(keys, 6)] = torch.arange(6, dtype=torch.int32)
+    seen = torch.zeros(LAYERS * EXPERTS, dtype=torch.int32)
+    for key in rng.sample(range((layer + 1) * EXPERTS), 3 * (layer + 1)):
+        seen[key] = rng.randint(1, 3)
+    free = [s for s in range(slots) if s not in set(table.tolist())]
+    victims = rng.sample(resident, 12)
+    spares = [(s, -1) for s in free[:rng.randint(0, len(free))]] + [(int(table[v]), v) for v in victims]
+    buffers = GatherBuffers.allocate(len(spares) + 4, LAYERS * EXPERTS, EXPERTS, device)
+    buffers.state.copy_(torch.tensor([len(spares), rng.randrange(3), 0]))
+    buffers.spares[:len(spares)] = torch.tensor(spares, dtype=torch.int32)
+    held = rng.sample(keys, 50)
+    buffers.addresses[held] = torch.tensor([4096 * (1 + k) for k in held], dtype=torch.int64)
+    gathered = torch.zeros(1 + 3 * buffers.spares.shape[0], dtype=torch.int32)
+    gathered[0] = rng.randrange(3)
+    to = lambda t: t.to(device)  # noqa: E731
+    return (layer, to(seen).view(LAYERS, EXPERTS), to(table).view(LAYERS, EXPERTS), to(f4).view(LAYERS, EXPERTS),
+            buffers, to(gathered))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_plan_reference_keeps_its_contract(seed):
+    layer, seen, table, f4, buffers, gathered = _plan_case(seed)
+    before_table, before_state = table.clone().view(-1), buffers.state.clone()
+    first = int(gathered[0])
+    plan_pass_gather_ref(layer, seen, table, f4, buffers, gathered, slot_base=1 << 20, slot_bytes=256)
+    armed, cursor, _ = before_state.tolist()
+    flat_seen = seen.view(-1)
+    keys = range(layer * EXPERTS, (layer + 1) * EXPERTS)
+    needed = [k for k in keys if flat_seen[k] > 0 and before_table[k] < 0 and f4.view(-1)[k] < 0
+              and buffers.addresses[k] != 0 and cursor < armed]
+    eligible = [(i, s, v) for i, (s, v) in enumerate(buffers.spares[:armed].tolist()) if i >= cursor
+                and (v < 0 or flat_seen[v] == 0)]
+    take = min(len(needed), len(eligible))
+    assert int(gathered[0]) == first + take and int(buffers.state[2]) == take
+    entries = gathered[1 + 3 * first:1 + 3 * (first + take)].view(-1, 3).tolist()
+    assert [e[0] for e in entries] == needed[:take]  # ascending experts of the layer, as many as spares allow
+    assert [(e[1], e[2]) for e in entries] == [(s, v) for _, s, v in eligible[:take]]
+    after = table.view(-1)
+    for key, slot, victim in entries:
+        assert after[key] == slot and (victim < 0 or (after[victim] == -1 and flat_seen[victim] == 0))
+    changed = set(torch.nonzero(after != before_table).view(-1).tolist())
+    assert changed == {e[0] for e in entries} | {e[2] for e in entries if e[2] >= 0}
+    assert buffers.desc[:take].tolist() == [[4096 * (1 + k), (1 << 20) + 256 * s] for k, s, _ in entries]
+    assert int(buffers.state[1]) == (eligible[take - 1][0] + 1 if take else cursor)
+    assert int(buffers.state[0]) == (0 if layer == LAYERS - 1 else armed)
+
+
+def test_gather_rows_ref_copies_each_planned_row():
+    buffers = GatherBuffers.allocate(4, LAYERS * EXPERTS, EXPERTS, "cpu")
+    source = torch.randint(0, 256, (3, 64), dtype=torch.uint8)
+    target = torch.zeros(3, 64, dtype=torch.uint8)
+    buffers.desc[:2] = torch.tensor([[source[2].data_ptr(), target[0].data_ptr()],
+                                     [source[0].data_ptr(), target[1].data_ptr()]])
+    buffers.state[2] = 2
+    gather_rows_ref(buffers, 64)
+    assert torch.equal(target[0], source[2]) and torch.equal(target[1], source[0]) and not target[2].any()
+
+
+def _gather_runtime(g, slots: int, arena_slots: int, tokens: int = 1, device: str = "cpu", backend: str = "auto",
+                    **config):
+    source = memory_source(g, seed=7)
+    rt = TieredRuntime(g, source, pool_slots=slots, arena_slots=arena_slots, device=device, backend=backend,
+                       config=RuntimeConfig(kpi_every=0, tokens_per_step=tokens, gather_in_pass=True, **config))
+    return rt, source
+
+
+def _check_exact(rt: TieredRuntime, source) -> None:
+    rt.pool.check_coherent()
+    for slot, (layer, expert) in enumerate(rt.pool.owner.tolist()):
+        if layer >= 0:
+            assert torch.equal(rt.pool.slots[slot].cpu(), source.rows[layer, expert]), f"slot {slot} bytes"
+
+
+@pytest.mark.parametrize("tokens,slots,arena", [(1, 32, "all"), (3, 32, "all"), (1, 20, "all"), (1, 32, 24)])
+def test_runtime_gathers_in_the_pass_and_equals_the_resident_run(tokens, slots, arena):
+    """Every step equal to the all-resident run, bytes and tables exact after each; the passes fetch for
+    themselves (with every row in the arena, no step replays once warm unless spares ran short); an arena
+    holding a part sends the rest down the host path, still exact."""
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=3)
+    resident = TieredRuntime(g, memory_source(g, seed=7), pool_slots=g.total_routed_experts,
+                             config=RuntimeConfig(kpi_every=0, tokens_per_step=tokens))
+    resident.preload()
+    every = [(layer, expert) for layer in range(LAYERS) for expert in range(EXPERTS)]
+    small, source = _gather_runtime(g, slots, len(every) if arena == "all" else arena, tokens)
+    with resident, small:
+        if arena == "all":
+            small.arena.fetch(every, scan=True)
+        for step in range(48):
+            x = torch.randn(tokens, g.hidden, generator=torch.Generator().manual_seed(step)) * 3
+            want, _ = resident.step(lambda: model.forward(resident, x), lambda: None)
+            got, _ = small.step(lambda: model.forward(small, x), lambda: None)
+            assert torch.equal(got, want), f"step {step} differs from the all-resident run"
+            _check_exact(small, source)
+        stats = small.stats()
+    assert stats.gathered_rows > 0 and stats.fetched_rows >= stats.gathered_rows
+    if arena == "all" and slots == 32:
+        assert stats.fetched_rows == stats.gathered_rows  # every miss fetched by its own pass
+    if arena != "all":
+        assert stats.fetched_rows > stats.gathered_rows  # rows not in the arena: the host path
+
+
+def test_victims_are_never_routed_earlier_in_their_pass():
+    """Every victim a pass took was not routed by that pass up to the layer that took it."""
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=5)
+    small, _ = _gather_runtime(g, 20, g.total_routed_experts)
+    with small:
+        small.arena.fetch([(l, e) for l in range(LAYERS) for e in range(EXPERTS)], scan=True)
+        took = 0
+        for step in range(30):
+            x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)) * 3
+            small.step(lambda: model.forward(small, x), lambda: None)
+            ids, _, victims = small.log.host_gathered()
+            seen = small.log.host_routed_counts()
+            for key, victim in zip(ids, victims):
+                if victim >= 0 and victim // EXPERTS <= key // EXPERTS:
+                    assert seen[victim] == 0, f"step {step}: victim {victim} was routed before layer {key // EXPERTS}"
+                    took += 1
+    assert took > 0
+
+
+def test_a_pass_that_fails_midway_leaves_the_host_in_step():
+    """A forward raising after two MoE layers (which gathered): the step fails, the pool is coherent after, and
+    the next steps equal the resident run."""
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=3)
+    resident = TieredRuntime(g, memory_source(g, seed=7), pool_slots=g.total_routed_experts,
+                             config=RuntimeConfig(kpi_every=0))
+    resident.preload()
+    small, source = _gather_runtime(g, 24, g.total_routed_experts)
+    with resident, small:
+        small.arena.fetch([(l, e) for l in range(LAYERS) for e in range(EXPERTS)], scan=True)
+        original = small.moe
+
+        def failing(layer, *args):
+            if layer == 2:
+                raise RuntimeError("injected")
+            return original(layer, *args)
+        x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(99)) * 3
+        small.moe = failing
+        with pytest.raises(RuntimeError, match="injected"):
+            small.step(lambda: model.forward(small, x), lambda: None)
+        small.moe = original
+        assert int(small.log.gathered[0]) > 0, "the failed pass should have gathered in its first layers"
+        _check_exact(small, source)
+        assert int(small._gather.buffers.state[0]) == 0  # disarmed
+        for step in range(8):
+            x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)) * 3
+            want, _ = resident.step(lambda: model.forward(resident, x), lambda: None)
+            got, _ = small.step(lambda: model.forward(small, x), lambda: None)
+            assert torch.equal(got, want)
+            _check_exact(small, source)
+
+
+def test_passes_outside_a_decode_step_gather_nothing():
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=3)
+    small, source = _gather_runtime(g, 32, g.total_routed_experts)
+    with small:
+        small.arena.fetch([(l, e) for l in range(LAYERS) for e in range(EXPERTS)], scan=True)
+        x = torch.randn(4, g.hidden, generator=torch.Generator().manual_seed(1)) * 3
+        small.step(lambda: model.forward(small, x), lambda: None, prefill=True)
+        assert small.stats().gathered_rows == 0  # prefill fetches each layer's routed set itself
+        small.step(lambda: model.forward(small, x[:1]), lambda: None)
+        mirror = small.pool.mirror.copy()
+        model.forward(small, torch.randn(1, g.hidden) * 3)  # a pass nobody armed
+        assert int(small.log.gathered[0]) == 0 and (small.pool.mirror == mirror).all()
+        _check_exact(small, source)
+
+
+def test_the_knob_refuses_what_it_cannot_serve():
+    assert RuntimeConfig().gather_in_pass is False
+    assert RuntimeConfig.from_env({"TIERSTORE_GATHER_IN_PASS": "1"}).gather_in_pass is True
+    with pytest.raises(ConfigError, match="gather_in_pass and early_fetch"):
+        RuntimeConfig(gather_in_pass=True, early_fetch=True)
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    with pytest.raises(ConfigError, match="this runtime has none"):
+        _gather_runtime(g, 32, 0)
+    full, _ = _gather_runtime(g, g.total_routed_experts, 0)  # a pool holding every expert never misses: off
+    with full:
+        assert full._gather is None
+
+
+@pytest.fixture
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(12))
+def test_cuda_plan_and_copy_equal_the_reference(cuda, seed):
+    from tierstore.kernels.cuda.pass_gather import PassGatherCuda
+
+    layer, seen, table, f4, buffers, gathered = _plan_case(seed, "cuda")
+    slots = torch.randint(0, 256, (40, 512), dtype=torch.uint8, device="cuda")
+    arena = torch.randint(0, 256, (LAYERS * EXPERTS, 512), dtype=torch.uint8).pin_memory()
+    held = buffers.addresses.nonzero().view(-1)
+    buffers.addresses[held] = torch.tensor([arena[k].data_ptr() for k in held.tolist()], device="cuda")
+    ref = [t.clone() for t in (seen, table, f4, gathered)]
+    control = buffers.control.clone()
+    ref_buffers = GatherBuffers(control, control[:3], control[3:].view(-1, 2), buffers.addresses.clone(),
+                                buffers.desc.clone())
+    buffers.desc.fill_(-7)  # poison what the kernel writes
+    ref_buffers.desc.fill_(-7)
+    first = int(gathered[0])
+    gathered[1 + 3 * first:] = -9
+    ref[3][1 + 3 * first:] = -9
+    expected_slots = slots.clone()
+    PassGatherCuda()(layer, EXPERTS, seen, table, f4, buffers, gathered, slots, 512)
+    plan_pass_gather_ref(layer, ref[0], ref[1], ref[2], ref_buffers, ref[3], slots.data_ptr(), 512)
+    torch.cuda.synchronize()
+    assert torch.equal(table, ref[1]) and torch.equal(gathered, ref[3])
+    assert torch.equal(buffers.control, ref_buffers.control)
+    take = int(ref_buffers.state[2])
+    assert torch.equal(buffers.desc[:take], ref_buffers.desc[:take])
+    for key, slot, _ in ref[3][1 + 3 * first:1 + 3 * (first + take)].view(-1, 3).tolist():
+        expected_slots[slot] = arena[key].cuda()
+    assert torch.equal(slots, expected_slots)  # the planned rows copied, every other slot untouched
+
+
+def _cuda_steps(rt: TieredRuntime, model: ToyMoE, g, graph: bool, steps: int = 24) -> list[torch.Tensor]:
+    x = torch.zeros(1, g.hidden, device="cuda")
+    forward = lambda: model.forward(rt, x)  # noqa: E731
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()  # compile and warm up outside the capture (unarmed: gathers nothing)
+        torch.cuda.current_stream().wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            out = model.forward(rt, x)
+        forward = lambda: (cuda_graph.replay(), out)[1]  # noqa: E731
+    outputs = []
+    for step in range(steps):
+        x.copy_(torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)).cuda() * 3)
+        got, _ = rt.step(forward, lambda: None)
+        outputs.append(got.clone())
+    return outputs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_cuda_runtime_gathers_in_the_pass_and_equals_the_resident_run(cuda, graph):
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
+    model = ToyMoE(g)
+    model.routers = model.routers.cuda()
+    resident = TieredRuntime(g, memory_source(g, seed=7), pool_slots=g.total_routed_experts, device="cuda",
+                             backend="triton", config=RuntimeConfig(kpi_every=0))
+    with resident:
+        resident.preload()
+        want = _cuda_steps(resident, model, g, graph=False)
+    small, source = _gather_runtime(g, 20, g.total_routed_experts, device="cuda", backend="triton")
+    with small:
+        small.arena.fetch([(l, e) for l in range(LAYERS) for e in range(EXPERTS)], scan=True)
+        got = _cuda_steps(small, model, g, graph)
+        _check_exact(small, source)
+        stats = small.stats()
+    assert stats.gathered_rows > 0
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step} differs from the all-resident run"
