@@ -1012,7 +1012,7 @@ case "$step" in
       done
     done
     ;;
-  gather)  # the pass's own fetch (config gather_in_pass): its GPU tests (the CUDA plan and copy against the reference,
+  passgather)  # the pass's own fetch (config gather_in_pass): its GPU tests (the CUDA plan and copy against the reference,
     # the runtime eager and in a graph) and the runtime's other GPU tests, the quality checkpoint's --verify-resident
     # with it, then the replay benchmark with --compare-config gather_in_pass=1 (the default and the gather in one
     # process) on ds-v2-lite 8 layers (50 / 25 / 10 %) and qwen3-30b-a3b 16 layers (50 / 25 %). Stage limits
