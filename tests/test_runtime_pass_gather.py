@@ -40,7 +40,7 @@ def _plan_case(seed: int, device: str = "cpu"):
     free = [s for s in range(slots) if s not in set(table.tolist())]
     victims = rng.sample(resident, 12)
     spares = [(s, -1) for s in free[:rng.randint(0, len(free))]] + [(int(table[v]), v) for v in victims]
-    buffers = GatherBuffers.allocate(len(spares) + 4, LAYERS * EXPERTS, EXPERTS, device)
+    buffers = GatherBuffers.allocate(len(spares) + 4, LAYERS * EXPERTS, EXPERTS, "cpu")
     buffers.state.copy_(torch.tensor([len(spares), rng.randrange(3), 0]))
     buffers.spares[:len(spares)] = torch.tensor(spares, dtype=torch.int32)
     held = rng.sample(keys, 50)
@@ -48,6 +48,8 @@ def _plan_case(seed: int, device: str = "cpu"):
     gathered = torch.zeros(1 + 3 * buffers.spares.shape[0], dtype=torch.int32)
     gathered[0] = rng.randrange(3)
     to = lambda t: t.to(device)  # noqa: E731
+    control = to(buffers.control)
+    buffers = GatherBuffers(control, control[:3], control[3:].view(-1, 2), to(buffers.addresses), to(buffers.desc))
     return (layer, to(seen).view(LAYERS, EXPERTS), to(table).view(LAYERS, EXPERTS), to(f4).view(LAYERS, EXPERTS),
             buffers, to(gathered))
 
@@ -133,6 +135,30 @@ def test_runtime_gathers_in_the_pass_and_equals_the_resident_run(tokens, slots, 
         assert stats.fetched_rows == stats.gathered_rows  # every miss fetched by its own pass
     if arena != "all":
         assert stats.fetched_rows > stats.gathered_rows  # rows not in the arena: the host path
+
+
+@pytest.mark.parametrize("slots,tokens", [(20, 1), (32, 3), (40, 1)])
+def test_spares_planned_before_the_read_equal_the_policys_walk_after_it(slots, tokens):
+    """The spares armed from the plan carried over the last pass's own mappings, without telling the policy of
+    that step, are those of a walk of the policy told of it: the same, or its first ones when the plan ran short."""
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=11)
+    small, _ = _gather_runtime(g, slots, g.total_routed_experts, tokens)
+    with small:
+        small.arena.fetch([(l, e) for l in range(LAYERS) for e in range(EXPERTS)], scan=True)
+        compared = 0
+        for step in range(30):
+            x = torch.randn(tokens, g.hidden, generator=torch.Generator().manual_seed(step)) * 3
+            small.step(lambda: model.forward(small, x), lambda: None)
+            counts = (4, 12, slots)
+            planned = [small.pool.planned_spares(small.log.host_routed_counts(), count) for count in counts]
+            small.settle()
+            for count, spares in zip(counts, planned):
+                if spares is not None:  # a prefix of the walk (a plan that is not the whole order may fall short)
+                    walk = small.pool.gather_spares(count)
+                    assert spares == tuple(column[:len(spares[0])] for column in walk), f"step {step}, {count} spares"
+                    compared += len(spares[0]) == count
+    assert compared > 60
 
 
 def test_victims_are_never_routed_earlier_in_their_pass():
@@ -243,7 +269,7 @@ def test_cuda_plan_and_copy_equal_the_reference(cuda, seed):
     gathered[1 + 3 * first:] = -9
     ref[3][1 + 3 * first:] = -9
     expected_slots = slots.clone()
-    PassGatherCuda()(layer, EXPERTS, seen, table, f4, buffers, gathered, slots, 512)
+    PassGatherCuda()(layer, seen, table, f4, buffers, gathered, slots, 512)
     plan_pass_gather_ref(layer, ref[0], ref[1], ref[2], ref_buffers, ref[3], slots.data_ptr(), 512)
     torch.cuda.synchronize()
     assert torch.equal(table, ref[1]) and torch.equal(gathered, ref[3])

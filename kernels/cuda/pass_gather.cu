@@ -99,27 +99,30 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_pass_gather(
   }
 }
 
-// Grid (blocks per row, rows the plan could give): block (x, r) copies every gridDim.x-th run of kCopyThreads 16-byte
-// words of row r, kUnroll loads in flight per thread before their stores; rows past the plan's count exit at once.
+// Grid: a fixed number of blocks (a few per SM), whatever the plan gave: every block copies its share of each row
+// (every gridDim.x-th run of kCopyThreads 16-byte words, kUnroll loads in flight per thread before their stores), so
+// one row or ten keep every block reading; a plan of no rows exits at once.
 extern "C" __global__ void __launch_bounds__(kCopyThreads) gather_pass_rows(
     const int* __restrict__ state, const unsigned long long* __restrict__ desc, long long row_bytes) {
-  if (static_cast<int>(blockIdx.y) >= state[2]) return;
-  const uint4* src = reinterpret_cast<const uint4*>(desc[2 * blockIdx.y]);
-  uint4* dst = reinterpret_cast<uint4*>(desc[2 * blockIdx.y + 1]);
+  const int rows = state[2];
   const long long words = row_bytes / 16;
   const long long step = static_cast<long long>(gridDim.x) * kCopyThreads;
-  for (long long base = static_cast<long long>(blockIdx.x) * kCopyThreads + threadIdx.x; base < words;
-       base += step * kUnroll) {
-    uint4 v[kUnroll];
+  for (int r = 0; r < rows; ++r) {
+    const uint4* src = reinterpret_cast<const uint4*>(desc[2 * r]);
+    uint4* dst = reinterpret_cast<uint4*>(desc[2 * r + 1]);
+    for (long long base = static_cast<long long>(blockIdx.x) * kCopyThreads + threadIdx.x; base < words;
+         base += step * kUnroll) {
+      uint4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const long long i = base + u * step;
-      if (i < words) v[u] = src[i];
-    }
+      for (int u = 0; u < kUnroll; ++u) {
+        const long long i = base + u * step;
+        if (i < words) v[u] = src[i];
+      }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const long long i = base + u * step;
-      if (i < words) dst[i] = v[u];
+      for (int u = 0; u < kUnroll; ++u) {
+        const long long i = base + u * step;
+        if (i < words) dst[i] = v[u];
+      }
     }
   }
 }

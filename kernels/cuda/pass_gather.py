@@ -20,7 +20,7 @@ import torch
 SOURCE = Path(__file__).resolve().with_name("pass_gather.cu")
 PLAN_THREADS = 1024  # the .cu file's kPlanThreads: at most this many experts per layer, this many spares a window
 COPY_THREADS = 256
-BLOCKS_PER_ROW = 16
+COPY_BLOCKS_PER_SM = 2  # the copy's grid: this many blocks per SM share every row (one row alone keeps them all busy)
 ALIGN = 16  # bytes: rows, row addresses and slots are copied in 16-byte words
 
 
@@ -59,11 +59,11 @@ class PassGatherCuda:
         image = loader.build(SOURCE)
         self.plan = loader.load(image, "plan_pass_gather", self.device)
         self.gather = loader.load(image, "gather_pass_rows", self.device)
+        self.copy_blocks = COPY_BLOCKS_PER_SM * torch.cuda.get_device_properties(self.device).multi_processor_count
 
-    def __call__(self, layer: int, rows: int, seen: torch.Tensor, w2_table: torch.Tensor, f4_table: torch.Tensor,
+    def __call__(self, layer: int, seen: torch.Tensor, w2_table: torch.Tensor, f4_table: torch.Tensor,
                  buffers: GatherBuffers, gathered: torch.Tensor, slots: torch.Tensor, row_bytes: int) -> None:
-        """Plan and copy `layer`'s rows; `rows`: the most the plan can give (routed pairs of the layer, at most
-        desc's rows): the copy's grid."""
+        """Plan and copy `layer`'s rows."""
         num_layers, num_experts = w2_table.shape
         if num_experts > PLAN_THREADS:
             raise ValueError(f"the pass's gather plans up to {PLAN_THREADS} experts per layer, got {num_experts}")
@@ -72,7 +72,7 @@ class PassGatherCuda:
                          [seen.data_ptr(), w2_table.data_ptr(), f4_table.data_ptr(), buffers.addresses.data_ptr(),
                           buffers.state.data_ptr(), buffers.spares.data_ptr(), gathered.data_ptr(),
                           buffers.desc.data_ptr(), layer, num_experts, num_layers, slots.data_ptr(), slots.shape[1]])
-        self.gather.launch((BLOCKS_PER_ROW, min(rows, buffers.desc.shape[0])), (COPY_THREADS,), 0, stream, "ppq",
+        self.gather.launch((self.copy_blocks,), (COPY_THREADS,), 0, stream, "ppq",
                            [buffers.state.data_ptr(), buffers.desc.data_ptr(), row_bytes])
 
 

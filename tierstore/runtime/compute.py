@@ -166,7 +166,7 @@ class TorchExperts:
         tokens, top_k = ids.shape
         self.log.record(layer, ids)
         if self.gather is not None:
-            self.gather.layer(layer, ids.numel(), self.tiers[1][0].table if len(self.tiers) > 1 else None)
+            self.gather.layer(layer, self.tiers[1][0].table if len(self.tiers) > 1 else None)
         tiers, slots = self._slots(layer, ids)  # [T, k], slot -1 = miss
         missing = slots < 0
         self._log_misses(layer, ids[missing])
@@ -237,7 +237,7 @@ class TritonExperts:
         ids = topk_ids.to(torch.int32).contiguous()  # [T, k]
         self.log.record(layer, ids)
         if self.gather is not None:  # config gather_in_pass: the layer's missing arena rows, before its route
-            self.gather.layer(layer, ids.numel(), self.fp4_pool.table)
+            self.gather.layer(layer, self.fp4_pool.table)
         # with config cuda_w2: decode-sized batches run the CUDA kernels (`cuda_w2_block_tokens`), larger ones (prefill)
         # keep the Triton stages
         workspace, cuda_w2 = self._workspace(ids.shape[0], ids.shape[1], hidden.dtype)

@@ -129,7 +129,7 @@ class TieredRuntime:
                            record_tokens=record_tokens, output_words=output_words, early_layers=self._early,
                            gather_capacity=spares)
         self._gather = PassGather(self.pool, self.arena, self.log, spares) if gathers else None
-        self._gather_demand = 0  # experts a recent decode pass gathered or missed, decaying (`_with_armed_gather`)
+        self._last_gathered = 0  # experts the last pass read gathered for itself (`_victim_plan_size`)
         self.backend = _resolve_backend(backend, self.device)
         self.fp4, self.gate, self._fp4_manager, self._gate_budget = None, None, None, None
         self._setup_precision_tier(fp4_source, fp4_slots, fp4_arena_slots)
@@ -389,24 +389,29 @@ class TieredRuntime:
         return run
 
     def _with_armed_gather(self, forward: Callable[[], object]):
-        """`forward` after arming its spares (gather_in_pass): the policy first hears of the last step's routed
-        experts, so the victims are the least recently used as of now."""
+        """`forward` after arming its spares (gather_in_pass): the victims planned before the last pass-log read
+        (`plan_victims`, carried over that pass's own mappings) less what that pass routed, which is the policy's
+        order as of now without telling it of the last step first; or, with no such plan, the policy's walk after
+        it heard of the last step."""
         def run():
-            self.settle()
-            self._gather.arm(2 * self._gather_demand + 32)
+            count = self.pool.num_free + 2 * self._recent_missing + 16  # every free slot costs nothing to arm
+            spares = self.pool.planned_spares(self.log.host_routed_counts(), count)
+            if spares is None:  # no plan carried over from the last read: walk the policy, told of the last step
+                self.settle()
+                spares = self.pool.gather_spares(count)
+            self._gather.arm(*spares)
             return forward()
         return run
 
-    def _map_gathered(self, report: PassReport) -> None:
+    def _map_gathered(self) -> None:
         """The host state of what the pass just read mapped for itself (gather_in_pass): pool, arena recency,
-        stats; and the demand the next arming sizes its spares by."""
+        stats."""
         ids, slots, victims = self.log.host_gathered()
+        self._last_gathered = len(ids)
         if ids:
             self.pool.map_gathered(ids, slots, victims)
             self.arena.hit_ids(ids)
             self._stats.add_fetch(len(ids), len(ids) * self.source.row_bytes, 0.0, 0.0, 0.0, gathered=True)
-        if not self._scan:
-            self._gather_demand = max(len(ids) + len(report.missing_ids), self._gather_demand * 7 // 8)
 
     def _recover_gathered(self) -> None:
         """After a failed step (gather_in_pass): disarm, wait for the device, and map on the host what a pass
@@ -469,17 +474,17 @@ class TieredRuntime:
         self.last_pass = self.log.read()
         self._stats.read_seconds += time.perf_counter() - started
         if self._gather is not None:
-            self._map_gathered(self.last_pass)
+            self._map_gathered()
         return self.last_pass
 
     def _victim_plan_size(self) -> int:
         """How many candidates `plan_victims` notes: the last pass's routed experts (the plan's filter may drop
-        that many) plus twice the most experts a recent pass missed (decaying) and a margin; a plan that falls
-        short only sends that fetch down the general path."""
+        that many) plus twice the most experts a recent pass missed or gathered for itself (decaying) and a margin;
+        a plan that falls short only sends that fetch down the general path (or arms fewer spares)."""
         last = self.last_pass
         if last is None:
             return 2 * working_set_slots(self.geometry, self.config.tokens_per_step, 1.0)
-        self._recent_missing = max(len(last.missing_ids), self._recent_missing * 7 // 8)
+        self._recent_missing = max(len(last.missing_ids) + self._last_gathered, self._recent_missing * 7 // 8)
         return len(last.routed_ids) + 2 * self._recent_missing + 16
 
     def _fetch_for_step(self, report: PassReport, partial: bool) -> int:

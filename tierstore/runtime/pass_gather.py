@@ -1,8 +1,8 @@
 """The pass's own fetch (config `gather_in_pass`): the device buffers, their arming before a pass and the per-layer
 launches; the runtime (`TieredRuntime`) keeps the host state in step with what the pass did.
 
-Per decode pass: `arm(count)` writes up to `count` spares (`DevicePool.gather_spares`: free slots, then victims in
-the policy's eviction order) and, when the arena's rows moved, every expert's row address to the device, on the
+Per decode pass: `arm(slots, victims)` writes the spares (`DevicePool.gather_spares` or `planned_spares`: free
+slots, then victims in the policy's eviction order) and, when the arena's rows moved, every expert's row address to the device, on the
 compute stream ahead of the launch. Before each MoE layer's experts (after the pass log recorded the layer's
 routing) `layer()` plans and copies that layer's missing rows (`kernels/cuda/pass_gather.py`: CUDA C++ on a CUDA
 device, the torch reference on a CPU). The pass log's read returns what was mapped (`PassLog.host_gathered`), and
@@ -69,21 +69,20 @@ class PassGather:
             self._h2d = HostToDevice(self.device)
             self._stream_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
 
-    def arm(self, count: int) -> int:
-        """Before a pass is launched: up to `count` spares for it (none while copies are in flight); returns how
-        many. One copy on the compute stream (two when the arena's rows moved)."""
-        slots, victims = self.pool.gather_spares(min(count, self.capacity)) if self.pool.idle() else ([], [])
-        armed = len(slots)
+    def arm(self, slots: list[int], victims: list[int]) -> None:
+        """Before a pass is launched: `slots` with their `victims` (-1: a free slot; `DevicePool.gather_spares` or
+        `planned_spares`) as its spares, at most `capacity`; none while an install's copies are in flight. One copy
+        on the compute stream (two when the arena's rows moved)."""
+        armed = min(len(slots), self.capacity) if self.pool.idle() else 0
         control = self._control_ids
         control[:3] = (armed, 0, 0)
-        control[3:3 + 2 * armed:2] = slots
-        control[4:4 + 2 * armed:2] = victims
+        control[3:3 + 2 * armed:2] = slots[:armed]
+        control[4:4 + 2 * armed:2] = victims[:armed]
         if self.arena.version != self._addresses_synced:
             self._addresses.numpy()[:] = [address or 0 for address in self.arena.address_table()]
             self._addresses_synced = self.arena.version
             self._write(self.buffers.addresses, self._addresses, self._addresses.numel())
         self._write(self.buffers.control, self._control, 3 + 2 * armed)
-        return armed
 
     def disarm(self) -> None:
         """No spares for the next pass (on the stream: after anything launched so far)."""
@@ -99,14 +98,13 @@ class PassGather:
         stream = torch.cuda.current_stream(self._stream_index)
         self._h2d.copy(device.data_ptr(), host.data_ptr(), count * host.element_size(), stream)
 
-    def layer(self, layer: int, pairs: int, f4_table: torch.Tensor | None) -> None:
+    def layer(self, layer: int, f4_table: torch.Tensor | None) -> None:
         """Plan and copy `layer`'s missing rows (after the pass log recorded its routing, before its experts);
-        `pairs`: the layer's routed pairs (the most rows it can gather); `f4_table`: the FP4 pool's table, if any
-        (its experts do not miss). Capturable on CUDA."""
+        `f4_table`: the FP4 pool's table, if any (its experts do not miss). Capturable on CUDA."""
         pool, buffers = self.pool, self.buffers
         f4 = f4_table if f4_table is not None else self._no_fp4
         if self._kernels is not None:
-            self._kernels(layer, pairs, self.log.seen, pool.table, f4, buffers, self.log.gathered, pool.slots,
+            self._kernels(layer, self.log.seen, pool.table, f4, buffers, self.log.gathered, pool.slots,
                           self.row_bytes)
             return
         first = int(self.log.gathered[0])

@@ -64,6 +64,7 @@ class _VictimPlan(NamedTuple):
     version: int
     free: int
     candidates: np.ndarray  # int64 [n] key ids, first victim first
+    complete: bool  # the whole order: every mapped key was a candidate
     candidate_ids: list[int]  # the same as ints
     slots: list[int]  # their slots
 
@@ -302,7 +303,8 @@ class DevicePool:
         if policy.filtered_order:
             candidates = np.fromiter(islice(policy.eviction_order(), count), dtype=np.int64)  # [<= count]
             slots = self.mirror.reshape(-1)[candidates].tolist()
-            self._plan = _VictimPlan(policy.version, len(self._free), candidates, candidates.tolist(), slots)
+            self._plan = _VictimPlan(policy.version, len(self._free), candidates, len(candidates) < count,
+                                     candidates.tolist(), slots)
 
     def planned_victims(self, excluded: np.ndarray, count: int) -> tuple[list[int], list[int]] | None:
         """(victims, their slots): what `evictable_ids` would name for `count` outside the key ids where
@@ -312,9 +314,9 @@ class DevicePool:
         plan, self._plan = self._plan, None
         if plan is None or plan.version != self.policy.version or plan.free != len(self._free):
             return None
-        victims, slots = [], []
+        victims, slots, mirror = [], [], self.mirror.reshape(-1)
         for key_id, slot, routed in zip(plan.candidate_ids, plan.slots, excluded[plan.candidates].tolist()):
-            if not routed:
+            if not routed and mirror[key_id] >= 0:  # (a pass that fetched for itself may have evicted a candidate)
                 victims.append(key_id)
                 slots.append(slot)
                 if len(victims) == count:
@@ -369,6 +371,33 @@ class DevicePool:
         yield layer, runs
 
     # -- the pass's own fetch (config gather_in_pass) -------------------------------------------
+    def planned_spares(self, excluded: np.ndarray, count: int) -> tuple[list[int], list[int]] | None:
+        """`gather_spares` from the plan of `plan_victims` (kept, not used up) when it still holds, without
+        telling the policy of the last pass first: the free slots, the plan's candidates still mapped and not
+        where `excluded` (indexed by key id, the last pass's routed counts) is nonzero, then, when the plan held
+        the whole order, the routed ones by ascending key id (the order the policy will hear of them). None when
+        there is no current plan (the caller walks the policy)."""
+        plan = self._plan
+        if plan is None or plan.version != self._policy.version or plan.free != len(self._free):
+            return None
+        free = self._free[::-1][:count]  # pop order
+        slots, victims, mirror = list(free), [-1] * len(free), self.mirror.reshape(-1)
+        for key_id, slot, routed in zip(plan.candidate_ids, plan.slots, excluded[plan.candidates].tolist()):
+            if len(slots) == count:
+                break
+            if not routed and mirror[key_id] >= 0:
+                slots.append(slot)
+                victims.append(key_id)
+        if len(slots) < count and plan.complete:
+            for key_id in np.flatnonzero(excluded).tolist():
+                slot = int(mirror[key_id])
+                if slot >= 0:
+                    slots.append(slot)
+                    victims.append(key_id)
+                    if len(slots) == count:
+                        break
+        return slots, victims
+
     def gather_spares(self, count: int) -> tuple[list[int], list[int]]:
         """(slots, victim key ids or -1) of up to `count` spares for a pass that fetches for itself: the free slots
         in the order `install` takes them, then the first experts of the policy's eviction order with their slots
@@ -389,6 +418,10 @@ class DevicePool:
         (a victim may be an expert of a later layer that the pass then gathered again into another slot)."""
         if not ids:
             return
+        plan = self._plan
+        # the plan of `plan_victims` outlives these changes when it was current: they evict only its first
+        # candidates (which its readers skip as unmapped) and insert at the recent end
+        carried = plan is not None and plan.version == self._policy.version and plan.free == len(self._free)
         mirror, evicted = self.mirror.reshape(-1), [victim for victim in victims if victim >= 0]
         mirror[evicted] = -1
         self.policy.on_evict_many(evicted)
@@ -399,6 +432,8 @@ class DevicePool:
         self.owner[slots, 0], self.owner[slots, 1] = np.divmod(ids, self.num_experts)
         self.generation[slots] += 1
         self.policy.on_insert_many(ids)
+        if carried:
+            self._plan = plan._replace(version=self._policy.version, free=len(self._free))
 
     def reserve(self, count: int, exclude: Iterable[Key]) -> list[int]:
         """Take `count` slots for `write_reserved`: free ones first, then victims from the policy
