@@ -1028,6 +1028,19 @@ case "$step" in
         --commit "$commit" --out "$work/replay_$1_gather.json"
     done
     ;;
+  passgather2)  # passgather after the host side's cut (the pass's mappings and the spares written element by element,
+    # no array call per field): the replay benchmark with --compare-config gather_in_pass=1 on both presets at 50 and
+    # 25 %, twice (the second run in the other order: --compare first would need a new flag, so the rounds are two
+    # processes). Stage limits 120 s each.
+    for round in 1 2; do
+      for cell in "ds-v2-lite 8" "qwen3-30b-a3b 16"; do
+        set -- $cell
+        stage "replay-$1-$round" 120 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$1" --layers "$2" \
+          --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
+          --compare-config gather_in_pass=1 --commit "$commit" --out "$work/replay_$1_gather2_$round.json"
+      done
+    done
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 

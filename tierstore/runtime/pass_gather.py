@@ -74,10 +74,10 @@ class PassGather:
         `planned_spares`) as its spares, at most `capacity`; none while an install's copies are in flight. One copy
         on the compute stream (two when the arena's rows moved)."""
         armed = min(len(slots), self.capacity) if self.pool.idle() else 0
-        control = self._control_ids
-        control[:3] = (armed, 0, 0)
-        control[3:3 + 2 * armed:2] = slots[:armed]
-        control[4:4 + 2 * armed:2] = victims[:armed]
+        pairs = [armed, 0, 0]  # the state, then (slot, victim) per spare: one assignment
+        for slot, victim in zip(slots[:armed], victims[:armed]):
+            pairs += (slot, victim)
+        self._control_ids[:len(pairs)] = pairs
         if self.arena.version != self._addresses_synced:
             self._addresses.numpy()[:] = [address or 0 for address in self.arena.address_table()]
             self._addresses_synced = self.arena.version

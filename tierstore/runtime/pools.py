@@ -422,15 +422,22 @@ class DevicePool:
         # the plan of `plan_victims` outlives these changes when it was current: they evict only its first
         # candidates (which its readers skip as unmapped) and insert at the recent end
         carried = plan is not None and plan.version == self._policy.version and plan.free == len(self._free)
-        mirror, evicted = self.mirror.reshape(-1), [victim for victim in victims if victim >= 0]
-        mirror[evicted] = -1
+        # a few dozen entries: element by element (an array call per field costs more than the loop)
+        mirror, owner, generation, experts = self.mirror.reshape(-1), self.owner, self.generation, self.num_experts
+        evicted, taken = [], set()
+        for victim, slot in zip(victims, slots):
+            if victim >= 0:
+                mirror[victim] = -1
+                evicted.append(victim)
+            else:
+                taken.add(slot)
         self.policy.on_evict_many(evicted)
-        taken = {slot for slot, victim in zip(slots, victims) if victim < 0}
         if taken:
             self._free = [slot for slot in self._free if slot not in taken]
-        mirror[ids] = slots
-        self.owner[slots, 0], self.owner[slots, 1] = np.divmod(ids, self.num_experts)
-        self.generation[slots] += 1
+        for key_id, slot in zip(ids, slots):
+            mirror[key_id] = slot
+            owner[slot] = divmod(key_id, experts)
+            generation[slot] += 1
         self.policy.on_insert_many(ids)
         if carried:
             self._plan = plan._replace(version=self._policy.version, free=len(self._free))
