@@ -1030,8 +1030,8 @@ case "$step" in
     ;;
   passgather2)  # passgather after the host side's cut (the pass's mappings and the spares written element by element,
     # no array call per field): the replay benchmark with --compare-config gather_in_pass=1 on both presets at 50 and
-    # 25 %, twice (the second run in the other order: --compare first would need a new flag, so the rounds are two
-    # processes). Stage limits 120 s each.
+    # 25 %, two rounds (each cell's default and gather runs share one process, the default first). Stage limits 120 s
+    # each.
     for round in 1 2; do
       for cell in "ds-v2-lite 8" "qwen3-30b-a3b 16"; do
         set -- $cell
