@@ -3,7 +3,9 @@
 Two backends with the same contract: weights come from the FP4 pool's slot when the expert has one,
 else from the base pool's, through their slot tables; a pair whose expert has neither contributes
 exactly zero and is logged in the PassLog;
-the top-k combine runs in a fixed order, so a token's result does not depend on other tokens.
+the top-k combine runs in a fixed order, so a token's result does not depend on other tokens. With config
+`gather_in_pass` each call first lets the pass fetch the layer's missing arena rows itself (`PassGather.layer`,
+after the pass log recorded the routing).
 
 - `TorchExperts`: plain torch (float32) decoding the same slot bytes with the kernels' reference
   decoder; the CPU variant of the runtime (no sync-free guarantee: it reads the table on the host).

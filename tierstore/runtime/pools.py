@@ -4,7 +4,9 @@ per-slot owners, with eviction through the policy API.
 Invariants (checked by `check_coherent`): `table` (device) == `mirror` (host); slot s is owned by
 (l, e) iff mirror[l, e] == s; a slot is free iff it has no owner; the policy holds exactly the
 mapped keys. Bytes change only in `install` (or `install_located`, its form for the runtime's step fetch
-from located arena rows, with victims planned by `plan_victims` while the pass runs), between launches: the
+from located arena rows, with victims planned by `plan_victims` while the pass runs), or inside a pass that
+fetches for itself (config `gather_in_pass`: spares from `gather_spares` / `planned_spares`, its mappings recorded
+by `map_gathered` after its pass-log read, before anything else reads the host state); `install` runs between launches: the
 copy stream first waits for the compute stream (nothing launched before still reads a victim; the step's
 fetch after a pass-log read needs no wait, the read synchronised it), victims are unmapped on it
 before their slots are rewritten, and the new mappings are written after the copies. The host
