@@ -1041,6 +1041,14 @@ case "$step" in
       done
     done
     ;;
+  mend12)  # GPU checks of host-side mends: the FP4 kernel tests' shared case built per module (no imported fixture),
+    # the decaying miss count updated by each read; the runtime's GPU tests with the pass's own fetch. Stage limits
+    # 200 + 250 s.
+    stage fp4-case-tests 200 python3 -m pytest tests/test_cuda_fp4_decode_mad.py tests/test_cuda_fp4_pair_order.py -m gpu -q
+    stage runtime-tests 250 python3 -m pytest tests/test_runtime_pass_gather.py tests/test_runtime_gpu.py \
+      tests/test_runtime_layer_waits.py tests/test_runtime_located_fetch.py tests/test_runtime_early_fetch.py \
+      tests/test_runtime_pool_copies.py tests/test_runtime_fetch_split.py tests/test_runtime_cuda_w2.py -m gpu -q
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 

@@ -104,9 +104,17 @@ EXPERTS, TOP_K, MISSING = 8, 2, 6
 FP4_SLOTS = {1: 0, 2: 1, 4: 2}  # expert -> FP4 slot; expert 2 in both tiers (FP4 wins)
 
 
-@pytest.fixture(scope="module", params=[(1024, 512), (2048, 1408)])  # 32-word downs; ds-v2-lite's 16-word ones
+CASE_SHAPES = [(1024, 512), (2048, 1408)]  # (hidden, inter): 32-word downs; ds-v2-lite's 16-word ones
+
+
+@pytest.fixture(scope="module", params=CASE_SHAPES)
 def mad_case(request):
-    hidden, inter = request.param
+    return build_case(*request.param)
+
+
+def build_case(hidden: int, inter: int) -> dict:
+    """Both tiers on the GPU for one layer: W2 slots for every expert but MISSING, FP4 slots for FP4_SLOTS' experts;
+    the generator the tests draw their inputs from."""
     gen = torch.Generator().manual_seed(hidden + inter)
     w2 = w2_pool(hidden, inter, EXPERTS, gen, (112, 124), missing=MISSING)
     f4 = fp4_tier(hidden, inter, len(FP4_SLOTS), 1, EXPERTS, "cpu")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.cuda_fixtures import launched_twice, needs_nvcc, replayed_once, run_whole, same_bytes, stub_builds
-from tests.test_cuda_fp4_decode_mad import EXPERTS, FP4_SLOTS, TOP_K, _fp4_rows, _ids, _routed, mad_case  # noqa: F401
+from tests.test_cuda_fp4_decode_mad import CASE_SHAPES, EXPERTS, FP4_SLOTS, TOP_K, _fp4_rows, _ids, _routed, build_case
 from tierstore.kernels import MissLog, MoeWorkspace, moe_mm
 from tierstore.kernels.cuda import fp4_stages, w2_down
 from tierstore.kernels.cuda.w2_moe import SINGLE
@@ -46,11 +46,16 @@ def _pool_cpu():
 
 # ---- on a GPU --------------------------------------------------------------------------------------------------
 
+@pytest.fixture(scope="module", params=CASE_SHAPES)
+def pair_case(request):
+    return build_case(*request.param)
+
+
 @pytest.mark.gpu
 @needs_nvcc
 @pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_pair_order_fp4_kernels_give_the_route_order_bytes(mad_case, tokens):  # noqa: F811
-    case, f4, wps = mad_case, mad_case["f4"], mad_case["wps"]
+def test_pair_order_fp4_kernels_give_the_route_order_bytes(pair_case, tokens):
+    case, f4, wps = pair_case, pair_case["f4"], pair_case["wps"]
     ids = _ids(case, tokens)
     rows = _fp4_rows(ids)
     ws = _routed(case, ids, 1)
@@ -80,13 +85,13 @@ def test_pair_order_fp4_kernels_give_the_route_order_bytes(mad_case, tokens):  #
 @pytest.mark.gpu
 @needs_nvcc
 @pytest.mark.parametrize("tokens", [1, 4])
-def test_tier_op_routes_beside_its_pair_order_kernels(mad_case, tokens):  # noqa: F811
+def test_tier_op_routes_beside_its_pair_order_kernels(pair_case, tokens):
     """TierMoeCuda's defaults (both tiers in pair order, the route beside them) against both tiers in route order:
     same bytes and miss counts, eager and replayed in a CUDA graph."""
     from tierstore.kernels.cuda.tier_moe import TierMoeCuda
     from tierstore.kernels.cuda.w2_moe import W2MoeCuda
 
-    case = mad_case
+    case = pair_case
     ids = _ids(case, tokens)
     x = torch.randn(tokens, case["hidden"], generator=case["gen"]).to(torch.bfloat16).cuda()
     weights = (torch.rand(tokens, TOP_K, generator=case["gen"]) + 0.05).cuda()

@@ -149,7 +149,9 @@ class TieredRuntime:
         self._scan = False
         self._on_close = list(on_close)
         self.last_pass: PassReport | None = None
-        self._recent_missing = 0  # experts missed by a recent pass, decaying (`_victim_plan_size`)
+        # experts a recent decode pass missed or gathered for itself, decaying: updated by each read
+        # (`_read_pass`), it sizes the victim plan (`_victim_plan_size`) and the spares (`_with_armed_gather`)
+        self._recent_missing = 0
         self._untouched = None  # (last pass report, time) of the last step, not yet told to the pool's policy
         self._decode_pass: PassReport | None = None  # the last decode step's last pass: prefill evicts its experts last
         self.closed = False
@@ -475,6 +477,9 @@ class TieredRuntime:
         self._stats.read_seconds += time.perf_counter() - started
         if self._gather is not None:
             self._map_gathered()
+        if not self._scan:
+            self._recent_missing = max(len(self.last_pass.missing_ids) + self._last_gathered,
+                                       self._recent_missing * 7 // 8)
         return self.last_pass
 
     def _victim_plan_size(self) -> int:
@@ -484,7 +489,6 @@ class TieredRuntime:
         last = self.last_pass
         if last is None:
             return 2 * working_set_slots(self.geometry, self.config.tokens_per_step, 1.0)
-        self._recent_missing = max(len(last.missing_ids) + self._last_gathered, self._recent_missing * 7 // 8)
         return len(last.routed_ids) + 2 * self._recent_missing + 16
 
     def _fetch_for_step(self, report: PassReport, partial: bool) -> int:
