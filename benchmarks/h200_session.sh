@@ -1049,6 +1049,14 @@ case "$step" in
       tests/test_runtime_layer_waits.py tests/test_runtime_located_fetch.py tests/test_runtime_early_fetch.py \
       tests/test_runtime_pool_copies.py tests/test_runtime_fetch_split.py tests/test_runtime_cuda_w2.py -m gpu -q
     ;;
+  closing12)  # the tenth session's last code on the default path (gather_in_pass off): the main job's --verify-resident
+    # on the quality checkpoint, then the replay benchmark on both presets as replay8 / closing11 ran it. Stage limits
+    # 80 + 120 + 150 s.
+    stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    replay_matrix replay-ds 120 ds-v2-lite 8 "$work/replay_ds_closing12.json"
+    replay_matrix replay-qwen3 150 qwen3-30b-a3b 16 "$work/replay_qwen3_closing12.json"
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
