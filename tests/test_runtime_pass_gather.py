@@ -303,6 +303,13 @@ def _cuda_steps(rt: TieredRuntime, model: ToyMoE, g, graph: bool, steps: int = 2
 
 
 @pytest.mark.gpu
+def test_cuda_refuses_the_torch_backend(cuda):
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
+    with pytest.raises(ConfigError, match="needs the triton backend"):
+        _gather_runtime(g, 20, g.total_routed_experts, device="cuda", backend="torch")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_cuda_runtime_gathers_in_the_pass_and_equals_the_resident_run(cuda, graph):
     g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)

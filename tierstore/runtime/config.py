@@ -77,8 +77,9 @@ class RuntimeConfig:
       the arena holds into those spares and copies their rows from pinned host memory with a kernel, skipping a
       victim the pass has routed so far. The pass-log read brings the mappings back and the host state follows
       them; what still misses (no spare left, a row not in the arena) is fetched as before. Same rows and kernels:
-      the result is unchanged. Not with `early_fetch`; armed only when no fetch's copies are in flight. On CUDA
-      the kernels are CUDA C++ built with nvcc (`kernels/cuda/pass_gather.cu`); on a CPU their torch reference.
+      the result is unchanged. Not with `early_fetch`, nor with the torch backend on CUDA; armed only when no
+      fetch's copies are in flight. On CUDA the kernels are CUDA C++ built with nvcc (`kernels/cuda/pass_gather.cu`);
+      on a CPU their torch reference.
       On the H200 it was slower than the default in all 18 cells measured, by 0.5-22 % (docs/runtime.md, "The
       pass's own fetch"), hence off.
 

@@ -122,7 +122,11 @@ class TieredRuntime:
             raise ConfigError("early_fetch needs layer_waits: the copies it starts during a pass must be waited for "
                               "per layer by the replay")
         # gather_in_pass: decode passes map and copy their own missing arena rows (`PassGather`)
+        self.backend = _resolve_backend(backend, self.device)
         gathers = self.config.gather_in_pass and slots < geometry.total_routed_experts
+        if gathers and self.device.type == "cuda" and self.backend == "torch":
+            raise ConfigError("gather_in_pass on CUDA needs the triton backend: the torch backend reuses decoded "
+                              "slots by the host's generation counts, which a pass's own fetch changes only at its read")
         spares = (gather_capacity(slots, shape[0], min(shape[1], geometry.top_k * self.config.tokens_per_step))
                   if gathers else 0)
         self.log = PassLog(*shape, geometry.top_k, capacity=shape[0] * shape[1], device=self.device,
@@ -130,7 +134,6 @@ class TieredRuntime:
                            gather_capacity=spares)
         self._gather = PassGather(self.pool, self.arena, self.log, spares) if gathers else None
         self._last_gathered = 0  # experts the last pass read gathered for itself (`_victim_plan_size`)
-        self.backend = _resolve_backend(backend, self.device)
         self.fp4, self.gate, self._fp4_manager, self._gate_budget = None, None, None, None
         self._setup_precision_tier(fp4_source, fp4_slots, fp4_arena_slots)
         experts_class = TritonExperts if self.backend == "triton" else TorchExperts
