@@ -574,7 +574,7 @@ case "$step" in
       --config cuda_w2=1 --commit "$commit" --out "$work/replay_qwen3_cuda.json"
     ;;
   gather)  # the miss path's copies issued per row by the host (cuMemcpyHtoDAsync) against a kernel per layer that reads the
-    # pinned rows over the bus (benchmarks/row_gather.cu): host issue time and device time, 24 and 12 ds-v2-lite rows
+    # pinned rows over the bus (benchmarks/row_gather.cu then; gather_rows in kernels/cuda/pass_gather.cu now): host issue time and device time, 24 and 12 ds-v2-lite rows
     # over 8 layers, 4 / 16 / 64 blocks per row. Stage limits 60 + 60 s; estimate, not measured: ~15 s each (h2d_batch).
     for rows in 24 12; do
       stage "h2d-gather-$rows" 60 python3 benchmarks/h2d_gather.py --rows "$rows" --blocks 4,16,64 --commit "$commit" \
@@ -1056,6 +1056,13 @@ case "$step" in
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     replay_matrix replay-ds 120 ds-v2-lite 8 "$work/replay_ds_closing12.json"
     replay_matrix replay-qwen3 150 qwen3-30b-a3b 16 "$work/replay_qwen3_closing12.json"
+    ;;
+  mend12b)  # GPU checks after the review of the tenth session's change: the pass's fetch tests (the torch backend's
+    # refusal on CUDA added), the layer-waits tests on the shared graph helper, and h2d_gather.py on the row kernel
+    # now in kernels/cuda/pass_gather.cu (12 rows, few rounds: that it runs and checks its bytes). Stage limits
+    # 200 + 60 s.
+    stage runtime-tests 200 python3 -m pytest tests/test_runtime_pass_gather.py tests/test_runtime_layer_waits.py -m gpu -q
+    stage h2d-gather 60 python3 benchmarks/h2d_gather.py --rows 12 --rounds 10 --commit "$commit"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -1,5 +1,6 @@
 """The miss path's row copies issued by the host one per row (`cuMemcpyHtoDAsync`, what `DevicePool` does) against one
-kernel launch per layer that reads the pinned rows over the bus itself (`benchmarks/row_gather.cu`): the host's
+kernel launch per layer that reads the pinned rows over the bus itself (`gather_rows` in kernels/cuda/pass_gather.cu;
+`benchmarks/row_gather.cu` until the runtime's own row kernel shared its copy loop): the host's
 time to issue a fetch's copies and the device's time to land them. Rows of ds-v2-lite's W2 slot size by default, 24
 rows per fetch over 8 layers (the 25% step's size), scattered arena rows to scattered pool slots, an event after
 each layer's rows as `layer_waits` records. Every variant's bytes are checked against the source first (the pool
@@ -12,7 +13,6 @@ import argparse
 import ctypes
 import json
 import sys
-from pathlib import Path
 
 import torch
 
@@ -20,10 +20,9 @@ sys.path.insert(0, "benchmarks")
 from h2d_rounds import check_rows, print_table, timed_rounds  # noqa: E402
 from replay import provenance  # noqa: E402
 
-from tierstore.kernels.cuda import loader  # noqa: E402
+from tierstore.kernels.cuda import loader, pass_gather  # noqa: E402
 from tierstore.kernels.layout import w2_slot_layout  # noqa: E402
 
-SOURCE = Path(__file__).resolve().with_name("row_gather.cu")  # the benchmark's own kernel: the library does not use it
 THREADS = 256
 
 
@@ -42,7 +41,7 @@ def main() -> None:
     drv.ensure_context(device)
     memcpy = drv.lib.cuMemcpyHtoDAsync_v2
     memcpy.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    kernel = loader.load(loader.build(SOURCE), "gather_rows", device)
+    kernel = loader.load(loader.build(pass_gather.SOURCE), "gather_rows", device)
     nbytes, rows = args.row_bytes, args.rows
     if nbytes % 16:
         raise SystemExit("--row-bytes must be a multiple of 16")

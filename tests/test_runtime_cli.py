@@ -26,24 +26,16 @@ def test_generate_demo_verifies_bit_identity_and_records_a_trace(tmp_path, monke
     assert (recorded.num_tokens, recorded.num_layers, recorded.top_k, recorded.num_experts) == (4, 4, 4, 32)
 
 
-def test_generate_with_early_fetch_fetches_during_the_pass_and_stays_bit_identical(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("flag,kpi", [("--early-fetch", "rows fetched during their pass"),
+                                      ("--gather-in-pass", "rows gathered by their pass")])
+def test_generate_with_a_fetch_during_the_pass_stays_bit_identical(tmp_path, monkeypatch, capsys, flag, kpi):
     monkeypatch.setenv("TIERSTORE_CACHE_DIR", str(tmp_path))
-    code = main(["generate", "--demo", "--prompt", "tiers", "--max-new-tokens", "6", "--gpu-pool-frac", "0.25",
-                 "--early-fetch", "--verify-resident"])
+    code = main(["generate", "--demo", "--prompt", "tiers", "--max-new-tokens", "6", "--gpu-pool-frac", "0.25", flag,
+                 "--verify-resident"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "bit-identical: yes (6 steps)" in out
-    assert "rows fetched during their pass" in out  # the KPI line names them only when there were some
-
-
-def test_generate_with_gather_in_pass_gathers_in_the_pass_and_stays_bit_identical(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("TIERSTORE_CACHE_DIR", str(tmp_path))
-    code = main(["generate", "--demo", "--prompt", "tiers", "--max-new-tokens", "6", "--gpu-pool-frac", "0.25",
-                 "--gather-in-pass", "--verify-resident"])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert "bit-identical: yes (6 steps)" in out
-    assert "rows gathered by their pass" in out  # the KPI line names them only when there were some
+    assert kpi in out  # the KPI line names those rows only when there were some
 
 
 def test_generate_prefills_in_steps_when_one_layer_of_the_prompt_cannot_fit_and_stays_bit_identical(

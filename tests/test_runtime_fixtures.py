@@ -95,3 +95,17 @@ def runtime_hf_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.
             if name.endswith("mlp.gate.weight"):
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
     return model.to(dtype).eval()
+
+
+def graph_replayer(forward):
+    """`forward` (CUDA) captured into a CUDA graph after one warm-up call on a side stream (compiles the kernels
+    outside the capture): a callable that replays the graph and returns the captured output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    return lambda: (graph.replay(), out)[1]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runtime_fixtures import ToyMoE, memory_source, toy_geometry
+from test_runtime_fixtures import ToyMoE, graph_replayer, memory_source, toy_geometry
 
 from tierstore.errors import ConfigError
 from tierstore.runtime import RuntimeConfig, TieredRuntime
@@ -67,15 +67,7 @@ def _steps(small: TieredRuntime, model: ToyMoE, g, graph: bool) -> list[torch.Te
     x = torch.zeros(1, g.hidden, device="cuda")
     forward = lambda: model.forward(small, x)  # noqa: E731
     if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            forward()  # compile and warm up outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            out = model.forward(small, x)
-        forward = lambda: (cuda_graph.replay(), out)[1]  # noqa: E731
+        forward = graph_replayer(forward)
     outputs = []
     for step in range(STEPS):
         x.copy_(torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)).cuda())

@@ -10,13 +10,15 @@ reference on random states (outputs poisoned first), and the runtime end to end,
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
-from test_runtime_fixtures import ToyMoE, memory_source, toy_geometry
+from test_runtime_fixtures import ToyMoE, graph_replayer, memory_source, toy_geometry
 
+from tests.cuda_fixtures import needs_nvcc, ptxas_report
 from tierstore.errors import ConfigError
-from tierstore.kernels.cuda.pass_gather import GatherBuffers, gather_rows_ref, plan_pass_gather_ref
+from tierstore.kernels.cuda.pass_gather import SOURCE, GatherBuffers, gather_rows_ref, plan_pass_gather_ref
 from tierstore.runtime import RuntimeConfig, TieredRuntime
 
 LAYERS, EXPERTS = 4, 16
@@ -93,11 +95,16 @@ def test_gather_rows_ref_copies_each_planned_row():
     assert torch.equal(target[0], source[2]) and torch.equal(target[1], source[0]) and not target[2].any()
 
 
-def _gather_runtime(g, slots: int, arena_slots: int, tokens: int = 1, device: str = "cpu", backend: str = "auto",
+def _gather_runtime(g, slots: int, arena_slots: int | str, tokens: int = 1, device: str = "cpu", backend: str = "auto",
                     **config):
+    """A runtime with gather_in_pass over a pool of `slots`; arena_slots "all": an arena holding every row."""
     source = memory_source(g, seed=7)
-    rt = TieredRuntime(g, source, pool_slots=slots, arena_slots=arena_slots, device=device, backend=backend,
+    every = [(layer, expert) for layer in range(g.num_moe_layers) for expert in range(g.num_experts)]
+    rt = TieredRuntime(g, source, pool_slots=slots, arena_slots=len(every) if arena_slots == "all" else arena_slots,
+                       device=device, backend=backend,
                        config=RuntimeConfig(kpi_every=0, tokens_per_step=tokens, gather_in_pass=True, **config))
+    if arena_slots == "all":
+        rt.arena.fetch(every, scan=True)
     return rt, source
 
 
@@ -118,11 +125,8 @@ def test_runtime_gathers_in_the_pass_and_equals_the_resident_run(tokens, slots, 
     resident = TieredRuntime(g, memory_source(g, seed=7), pool_slots=g.total_routed_experts,
                              config=RuntimeConfig(kpi_every=0, tokens_per_step=tokens))
     resident.preload()
-    every = [(layer, expert) for layer in range(LAYERS) for expert in range(EXPERTS)]
-    small, source = _gather_runtime(g, slots, len(every) if arena == "all" else arena, tokens)
+    small, source = _gather_runtime(g, slots, arena, tokens)
     with resident, small:
-        if arena == "all":
-            small.arena.fetch(every, scan=True)
         for step in range(48):
             x = torch.randn(tokens, g.hidden, generator=torch.Generator().manual_seed(step)) * 3
             want, _ = resident.step(lambda: model.forward(resident, x), lambda: None)
@@ -143,9 +147,8 @@ def test_spares_planned_before_the_read_equal_the_policys_walk_after_it(slots, t
     that step, are those of a walk of the policy told of it: the same, or its first ones when the plan ran short."""
     g = toy_geometry(layers=LAYERS, experts=EXPERTS)
     model = ToyMoE(g, seed=11)
-    small, _ = _gather_runtime(g, slots, g.total_routed_experts, tokens)
+    small, _ = _gather_runtime(g, slots, "all", tokens)
     with small:
-        small.arena.fetch([(l, e) for l in range(LAYERS) for e in range(EXPERTS)], scan=True)
         compared = 0
         for step in range(30):
             x = torch.randn(tokens, g.hidden, generator=torch.Generator().manual_seed(step)) * 3
@@ -165,9 +168,8 @@ def test_victims_are_never_routed_earlier_in_their_pass():
     """Every victim a pass took was not routed by that pass up to the layer that took it."""
     g = toy_geometry(layers=LAYERS, experts=EXPERTS)
     model = ToyMoE(g, seed=5)
-    small, _ = _gather_runtime(g, 20, g.total_routed_experts)
+    small, _ = _gather_runtime(g, 20, "all")
     with small:
-        small.arena.fetch([(l, e) for l in range(LAYERS) for e in range(EXPERTS)], scan=True)
         took = 0
         for step in range(30):
             x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)) * 3
@@ -189,9 +191,8 @@ def test_a_pass_that_fails_midway_leaves_the_host_in_step():
     resident = TieredRuntime(g, memory_source(g, seed=7), pool_slots=g.total_routed_experts,
                              config=RuntimeConfig(kpi_every=0))
     resident.preload()
-    small, source = _gather_runtime(g, 24, g.total_routed_experts)
+    small, source = _gather_runtime(g, 24, "all")
     with resident, small:
-        small.arena.fetch([(l, e) for l in range(LAYERS) for e in range(EXPERTS)], scan=True)
         original = small.moe
 
         def failing(layer, *args):
@@ -217,9 +218,8 @@ def test_a_pass_that_fails_midway_leaves_the_host_in_step():
 def test_passes_outside_a_decode_step_gather_nothing():
     g = toy_geometry(layers=LAYERS, experts=EXPERTS)
     model = ToyMoE(g, seed=3)
-    small, source = _gather_runtime(g, 32, g.total_routed_experts)
+    small, source = _gather_runtime(g, 32, "all")
     with small:
-        small.arena.fetch([(l, e) for l in range(LAYERS) for e in range(EXPERTS)], scan=True)
         x = torch.randn(4, g.hidden, generator=torch.Generator().manual_seed(1)) * 3
         small.step(lambda: model.forward(small, x), lambda: None, prefill=True)
         assert small.stats().gathered_rows == 0  # prefill fetches each layer's routed set itself
@@ -241,6 +241,14 @@ def test_the_knob_refuses_what_it_cannot_serve():
     full, _ = _gather_runtime(g, g.total_routed_experts, 0)  # a pool holding every expert never misses: off
     with full:
         assert full._gather is None
+
+
+@needs_nvcc
+def test_the_kernels_compile_without_spills(tmp_path):
+    report = ptxas_report(SOURCE, tmp_path / "pass_gather.cubin", {})
+    for kernel in ("plan_pass_gather", "gather_pass_rows", "gather_rows"):
+        info = report.split(f"Compiling entry function '{kernel}'")[1]
+        assert re.search(r"\b0 bytes stack frame, 0 bytes spill stores", info), (kernel, info[:300])
 
 
 @pytest.fixture
@@ -285,15 +293,7 @@ def _cuda_steps(rt: TieredRuntime, model: ToyMoE, g, graph: bool, steps: int = 2
     x = torch.zeros(1, g.hidden, device="cuda")
     forward = lambda: model.forward(rt, x)  # noqa: E731
     if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            forward()  # compile and warm up outside the capture (unarmed: gathers nothing)
-        torch.cuda.current_stream().wait_stream(side)
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            out = model.forward(rt, x)
-        forward = lambda: (cuda_graph.replay(), out)[1]  # noqa: E731
+        forward = graph_replayer(forward)  # its warm-up pass is not armed: it gathers nothing
     outputs = []
     for step in range(steps):
         x.copy_(torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)).cuda() * 3)
@@ -306,7 +306,7 @@ def _cuda_steps(rt: TieredRuntime, model: ToyMoE, g, graph: bool, steps: int = 2
 def test_cuda_refuses_the_torch_backend(cuda):
     g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
     with pytest.raises(ConfigError, match="needs the triton backend"):
-        _gather_runtime(g, 20, g.total_routed_experts, device="cuda", backend="torch")
+        _gather_runtime(g, 20, "all", device="cuda", backend="torch")
 
 
 @pytest.mark.gpu
@@ -320,9 +320,8 @@ def test_cuda_runtime_gathers_in_the_pass_and_equals_the_resident_run(cuda, grap
     with resident:
         resident.preload()
         want = _cuda_steps(resident, model, g, graph=False)
-    small, source = _gather_runtime(g, 20, g.total_routed_experts, device="cuda", backend="triton")
+    small, source = _gather_runtime(g, 20, "all", device="cuda", backend="triton")
     with small:
-        small.arena.fetch([(l, e) for l in range(LAYERS) for e in range(EXPERTS)], scan=True)
         got = _cuda_steps(small, model, g, graph)
         _check_exact(small, source)
         stats = small.stats()

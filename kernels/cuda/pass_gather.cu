@@ -99,30 +99,44 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_pass_gather(
   }
 }
 
+// The copy loop of both row kernels: this thread's share of `words` 16-byte words from `src` to `dst`, every
+// `step`-th word from `first` on, kUnroll loads in flight before their stores. No shared memory, no atomics.
+__device__ __forceinline__ void copy_words(const uint4* src, uint4* dst, long long words, long long first,
+                                           long long step) {
+  for (long long base = first; base < words; base += step * kUnroll) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const long long i = base + u * step;
+      if (i < words) v[u] = src[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const long long i = base + u * step;
+      if (i < words) dst[i] = v[u];
+    }
+  }
+}
+
 // Grid: a fixed number of blocks (a few per SM), whatever the plan gave: every block copies its share of each row
-// (every gridDim.x-th run of kCopyThreads 16-byte words, kUnroll loads in flight per thread before their stores), so
-// one row or ten keep every block reading; a plan of no rows exits at once.
+// (runs of kCopyThreads words, every gridDim.x-th), so one row or ten keep every block reading; a plan of no rows
+// exits at once.
 extern "C" __global__ void __launch_bounds__(kCopyThreads) gather_pass_rows(
     const int* __restrict__ state, const unsigned long long* __restrict__ desc, long long row_bytes) {
   const int rows = state[2];
-  const long long words = row_bytes / 16;
-  const long long step = static_cast<long long>(gridDim.x) * kCopyThreads;
   for (int r = 0; r < rows; ++r) {
-    const uint4* src = reinterpret_cast<const uint4*>(desc[2 * r]);
-    uint4* dst = reinterpret_cast<uint4*>(desc[2 * r + 1]);
-    for (long long base = static_cast<long long>(blockIdx.x) * kCopyThreads + threadIdx.x; base < words;
-         base += step * kUnroll) {
-      uint4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const long long i = base + u * step;
-        if (i < words) v[u] = src[i];
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const long long i = base + u * step;
-        if (i < words) dst[i] = v[u];
-      }
-    }
+    copy_words(reinterpret_cast<const uint4*>(desc[2 * r]), reinterpret_cast<uint4*>(desc[2 * r + 1]), row_bytes / 16,
+               static_cast<long long>(blockIdx.x) * kCopyThreads + threadIdx.x,
+               static_cast<long long>(gridDim.x) * kCopyThreads);
   }
+}
+
+// `benchmarks/h2d_gather.py`'s kernel (not the runtime's): descriptors of three 64-bit words per row (source host
+// address, destination device address, bytes a multiple of 16), themselves in mapped pinned memory; grid (blocks per
+// row, rows), block (x, r) copying its share of row r.
+extern "C" __global__ void __launch_bounds__(kCopyThreads) gather_rows(const unsigned long long* __restrict__ desc) {
+  const unsigned long long* d = desc + 3 * blockIdx.y;
+  copy_words(reinterpret_cast<const uint4*>(d[0]), reinterpret_cast<uint4*>(d[1]), static_cast<long long>(d[2] / 16),
+             static_cast<long long>(blockIdx.x) * kCopyThreads + threadIdx.x,
+             static_cast<long long>(gridDim.x) * kCopyThreads);
 }

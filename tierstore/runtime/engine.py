@@ -126,7 +126,8 @@ class TieredRuntime:
         gathers = self.config.gather_in_pass and slots < geometry.total_routed_experts
         if gathers and self.device.type == "cuda" and self.backend == "torch":
             raise ConfigError("gather_in_pass on CUDA needs the triton backend: the torch backend reuses decoded "
-                              "slots by the host's generation counts, which a pass's own fetch changes only at its read")
+                              "slots by the host's generation counts, which a pass's own fetch changes only at its "
+                              "read")
         spares = (gather_capacity(slots, shape[0], min(shape[1], geometry.top_k * self.config.tokens_per_step))
                   if gathers else 0)
         self.log = PassLog(*shape, geometry.top_k, capacity=shape[0] * shape[1], device=self.device,

@@ -2,8 +2,8 @@
 launches; the runtime (`TieredRuntime`) keeps the host state in step with what the pass did.
 
 Per decode pass: `arm(slots, victims)` writes the spares (`DevicePool.gather_spares` or `planned_spares`: free
-slots, then victims in the policy's eviction order) and, when the arena's rows moved, every expert's row address to the device, on the
-compute stream ahead of the launch. Before each MoE layer's experts (after the pass log recorded the layer's
+slots, then victims in the policy's eviction order) and, when the arena's rows moved, every expert's row address
+to the device, on the compute stream ahead of the launch. Before each MoE layer's experts (after the pass log recorded the layer's
 routing) `layer()` plans and copies that layer's missing rows (`kernels/cuda/pass_gather.py`: CUDA C++ on a CUDA
 device, the torch reference on a CPU). The pass log's read returns what was mapped (`PassLog.host_gathered`), and
 the runtime maps it on the host (`DevicePool.map_gathered`). The last MoE layer disarms the spares, so a pass that

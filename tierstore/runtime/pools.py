@@ -6,9 +6,9 @@ Invariants (checked by `check_coherent`): `table` (device) == `mirror` (host); s
 mapped keys. Bytes change only in `install` (or `install_located`, its form for the runtime's step fetch
 from located arena rows, with victims planned by `plan_victims` while the pass runs), or inside a pass that
 fetches for itself (config `gather_in_pass`: spares from `gather_spares` / `planned_spares`, its mappings recorded
-by `map_gathered` after its pass-log read, before anything else reads the host state); `install` runs between launches: the
-copy stream first waits for the compute stream (nothing launched before still reads a victim; the step's
-fetch after a pass-log read needs no wait, the read synchronised it), victims are unmapped on it
+by `map_gathered` after its pass-log read, before anything else reads the host state); `install` runs between
+launches: the copy stream first waits for the compute stream (nothing launched before still reads a victim; the
+step's fetch after a pass-log read needs no wait, the read synchronised it), victims are unmapped on it
 before their slots are rewritten, and the new mappings are written after the copies. The host
 state changes while the copies run; `install` returns once they are done, or, with `overlap`,
 at once: the compute stream then waits for them on the device (an event), so nothing launched
