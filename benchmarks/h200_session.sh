@@ -1064,6 +1064,19 @@ case "$step" in
     stage runtime-tests 200 python3 -m pytest tests/test_runtime_pass_gather.py tests/test_runtime_layer_waits.py -m gpu -q
     stage h2d-gather 60 python3 benchmarks/h2d_gather.py --rows 12 --rounds 10 --commit "$commit"
     ;;
+  gatherclock)  # where the pass's own fetch spends its step: miss_step_timeline.py (event clock, then the profiler)
+    # with and without --gather-in-pass at ds-v2-lite 8 layers 50 / 25 % and qwen3-30b-a3b 16 layers 50 %, the order
+    # alternating per cell. Stage limits 90 s each.
+    for cell in "ds-v2-lite 8 0.5 default gather" "ds-v2-lite 8 0.25 gather default" \
+                "qwen3-30b-a3b 16 0.5 default gather"; do
+      set -- $cell
+      for mode in "$4" "$5"; do
+        flag=""; [ "$mode" = gather ] && flag="--gather-in-pass"
+        stage "timeline-$mode-$1-$3" 90 python3 benchmarks/miss_step_timeline.py --preset "$1" --layers "$2" \
+          --coverage "$3" $flag --commit "$commit" --json "$work/timeline-$mode-$1-$3.json"
+      done
+    done
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 

@@ -10,6 +10,10 @@ each step cut into its phases from the device's own timestamps:
     end        the step's last device activity -> step end (host: sync wake-up, parse, bookkeeping)
     gpu_idle   wall minus the union of the step's device activities
 
+With `--gather-in-pass` (config gather_in_pass: the pass fetches for itself) a step that gathered has one pass and
+no row copies; the profiler clock adds `gather_kernels` / `plan_kernels` (device time of the pass's row-copy and
+plan kernels) and the report the rows' MB per step (`gathered_mb_per_step`), so their rate is MB / gather_kernels.
+
 Medians over the profiled steps that replayed (and, separately, those that did not). A diagnostic, not a timing:
 the profiler adds host time per launch and per copy (it doubles the step here).
 
@@ -100,6 +104,10 @@ def step_timelines(events: list[dict]) -> list[dict]:
             t["replay_kernels"] = sum(_interval(e)[1] - _interval(e)[0] for e in replay)
         if pass1:
             t["pass1_kernels"] = sum(_interval(e)[1] - _interval(e)[0] for e in pass1 if e["cat"] == "kernel")
+        for field, name in (("gather_kernels", "gather_pass_rows"), ("plan_kernels", "plan_pass_gather")):
+            named = [e for e in acts if e["cat"] == "kernel" and name in e.get("name", "")]
+            if named:
+                t[field] = sum(_interval(e)[1] - _interval(e)[0] for e in named)
         out.append(t)
     return out
 
@@ -275,6 +283,7 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, help="also write the profiler's Chrome trace here (.json.gz)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--no-profiler", action="store_true", help="the event clock only")
+    parser.add_argument("--gather-in-pass", action="store_true", help="config gather_in_pass (the pass's own fetch)")
     parser.add_argument("--commit", default="")
     args = parser.parse_args()
 
@@ -296,7 +305,8 @@ def main() -> None:
     slots = round(args.coverage * g.total_routed_experts)
     with TieredRuntime(g, open_synthetic_rows(spec, args.pack_dir), pool_slots=slots,
                        arena_slots=int(4 * 2**30) // spec.stride, device="cuda",
-                       config=RuntimeConfig(kpi_every=0, force_pool=True), output_words=1) as rt:
+                       config=RuntimeConfig(kpi_every=0, force_pool=True, gather_in_pass=args.gather_in_pass),
+                       output_words=1) as rt:
         preload_arena(rt)
         if args.coverage >= 1.0:
             rt.preload()
@@ -306,13 +316,16 @@ def main() -> None:
         drive(rt, timed, warmup=0, graph=True, readback="folded", dtype=torch.bfloat16)
         event_steps = clock.timelines
         clock.detach()
+        gathered_before = rt.stats().gathered_rows
         events, profiled_ms = ([], None) if args.no_profiler else _profiled(rt, profiled, drive)
+        gathered_mb = (rt.stats().gathered_rows - gathered_before) * spec.row_bytes / 1e6 / len(profiled)
     if args.trace and events:
         with gzip.open(args.trace, "wt") as f:
             json.dump(events, f)
     timelines = step_timelines(events)
     report = {"provenance": {"commit": args.commit, "torch": torch.__version__, "device": torch.cuda.get_device_name()},
               "preset": args.preset, "layers": args.layers, "coverage": args.coverage, "pool_slots": slots,
+              "gather_in_pass": args.gather_in_pass, "gathered_mb_per_step": gathered_mb,
               "unprofiled_step_ms": unprofiled, "profiled_step_ms": profiled_ms,
               "events": {"summary": summarize(event_steps), "timelines": event_steps},
               "summary": summarize(timelines), "timelines": timelines}

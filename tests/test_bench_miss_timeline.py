@@ -65,3 +65,15 @@ def test_small_or_device_to_host_copies_are_not_rows(timeline):
     events[5] = copy(150.0, 40, 4_000_000, kind="DtoH (Device -> Pinned)")
     [t] = timeline.step_timelines(events)
     assert t["row_copies"] == 1 and t["to_copy"] == 110
+
+
+def test_a_step_that_gathered_in_its_pass_times_its_gather_and_plan_kernels(timeline):
+    named = lambda name, ts, dur: dict(kernel(ts, dur), name=name)  # noqa: E731
+    events = [host("tierstore.step", 0.0, 200), host("tierstore.read_pass", 2.0, 190),
+              named("plan_pass_gather", 10.0, 3), named("gather_pass_rows", 14.0, 50), kernel(70.0, 20),
+              named("plan_pass_gather", 95.0, 4), named("gather_pass_rows", 100.0, 60), kernel(165.0, 20)]
+    [t] = timeline.step_timelines(events)
+    assert not t["replayed"] and "copies" not in t
+    assert t["gather_kernels"] == 110 and t["plan_kernels"] == 7 and t["pass1_kernels"] == 157
+    [plain] = timeline.step_timelines(replayed_step(1000.0))
+    assert "gather_kernels" not in plain and "plan_kernels" not in plain
