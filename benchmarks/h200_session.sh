@@ -1077,6 +1077,22 @@ case "$step" in
       done
     done
     ;;
+  passgather3)  # the pass's own fetch with its host work off the step's path (spares staged while the pass before
+    # runs and checked by the device when used, the pass's mappings recorded at the next read): its GPU tests, the
+    # quality checkpoint's --verify-resident with it, and the replay benchmark with --compare-config
+    # gather_in_pass=1 on both presets at 50 / 25 %, two rounds. Stage limits 150 + 60 + 4 x 90 s.
+    stage gather-tests 150 python3 -m pytest tests/test_runtime_pass_gather.py -m gpu -q
+    stage generate-quality 60 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --gather-in-pass --verify-resident
+    for round in 1 2; do
+      for cell in "ds-v2-lite 8" "qwen3-30b-a3b 16"; do
+        set -- $cell
+        stage "replay-$1-$round" 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$1" --layers "$2" \
+          --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
+          --compare-config gather_in_pass=1 --commit "$commit" --out "$work/replay_$1_gather3_$round.json"
+      done
+    done
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 

@@ -5,6 +5,7 @@
 //
 // Buffers (int32 unless said):
 //   seen      [L * E]  the pass log's routed pairs per expert (this layer's recorded before the plan; later layers 0)
+//   prev_seen [L * E]  the same of the pass before this one
 //   w2_table  [L * E]  the base pool's slot table (rewritten here: victims unmapped, gathered experts mapped)
 //   f4_table  [L * E]  the FP4 pool's (an expert resident there does not miss)
 //   addresses [L * E]  int64: each expert's arena row as a host address, 0 when the arena does not hold it
@@ -13,10 +14,12 @@
 //   gathered  [1 + 3C] count, then (key id, slot, victim) per gathered expert, in plan order
 //   desc      [R, 2]   int64: (source host address, destination device address) of the layer's rows
 //
-// A spare whose victim the pass routed so far (its `seen` nonzero) is skipped, never evicted; one of a later layer
-// may be evicted and then routed there: that layer then misses it like any other expert. The last MoE layer's plan
-// disarms the spares (state[0] = 0), so a pass the host did not arm gathers nothing. Plain-torch reference:
-// `plan_pass_gather_ref` (kernels/cuda/pass_gather.py).
+// The host plans the spares while the pass before runs, so a victim's spare is used only while it still holds: the
+// victim still maps to that slot, and neither that pass nor this one so far routed it (`prev_seen`, `seen`); others
+// are skipped, never evicted. One of a later layer may be evicted and then routed there: that layer then misses it
+// like any other expert. A free slot's spare is always taken (the host arms only slots no pass or install took since).
+// The last MoE layer's plan disarms the spares (state[0] = 0), so a pass the host did not arm gathers nothing.
+// Plain-torch reference: `plan_pass_gather_ref` (kernels/cuda/pass_gather.py).
 
 #include <cstdint>
 
@@ -44,7 +47,7 @@ __device__ int block_rank(bool flag, int* warp_totals, int* total) {
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_pass_gather(
-    const int* __restrict__ seen, int* w2_table, const int* __restrict__ f4_table,
+    const int* __restrict__ seen, const int* __restrict__ prev_seen, int* w2_table, const int* __restrict__ f4_table,
     const long long* __restrict__ addresses, int* state, const int* __restrict__ spares, int* gathered,
     unsigned long long* desc, int layer, int num_experts, int num_layers, unsigned long long slot_base,
     long long slot_bytes) {
@@ -68,7 +71,8 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_pass_gather(
     slot = spares[2 * spare];
     victim = spares[2 * spare + 1];
   }
-  const bool eligible = spare < armed && (victim < 0 || seen[victim] == 0);
+  const bool eligible = spare < armed && (victim < 0 || (seen[victim] == 0 && prev_seen[victim] == 0 &&
+                                                          w2_table[victim] == slot));
   if (t == 0) next_cursor = cursor;
   int needed, eligible_count;
   const int need_rank = block_rank(need, warp_totals, &needed);

@@ -61,30 +61,33 @@ class PassGatherCuda:
         self.gather = loader.load(image, "gather_pass_rows", self.device)
         self.copy_blocks = COPY_BLOCKS_PER_SM * torch.cuda.get_device_properties(self.device).multi_processor_count
 
-    def __call__(self, layer: int, seen: torch.Tensor, w2_table: torch.Tensor, f4_table: torch.Tensor,
-                 buffers: GatherBuffers, gathered: torch.Tensor, slots: torch.Tensor, row_bytes: int) -> None:
+    def __call__(self, layer: int, seen: torch.Tensor, prev_seen: torch.Tensor, w2_table: torch.Tensor,
+                 f4_table: torch.Tensor, buffers: GatherBuffers, gathered: torch.Tensor, slots: torch.Tensor,
+                 row_bytes: int) -> None:
         """Plan and copy `layer`'s rows."""
         num_layers, num_experts = w2_table.shape
         if num_experts > PLAN_THREADS:
             raise ValueError(f"the pass's gather plans up to {PLAN_THREADS} experts per layer, got {num_experts}")
         stream = torch.cuda.current_stream().cuda_stream
-        self.plan.launch((1,), (PLAN_THREADS,), 0, stream, "ppppppppiiipq",
-                         [seen.data_ptr(), w2_table.data_ptr(), f4_table.data_ptr(), buffers.addresses.data_ptr(),
+        self.plan.launch((1,), (PLAN_THREADS,), 0, stream, "pppppppppiiipq",
+                         [seen.data_ptr(), prev_seen.data_ptr(), w2_table.data_ptr(), f4_table.data_ptr(), buffers.addresses.data_ptr(),
                           buffers.state.data_ptr(), buffers.spares.data_ptr(), gathered.data_ptr(),
                           buffers.desc.data_ptr(), layer, num_experts, num_layers, slots.data_ptr(), slots.shape[1]])
         self.gather.launch((self.copy_blocks,), (COPY_THREADS,), 0, stream, "ppq",
                            [buffers.state.data_ptr(), buffers.desc.data_ptr(), row_bytes])
 
 
-def plan_pass_gather_ref(layer: int, seen: torch.Tensor, w2_table: torch.Tensor, f4_table: torch.Tensor,
-                         buffers: GatherBuffers, gathered: torch.Tensor, slot_base: int, slot_bytes: int) -> None:
+def plan_pass_gather_ref(layer: int, seen: torch.Tensor, prev_seen: torch.Tensor, w2_table: torch.Tensor,
+                         f4_table: torch.Tensor, buffers: GatherBuffers, gathered: torch.Tensor, slot_base: int,
+                         slot_bytes: int) -> None:
     """What `plan_pass_gather` writes, in plain torch on the same tensors (any device): the layer's routed experts
     in neither pool whose rows the arena holds, ascending, take the eligible spares from the cursor on in order (a
-    spare is eligible when it is free or its victim was not routed so far), as many as both allow; victims
-    unmapped, experts mapped, (key, slot, victim) appended to `gathered`, desc and the state updated, and the last
-    layer disarms."""
+    spare is eligible when it is free, or when its victim still maps to its slot and neither the pass before nor
+    this one so far routed it), as many as both allow; victims unmapped, experts mapped, (key, slot, victim)
+    appended to `gathered`, desc and the state updated, and the last layer disarms."""
     num_layers, num_experts = w2_table.shape
     flat_table, flat_f4, flat_seen = w2_table.view(-1), f4_table.view(-1), seen.view(-1)
+    flat_prev = prev_seen.view(-1)
     armed, cursor, _ = buffers.state.tolist()
     keys = torch.arange(layer * num_experts, (layer + 1) * num_experts, device=w2_table.device)  # [E]
     sources = buffers.addresses[keys]  # [E]
@@ -93,7 +96,8 @@ def plan_pass_gather_ref(layer: int, seen: torch.Tensor, w2_table: torch.Tensor,
     wanted = keys[need].tolist()
     window = buffers.spares[cursor:min(armed, cursor + PLAN_THREADS)].tolist()  # [(slot, victim)]
     eligible = [(cursor + i, slot, victim) for i, (slot, victim) in enumerate(window)
-                if victim < 0 or int(flat_seen[victim]) == 0]
+                if victim < 0 or (int(flat_seen[victim]) == 0 and int(flat_prev[victim]) == 0
+                                  and int(flat_table[victim]) == slot)]
     take = min(len(wanted), len(eligible))
     first = int(gathered[0])
     entries = gathered[1:].view(-1, 3)

@@ -134,7 +134,9 @@ class TieredRuntime:
                            record_tokens=record_tokens, output_words=output_words, early_layers=self._early,
                            gather_capacity=spares)
         self._gather = PassGather(self.pool, self.arena, self.log, spares) if gathers else None
-        self._last_gathered = 0  # experts the last pass read gathered for itself (`_victim_plan_size`)
+        self._last_gathered = 0  # experts the last pass read gathered for itself (`_recent_missing`)
+        # (key ids, slots, victims) a read pass mapped for itself, not yet on the host (`_settle_gathered`)
+        self._pending_gathered: tuple[list[int], list[int], list[int]] | None = None
         self.fp4, self.gate, self._fp4_manager, self._gate_budget = None, None, None, None
         self._setup_precision_tier(fp4_source, fp4_slots, fp4_arena_slots)
         experts_class = TritonExperts if self.backend == "triton" else TorchExperts
@@ -154,7 +156,7 @@ class TieredRuntime:
         self._on_close = list(on_close)
         self.last_pass: PassReport | None = None
         # experts a recent decode pass missed or gathered for itself, decaying: updated by each read
-        # (`_read_pass`), it sizes the victim plan (`_victim_plan_size`) and the spares (`_with_armed_gather`)
+        # (`_read_pass`), it sizes the victim plan (`_victim_plan_size`) and the spares (`_stage_spares`)
         self._recent_missing = 0
         self._untouched = None  # (last pass report, time) of the last step, not yet told to the pool's policy
         self._decode_pass: PassReport | None = None  # the last decode step's last pass: prefill evicts its experts last
@@ -189,6 +191,8 @@ class TieredRuntime:
     def moe(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Routed experts of MoE layer `layer` (dense index): hidden [T, H], topk [T, k] -> [T, H]."""
         if layer == 0:
+            if self._gather is not None:
+                self._gather.begin_pass()  # the last pass's routed counts, before they are zeroed
             self.log.reset()
         if not self._scan:
             out = self._experts(layer, hidden, topk_ids, topk_weights)
@@ -251,6 +255,8 @@ class TieredRuntime:
         nothing was launched on the compute stream since a pass-log read synchronised it, so the copies need not
         wait for it (the step's fetch: no kernel that could read a victim's slot is still running)."""
         self.settle()
+        if self._gather is not None:  # its installs may take the staged spares' free slots
+            self._gather.drop_staged()
         keys = self.pool.missing(dict.fromkeys(keys))
         if not keys:
             return 0
@@ -346,8 +352,11 @@ class TieredRuntime:
                 during_pass = None
                 if self._early and not prefill:
                     forward, during_pass = self._with_cleared_layers(forward), self._fetch_during_pass
-                if self._gather is not None and not prefill:
-                    forward = self._with_armed_gather(forward)
+                if self._gather is not None:
+                    if prefill:  # its layers fetch for themselves: no spares
+                        self._gather.drop_staged()
+                    else:
+                        forward = self._with_armed_gather(forward)
                 first = run_step(forward, rewind, self._read_pass, self._fetch_for_step, self.config, during_pass)
                 result, outcome = first
                 if gated:
@@ -395,34 +404,37 @@ class TieredRuntime:
         return run
 
     def _with_armed_gather(self, forward: Callable[[], object]):
-        """`forward` after arming its spares (gather_in_pass): the victims planned before the last pass-log read
-        (`plan_victims`, carried over that pass's own mappings) less what that pass routed, which is the policy's
-        order as of now without telling it of the last step first; or, with no such plan, the policy's walk after
-        it heard of the last step."""
+        """`forward` after arming the spares staged for it while the pass before ran (gather_in_pass; none staged,
+        e.g. after a host fetch: it gathers nothing)."""
         def run():
-            count = self.pool.num_free + 2 * self._recent_missing + 16  # every free slot costs nothing to arm
-            spares = self.pool.planned_spares(self.log.host_routed_counts(), count)
-            if spares is None:  # no plan carried over from the last read: walk the policy, told of the last step
-                self.settle()
-                spares = self.pool.gather_spares(count)
-            self._gather.arm(*spares)
+            self._gather.arm_staged()
             return forward()
         return run
 
-    def _map_gathered(self) -> None:
-        """The host state of what the pass just read mapped for itself (gather_in_pass): pool, arena recency,
-        stats."""
-        ids, slots, victims = self.log.host_gathered()
-        self._last_gathered = len(ids)
-        if ids:
-            self.pool.map_gathered(ids, slots, victims)
-            self.arena.hit_ids(ids)
-            self._stats.add_fetch(len(ids), len(ids) * self.source.row_bytes, 0.0, 0.0, 0.0, gathered=True)
+    def _stage_spares(self) -> None:
+        """While a decode pass runs, before its read: the spares of the pass after it (gather_in_pass), from the
+        victim plan just made, the free slots this pass may take left out (the device checks each victim when it
+        uses it: see `PassGather`)."""
+        slots, victims = self.pool.ahead_spares(self.pool.num_free + 2 * self._recent_missing + 16,
+                                                self._gather.armed_free)
+        self._gather.stage(slots, victims)
+
+    def _settle_gathered(self) -> None:
+        """The host state of what the last read pass mapped for itself (gather_in_pass): pool, arena recency, stats.
+        Deferred from the read like the policy's hits: `settle` (the next read, a fetch, `stats()`) runs it first."""
+        if self._pending_gathered is None:
+            return
+        ids, slots, victims = self._pending_gathered
+        self._pending_gathered = None
+        self.pool.map_gathered(ids, slots, victims)
+        self.arena.hit_ids(ids)
+        self._stats.add_fetch(len(ids), len(ids) * self.source.row_bytes, 0.0, 0.0, 0.0, gathered=True)
 
     def _recover_gathered(self) -> None:
         """After a failed step (gather_in_pass): disarm, wait for the device, and map on the host what a pass
         that was not read mapped for itself (an entry the device table holds and the mirror does not), so the
         tables and the mirror agree again."""
+        self._settle_gathered()
         self._gather.disarm()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
@@ -465,6 +477,7 @@ class TieredRuntime:
         """Tell the pool's policy about the last step now (`step` defers it; a fetch, the next
         pass's read, `stats()` and `close()` settle first). Call it before reading
         `runtime.pool.policy` directly."""
+        self._settle_gathered()  # first: the experts a pass gathered are resident when the step's hits are counted
         if self._untouched is not None:
             report, now = self._untouched
             self._untouched = None
@@ -476,11 +489,15 @@ class TieredRuntime:
             self.pool.apply_hits()
         if self._plans_victims and not self._scan:
             self.pool.plan_victims(self._victim_plan_size())
+        if self._gather is not None and not self._scan:
+            self._stage_spares()
         started = time.perf_counter()
         self.last_pass = self.log.read()
         self._stats.read_seconds += time.perf_counter() - started
         if self._gather is not None:
-            self._map_gathered()
+            gathered = self.log.host_gathered()
+            self._last_gathered = len(gathered[0])
+            self._pending_gathered = gathered if gathered[0] else None
         if not self._scan:
             self._recent_missing = max(len(self.last_pass.missing_ids) + self._last_gathered,
                                        self._recent_missing * 7 // 8)
@@ -496,6 +513,9 @@ class TieredRuntime:
         return len(last.routed_ids) + 2 * self._recent_missing + 16
 
     def _fetch_for_step(self, report: PassReport, partial: bool) -> int:
+        if self._gather is not None:  # the pass's own mappings first; the replay is not armed (copies in flight)
+            self._settle_gathered()
+            self._gather.drop_staged()
         if self._plans_victims and not self._scan:
             installed = self._fetch_located(report)
             if installed is not None:

@@ -1,17 +1,22 @@
-"""The pass's own fetch (config `gather_in_pass`): the device buffers, their arming before a pass and the per-layer
-launches; the runtime (`TieredRuntime`) keeps the host state in step with what the pass did.
+"""The pass's own fetch (config `gather_in_pass`): the device buffers, the spares staged for a pass and armed at its
+launch, and the per-layer launches; the runtime (`TieredRuntime`) keeps the host state in step with what each pass
+did.
 
-Per decode pass: `arm(slots, victims)` writes the spares (`DevicePool.gather_spares` or `planned_spares`: free
-slots, then victims in the policy's eviction order) and, when the arena's rows moved, every expert's row address
-to the device, on the compute stream ahead of the launch. Before each MoE layer's experts (after the pass log recorded the layer's
-routing) `layer()` plans and copies that layer's missing rows (`kernels/cuda/pass_gather.py`: CUDA C++ on a CUDA
-device, the torch reference on a CPU). The pass log's read returns what was mapped (`PassLog.host_gathered`), and
-the runtime maps it on the host (`DevicePool.map_gathered`). The last MoE layer disarms the spares, so a pass that
-was not armed (prefill, a pass outside `step`) gathers nothing; `disarm()` does it on the stream for a pass that
-failed before its end.
+While pass N runs, before its pass-log read, the host stages the spares of pass N+1 (`stage`: free slots no pass
+or install may have taken since, then the first experts of the policy's eviction order as victims with their
+slots) in pinned memory; launching N+1, `arm_staged` copies them to the device (one copy on the compute stream,
+two when the arena's rows moved and their addresses go along). Since they were planned before N's results were
+known, the device uses a victim's spare only while it still holds (`kernels/cuda/pass_gather.cu`: the victim
+still maps to that slot, and neither N nor N+1 so far routed it; `begin_pass` keeps N's routed counts for N+1).
+Before each MoE layer's experts (after the pass log recorded the layer's routing) `layer()` plans and copies that
+layer's missing rows (CUDA C++ on a CUDA device, the torch reference on a CPU). The pass-log read brings back what
+was mapped (`PassLog.host_gathered`) and the runtime maps it on the host later, off the step's path
+(`DevicePool.map_gathered`, from `TieredRuntime.settle`). The last MoE layer disarms the spares, so a pass that was
+not armed (prefill, a pass outside `step`, a replay after a host fetch) gathers nothing; `disarm()` does it on the
+stream for a pass that failed before its end.
 
-Armed only while no install's copies are in flight: the pass then rewrites slots nothing else writes or reads
-(the victims' last readers ran earlier on the same stream, or are this pass's finished layers).
+A host fetch drops the staged spares (its installs may take their free slots, and its copies run while the replay
+would gather), so a pass is armed only when no install's copies are in flight and its free spares are free.
 """
 
 from __future__ import annotations
@@ -49,9 +54,14 @@ class PassGather:
         self.row_bytes = arena.source.row_bytes
         self.buffers = GatherBuffers.allocate(capacity, pool.num_layers * pool.num_experts, pool.num_experts,
                                               self.device)
+        self.prev_seen = torch.zeros_like(log.seen)  # [L, E] the routed counts of the pass before (`begin_pass`)
         cuda = self.device.type == "cuda"
-        self._control = torch.zeros_like(self.buffers.control, device="cpu", pin_memory=cuda)  # [3 + 2C]
-        self._control_ids = self._control.numpy()
+        # two host stagings of the control words, used in turn: the one armed last may still be on its way
+        self._controls = [torch.zeros_like(self.buffers.control, device="cpu", pin_memory=cuda) for _ in range(2)]
+        self._disarmed = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)  # what `disarm` writes
+        self._staged: tuple[int, int, set[int]] | None = None  # (staging index, spares, their free slots)
+        self._next_staging = 0
+        self.armed_free: set[int] = set()  # free slots armed for the last pass launched (it may have taken them)
         self._addresses = torch.zeros_like(self.buffers.addresses, device="cpu", pin_memory=cuda)  # [L * E]
         self._addresses_synced = -1  # the arena version the device's addresses hold
         self._no_fp4 = torch.full_like(pool.table, -1)  # [L, E] the FP4 table of a runtime without an FP4 pool
@@ -69,34 +79,53 @@ class PassGather:
             self._h2d = HostToDevice(self.device)
             self._stream_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
 
-    def arm(self, slots: list[int], victims: list[int]) -> None:
-        """Before a pass is launched: `slots` with their `victims` (-1: a free slot; `DevicePool.gather_spares` or
-        `planned_spares`) as its spares, at most `capacity`; none while an install's copies are in flight. One copy
-        on the compute stream (two when the arena's rows moved)."""
-        armed = min(len(slots), self.capacity) if self.pool.idle() else 0
-        pairs = [armed, 0, 0]  # the state, then (slot, victim) per spare: one assignment
-        for slot, victim in zip(slots[:armed], victims[:armed]):
-            pairs += (slot, victim)
-        self._control_ids[:len(pairs)] = pairs
+    def stage(self, slots: list[int], victims: list[int]) -> None:
+        """The next pass's spares: `slots` with their `victims` (-1: a free slot, which no pass or install may take
+        before that pass; `DevicePool.ahead_spares`), at most `capacity`, in pinned memory until `arm_staged`."""
+        count = min(len(slots), self.capacity)
+        words = [count, 0, 0]  # the state, then (slot, victim) per spare: one assignment
+        for slot, victim in zip(slots[:count], victims[:count]):
+            words += (slot, victim)
+        index = self._next_staging
+        self._next_staging = 1 - index
+        self._controls[index].numpy()[:len(words)] = words
+        self._staged = (index, count, {slot for slot, victim in zip(slots[:count], victims[:count]) if victim < 0})
+
+    def drop_staged(self) -> None:
+        """Forget the staged spares (a host fetch may have taken their free slots): the next pass is not armed."""
+        self._staged = None
+
+    def arm_staged(self) -> None:
+        """Before a decode pass is launched: arm the staged spares for it (none staged: it gathers nothing). One copy
+        on the compute stream; the arena's row addresses go first when they moved."""
+        if self._staged is None:
+            self.armed_free = set()
+            return
+        index, count, self.armed_free = self._staged
+        self._staged = None
         if self.arena.version != self._addresses_synced:
             self._addresses.numpy()[:] = [address or 0 for address in self.arena.address_table()]
             self._addresses_synced = self.arena.version
             self._write(self.buffers.addresses, self._addresses, self._addresses.numel())
-        self._write(self.buffers.control, self._control, 3 + 2 * armed)
+        self._write(self.buffers.control, self._controls[index], 3 + 2 * count)
 
     def disarm(self) -> None:
-        """No spares for the next pass (on the stream: after anything launched so far)."""
-        self._control_ids[0] = 0
-        self._write(self.buffers.control, self._control, 1)
+        """No spares for the next pass (on the stream: after anything launched so far) and none staged."""
+        self._staged = None
+        self._write(self.buffers.control, self._disarmed, 1)
 
     def _write(self, device: torch.Tensor, host: torch.Tensor, count: int) -> None:
         """device[:count] := host[:count]: on the compute stream (CUDA; the host copy stays untouched until the
-        next pass-log read has synchronised it), or at once (CPU)."""
+        pass-log read after the next has synchronised it), or at once (CPU)."""
         if self._kernels is None:
             device[:count].copy_(host[:count])
             return
         stream = torch.cuda.current_stream(self._stream_index)
         self._h2d.copy(device.data_ptr(), host.data_ptr(), count * host.element_size(), stream)
+
+    def begin_pass(self) -> None:
+        """At the start of a pass, before its routed counts are zeroed: keep the last pass's (capturable)."""
+        self.prev_seen.copy_(self.log.seen)
 
     def layer(self, layer: int, f4_table: torch.Tensor | None) -> None:
         """Plan and copy `layer`'s missing rows (after the pass log recorded its routing, before its experts);
@@ -104,12 +133,12 @@ class PassGather:
         pool, buffers = self.pool, self.buffers
         f4 = f4_table if f4_table is not None else self._no_fp4
         if self._kernels is not None:
-            self._kernels(layer, self.log.seen, pool.table, f4, buffers, self.log.gathered, pool.slots,
-                          self.row_bytes)
+            self._kernels(layer, self.log.seen, self.prev_seen, pool.table, f4, buffers, self.log.gathered,
+                          pool.slots, self.row_bytes)
             return
         first = int(self.log.gathered[0])
-        plan_pass_gather_ref(layer, self.log.seen, pool.table, f4, buffers, self.log.gathered, pool.slots.data_ptr(),
-                             pool.slot_bytes)
+        plan_pass_gather_ref(layer, self.log.seen, self.prev_seen, pool.table, f4, buffers, self.log.gathered,
+                             pool.slots.data_ptr(), pool.slot_bytes)
         gather_rows_ref(buffers, self.row_bytes)
         taken = self.log.gathered[1 + 3 * first:1 + 3 * int(self.log.gathered[0])].view(-1, 3)[:, 1]
         pool.generation[taken.numpy()] += 1  # the CPU compute caches decoded slots by generation

@@ -5,8 +5,8 @@ Invariants (checked by `check_coherent`): `table` (device) == `mirror` (host); s
 (l, e) iff mirror[l, e] == s; a slot is free iff it has no owner; the policy holds exactly the
 mapped keys. Bytes change only in `install` (or `install_located`, its form for the runtime's step fetch
 from located arena rows, with victims planned by `plan_victims` while the pass runs), or inside a pass that
-fetches for itself (config `gather_in_pass`: spares from `gather_spares` / `planned_spares`, its mappings recorded
-by `map_gathered` after its pass-log read, before anything else reads the host state); `install` runs between
+fetches for itself (config `gather_in_pass`: spares from `ahead_spares`, its mappings recorded by `map_gathered`
+after its pass-log read, before anything else reads the host state); `install` runs between
 launches: the copy stream first waits for the compute stream (nothing launched before still reads a victim; the
 step's fetch after a pass-log read needs no wait, the read synchronised it), victims are unmapped on it
 before their slots are rewritten, and the new mappings are written after the copies. The host
@@ -66,7 +66,6 @@ class _VictimPlan(NamedTuple):
     version: int
     free: int
     candidates: np.ndarray  # int64 [n] key ids, first victim first
-    complete: bool  # the whole order: every mapped key was a candidate
     candidate_ids: list[int]  # the same as ints
     slots: list[int]  # their slots
 
@@ -305,8 +304,7 @@ class DevicePool:
         if policy.filtered_order:
             candidates = np.fromiter(islice(policy.eviction_order(), count), dtype=np.int64)  # [<= count]
             slots = self.mirror.reshape(-1)[candidates].tolist()
-            self._plan = _VictimPlan(policy.version, len(self._free), candidates, len(candidates) < count,
-                                     candidates.tolist(), slots)
+            self._plan = _VictimPlan(policy.version, len(self._free), candidates, candidates.tolist(), slots)
 
     def planned_victims(self, excluded: np.ndarray, count: int) -> tuple[list[int], list[int]] | None:
         """(victims, their slots): what `evictable_ids` would name for `count` outside the key ids where
@@ -316,9 +314,9 @@ class DevicePool:
         plan, self._plan = self._plan, None
         if plan is None or plan.version != self.policy.version or plan.free != len(self._free):
             return None
-        victims, slots, mirror = [], [], self.mirror.reshape(-1)
+        victims, slots = [], []
         for key_id, slot, routed in zip(plan.candidate_ids, plan.slots, excluded[plan.candidates].tolist()):
-            if not routed and mirror[key_id] >= 0:  # (a pass that fetched for itself may have evicted a candidate)
+            if not routed:
                 victims.append(key_id)
                 slots.append(slot)
                 if len(victims) == count:
@@ -373,45 +371,23 @@ class DevicePool:
         yield layer, runs
 
     # -- the pass's own fetch (config gather_in_pass) -------------------------------------------
-    def planned_spares(self, excluded: np.ndarray, count: int) -> tuple[list[int], list[int]] | None:
-        """`gather_spares` from the plan of `plan_victims` (kept, not used up) when it still holds, without
-        telling the policy of the last pass first: the free slots, the plan's candidates still mapped and not
-        where `excluded` (indexed by key id, the last pass's routed counts) is nonzero, then, when the plan held
-        the whole order, the routed ones by ascending key id (the order the policy will hear of them). None when
-        there is no current plan (the caller walks the policy)."""
-        plan = self._plan
-        if plan is None or plan.version != self._policy.version or plan.free != len(self._free):
-            return None
-        free = self._free[::-1][:count]  # pop order
-        slots, victims, mirror = list(free), [-1] * len(free), self.mirror.reshape(-1)
-        for key_id, slot, routed in zip(plan.candidate_ids, plan.slots, excluded[plan.candidates].tolist()):
-            if len(slots) == count:
-                break
-            if not routed and mirror[key_id] >= 0:
-                slots.append(slot)
-                victims.append(key_id)
-        if len(slots) < count and plan.complete:
-            for key_id in np.flatnonzero(excluded).tolist():
-                slot = int(mirror[key_id])
-                if slot >= 0:
-                    slots.append(slot)
-                    victims.append(key_id)
-                    if len(slots) == count:
-                        break
-        return slots, victims
-
-    def gather_spares(self, count: int) -> tuple[list[int], list[int]]:
-        """(slots, victim key ids or -1) of up to `count` spares for a pass that fetches for itself: the free slots
-        in the order `install` takes them, then the first experts of the policy's eviction order with their slots
-        (only for a policy with `filtered_order`: the pass skips the victims it routed, a filter of that order).
-        Changes nothing; `map_gathered` records what the pass used."""
-        free = self._free[::-1][:count]  # pop order
+    def ahead_spares(self, count: int, exclude_slots: Set[int]) -> tuple[list[int], list[int]]:
+        """(slots, victim key ids or -1) of up to `count` spares for a pass launched after the one running (config
+        gather_in_pass): the free slots outside `exclude_slots` in the order `install` takes them, then the first
+        experts of the policy's eviction order with their slots (from the plan of `plan_victims` while it is
+        current, else a walk; only for a policy with `filtered_order`: the pass skips victims that no longer hold,
+        a filter of that order). Changes nothing; `map_gathered` records what the pass used."""
+        free = list(islice((slot for slot in reversed(self._free) if slot not in exclude_slots), count))
         slots, victims = free, [-1] * len(free)
-        policy = self.policy
-        if len(free) < count and policy.filtered_order:
-            candidates = list(islice(policy.eviction_order(), count - len(free)))
-            slots = free + self.mirror.reshape(-1)[candidates].tolist()
-            victims = victims + candidates
+        lacking = count - len(free)
+        if lacking > 0 and self._policy.filtered_order:
+            plan = self._plan
+            if plan is not None and plan.version == self._policy.version and plan.free == len(self._free):
+                candidates, their_slots = plan.candidate_ids[:lacking], plan.slots[:lacking]
+            else:
+                candidates = list(islice(self.policy.eviction_order(), lacking))
+                their_slots = self.mirror.reshape(-1)[candidates].tolist()
+            slots, victims = free + their_slots, victims + candidates
         return slots, victims
 
     def map_gathered(self, ids: list[int], slots: list[int], victims: list[int]) -> None:
@@ -420,10 +396,6 @@ class DevicePool:
         (a victim may be an expert of a later layer that the pass then gathered again into another slot)."""
         if not ids:
             return
-        plan = self._plan
-        # the plan of `plan_victims` outlives these changes when it was current: they evict only its first
-        # candidates (which its readers skip as unmapped) and insert at the recent end
-        carried = plan is not None and plan.version == self._policy.version and plan.free == len(self._free)
         # a few dozen entries: element by element (an array call per field costs more than the loop)
         mirror, owner, generation, experts = self.mirror.reshape(-1), self.owner, self.generation, self.num_experts
         evicted, taken = [], set()
@@ -441,8 +413,6 @@ class DevicePool:
             owner[slot] = divmod(key_id, experts)
             generation[slot] += 1
         self.policy.on_insert_many(ids)
-        if carried:
-            self._plan = plan._replace(version=self._policy.version, free=len(self._free))
 
     def reserve(self, count: int, exclude: Iterable[Key]) -> list[int]:
         """Take `count` slots for `write_reserved`: free ones first, then victims from the policy
