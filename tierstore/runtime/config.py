@@ -80,8 +80,8 @@ class RuntimeConfig:
       the result is unchanged. Not with `early_fetch`, nor with the torch backend on CUDA; armed only when no
       fetch's copies are in flight. On CUDA the kernels are CUDA C++ built with nvcc (`kernels/cuda/pass_gather.cu`);
       on a CPU their torch reference.
-      On the H200 it was slower than the default in all 18 cells measured, by 0.5-22 % (docs/runtime.md, "The
-      pass's own fetch"), hence off.
+      On the H200 it was even with the default at 50 % coverage (0.98x-1.04x its step time over four runs) and
+      slower at 25 % (by 2-13 %) (docs/runtime.md, "The pass's own fetch"), hence off.
 
     Kernels:
 
