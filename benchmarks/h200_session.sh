@@ -36,6 +36,19 @@ runtime_gpu_tests() {  # runtime_gpu_tests LIMIT: the GPU tests of the runtime's
     tests/test_runtime_located_fetch.py tests/test_runtime_fetch_split.py -m gpu -q
 }
 
+gather_rounds() {  # gather_rounds NAME LIMIT: replay.py --compare-config gather_in_pass=1 on both presets at 50 / 25 %,
+  # two rounds, each cell's default and gather runs in one process (the default first)
+  local name="$1" limit="$2" round cell
+  for round in 1 2; do
+    for cell in "ds-v2-lite 8" "qwen3-30b-a3b 16"; do
+      set -- $cell
+      stage "replay-$1-$round" "$limit" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$1" --layers "$2" \
+        --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
+        --compare-config gather_in_pass=1 --commit "$commit" --out "$work/replay_$1_${name}_$round.json"
+    done
+  done
+}
+
 replay_matrix() {  # replay_matrix NAME LIMIT PRESET LAYERS OUT: benchmarks/replay.py as replay8 ran it (synthetic
   # trace, 220 steps of which 20 warm-up, 100 / 50 / 25 / 10 %, 4 GiB arena preloaded, bf16)
   stage "$1" "$2" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$3" --layers "$4" --steps 220 --warmup 20 \
@@ -1032,14 +1045,7 @@ case "$step" in
     # no array call per field): the replay benchmark with --compare-config gather_in_pass=1 on both presets at 50 and
     # 25 %, two rounds (each cell's default and gather runs share one process, the default first). Stage limits 120 s
     # each.
-    for round in 1 2; do
-      for cell in "ds-v2-lite 8" "qwen3-30b-a3b 16"; do
-        set -- $cell
-        stage "replay-$1-$round" 120 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$1" --layers "$2" \
-          --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
-          --compare-config gather_in_pass=1 --commit "$commit" --out "$work/replay_$1_gather2_$round.json"
-      done
-    done
+    gather_rounds gather2 120
     ;;
   mend12)  # GPU checks of host-side mends: the FP4 kernel tests' shared case built per module (no imported fixture),
     # the decaying miss count updated by each read; the runtime's GPU tests with the pass's own fetch. Stage limits
@@ -1084,14 +1090,7 @@ case "$step" in
     stage gather-tests 150 python3 -m pytest tests/test_runtime_pass_gather.py -m gpu -q
     stage generate-quality 60 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --gather-in-pass --verify-resident
-    for round in 1 2; do
-      for cell in "ds-v2-lite 8" "qwen3-30b-a3b 16"; do
-        set -- $cell
-        stage "replay-$1-$round" 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$1" --layers "$2" \
-          --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
-          --compare-config gather_in_pass=1 --commit "$commit" --out "$work/replay_$1_gather3_$round.json"
-      done
-    done
+    gather_rounds gather3 90
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
