@@ -144,7 +144,11 @@ def test_runtime_gathers_in_the_pass_and_equals_the_resident_run(tokens, slots, 
             _check_exact(small, source)
             if step == 0:  # the first pass has no spares (they are staged while the pass before runs)
                 first = small.stats()
+        x = torch.randn(tokens, g.hidden, generator=torch.Generator().manual_seed(99)) * 3
+        small.step(lambda: model.forward(small, x), lambda: None)  # its own rows reach the host later:
+        line = small.kpi_line()  # the KPI line counts them
         stats = small.stats()
+    assert f"{stats.gathered_rows} rows gathered by their pass" in line
     assert stats.gathered_rows > 0 and stats.fetched_rows >= stats.gathered_rows
     if arena == "all" and slots == 32 and tokens == 1:  # every later miss fetched by its own pass (with 3 tokens a
         # step routes most of the pool: victims the pass before routed are skipped and the spares can run out)

@@ -568,6 +568,7 @@ class TieredRuntime:
                 s.install_seconds, pool.copy_seconds, pool.wait_seconds, s.read_seconds)
 
     def kpi_line(self, last: int = 0) -> str:
+        self._settle_gathered()  # the last pass's own rows counted (gather_in_pass)
         self.pool.collect()
         arena = self.arena.stats()
         line = self._stats.kpi_line(last, arena.hit_rows, arena.miss_rows, self.pool.copy_seconds)
