@@ -57,8 +57,7 @@ def _plan_case(seed: int, device: str = "cpu"):
     gathered = torch.zeros(1 + 3 * buffers.spares.shape[0], dtype=torch.int32)
     gathered[0] = rng.randrange(3)
     to = lambda t: t.to(device)  # noqa: E731
-    control = to(buffers.control)
-    buffers = GatherBuffers(control, control[:3], control[3:].view(-1, 2), to(buffers.addresses), to(buffers.desc))
+    buffers = GatherBuffers.over(to(buffers.control), to(buffers.addresses), to(buffers.desc))
     return (layer, to(seen).view(LAYERS, EXPERTS), to(prev_seen).view(LAYERS, EXPERTS), to(table).view(LAYERS, EXPERTS),
             to(f4).view(LAYERS, EXPERTS), buffers, to(gathered))
 
@@ -296,9 +295,7 @@ def test_cuda_plan_and_copy_equal_the_reference(cuda, seed):
     held = buffers.addresses.nonzero().view(-1)
     buffers.addresses[held] = torch.tensor([arena[k].data_ptr() for k in held.tolist()], device="cuda")
     ref = [t.clone() for t in (seen, table, f4, gathered)]
-    control = buffers.control.clone()
-    ref_buffers = GatherBuffers(control, control[:3], control[3:].view(-1, 2), buffers.addresses.clone(),
-                                buffers.desc.clone())
+    ref_buffers = GatherBuffers.over(buffers.control.clone(), buffers.addresses.clone(), buffers.desc.clone())
     buffers.desc.fill_(-7)  # poison what the kernel writes
     ref_buffers.desc.fill_(-7)
     first = int(gathered[0])

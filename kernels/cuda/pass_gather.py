@@ -34,10 +34,14 @@ class GatherBuffers:
 
     @classmethod
     def allocate(cls, capacity: int, num_keys: int, max_rows: int, device) -> GatherBuffers:
-        control = torch.zeros(3 + 2 * capacity, dtype=torch.int32, device=device)
-        return cls(control, control[:3], control[3:].view(capacity, 2),
-                   torch.zeros(num_keys, dtype=torch.int64, device=device),
-                   torch.zeros(max_rows, 2, dtype=torch.int64, device=device))
+        return cls.over(torch.zeros(3 + 2 * capacity, dtype=torch.int32, device=device),
+                        torch.zeros(num_keys, dtype=torch.int64, device=device),
+                        torch.zeros(max_rows, 2, dtype=torch.int64, device=device))
+
+    @classmethod
+    def over(cls, control: torch.Tensor, addresses: torch.Tensor, desc: torch.Tensor) -> GatherBuffers:
+        """The buffers over these tensors, state and spares as views of `control`."""
+        return cls(control, control[:3], control[3:].view(-1, 2), addresses, desc)
 
 
 def check_alignment(row_bytes: int, slot_bytes: int, stride: int, base: int) -> None:
@@ -70,9 +74,10 @@ class PassGatherCuda:
             raise ValueError(f"the pass's gather plans up to {PLAN_THREADS} experts per layer, got {num_experts}")
         stream = torch.cuda.current_stream().cuda_stream
         self.plan.launch((1,), (PLAN_THREADS,), 0, stream, "pppppppppiiipq",
-                         [seen.data_ptr(), prev_seen.data_ptr(), w2_table.data_ptr(), f4_table.data_ptr(), buffers.addresses.data_ptr(),
-                          buffers.state.data_ptr(), buffers.spares.data_ptr(), gathered.data_ptr(),
-                          buffers.desc.data_ptr(), layer, num_experts, num_layers, slots.data_ptr(), slots.shape[1]])
+                         [seen.data_ptr(), prev_seen.data_ptr(), w2_table.data_ptr(), f4_table.data_ptr(),
+                          buffers.addresses.data_ptr(), buffers.state.data_ptr(), buffers.spares.data_ptr(),
+                          gathered.data_ptr(), buffers.desc.data_ptr(), layer, num_experts, num_layers,
+                          slots.data_ptr(), slots.shape[1]])
         self.gather.launch((self.copy_blocks,), (COPY_THREADS,), 0, stream, "ppq",
                            [buffers.state.data_ptr(), buffers.desc.data_ptr(), row_bytes])
 

@@ -396,23 +396,9 @@ class DevicePool:
         (a victim may be an expert of a later layer that the pass then gathered again into another slot)."""
         if not ids:
             return
-        # a few dozen entries: element by element (an array call per field costs more than the loop)
-        mirror, owner, generation, experts = self.mirror.reshape(-1), self.owner, self.generation, self.num_experts
-        evicted, taken = [], set()
-        for victim, slot in zip(victims, slots):
-            if victim >= 0:
-                mirror[victim] = -1
-                evicted.append(victim)
-            else:
-                taken.add(slot)
-        self.policy.on_evict_many(evicted)
-        if taken:
-            self._free = [slot for slot in self._free if slot not in taken]
-        for key_id, slot in zip(ids, slots):
-            mirror[key_id] = slot
-            owner[slot] = divmod(key_id, experts)
-            generation[slot] += 1
-        self.policy.on_insert_many(ids)
+        evicted = [(victim, slot) for victim, slot in zip(victims, slots) if victim >= 0]
+        self._map(ids, slots, [victim for victim, _ in evicted], [slot for _, slot in evicted],
+                  free_taken={slot for victim, slot in zip(victims, slots) if victim < 0})
 
     def reserve(self, count: int, exclude: Iterable[Key]) -> list[int]:
         """Take `count` slots for `write_reserved`: free ones first, then victims from the policy
@@ -505,13 +491,17 @@ class DevicePool:
                 f"{self.num_free} free and only {self.capacity_for(exclude) - self.num_free} evictable outside "
                 f"the step's routed set") from None
 
-    def _map(self, ids: list[int], slots, victims: list[int], victim_slots) -> None:
-        """The host state of an install (while its copies run): key ids `ids` into `slots` (lists or int arrays)."""
+    def _map(self, ids: list[int], slots, victims: list[int], victim_slots, free_taken: Set[int] | None = None) -> None:
+        """The host state of an install (while its copies run): key ids `ids` into `slots` (lists or int arrays),
+        the free ones among them taken from the free list's end (`install`'s pop order) or, given, `free_taken`."""
         policy, mirror = self.policy, self.mirror.reshape(-1)
         mirror[victims] = -1
         self.owner[victim_slots] = -1
         policy.on_evict_many(victims)
-        del self._free[len(self._free) - (len(slots) - len(victims)):]
+        if free_taken is None:
+            del self._free[len(self._free) - (len(slots) - len(victims)):]
+        elif free_taken:
+            self._free = [slot for slot in self._free if slot not in free_taken]
         mirror[ids] = slots
         self.owner[slots, 0], self.owner[slots, 1] = np.divmod(ids, self.num_experts)
         self.generation[slots] += 1
