@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 measurements of main, in device calls of under 10 minutes each (one step per call; each step's
 # comment below says what it measures; the last ones run are those of 2026-11-30's tenth session: passgather,
-# passgather2, mend12, closing12, mend12b, gatherclock, passgather3; steps that compare against an older tree need
+# passgather2, mend12, closing12, mend12b, gatherclock, passgather3, and the eleventh's: pair; steps that compare against an older tree need
 # its tarball in .baseline carried too (hostpath, hostpath2, qwen3ab, located*, closing11, planvariant); staged /
 # stagedx's code was reverted: run them from a5beae6 / 973424c).
 # Run from the repository root on the GPU machine:
@@ -14,7 +14,7 @@
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`), except
 # under $work/baseline/, where the runs of an older tree write (their --commit names that tree).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11|hostcut2|located|located2|located3|syncwake|closing11|planvariant|pinning|passgather|passgather2|mend12|closing12|mend12b|gatherclock|passgather3}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11|hostcut2|located|located2|located3|syncwake|closing11|planvariant|pinning|passgather|passgather2|mend12|closing12|mend12b|gatherclock|passgather3|pair}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -36,15 +36,15 @@ runtime_gpu_tests() {  # runtime_gpu_tests LIMIT: the GPU tests of the runtime's
     tests/test_runtime_located_fetch.py tests/test_runtime_fetch_split.py -m gpu -q
 }
 
-gather_rounds() {  # gather_rounds NAME LIMIT: replay.py --compare-config gather_in_pass=1 on both presets at 50 / 25 %,
-  # two rounds, each cell's default and gather runs in one process (the default first)
-  local name="$1" limit="$2" round cell
-  for round in 1 2; do
+compare_rounds() {  # compare_rounds NAME LIMIT CONFIG ROUNDS COVERAGES: replay.py --compare-config CONFIG on both
+  # presets, ROUNDS rounds, each cell's default and compared runs in one process (the default first)
+  local name="$1" limit="$2" config="$3" rounds="$4" coverages="$5" round cell
+  for round in $(seq "$rounds"); do
     for cell in "ds-v2-lite 8" "qwen3-30b-a3b 16"; do
       set -- $cell
       stage "replay-$1-$round" "$limit" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$1" --layers "$2" \
-        --steps 220 --warmup 20 --coverages 0.5,0.25 --arena-gb 4 --arena-preload --dtype bfloat16 \
-        --compare-config gather_in_pass=1 --commit "$commit" --out "$work/replay_$1_${name}_$round.json"
+        --steps 220 --warmup 20 --coverages "$coverages" --arena-gb 4 --arena-preload --dtype bfloat16 \
+        --compare-config "$config" --commit "$commit" --out "$work/replay_$1_${name}_$round.json"
     done
   done
 }
@@ -1045,7 +1045,7 @@ case "$step" in
     # no array call per field): the replay benchmark with --compare-config gather_in_pass=1 on both presets at 50 and
     # 25 %, two rounds (each cell's default and gather runs share one process, the default first). Stage limits 120 s
     # each.
-    gather_rounds gather2 120
+    compare_rounds gather2 120 gather_in_pass=1 2 0.5,0.25
     ;;
   mend12)  # GPU checks of host-side mends: the FP4 kernel tests' shared case built per module (no imported fixture),
     # the decaying miss count updated by each read; the runtime's GPU tests with the pass's own fetch. Stage limits
@@ -1090,7 +1090,13 @@ case "$step" in
     stage gather-tests 150 python3 -m pytest tests/test_runtime_pass_gather.py -m gpu -q
     stage generate-quality 60 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --gather-in-pass --verify-resident
-    gather_rounds gather3 90
+    compare_rounds gather3 90 gather_in_pass=1 2 0.5,0.25
+    ;;
+  pair)  # the pass pair (config pass_pair, eleventh session): its GPU tests and the pass gather's (the plan kernel
+    # now writes a given rows word, the copy reads it), then the replay benchmark with --compare-config pass_pair=1
+    # on both presets at 50 / 25 / 10 %, one round. Stage limits 220 + 2 x 150 s.
+    stage pair-tests 220 python3 -m pytest tests/test_runtime_pass_pair.py tests/test_runtime_pass_gather.py -m gpu -q
+    compare_rounds pair 150 pass_pair=1 1 0.5,0.25,0.1
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -90,6 +90,20 @@ def test_compare_adds_the_tiered_run_with_the_changed_config(tmp_path):
     assert result["tiered_over_flipped"] == pytest.approx(tiered["steady"]["step_ms"] / flipped["steady"]["step_ms"])
 
 
+def test_compare_pass_pair_runs_pairs_and_matches_the_resident_tokens(tmp_path):
+    """The replay benchmark's pass-pair run: the driver launches pairs, the pairs' first passes gather their
+    misses, and every step's token equals the resident run's."""
+    g = toy_geometry()
+    spec = ensure_synthetic_pack(g, tmp_path)
+    steps = trace_steps(skewed_routing(g, 16), None, g.num_moe_layers, None)
+    result = run_replay(g, lambda: open_synthetic_rows(spec, tmp_path), steps, pool_slots=12, arena_slots=48,
+                        device="cpu", warmup=4, arena_preload=True, compare={"pass_pair": True})
+    flipped = result["runs"]["tiered_flipped"]
+    assert result["compared_config"] == {"pass_pair": True}
+    assert flipped["steady_gathered_rows"] > 0 and flipped["steady"]["replay_rate"] > 0
+    assert result["flipped_tokens_match_resident"] and result["tokens_match_resident"]
+
+
 def test_replay_cli_config_and_compare_config_parse_fields_like_the_environment():
     import argparse
     import importlib.util

@@ -13,6 +13,9 @@
 //   spares    [C, 2]   (slot, victim key id or -1 for a free slot), in the order the host would use them
 //   gathered  [1 + 3C] count, then (key id, slot, victim) per gathered expert, in plan order
 //   desc      [R, 2]   int64: (source host address, destination device address) of the layer's rows
+//   rows      [1]      how many rows of desc the plan gave the gather: &state[2] when the copy follows the plan on
+//                      one stream; a per-layer word (with a per-layer desc) when it runs on a side stream while
+//                      later layers plan (config pass_pair)
 //
 // The host plans the spares while the pass before runs, so a victim's spare is used only while it still holds: the
 // victim still maps to that slot, and neither that pass nor this one so far routed it (`prev_seen`, `seen`); others
@@ -49,7 +52,7 @@ __device__ int block_rank(bool flag, int* warp_totals, int* total) {
 extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_pass_gather(
     const int* __restrict__ seen, const int* __restrict__ prev_seen, int* w2_table, const int* __restrict__ f4_table,
     const long long* __restrict__ addresses, int* state, const int* __restrict__ spares, int* gathered,
-    unsigned long long* desc, int layer, int num_experts, int num_layers, unsigned long long slot_base,
+    unsigned long long* desc, int* rows, int layer, int num_experts, int num_layers, unsigned long long slot_base,
     long long slot_bytes) {
   __shared__ int warp_totals[32];
   __shared__ int take_slot[kPlanThreads];
@@ -98,7 +101,7 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_pass_gather(
   if (t == 0) {
     gathered[0] = first_entry + take;
     state[1] = next_cursor;
-    state[2] = take;
+    *rows = take;
     if (layer == num_layers - 1) state[0] = 0;  // one pass per arming
   }
 }
@@ -126,9 +129,9 @@ __device__ __forceinline__ void copy_words(const uint4* src, uint4* dst, long lo
 // (runs of kCopyThreads words, every gridDim.x-th), so one row or ten keep every block reading; a plan of no rows
 // exits at once.
 extern "C" __global__ void __launch_bounds__(kCopyThreads) gather_pass_rows(
-    const int* __restrict__ state, const unsigned long long* __restrict__ desc, long long row_bytes) {
-  const int rows = state[2];
-  for (int r = 0; r < rows; ++r) {
+    const int* __restrict__ rows, const unsigned long long* __restrict__ desc, long long row_bytes) {
+  const int count = *rows;
+  for (int r = 0; r < count; ++r) {
     copy_words(reinterpret_cast<const uint4*>(desc[2 * r]), reinterpret_cast<uint4*>(desc[2 * r + 1]), row_bytes / 16,
                static_cast<long long>(blockIdx.x) * kCopyThreads + threadIdx.x,
                static_cast<long long>(gridDim.x) * kCopyThreads);

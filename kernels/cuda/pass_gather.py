@@ -68,28 +68,46 @@ class PassGatherCuda:
     def __call__(self, layer: int, seen: torch.Tensor, prev_seen: torch.Tensor, w2_table: torch.Tensor,
                  f4_table: torch.Tensor, buffers: GatherBuffers, gathered: torch.Tensor, slots: torch.Tensor,
                  row_bytes: int) -> None:
-        """Plan and copy `layer`'s rows."""
+        """Plan and copy `layer`'s rows, one after the other on the current stream."""
+        self.plan_layer(layer, seen, prev_seen, w2_table, f4_table, buffers, gathered, slots)
+        self.copy_rows(buffers.desc, buffers.state[2:], row_bytes)
+
+    def plan_layer(self, layer: int, seen: torch.Tensor, prev_seen: torch.Tensor, w2_table: torch.Tensor,
+                   f4_table: torch.Tensor, buffers: GatherBuffers, gathered: torch.Tensor, slots: torch.Tensor,
+                   desc: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
+        """Plan `layer`'s rows on the current stream into `desc` (int64 [R, 2]) and `rows` (int32, one word);
+        default: the buffers' desc and state[2]."""
         num_layers, num_experts = w2_table.shape
         if num_experts > PLAN_THREADS:
             raise ValueError(f"the pass's gather plans up to {PLAN_THREADS} experts per layer, got {num_experts}")
+        desc = buffers.desc if desc is None else desc
+        rows = buffers.state[2:] if rows is None else rows
         stream = torch.cuda.current_stream().cuda_stream
-        self.plan.launch((1,), (PLAN_THREADS,), 0, stream, "pppppppppiiipq",
+        self.plan.launch((1,), (PLAN_THREADS,), 0, stream, "ppppppppppiiipq",
                          [seen.data_ptr(), prev_seen.data_ptr(), w2_table.data_ptr(), f4_table.data_ptr(),
                           buffers.addresses.data_ptr(), buffers.state.data_ptr(), buffers.spares.data_ptr(),
-                          gathered.data_ptr(), buffers.desc.data_ptr(), layer, num_experts, num_layers,
+                          gathered.data_ptr(), desc.data_ptr(), rows.data_ptr(), layer, num_experts, num_layers,
                           slots.data_ptr(), slots.shape[1]])
-        self.gather.launch((self.copy_blocks,), (COPY_THREADS,), 0, stream, "ppq",
-                           [buffers.state.data_ptr(), buffers.desc.data_ptr(), row_bytes])
+
+    def copy_rows(self, desc: torch.Tensor, rows: torch.Tensor, row_bytes: int, blocks: int | None = None) -> None:
+        """Copy the `rows[0]` rows `desc` describes, on the current stream, over `blocks` blocks (default: a few
+        per SM)."""
+        stream = torch.cuda.current_stream().cuda_stream
+        self.gather.launch((blocks or self.copy_blocks,), (COPY_THREADS,), 0, stream, "ppq",
+                           [rows.data_ptr(), desc.data_ptr(), row_bytes])
 
 
 def plan_pass_gather_ref(layer: int, seen: torch.Tensor, prev_seen: torch.Tensor, w2_table: torch.Tensor,
                          f4_table: torch.Tensor, buffers: GatherBuffers, gathered: torch.Tensor, slot_base: int,
-                         slot_bytes: int) -> None:
+                         slot_bytes: int, desc: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
     """What `plan_pass_gather` writes, in plain torch on the same tensors (any device): the layer's routed experts
     in neither pool whose rows the arena holds, ascending, take the eligible spares from the cursor on in order (a
     spare is eligible when it is free, or when its victim still maps to its slot and neither the pass before nor
     this one so far routed it), as many as both allow; victims unmapped, experts mapped, (key, slot, victim)
-    appended to `gathered`, desc and the state updated, and the last layer disarms."""
+    appended to `gathered`, `desc` and `rows` (default: the buffers' desc and state[2]) and the state updated, and
+    the last layer disarms."""
+    desc = buffers.desc if desc is None else desc
+    rows = buffers.state[2:] if rows is None else rows
     num_layers, num_experts = w2_table.shape
     flat_table, flat_f4, flat_seen = w2_table.view(-1), f4_table.view(-1), seen.view(-1)
     flat_prev = prev_seen.view(-1)
@@ -112,16 +130,20 @@ def plan_pass_gather_ref(layer: int, seen: torch.Tensor, prev_seen: torch.Tensor
             flat_table[victim] = -1
         flat_table[key] = slot
         entries[first + rank] = torch.tensor([key, slot, victim], dtype=torch.int32)
-        buffers.desc[rank, 0] = int(buffers.addresses[key])
-        buffers.desc[rank, 1] = slot_base + slot * slot_bytes
+        desc[rank, 0] = int(buffers.addresses[key])
+        desc[rank, 1] = slot_base + slot * slot_bytes
     gathered[0] = first + take
     buffers.state[1] = eligible[take - 1][0] + 1 if take else cursor
-    buffers.state[2] = take
+    rows[0] = take
     if layer == num_layers - 1:
         buffers.state[0] = 0
 
 
-def gather_rows_ref(buffers: GatherBuffers, row_bytes: int) -> None:
-    """What `gather_pass_rows` does, for host memory (a CPU pool): the last plan's rows by address."""
-    for source, destination in buffers.desc[:int(buffers.state[2])].tolist():
+def gather_rows_ref(buffers: GatherBuffers, row_bytes: int, desc: torch.Tensor | None = None,
+                    rows: torch.Tensor | None = None) -> None:
+    """What `gather_pass_rows` does, for host memory (a CPU pool): the first `rows[0]` rows of `desc` by address
+    (default: the buffers' desc and state[2], the last plan's)."""
+    desc = buffers.desc if desc is None else desc
+    count = int(buffers.state[2] if rows is None else rows[0])
+    for source, destination in desc[:count].tolist():
         ctypes.memmove(destination, source, row_bytes)

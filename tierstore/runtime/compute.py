@@ -142,6 +142,11 @@ class TorchExperts:
         self.tiers = [(pool, layout)] + ([(fp4_pool, fp4_layout)] if fp4_pool is not None else [])
         self._decoded: dict[tuple[int, int], tuple[int, torch.Tensor, torch.Tensor]] = {}  # (tier, slot) -> (gen, w13, w2)
 
+    @property
+    def fp4_table(self) -> torch.Tensor | None:
+        """int32 [L, E]: the FP4 pool's slot table (None without one)."""
+        return self.tiers[1][0].table if len(self.tiers) > 1 else None
+
     def _weights(self, tier: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         pool, layout = self.tiers[tier]
         generation = int(pool.generation[slot])
@@ -168,7 +173,7 @@ class TorchExperts:
         tokens, top_k = ids.shape
         self.log.record(layer, ids)
         if self.gather is not None:
-            self.gather.layer(layer, self.tiers[1][0].table if len(self.tiers) > 1 else None)
+            self.gather.layer(layer, self.fp4_table)
         tiers, slots = self._slots(layer, ids)  # [T, k], slot -1 = miss
         missing = slots < 0
         self._log_misses(layer, ids[missing])
@@ -220,6 +225,11 @@ class TritonExperts:
         self.num_experts = pool.num_experts
         self._workspaces: dict = {}
 
+    @property
+    def fp4_table(self) -> torch.Tensor:
+        """int32 [L, E]: the FP4 pool's slot table (all -1 without one)."""
+        return self.fp4_pool.table
+
     def _workspace(self, tokens: int, top_k: int, dtype: torch.dtype):
         from tierstore.kernels.moe_mm import MoeWorkspace
 
@@ -239,7 +249,7 @@ class TritonExperts:
         ids = topk_ids.to(torch.int32).contiguous()  # [T, k]
         self.log.record(layer, ids)
         if self.gather is not None:  # config gather_in_pass: the layer's missing arena rows, before its route
-            self.gather.layer(layer, self.fp4_pool.table)
+            self.gather.layer(layer, self.fp4_table)
         # with config cuda_w2: decode-sized batches run the CUDA kernels (`cuda_w2_block_tokens`), larger ones (prefill)
         # keep the Triton stages
         workspace, cuda_w2 = self._workspace(ids.shape[0], ids.shape[1], hidden.dtype)

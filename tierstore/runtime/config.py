@@ -82,6 +82,13 @@ class RuntimeConfig:
       on a CPU their torch reference.
       On the H200 it was even with the default at 50 % coverage (0.98x-1.04x its step time over four runs) and
       slower at 25 % (by 2-13 %) (docs/runtime.md, "The pass's own fetch"), hence off.
+    - `pass_pair` (default off; decode steps, a pool that can miss, an arena): a decode step that is likely to
+      miss (a recent pass missed) is launched as a pair, its pass and the replay together (one CUDA graph where
+      the caller captures `TieredRuntime.pass_pair`): after each MoE layer's experts the first pass maps the
+      layer's missing arena rows into armed spares (as `gather_in_pass` does) and copies them on a side stream
+      while its later layers run; the replay waits for each layer's rows before that layer. The host launches
+      once and reads once; what the replay still misses is fetched and replayed as before. Same rows and kernels:
+      the result is unchanged. Not with `gather_in_pass` or `early_fetch`, nor with the torch backend on CUDA.
 
     Kernels:
 
@@ -132,6 +139,7 @@ class RuntimeConfig:
     copy_streams: int = 1
     early_fetch: bool = False
     gather_in_pass: bool = False
+    pass_pair: bool = False
     cuda_w2: bool | str = "auto"
 
     def __post_init__(self) -> None:
@@ -147,6 +155,9 @@ class RuntimeConfig:
             raise ConfigError(f"copy_streams must be 1 or 2, got {self.copy_streams!r}")
         if self.gather_in_pass and self.early_fetch:
             raise ConfigError("gather_in_pass and early_fetch both fetch while a pass runs; turn one of them off")
+        if self.pass_pair and (self.gather_in_pass or self.early_fetch):
+            other = "gather_in_pass" if self.gather_in_pass else "early_fetch"
+            raise ConfigError(f"pass_pair and {other} both fetch while a pass runs; turn one of them off")
         object.__setattr__(self, "cuda_w2", _cuda_w2_setting(self.cuda_w2))  # frozen: normalised once here
         if not self.working_set_margin >= 1.0:
             raise ConfigError(f"working_set_margin must be >= 1.0, got {self.working_set_margin!r}")

@@ -13,6 +13,7 @@ confidence gate on decode steps (docs/precision-tier.md).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -121,11 +122,13 @@ class TieredRuntime:
         if self._early and self.device.type == "cuda" and not self.pool.layer_waits:
             raise ConfigError("early_fetch needs layer_waits: the copies it starts during a pass must be waited for "
                               "per layer by the replay")
-        # gather_in_pass: decode passes map and copy their own missing arena rows (`PassGather`)
+        # gather_in_pass: decode passes map and copy their own missing arena rows (`PassGather`); pass_pair: the
+        # first pass of a pair does, while the pair's replay waits for them (`pass_pair`)
         self.backend = _resolve_backend(backend, self.device)
-        gathers = self.config.gather_in_pass and slots < geometry.total_routed_experts
+        knob = "pass_pair" if self.config.pass_pair else "gather_in_pass"
+        gathers = (self.config.gather_in_pass or self.config.pass_pair) and slots < geometry.total_routed_experts
         if gathers and self.device.type == "cuda" and self.backend == "torch":
-            raise ConfigError("gather_in_pass on CUDA needs the triton backend: the torch backend reuses decoded "
+            raise ConfigError(f"{knob} on CUDA needs the triton backend: the torch backend reuses decoded "
                               "slots by the host's generation counts, which a pass's own fetch changes only at its "
                               "read")
         spares = (gather_capacity(slots, shape[0], min(shape[1], geometry.top_k * self.config.tokens_per_step))
@@ -133,7 +136,10 @@ class TieredRuntime:
         self.log = PassLog(*shape, geometry.top_k, capacity=shape[0] * shape[1], device=self.device,
                            record_tokens=record_tokens, output_words=output_words, early_layers=self._early,
                            gather_capacity=spares)
-        self._gather = PassGather(self.pool, self.arena, self.log, spares) if gathers else None
+        self._gather = (PassGather(self.pool, self.arena, self.log, spares, paired=self.config.pass_pair)
+                        if gathers else None)
+        self.pairs = self._gather is not None and self._gather.paired  # decode steps may launch a pass pair
+        self._pair_half = 0  # while a pass pair runs (or is captured): 1 in its first pass, 2 in its replay
         self._last_gathered = 0  # experts the last pass read gathered for itself (`_recent_missing`)
         # (key ids, slots, victims) a read pass mapped for itself, not yet on the host (`_settle_gathered`)
         self._pending_gathered: tuple[list[int], list[int], list[int]] | None = None
@@ -144,7 +150,8 @@ class TieredRuntime:
         fp4_layout = self.fp4.layout if self.fp4 is not None else None
         try:  # a refused compute (e.g. config cuda_w2 beside an FP4 pool) must not leave the FP4 manager running
             self.experts = experts_class(self.pool, self.layout, self.log, geometry.swiglu_limit, fp4_pool, fp4_layout,
-                                         cuda_w2=self.config.cuda_w2, gather=self._gather)
+                                         cuda_w2=self.config.cuda_w2,
+                                         gather=self._gather if not self.pairs else None)
         except BaseException:
             if self._fp4_manager is not None:
                 self._fp4_manager.close()
@@ -191,10 +198,13 @@ class TieredRuntime:
     def moe(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Routed experts of MoE layer `layer` (dense index): hidden [T, H], topk [T, k] -> [T, H]."""
         if layer == 0:
-            if self._gather is not None:
+            replay = self._pair_half == 2
+            if self._gather is not None and not replay:
                 self._gather.begin_pass()  # the last pass's routed counts, before they are zeroed
-            self.log.reset()
-        if not self._scan:
+            self.log.reset(pair_replay=replay)
+        if self._pair_half:
+            out = self._pair_experts(layer, hidden, topk_ids, topk_weights)
+        elif not self._scan:
             out = self._experts(layer, hidden, topk_ids, topk_weights)
         else:
             keys = self._keys(layer, topk_ids)
@@ -225,6 +235,16 @@ class TieredRuntime:
         if self.fp4 is not None and self.config.fp4_prefill:
             self.fp4.force_promote(keys, keys, None, prefill=True)  # KV written at FP4 where the pool allows
         self.fetch(keys, keys, scan=True)
+
+    def _pair_experts(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        """A layer of a pass pair: the first pass gathers the layer's missing rows after its experts saw them
+        missing; the replay waits for them before its experts."""
+        if self._pair_half == 2:
+            self._gather.wait_rows(layer)
+        out = self._experts(layer, hidden, topk_ids, topk_weights)
+        if self._pair_half == 1:
+            self._gather.plan_and_fork(layer, self.experts.fp4_table)
+        return out
 
     def _experts(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         self.pool.wait_layer(layer)  # this layer's rows of the last fetch (the only readers of the pool are here)
@@ -334,12 +354,33 @@ class TieredRuntime:
         self.pool.wait()  # every row in place on return (callers may use the arena directly next)
 
     # -- the step -----------------------------------------------------------------------------
+    def pass_pair(self, forward: Callable[[], object], rewind: Callable[[], None]) -> Callable[[], object]:
+        """Config `pass_pair`: the step's pass, `rewind`, and its replay as one callable (capture it as one CUDA
+        graph where `forward` is captured: `rewind` must then be capturable), to give to `step` as `forward_pair`.
+        Returns what the replay's `forward()` returns."""
+        if not self.pairs:
+            raise ConfigError("pass_pair is off (or this pool holds every expert): a step has no pass pair")
+
+        def run():
+            try:
+                self._pair_half = 1
+                forward()
+                rewind()
+                self._pair_half = 2
+                return forward()
+            finally:
+                self._pair_half = 0
+        return run
+
     def step(self, forward: Callable[[], torch.Tensor], rewind: Callable[[], None], prefill: bool = False,
-             logits_of: Callable[[object], torch.Tensor] | None = None):
+             logits_of: Callable[[object], torch.Tensor] | None = None,
+             forward_pair: Callable[[], torch.Tensor] | None = None):
         """One step to its fixed point: (result of the last forward, StepOutcome). `prefill`: each MoE
         layer fetches its routed set before it runs (arena scan discipline). With the gate armed, a
         decode step (not `prefill`) whose logits (`logits_of(result)`, default the result itself)
-        fire is re-run with its routed experts forced to FP4 (`outcome.gate` tells how)."""
+        fire is re-run with its routed experts forced to FP4 (`outcome.gate` tells how). `forward_pair`
+        (config `pass_pair`: `pass_pair(forward, rewind)`, or its captured graph): a decode step launches it
+        instead of `forward` first when a recent pass missed and spares are staged (one replay counted)."""
         started = time.perf_counter()
         self._scan = prefill
         step_routed: set = set()  # every pass's routed keys, kept only when the gate fires
@@ -352,12 +393,31 @@ class TieredRuntime:
                 during_pass = None
                 if self._early and not prefill:
                     forward, during_pass = self._with_cleared_layers(forward), self._fetch_during_pass
+                first_forward = None
                 if self._gather is not None:
                     if prefill:  # its layers fetch for themselves: no spares
                         self._gather.drop_staged()
-                    else:
+                    elif not self.pairs:
                         forward = self._with_armed_gather(forward)
-                first = run_step(forward, rewind, self._read_pass, self._fetch_for_step, self.config, during_pass)
+                    elif forward_pair is not None and self._recent_missing and self._gather.has_staged():
+                        first_forward = self._with_armed_gather(forward_pair)
+                        if gated:
+                            first_forward = self._with_signal(first_forward, logits_of or (lambda r: r))
+                    else:  # a single pass: it gathers nothing
+                        self._gather.drop_staged()
+                read_pass, pair_first = self._read_pass, []
+                if first_forward is not None:  # what the pair's first pass missed is in the first read's log
+
+                    def read_pass():
+                        report = self._read_pass()
+                        if not pair_first:
+                            pair_first.append(self.log.host_first_missing())
+                        return report
+                first = run_step(forward, rewind, read_pass, self._fetch_for_step, self.config, during_pass,
+                                 first_forward=first_forward)
+                if pair_first:
+                    first = first[0], dataclasses.replace(first[1], first_pass_missing_pairs=pair_first[0])
+                    self._stats.pairs += 1
                 result, outcome = first
                 if gated:
                     result, outcome = self._gated(first, forward, rewind, logits_of, step_routed, during_pass)
@@ -436,8 +496,7 @@ class TieredRuntime:
         tables and the mirror agree again."""
         self._settle_gathered()
         self._gather.disarm()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        self._gather.sync()
         gathered, table = self.log.gathered.cpu().tolist(), self.pool.table.cpu().view(-1).tolist()
         mirror = self.pool.mirror.reshape(-1)
         entries = [gathered[1 + 3 * i:4 + 3 * i] for i in range(gathered[0])]

@@ -89,7 +89,7 @@ class _Driver:
             self.graphs = None
 
     def _bound(self, ids: torch.Tensor) -> Callable:
-        return self.graphs.bind(ids) if self.graphs is not None else (lambda: self.forward(ids))
+        return self.graphs.bind(ids)[0] if self.graphs is not None else (lambda: self.forward(ids))
 
     def plain(self, ids: torch.Tensor) -> float:
         started = time.perf_counter()

@@ -17,6 +17,11 @@ stream for a pass that failed before its end.
 
 A host fetch drops the staged spares (its installs may take their free slots, and its copies run while the replay
 would gather), so a pass is armed only when no install's copies are in flight and its free spares are free.
+
+`paired` (config `pass_pair`): the first pass of a pass pair plans each layer after the layer's experts ran
+(`plan_and_fork`: they saw its missing experts as misses, so nothing in this pass reads the slots being written)
+and copies the rows on a side stream, each layer into its own descriptors, while the pass goes on; the replay
+waits for a layer's rows before that layer (`wait_rows`). On a CPU both are done at once by the references.
 """
 
 from __future__ import annotations
@@ -37,19 +42,20 @@ def gather_capacity(num_slots: int, num_layers: int, experts_per_layer: int) -> 
 
 
 class PassGather:
-    def __init__(self, pool: DevicePool, arena: Arena, log: PassLog, capacity: int):
+    def __init__(self, pool: DevicePool, arena: Arena, log: PassLog, capacity: int, paired: bool = False):
+        knob = "pass_pair" if paired else "gather_in_pass"
         if log.gathered is None or (log.gathered.numel() - 1) // 3 != capacity:
             raise ValueError(f"the pass log needs gather_capacity={capacity}")
         if pool.num_experts > PLAN_THREADS:
-            raise ConfigError(f"gather_in_pass plans up to {PLAN_THREADS} experts per layer; this model has "
+            raise ConfigError(f"{knob} plans up to {PLAN_THREADS} experts per layer; this model has "
                               f"{pool.num_experts}: turn it off")
         if arena.num_slots == 0:
-            raise ConfigError("gather_in_pass copies rows from the arena; this runtime has none (give it an arena)")
+            raise ConfigError(f"{knob} copies rows from the arena; this runtime has none (give it an arena)")
         try:
             check_alignment(arena.source.row_bytes, pool.slot_bytes, arena.stride, arena.memory.data_ptr())
         except ValueError as error:
-            raise ConfigError(f"gather_in_pass: {error}") from None
-        self.pool, self.arena, self.log, self.capacity = pool, arena, log, capacity
+            raise ConfigError(f"{knob}: {error}") from None
+        self.pool, self.arena, self.log, self.capacity, self.paired = pool, arena, log, capacity, paired
         self.device = pool.device
         self.row_bytes = arena.source.row_bytes
         self.buffers = GatherBuffers.allocate(capacity, pool.num_layers * pool.num_experts, pool.num_experts,
@@ -66,6 +72,10 @@ class PassGather:
         self._addresses_synced = -1  # the arena version the device's addresses hold
         self._no_fp4 = torch.full_like(pool.table, -1)  # [L, E] the FP4 table of a runtime without an FP4 pool
         self._kernels = None
+        if paired:  # each layer's rows described apart: a layer's copy may still run while later layers plan
+            self.layer_desc = torch.zeros(pool.num_layers, pool.num_experts, 2, dtype=torch.int64,
+                                          device=self.device)  # [L, E, 2]
+            self.layer_rows = torch.zeros(pool.num_layers, dtype=torch.int32, device=self.device)  # [L]
         if cuda:
             from tierstore.kernels.cuda.loader import CudaError
             from tierstore.kernels.cuda.pass_gather import PassGatherCuda
@@ -74,10 +84,14 @@ class PassGather:
             try:
                 self._kernels = PassGatherCuda(self.device.index)
             except (CudaError, OSError) as error:
-                raise ConfigError(f"gather_in_pass: its CUDA kernels did not build or load ({error}); they need "
+                raise ConfigError(f"{knob}: its CUDA kernels did not build or load ({error}); they need "
                                   "nvcc and an sm_90a (Hopper) GPU, or turn it off") from None
             self._h2d = HostToDevice(self.device)
             self._stream_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            if paired:  # the copies keep the bus busy: their blocks go first where SMs free up
+                self._side = torch.cuda.Stream(self.device, priority=-1)
+                self._planned = [torch.cuda.Event() for _ in range(pool.num_layers)]
+                self._copied = [torch.cuda.Event() for _ in range(pool.num_layers)]
 
     def stage(self, slots: list[int], victims: list[int]) -> None:
         """The next pass's spares: `slots` with their `victims` (-1: a free slot, which no pass or install may take
@@ -127,6 +141,51 @@ class PassGather:
         """At the start of a pass, before its routed counts are zeroed: keep the last pass's (capturable)."""
         self.prev_seen.copy_(self.log.seen)
 
+    def has_staged(self) -> bool:
+        return self._staged is not None
+
+    def sync(self) -> None:
+        """Wait for every launched plan and copy (CUDA; the side stream too)."""
+        if self._kernels is not None:
+            torch.cuda.current_stream(self._stream_index).synchronize()
+            if self.paired:
+                self._side.synchronize()
+
+    def plan_and_fork(self, layer: int, f4_table: torch.Tensor | None) -> None:
+        """Pass pair, first pass, after `layer`'s experts: plan its missing rows on the compute stream and copy them
+        on the side stream (CUDA; capturable: the replay's `wait_rows` joins it), or both at once (CPU)."""
+        pool, buffers, log = self.pool, self.buffers, self.log
+        f4 = f4_table if f4_table is not None else self._no_fp4
+        desc, rows = self.layer_desc[layer], self.layer_rows[layer:layer + 1]
+        if self._kernels is None:
+            self._plan_ref(layer, f4, desc, rows)
+            return
+        self._kernels.plan_layer(layer, log.seen, self.prev_seen, pool.table, f4, buffers, log.gathered, pool.slots,
+                                 desc, rows)
+        compute = torch.cuda.current_stream(self._stream_index)
+        self._planned[layer].record(compute)
+        self._side.wait_event(self._planned[layer])
+        with torch.cuda.stream(self._side):
+            self._kernels.copy_rows(desc, rows, self.row_bytes)
+            self._copied[layer].record(self._side)
+
+    def wait_rows(self, layer: int) -> None:
+        """Pass pair, replay, before `layer`'s experts: the compute stream waits for the rows the first pass
+        copied for that layer (CUDA; nothing to wait for on a CPU)."""
+        if self._kernels is not None:
+            torch.cuda.current_stream(self._stream_index).wait_event(self._copied[layer])
+
+    def _plan_ref(self, layer: int, f4: torch.Tensor, desc: torch.Tensor | None = None,
+                  rows: torch.Tensor | None = None) -> None:
+        """The CPU stand-in: plan and copy `layer`'s rows with the references."""
+        pool, buffers = self.pool, self.buffers
+        first = int(self.log.gathered[0])
+        plan_pass_gather_ref(layer, self.log.seen, self.prev_seen, pool.table, f4, buffers, self.log.gathered,
+                             pool.slots.data_ptr(), pool.slot_bytes, desc, rows)
+        gather_rows_ref(buffers, self.row_bytes, desc, rows)
+        taken = self.log.gathered[1 + 3 * first:1 + 3 * int(self.log.gathered[0])].view(-1, 3)[:, 1]
+        pool.generation[taken.numpy()] += 1  # the CPU compute caches decoded slots by generation
+
     def layer(self, layer: int, f4_table: torch.Tensor | None) -> None:
         """Plan and copy `layer`'s missing rows (after the pass log recorded its routing, before its experts);
         `f4_table`: the FP4 pool's table, if any (its experts do not miss). Capturable on CUDA."""
@@ -136,9 +195,4 @@ class PassGather:
             self._kernels(layer, self.log.seen, self.prev_seen, pool.table, f4, buffers, self.log.gathered,
                           pool.slots, self.row_bytes)
             return
-        first = int(self.log.gathered[0])
-        plan_pass_gather_ref(layer, self.log.seen, self.prev_seen, pool.table, f4, buffers, self.log.gathered,
-                             pool.slots.data_ptr(), pool.slot_bytes)
-        gather_rows_ref(buffers, self.row_bytes)
-        taken = self.log.gathered[1 + 3 * first:1 + 3 * int(self.log.gathered[0])].view(-1, 3)[:, 1]
-        pool.generation[taken.numpy()] += 1  # the CPU compute caches decoded slots by generation
+        self._plan_ref(layer, f4)

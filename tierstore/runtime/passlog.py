@@ -4,10 +4,12 @@ The device tensors are written by the MoE layers (inside a CUDA graph on CUDA) a
 the start of every pass by the first MoE layer; `read()` brings them to the host with one
 device-to-host copy into pinned memory and one synchronisation, the only ones of a pass.
 
-All of them are views of one int32 device buffer, laid out [counts | gathered | seen | entries | routing |
-outputs]: `reset()` zeroes the first three with one fill and `read()` copies the whole buffer at once.
-`gathered` (`gather_capacity` > 0, the runtime's `gather_in_pass`): how many experts the pass mapped for
-itself, then (key id, slot, victim key id or -1) of each (`kernels/cuda/pass_gather.py`); `host_gathered()`.
+All of them are views of one int32 device buffer, laid out [gathered | first | counts | seen | entries | routing |
+outputs]: `reset()` zeroes the first four with one fill and `read()` copies the whole buffer at once.
+`gathered` (`gather_capacity` > 0, the runtime's `gather_in_pass` and `pass_pair`): how many experts the pass
+mapped for itself, then (key id, slot, victim key id or -1) of each (`kernels/cuda/pass_gather.py`);
+`host_gathered()`. `first` (with `gathered`): the counts of the first pass of a pass pair, which the replay's
+`reset(pair_replay=True)` keeps there before it zeroes the counts (and keeps `gathered`); `host_first_missing()`.
 
 With `early_layers` (the runtime's `early_fetch`), `publish_layer(layer)` (capturable, called after a
 layer's MoE) also copies that layer's `seen` row to pinned host memory, then a stamp after it on the
@@ -81,21 +83,23 @@ class PassLog:
         self.num_experts = num_experts
         self.record_tokens = record_tokens
         gathered_words = 1 + 3 * gather_capacity if gather_capacity else 0
-        sizes = (2, gathered_words, num_layers * num_experts, 2 * capacity, num_layers * record_tokens * top_k,
-                 output_words)
+        sizes = (gathered_words, 2 if gather_capacity else 0, 2, num_layers * num_experts, 2 * capacity,
+                 num_layers * record_tokens * top_k, output_words)
         self.buffer = torch.zeros(sum(sizes), dtype=torch.int32, device=self.device)
-        counts, gathered, seen, entries, routing, outputs = self.buffer.split(sizes)
+        gathered, first, counts, seen, entries, routing, outputs = self.buffer.split(sizes)
         self.gathered = gathered if gather_capacity else None
+        self._first = first
         self.outputs = outputs if output_words else None
         self.counts = counts
         self.seen = seen.view(num_layers, num_experts)
         self.entries = entries.view(capacity, 2).fill_(-1)
         self.routing = routing.view(num_layers, record_tokens, top_k).fill_(-1) if record_tokens else None
-        self._cleared = self.buffer[:sizes[0] + sizes[1] + sizes[2]]
+        self._cleared = self.buffer[:sum(sizes[:4])]
+        self._cleared_for_replay = self.buffer[sizes[0] + sizes[1]:sum(sizes[:4])]  # counts and seen
         self._host = torch.empty_like(self.buffer, device="cpu", pin_memory=self.device.type == "cuda")
         host = self._host.numpy()
-        (self._host_counts, self._host_gathered, self._host_seen, self._host_entries, self._host_routing,
-         self._host_outputs) = np.split(host, np.cumsum(sizes)[:5])
+        (self._host_gathered, self._host_first, self._host_counts, self._host_seen, self._host_entries,
+         self._host_routing, self._host_outputs) = np.split(host, np.cumsum(sizes)[:6])
         self._layer_rows = self._layer_stamps = None
         self._last_report: PassReport | None = None  # the last read's, whose routed ids the next read computes first
         if early_layers:
@@ -105,8 +109,16 @@ class PassLog:
             self._stamp = torch.ones(1, dtype=torch.int32, device=self.device)  # what publish_layer copies
             self._host_layer_rows, self._host_layer_stamps = self._layer_rows.numpy(), self._layer_stamps.numpy()
 
-    def reset(self) -> None:
-        """Start a pass (called from the first MoE layer; capturable): one fill of counts, gathered and seen."""
+    def reset(self, pair_replay: bool = False) -> None:
+        """Start a pass (called from the first MoE layer; capturable): one fill of gathered, first, counts and seen.
+        `pair_replay` (the second pass of a pass pair): the counts go to `first`, then counts and seen are zeroed;
+        what the first pass gathered stays."""
+        if pair_replay:
+            if self.gathered is None:
+                raise ValueError("a pass pair needs a pass log with gather_capacity > 0")
+            self._first.copy_(self.counts)
+            self._cleared_for_replay.zero_()
+            return
         self._cleared.zero_()
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
@@ -155,6 +167,11 @@ class PassLog:
             return [], [], []
         flat = self._host_gathered[1:1 + 3 * count].tolist()
         return flat[0::3], flat[1::3], flat[2::3]
+
+    def host_first_missing(self) -> int:
+        """Missing pairs of the first pass of the pair the last `read()` ended (0 after a pass that was not a
+        pair's replay)."""
+        return int(self._host_first[0]) if self.gathered is not None else 0
 
     def host_seen(self) -> np.ndarray:
         """int32 [L, E]: the routed pairs per expert of the last `read()` (a view of its host copy,

@@ -145,11 +145,13 @@ def forward_fn(runtime: TieredRuntime, x: torch.Tensor, weights: torch.Tensor, n
 
 
 class Graphs:
-    """One captured CUDA graph of `forward` per routing shape, over a static routing buffer."""
+    """One captured CUDA graph of `forward` per routing shape, over a static routing buffer; with `pair`
+    (config pass_pair: `pair(forward) -> runtime.pass_pair(forward, rewind)`), a second graph of the pass pair
+    over the same buffer."""
 
-    def __init__(self, forward: Callable, device: torch.device):
-        self.forward, self.device = forward, device
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+    def __init__(self, forward: Callable, device: torch.device, pair: Callable[[Callable], Callable] | None = None):
+        self.forward, self.device, self.pair = forward, device, pair
+        self._graphs: dict[tuple, tuple[torch.Tensor, tuple, tuple | None]] = {}  # shape -> (static, single, pair)
 
     def capture(self, example: torch.Tensor) -> bool:
         """Capture for example's shape (after two eager warm-up passes); False when capture fails."""
@@ -157,32 +159,42 @@ class Graphs:
         if key in self._graphs:
             return True
         static = example.clone()
+        launches = [lambda: self.forward(static)]
+        if self.pair is not None:
+            launches.append(self.pair(lambda: self.forward(static)))
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(2):  # allocations and kernel compilation outside the capture
-                self.forward(static)
+            for launch in launches:  # allocations and kernel compilation outside the capture
+                for _ in range(2):
+                    launch()
         torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                out = self.forward(static)
-        except RuntimeError as exc:
-            log.warning("CUDA graph capture of the replay forward failed, running eagerly: %s", exc)
-            return False
-        self._graphs[key] = (graph, static, out)
+        captured = []
+        for launch in launches:
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    out = launch()
+            except RuntimeError as exc:
+                log.warning("CUDA graph capture of the replay forward failed, running eagerly: %s", exc)
+                return False
+            captured.append((graph, out))
+        self._graphs[key] = (static, captured[0], captured[1] if self.pair is not None else None)
         return True
 
-    def bind(self, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """A forward for this step: copies its routing into the static buffer now, replays on call."""
-        graph, static, out = self._graphs[tuple(ids.shape)]
+    def bind(self, ids: torch.Tensor) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor] | None]:
+        """The forward and the pass pair (None without `pair`) of this step: copies its routing into the static
+        buffer now, replays on call."""
+        static, single, pair = self._graphs[tuple(ids.shape)]
         static.copy_(ids)
+        return _replayer(*single), _replayer(*pair) if pair is not None else None
 
-        def run() -> torch.Tensor:
-            graph.replay()
-            return out
 
-        return run
+def _replayer(graph: torch.cuda.CUDAGraph, out) -> Callable:
+    def run():
+        graph.replay()
+        return out
+    return run
 
 
 class Readback:
@@ -217,7 +229,8 @@ def drive(runtime: TieredRuntime, steps: list[np.ndarray], *, warmup: int, naive
     weights = torch.full((1, g.top_k), 1.0 / g.top_k, device=device)  # [1, k]
     forward = forward_fn(runtime, x, weights, naive, publish=readback == "folded")
     routes = [torch.as_tensor(np.asarray(r), dtype=torch.int64).to(device) for r in steps]  # uploaded before timing
-    graphs = Graphs(forward, device) if graph and device.type == "cuda" and not naive else None
+    pair = (lambda f: runtime.pass_pair(f, lambda: None)) if runtime.pairs and not plain and not naive else None
+    graphs = Graphs(forward, device, pair) if graph and device.type == "cuda" and not naive else None
     if graphs is not None and not all(graphs.capture(r) for r in {tuple(r.shape): r for r in routes}.values()):
         graphs = None
     read = Readback(device, max((r.shape[0] for r in routes), default=1)) if readback == "separate" else None
@@ -238,15 +251,20 @@ def drive(runtime: TieredRuntime, steps: list[np.ndarray], *, warmup: int, naive
         if step_logits is not None:
             step_logits.copy_(logits[i])  # queued before the clock starts, like a decoder's own logits
         started = time.perf_counter()
-        run = graphs.bind(ids) if graphs is not None else (lambda ids=ids: forward(ids))
+        if graphs is not None:
+            run, run_pair = graphs.bind(ids)
+        else:
+            run = lambda ids=ids: forward(ids)  # noqa: E731
+            run_pair = pair(run) if pair is not None else None
         if plain:
             _, token = run()
             if read is None and device.type == "cuda":
                 torch.cuda.synchronize(device)
         elif logits is not None:
-            (_, token), outcome = runtime.step(run, lambda: None, logits_of=lambda _: step_logits)
+            (_, token), outcome = runtime.step(run, lambda: None, logits_of=lambda _: step_logits,
+                                               forward_pair=run_pair)
         else:
-            (_, token), outcome = runtime.step(run, lambda: None)
+            (_, token), outcome = runtime.step(run, lambda: None, forward_pair=run_pair)
         if read is not None:
             tokens.append(read(token))
         elif readback == "folded":
@@ -328,7 +346,7 @@ def nomiss_overhead(runtime: TieredRuntime, steps: list[np.ndarray], *, graph: b
         for j in range(len(names)):
             name = names[(i + j) % len(names)]
             started = time.perf_counter()
-            run = graphs.bind(ids) if graphs is not None else (lambda ids=ids: forward(ids))
+            run = graphs.bind(ids)[0] if graphs is not None else (lambda ids=ids: forward(ids))
             variants[name](run)
             if i >= warmup:
                 times[name].append(time.perf_counter() - started)

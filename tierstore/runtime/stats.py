@@ -32,7 +32,8 @@ class RuntimeStats:
     pool_coverage: float  # pool slots / routed experts of the model
     early_fetched_rows: int  # of fetched_rows, those fetched while their pass still ran (config early_fetch)
     located_rows: int  # of fetched_rows, those a step fetched by the located path (arena rows, victims planned)
-    gathered_rows: int  # of fetched_rows, those passes fetched for themselves (config gather_in_pass)
+    gathered_rows: int  # of fetched_rows, those passes fetched for themselves (config gather_in_pass, pass_pair)
+    pair_steps: int  # steps launched as a pass pair (config pass_pair; their replay counted in `replays`)
     prefill_hot_evictions: int  # decode hot-set experts a prefill fetch had to evict (the pool lacked room)
 
     @property
@@ -62,6 +63,7 @@ class StatsRecorder:
         self.fetched_rows = self.fetched_bytes = self.early_fetched_rows = self.located_rows = self.gathered_rows = 0
         self.fetch_seconds = 0.0
         self.prefill_hot_evictions = 0
+        self.pairs = 0  # steps launched as a pass pair
         self.arena_seconds = self.install_seconds = 0.0  # the parts of fetch_seconds in the arena and the pool
         self.read_seconds = 0.0  # pass-log reads (their sync waits for the forward and any copies in flight)
         self.step_seconds: deque[float] = deque(maxlen=WINDOW)
@@ -104,7 +106,7 @@ class StatsRecorder:
             arena_hit_share=arena_hits / looked_up if looked_up else 0.0,
             pool_slots=self.pool_slots, pool_coverage=self.pool_slots / self.total_experts,
             early_fetched_rows=self.early_fetched_rows, located_rows=self.located_rows, gathered_rows=self.gathered_rows,
-            prefill_hot_evictions=self.prefill_hot_evictions,
+            pair_steps=self.pairs, prefill_hot_evictions=self.prefill_hot_evictions,
         )
 
     def kpi_line(self, last: int, arena_hits: int, arena_misses: int, copy_seconds: float) -> str:
@@ -131,6 +133,8 @@ class StatsRecorder:
             line += f" | {stats.early_fetched_rows} rows fetched during their pass"
         if stats.gathered_rows:
             line += f" | {stats.gathered_rows} rows gathered by their pass"
+        if stats.pair_steps:
+            line += f" | {stats.pair_steps} steps launched as a pass pair"
         if stats.prefill_hot_evictions:
             line += f" | prefill evicted {stats.prefill_hot_evictions} decode-hot experts (pool short of room)"
         return line

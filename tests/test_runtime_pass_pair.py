@@ -1,0 +1,266 @@
+"""The pass pair (config `pass_pair`): a decode step likely to miss launches its pass and the replay together;
+the first pass maps each layer's missing arena rows into armed spares after the layer's experts and copies them
+(on a side stream on CUDA), the replay waits for each layer's rows before that layer.
+
+CPU: every step equal to the all-resident run bit for bit, with the pool's bytes and tables exact after each, at 1
+and 3 tokens, with an arena holding every row and with one holding a part (the rest goes the host path); the pass
+log keeps the first pass's gathers and counts across the replay's reset; a step given no pair runs single passes
+that gather nothing; a pair failing in its replay leaves the host in step; the knob's refusals. GPU: the runtime
+end to end, eager and with the pair captured as one CUDA graph, with every row copy held back on the side stream
+behind a device sleep (the replay's waits keep it exact; its negative control, the waits removed, reads stale
+rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_runtime_fixtures import ToyMoE, memory_source, toy_geometry
+
+from tierstore.errors import ConfigError
+from tierstore.runtime import RuntimeConfig, TieredRuntime
+from tierstore.runtime.passlog import PassLog
+
+LAYERS, EXPERTS = 4, 16
+
+
+def _pair_runtime(g, slots: int, arena_slots: int | str, tokens: int = 1, device: str = "cpu",
+                  backend: str = "auto", **config):
+    """A runtime with pass_pair over a pool of `slots`; arena_slots "all": an arena holding every row."""
+    source = memory_source(g, seed=7)
+    every = [(layer, expert) for layer in range(g.num_moe_layers) for expert in range(g.num_experts)]
+    rt = TieredRuntime(g, source, pool_slots=slots, arena_slots=len(every) if arena_slots == "all" else arena_slots,
+                       device=device, backend=backend,
+                       config=RuntimeConfig(kpi_every=0, tokens_per_step=tokens, pass_pair=True, **config))
+    if arena_slots == "all":
+        rt.arena.fetch(every, scan=True)
+    return rt, source
+
+
+def _resident(g, tokens: int = 1, device: str = "cpu", backend: str = "auto") -> TieredRuntime:
+    rt = TieredRuntime(g, memory_source(g, seed=7), pool_slots=g.total_routed_experts, device=device,
+                       backend=backend, config=RuntimeConfig(kpi_every=0, tokens_per_step=tokens))
+    rt.preload()
+    return rt
+
+
+def _check_exact(rt: TieredRuntime, source) -> None:
+    rt.settle()  # the pair's own mappings reach the host here (deferred from its read)
+    rt.pool.check_coherent()
+    for slot, (layer, expert) in enumerate(rt.pool.owner.tolist()):
+        if layer >= 0:
+            assert torch.equal(rt.pool.slots[slot].cpu(), source.rows[layer, expert]), f"slot {slot} bytes"
+
+
+def _pair_step(rt: TieredRuntime, model: ToyMoE, x: torch.Tensor):
+    forward = lambda: model.forward(rt, x)  # noqa: E731
+    return rt.step(forward, lambda: None, forward_pair=rt.pass_pair(forward, lambda: None))
+
+
+@pytest.mark.parametrize("tokens,slots,arena", [(1, 32, "all"), (3, 32, "all"), (1, 20, "all"), (1, 32, 24)])
+def test_pairs_equal_the_resident_run_with_exact_bytes_and_tables(tokens, slots, arena):
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=3)
+    resident = _resident(g, tokens)
+    small, source = _pair_runtime(g, slots, arena, tokens)
+    pairs_without_host_fetch = 0
+    with resident, small:
+        for step in range(48):
+            x = torch.randn(tokens, g.hidden, generator=torch.Generator().manual_seed(step)) * 3
+            want, _ = resident.step(lambda: model.forward(resident, x), lambda: None)
+            before = small.stats()
+            got, outcome = _pair_step(small, model, x)
+            assert torch.equal(got, want), f"step {step} differs from the all-resident run"
+            _check_exact(small, source)
+            after = small.stats()
+            if after.pair_steps > before.pair_steps:
+                assert outcome.replays >= 1  # the pair's replay is counted
+                pairs_without_host_fetch += outcome.replays == 1 and after.gathered_rows > before.gathered_rows
+        stats = small.stats()
+    assert stats.pair_steps > 0 and stats.gathered_rows > 0
+    if arena == "all" and tokens == 1:  # steps whose misses the pair's first pass fetched alone (with 3 tokens
+        # a step routes most of the pool: victims the pass before routed are skipped and the spares can run out)
+        assert pairs_without_host_fetch > 0
+    if arena != "all":
+        assert stats.fetched_rows > stats.gathered_rows  # rows not in the arena: the host path
+
+
+def test_the_pass_log_keeps_the_first_pass_across_the_replays_reset():
+    log = PassLog(2, 4, 2, capacity=8, device="cpu", gather_capacity=3)
+    log.reset()
+    log.gathered[:4] = torch.tensor([1, 5, 2, -1], dtype=torch.int32)
+    log.counts.copy_(torch.tensor([3, 2], dtype=torch.int32))
+    log.seen[1, 2] = 4
+    log.reset(pair_replay=True)
+    assert log.gathered[:4].tolist() == [1, 5, 2, -1]
+    assert log.counts.tolist() == [0, 0] and int(log.seen.sum()) == 0
+    log.read()
+    assert log.host_first_missing() == 3 and log.host_gathered() == ([5], [2], [-1])
+    log.reset()  # a pass that is not a pair's replay clears all of it
+    log.read()
+    assert log.host_first_missing() == 0 and log.host_gathered() == ([], [], [])
+    with pytest.raises(ValueError, match="gather_capacity"):
+        PassLog(2, 4, 2, capacity=8, device="cpu").reset(pair_replay=True)
+
+
+def test_the_outcome_reports_the_first_pass_misses_of_a_pair():
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=3)
+    small, _ = _pair_runtime(g, 20, "all")
+    with small:
+        firsts = []
+        for step in range(12):
+            x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)) * 3
+            before = small.stats().gathered_rows
+            _, outcome = _pair_step(small, model, x)
+            firsts.append((outcome.first_pass_missing_pairs, small.stats().gathered_rows - before))
+    # a pair whose first pass gathered had misses in that first pass (its log said so, not the replay's)
+    assert any(gathered for _, gathered in firsts)
+    assert all(first > 0 for first, gathered in firsts if gathered)
+
+
+def test_a_step_without_a_pair_gathers_nothing_and_stays_exact():
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=3)
+    resident = _resident(g)
+    small, source = _pair_runtime(g, 20, "all")
+    with resident, small:
+        for step in range(16):
+            x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)) * 3
+            want, _ = resident.step(lambda: model.forward(resident, x), lambda: None)
+            got, _ = small.step(lambda: model.forward(small, x), lambda: None)
+            assert torch.equal(got, want)
+            _check_exact(small, source)
+        stats = small.stats()
+    assert stats.pair_steps == 0 and stats.gathered_rows == 0 and stats.fetched_rows > 0
+
+
+def test_a_pair_failing_in_its_replay_leaves_the_host_in_step():
+    """The replay raising after its first layers (the first pass gathered): the step fails, the pool is coherent
+    after, and the next steps equal the resident run."""
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=3)
+    resident = _resident(g)
+    small, source = _pair_runtime(g, 24, "all")
+    with resident, small:
+        for step in range(3):
+            x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(50 + step)) * 3
+            _pair_step(small, model, x)
+        original = small.moe
+
+        def failing(layer, *args):
+            if small._pair_half == 2 and layer == 2:
+                raise RuntimeError("injected")
+            return original(layer, *args)
+        small.moe = failing
+        x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(99)) * 3
+        with pytest.raises(RuntimeError, match="injected"):
+            _pair_step(small, model, x)
+        small.moe = original
+        assert small._pair_half == 0
+        assert int(small.log.gathered[0]) > 0, "the failed pair's first pass should have gathered"
+        _check_exact(small, source)
+        assert int(small._gather.buffers.state[0]) == 0  # disarmed
+        for step in range(8):
+            x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)) * 3
+            want, _ = resident.step(lambda: model.forward(resident, x), lambda: None)
+            got, _ = _pair_step(small, model, x)
+            assert torch.equal(got, want)
+            _check_exact(small, source)
+
+
+def test_the_knob_refuses_what_it_cannot_serve():
+    assert RuntimeConfig().pass_pair is False
+    assert RuntimeConfig.from_env({"TIERSTORE_PASS_PAIR": "1"}).pass_pair is True
+    for other in ("gather_in_pass", "early_fetch"):
+        with pytest.raises(ConfigError, match=f"pass_pair and {other}"):
+            RuntimeConfig(pass_pair=True, **{other: True})
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    with pytest.raises(ConfigError, match="pass_pair copies rows from the arena"):
+        _pair_runtime(g, 32, 0)
+    full, _ = _pair_runtime(g, g.total_routed_experts, 0)  # a pool holding every expert never misses: off
+    with full:
+        assert not full.pairs
+        with pytest.raises(ConfigError, match="has no pass pair"):
+            full.pass_pair(lambda: None, lambda: None)
+
+
+# -- GPU ------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+
+def _held_back(rt: TieredRuntime, cycles: int = 20_000_000) -> None:
+    """Every row copy of the pair's first pass starts only after a device sleep on its side stream."""
+    kernels = rt._gather._kernels
+    copy = kernels.copy_rows
+
+    def late_copy(*args, **kwargs):
+        torch.cuda._sleep(cycles)
+        copy(*args, **kwargs)
+    kernels.copy_rows = late_copy
+
+
+def _cuda_pair_steps(rt: TieredRuntime, model: ToyMoE, g, graph: bool, steps: int = 24) -> list[torch.Tensor]:
+    x = torch.zeros(1, g.hidden, device="cuda")
+    forward = lambda: model.forward(rt, x)  # noqa: E731
+    pair = rt.pass_pair(forward, lambda: None) if rt.pairs else None
+    if graph:
+        from test_runtime_fixtures import graph_replayer
+
+        forward = graph_replayer(forward)
+        pair = graph_replayer(pair) if pair is not None else None  # its warm-up pair is not armed
+    outputs = []
+    for step in range(steps):
+        x.copy_(torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)).cuda() * 3)
+        got, _ = rt.step(forward, lambda: None, forward_pair=pair)
+        outputs.append(got.clone())
+    return outputs
+
+
+@pytest.mark.gpu
+def test_cuda_refuses_the_torch_backend(cuda):
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
+    with pytest.raises(ConfigError, match="pass_pair on CUDA needs the triton backend"):
+        _pair_runtime(g, 20, "all", device="cuda", backend="torch")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("held_back", [False, True], ids=["prompt", "held-back"])
+def test_cuda_pairs_equal_the_resident_run(cuda, graph, held_back):
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
+    model = ToyMoE(g)
+    model.routers = model.routers.cuda()
+    with _resident(g, device="cuda", backend="triton") as resident:
+        want = _cuda_pair_steps(resident, model, g, graph=False)
+    small, source = _pair_runtime(g, 20, "all", device="cuda", backend="triton")
+    with small:
+        if held_back:
+            _held_back(small)
+        got = _cuda_pair_steps(small, model, g, graph)
+        _check_exact(small, source)
+        stats = small.stats()
+    assert stats.pair_steps > 0 and stats.gathered_rows > 0
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step} differs from the all-resident run"
+
+
+@pytest.mark.gpu
+def test_cuda_negative_control_without_the_replays_waits_reads_stale_rows(cuda):
+    """The held-back copies with the replay's per-layer waits removed: some step differs from the resident run
+    (so the waits are what keeps the held-back test exact)."""
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
+    model = ToyMoE(g)
+    model.routers = model.routers.cuda()
+    with _resident(g, device="cuda", backend="triton") as resident:
+        want = _cuda_pair_steps(resident, model, g, graph=False)
+    small, _ = _pair_runtime(g, 20, "all", device="cuda", backend="triton")
+    with small:
+        _held_back(small)
+        small._gather.wait_rows = lambda layer: None
+        got = _cuda_pair_steps(small, model, g, graph=True)
+        torch.cuda.synchronize()
+    assert any(not torch.equal(a, b) for a, b in zip(got, want))
