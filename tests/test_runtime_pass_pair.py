@@ -250,8 +250,8 @@ def test_cuda_pairs_equal_the_resident_run(cuda, graph, held_back):
 
 @pytest.mark.gpu
 def test_cuda_negative_control_without_the_replays_waits_reads_stale_rows(cuda):
-    """The held-back copies with the replay's per-layer waits removed: some step differs from the resident run
-    (so the waits are what keeps the held-back test exact)."""
+    """The held-back copies with the replay's waits removed but the last layer's (which joins the side stream, as
+    a capture needs): some step differs from the resident run (so the waits keep the held-back test exact)."""
     g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
     model = ToyMoE(g)
     model.routers = model.routers.cuda()
@@ -260,7 +260,8 @@ def test_cuda_negative_control_without_the_replays_waits_reads_stale_rows(cuda):
     small, _ = _pair_runtime(g, 20, "all", device="cuda", backend="triton")
     with small:
         _held_back(small)
-        small._gather.wait_rows = lambda layer: None
+        wait_rows = small._gather.wait_rows
+        small._gather.wait_rows = lambda layer: wait_rows(layer) if layer == LAYERS - 1 else None
         got = _cuda_pair_steps(small, model, g, graph=True)
         torch.cuda.synchronize()
     assert any(not torch.equal(a, b) for a, b in zip(got, want))

@@ -89,6 +89,7 @@ class RuntimeConfig:
       while its later layers run; the replay waits for each layer's rows before that layer. The host launches
       once and reads once; what the replay still misses is fetched and replayed as before. Same rows and kernels:
       the result is unchanged. Not with `gather_in_pass` or `early_fetch`, nor with the torch backend on CUDA.
+      `pass_pair_copy_blocks` (0: two per SM) sets the side stream's copy grid, which shares the SMs with the pass.
 
     Kernels:
 
@@ -140,6 +141,7 @@ class RuntimeConfig:
     early_fetch: bool = False
     gather_in_pass: bool = False
     pass_pair: bool = False
+    pass_pair_copy_blocks: int = 0
     cuda_w2: bool | str = "auto"
 
     def __post_init__(self) -> None:
@@ -148,7 +150,7 @@ class RuntimeConfig:
         for name in ("fp_max", "tokens_per_step"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("fp_thresh", "miss_tolerance", "kpi_every"):
+        for name in ("fp_thresh", "miss_tolerance", "kpi_every", "pass_pair_copy_blocks"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if self.copy_streams not in (1, 2) or type(self.copy_streams) is not int:

@@ -136,8 +136,8 @@ class TieredRuntime:
         self.log = PassLog(*shape, geometry.top_k, capacity=shape[0] * shape[1], device=self.device,
                            record_tokens=record_tokens, output_words=output_words, early_layers=self._early,
                            gather_capacity=spares)
-        self._gather = (PassGather(self.pool, self.arena, self.log, spares, paired=self.config.pass_pair)
-                        if gathers else None)
+        self._gather = (PassGather(self.pool, self.arena, self.log, spares, paired=self.config.pass_pair,
+                                   copy_blocks=self.config.pass_pair_copy_blocks) if gathers else None)
         self.pairs = self._gather is not None and self._gather.paired  # decode steps may launch a pass pair
         self._pair_half = 0  # while a pass pair runs (or is captured): 1 in its first pass, 2 in its replay
         self._last_gathered = 0  # experts the last pass read gathered for itself (`_recent_missing`)

@@ -42,7 +42,8 @@ def gather_capacity(num_slots: int, num_layers: int, experts_per_layer: int) -> 
 
 
 class PassGather:
-    def __init__(self, pool: DevicePool, arena: Arena, log: PassLog, capacity: int, paired: bool = False):
+    def __init__(self, pool: DevicePool, arena: Arena, log: PassLog, capacity: int, paired: bool = False,
+                 copy_blocks: int = 0):
         knob = "pass_pair" if paired else "gather_in_pass"
         if log.gathered is None or (log.gathered.numel() - 1) // 3 != capacity:
             raise ValueError(f"the pass log needs gather_capacity={capacity}")
@@ -56,6 +57,7 @@ class PassGather:
         except ValueError as error:
             raise ConfigError(f"{knob}: {error}") from None
         self.pool, self.arena, self.log, self.capacity, self.paired = pool, arena, log, capacity, paired
+        self.copy_blocks = copy_blocks or None  # the paired copies' grid (None: the kernels' default)
         self.device = pool.device
         self.row_bytes = arena.source.row_bytes
         self.buffers = GatherBuffers.allocate(capacity, pool.num_layers * pool.num_experts, pool.num_experts,
@@ -166,7 +168,7 @@ class PassGather:
         self._planned[layer].record(compute)
         self._side.wait_event(self._planned[layer])
         with torch.cuda.stream(self._side):
-            self._kernels.copy_rows(desc, rows, self.row_bytes)
+            self._kernels.copy_rows(desc, rows, self.row_bytes, self.copy_blocks)
             self._copied[layer].record(self._side)
 
     def wait_rows(self, layer: int) -> None:
