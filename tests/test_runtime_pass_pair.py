@@ -76,7 +76,9 @@ def test_pairs_equal_the_resident_run_with_exact_bytes_and_tables(tokens, slots,
                 assert outcome.replays >= 1  # the pair's replay is counted
                 pairs_without_host_fetch += outcome.replays == 1 and after.gathered_rows > before.gathered_rows
         stats = small.stats()
-    assert stats.pair_steps > 0 and stats.gathered_rows > 0
+    assert stats.pair_steps > 0
+    if arena == "all":
+        assert stats.gathered_rows > 0
     if arena == "all" and tokens == 1:  # steps whose misses the pair's first pass fetched alone (with 3 tokens
         # a step routes most of the pool: victims the pass before routed are skipped and the spares can run out)
         assert pairs_without_host_fetch > 0
@@ -94,10 +96,10 @@ def test_the_pass_log_keeps_the_first_pass_across_the_replays_reset():
     assert log.gathered[:4].tolist() == [1, 5, 2, -1]
     assert log.counts.tolist() == [0, 0] and int(log.seen.sum()) == 0
     log.read()
-    assert log.host_first_missing() == 3 and log.host_gathered() == ([5], [2], [-1])
+    assert log.host_first_missing() == (3, 2) and log.host_gathered() == ([5], [2], [-1])
     log.reset()  # a pass that is not a pair's replay clears all of it
     log.read()
-    assert log.host_first_missing() == 0 and log.host_gathered() == ([], [], [])
+    assert log.host_first_missing() == (0, 0) and log.host_gathered() == ([], [], [])
     with pytest.raises(ValueError, match="gather_capacity"):
         PassLog(2, 4, 2, capacity=8, device="cpu").reset(pair_replay=True)
 
@@ -168,8 +170,38 @@ def test_a_pair_failing_in_its_replay_leaves_the_host_in_step():
             _check_exact(small, source)
 
 
+def test_after_a_pair_that_gathered_less_than_it_missed_single_passes_run_for_a_while():
+    """An arena of 48 of the 64 rows, filled by fetches: pairs miss rows they cannot gather; the steps after such a pair run
+    single passes (PAIR_RETRY_STEPS), every step still equal to the resident run."""
+    from tierstore.runtime.engine import PAIR_RETRY_STEPS
+
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=3)
+    resident = _resident(g)
+    small, source = _pair_runtime(g, 32, 48)
+    kinds = []  # (launched a pair, the runtime backed off after it)
+    with resident, small:
+        for step in range(48):
+            x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)) * 3
+            want, _ = resident.step(lambda: model.forward(resident, x), lambda: None)
+            before = small.stats()
+            got, outcome = _pair_step(small, model, x)
+            assert torch.equal(got, want)
+            after = small.stats()
+            paired = after.pair_steps > before.pair_steps
+            kinds.append((paired, paired and small._pair_backoff == PAIR_RETRY_STEPS))
+        _check_exact(small, source)
+    shorts = [i for i, (_, short) in enumerate(kinds) if short]
+    assert shorts, "no pair fell short: the case does not test the back-off"
+    for i in shorts:
+        assert not any(paired for paired, _ in kinds[i + 1:i + 1 + PAIR_RETRY_STEPS])
+    assert any(paired and not short for paired, short in kinds)
+
+
 def test_the_knob_refuses_what_it_cannot_serve():
     assert RuntimeConfig().pass_pair is False
+    with pytest.raises(ConfigError, match="pass_pair_copy_blocks must be an integer >= 1"):
+        RuntimeConfig(pass_pair_copy_blocks=0)
     assert RuntimeConfig.from_env({"TIERSTORE_PASS_PAIR": "1"}).pass_pair is True
     for other in ("gather_in_pass", "early_fetch"):
         with pytest.raises(ConfigError, match=f"pass_pair and {other}"):

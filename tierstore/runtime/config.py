@@ -89,7 +89,10 @@ class RuntimeConfig:
       while its later layers run; the replay waits for each layer's rows before that layer. The host launches
       once and reads once; what the replay still misses is fetched and replayed as before. Same rows and kernels:
       the result is unchanged. Not with `gather_in_pass` or `early_fetch`, nor with the torch backend on CUDA.
-      `pass_pair_copy_blocks` (0: two per SM) sets the side stream's copy grid, which shares the SMs with the pass.
+      `pass_pair_copy_blocks` (default 4) is the side stream's copy grid, which shares the SMs with both passes:
+      on the H200 4 and 8 blocks beat 2, 16, 64 and two per SM (docs/runtime.md, "The pass pair"). After a pair
+      whose first pass gathered fewer experts than it missed (spares short, rows not in the arena), the next 8
+      decode steps run single passes.
 
     Kernels:
 
@@ -141,16 +144,16 @@ class RuntimeConfig:
     early_fetch: bool = False
     gather_in_pass: bool = False
     pass_pair: bool = False
-    pass_pair_copy_blocks: int = 0
+    pass_pair_copy_blocks: int = 4
     cuda_w2: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.replay_mode not in REPLAY_MODES:
             raise ConfigError(f"replay_mode must be one of {', '.join(REPLAY_MODES)}, got {self.replay_mode!r}")
-        for name in ("fp_max", "tokens_per_step"):
+        for name in ("fp_max", "tokens_per_step", "pass_pair_copy_blocks"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("fp_thresh", "miss_tolerance", "kpi_every", "pass_pair_copy_blocks"):
+        for name in ("fp_thresh", "miss_tolerance", "kpi_every"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if self.copy_streams not in (1, 2) or type(self.copy_streams) is not int:

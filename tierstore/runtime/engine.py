@@ -55,6 +55,9 @@ COUNTERS = ("steps", "replays", "fetched_bytes", "fetch_s", "arena_hit_rows", "a
             "install_s", "copy_s", "copy_wait_s", "read_s")  # TieredRuntime.counters()
 
 
+PAIR_RETRY_STEPS = 8  # pass_pair: single-pass decode steps after a pair that gathered fewer experts than it missed
+
+
 def working_set_slots(geometry: MoEGeometry, tokens_per_step: int, margin: float) -> int:
     """Slots one step may need at once: margin x MoE layers x distinct experts a layer can route."""
     per_layer = min(geometry.num_experts, geometry.top_k * tokens_per_step)
@@ -165,6 +168,9 @@ class TieredRuntime:
         # experts a recent decode pass missed or gathered for itself, decaying: updated by each read
         # (`_read_pass`), it sizes the victim plan (`_victim_plan_size`) and the spares (`_stage_spares`)
         self._recent_missing = 0
+        # pass_pair: decode steps left before a pair is tried again after one whose first pass gathered fewer experts
+        # than it missed (spares short, rows not in the arena): its replay was spent on a step the host fetches for
+        self._pair_backoff = 0
         self._untouched = None  # (last pass report, time) of the last step, not yet told to the pool's policy
         self._decode_pass: PassReport | None = None  # the last decode step's last pass: prefill evicts its experts last
         self.closed = False
@@ -399,6 +405,9 @@ class TieredRuntime:
                         self._gather.drop_staged()
                     elif not self.pairs:
                         forward = self._with_armed_gather(forward)
+                    elif self._pair_backoff:
+                        self._pair_backoff -= 1
+                        self._gather.drop_staged()
                     elif forward_pair is not None and self._recent_missing and self._gather.has_staged():
                         first_forward = self._with_armed_gather(forward_pair)
                         if gated:
@@ -410,14 +419,15 @@ class TieredRuntime:
 
                     def read_pass():
                         report = self._read_pass()
-                        if not pair_first:
-                            pair_first.append(self.log.host_first_missing())
+                        if not pair_first:  # (missing pairs, missing experts, experts it gathered)
+                            pair_first.extend((*self.log.host_first_missing(), self._last_gathered))
                         return report
                 first = run_step(forward, rewind, read_pass, self._fetch_for_step, self.config, during_pass,
                                  first_forward=first_forward)
                 if pair_first:
                     first = first[0], dataclasses.replace(first[1], first_pass_missing_pairs=pair_first[0])
                     self._stats.pairs += 1
+                    self._pair_backoff = PAIR_RETRY_STEPS if pair_first[2] < pair_first[1] else 0
                 result, outcome = first
                 if gated:
                     result, outcome = self._gated(first, forward, rewind, logits_of, step_routed, during_pass)

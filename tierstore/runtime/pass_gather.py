@@ -43,7 +43,7 @@ def gather_capacity(num_slots: int, num_layers: int, experts_per_layer: int) -> 
 
 class PassGather:
     def __init__(self, pool: DevicePool, arena: Arena, log: PassLog, capacity: int, paired: bool = False,
-                 copy_blocks: int = 0):
+                 copy_blocks: int | None = None):
         knob = "pass_pair" if paired else "gather_in_pass"
         if log.gathered is None or (log.gathered.numel() - 1) // 3 != capacity:
             raise ValueError(f"the pass log needs gather_capacity={capacity}")
@@ -57,7 +57,7 @@ class PassGather:
         except ValueError as error:
             raise ConfigError(f"{knob}: {error}") from None
         self.pool, self.arena, self.log, self.capacity, self.paired = pool, arena, log, capacity, paired
-        self.copy_blocks = copy_blocks or None  # the paired copies' grid (None: the kernels' default)
+        self.copy_blocks = copy_blocks  # the paired copies' grid (None: the kernels' default, a few per SM)
         self.device = pool.device
         self.row_bytes = arena.source.row_bytes
         self.buffers = GatherBuffers.allocate(capacity, pool.num_layers * pool.num_experts, pool.num_experts,

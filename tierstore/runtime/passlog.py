@@ -168,10 +168,10 @@ class PassLog:
         flat = self._host_gathered[1:1 + 3 * count].tolist()
         return flat[0::3], flat[1::3], flat[2::3]
 
-    def host_first_missing(self) -> int:
-        """Missing pairs of the first pass of the pair the last `read()` ended (0 after a pass that was not a
-        pair's replay)."""
-        return int(self._host_first[0]) if self.gathered is not None else 0
+    def host_first_missing(self) -> tuple[int, int]:
+        """(missing pairs, missing experts) of the first pass of the pair the last `read()` ended ((0, 0) after a
+        pass that was not a pair's replay)."""
+        return tuple(self._host_first.tolist()) if self.gathered is not None else (0, 0)
 
     def host_seen(self) -> np.ndarray:
         """int32 [L, E]: the routed pairs per expert of the last `read()` (a view of its host copy,
