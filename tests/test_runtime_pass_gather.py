@@ -15,7 +15,7 @@ from itertools import islice
 
 import pytest
 import torch
-from test_runtime_fixtures import ToyMoE, graph_replayer, memory_source, toy_geometry
+from test_runtime_fixtures import ToyMoE, cuda_decode_steps, memory_source, toy_geometry
 
 from tests.cuda_fixtures import needs_nvcc, ptxas_report
 from tierstore.errors import ConfigError
@@ -314,19 +314,6 @@ def test_cuda_plan_and_copy_equal_the_reference(cuda, seed):
     assert torch.equal(slots, expected_slots)  # the planned rows copied, every other slot untouched
 
 
-def _cuda_steps(rt: TieredRuntime, model: ToyMoE, g, graph: bool, steps: int = 24) -> list[torch.Tensor]:
-    x = torch.zeros(1, g.hidden, device="cuda")
-    forward = lambda: model.forward(rt, x)  # noqa: E731
-    if graph:
-        forward = graph_replayer(forward)  # its warm-up pass is not armed: it gathers nothing
-    outputs = []
-    for step in range(steps):
-        x.copy_(torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)).cuda() * 3)
-        got, _ = rt.step(forward, lambda: None)
-        outputs.append(got.clone())
-    return outputs
-
-
 @pytest.mark.gpu
 def test_cuda_refuses_the_torch_backend(cuda):
     g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
@@ -344,10 +331,10 @@ def test_cuda_runtime_gathers_in_the_pass_and_equals_the_resident_run(cuda, grap
                              backend="triton", config=RuntimeConfig(kpi_every=0))
     with resident:
         resident.preload()
-        want = _cuda_steps(resident, model, g, graph=False)
+        want = cuda_decode_steps(resident, model, g, graph=False)
     small, source = _gather_runtime(g, 20, "all", device="cuda", backend="triton")
     with small:
-        got = _cuda_steps(small, model, g, graph)
+        got = cuda_decode_steps(small, model, g, graph)
         _check_exact(small, source)
         stats = small.stats()
     assert stats.gathered_rows > 0

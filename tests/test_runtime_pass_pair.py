@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runtime_fixtures import ToyMoE, memory_source, toy_geometry
+from test_runtime_fixtures import ToyMoE, cuda_decode_steps, memory_source, toy_geometry
 
 from tierstore.errors import ConfigError
 from tierstore.runtime import RuntimeConfig, TieredRuntime
@@ -235,21 +235,13 @@ def _held_back(rt: TieredRuntime, cycles: int = 20_000_000) -> None:
     kernels.copy_rows = late_copy
 
 
-def _cuda_pair_steps(rt: TieredRuntime, model: ToyMoE, g, graph: bool, steps: int = 24) -> list[torch.Tensor]:
-    x = torch.zeros(1, g.hidden, device="cuda")
-    forward = lambda: model.forward(rt, x)  # noqa: E731
-    pair = rt.pass_pair(forward, lambda: None) if rt.pairs else None
-    if graph:
-        from test_runtime_fixtures import graph_replayer
-
-        forward = graph_replayer(forward)
-        pair = graph_replayer(pair) if pair is not None else None  # its warm-up pair is not armed
-    outputs = []
-    for step in range(steps):
-        x.copy_(torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)).cuda() * 3)
-        got, _ = rt.step(forward, lambda: None, forward_pair=pair)
-        outputs.append(got.clone())
-    return outputs
+def _cuda_case():
+    """(geometry, model, the all-resident run's outputs) of the GPU tests."""
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
+    model = ToyMoE(g)
+    model.routers = model.routers.cuda()
+    with _resident(g, device="cuda", backend="triton") as resident:
+        return g, model, cuda_decode_steps(resident, model, g, graph=False)
 
 
 @pytest.mark.gpu
@@ -263,16 +255,12 @@ def test_cuda_refuses_the_torch_backend(cuda):
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("held_back", [False, True], ids=["prompt", "held-back"])
 def test_cuda_pairs_equal_the_resident_run(cuda, graph, held_back):
-    g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
-    model = ToyMoE(g)
-    model.routers = model.routers.cuda()
-    with _resident(g, device="cuda", backend="triton") as resident:
-        want = _cuda_pair_steps(resident, model, g, graph=False)
+    g, model, want = _cuda_case()
     small, source = _pair_runtime(g, 20, "all", device="cuda", backend="triton")
     with small:
         if held_back:
             _held_back(small)
-        got = _cuda_pair_steps(small, model, g, graph)
+        got = cuda_decode_steps(small, model, g, graph)
         _check_exact(small, source)
         stats = small.stats()
     assert stats.pair_steps > 0 and stats.gathered_rows > 0
@@ -284,16 +272,12 @@ def test_cuda_pairs_equal_the_resident_run(cuda, graph, held_back):
 def test_cuda_negative_control_without_the_replays_waits_reads_stale_rows(cuda):
     """The held-back copies with the replay's waits removed but the last layer's (which joins the side stream, as
     a capture needs): some step differs from the resident run (so the waits keep the held-back test exact)."""
-    g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
-    model = ToyMoE(g)
-    model.routers = model.routers.cuda()
-    with _resident(g, device="cuda", backend="triton") as resident:
-        want = _cuda_pair_steps(resident, model, g, graph=False)
+    g, model, want = _cuda_case()
     small, _ = _pair_runtime(g, 20, "all", device="cuda", backend="triton")
     with small:
         _held_back(small)
         wait_rows = small._gather.wait_rows
         small._gather.wait_rows = lambda layer: wait_rows(layer) if layer == LAYERS - 1 else None
-        got = _cuda_pair_steps(small, model, g, graph=True)
+        got = cuda_decode_steps(small, model, g, graph=True)
         torch.cuda.synchronize()
     assert any(not torch.equal(a, b) for a, b in zip(got, want))
