@@ -27,7 +27,8 @@ def test_generate_demo_verifies_bit_identity_and_records_a_trace(tmp_path, monke
 
 
 @pytest.mark.parametrize("flag,kpi", [("--early-fetch", "rows fetched during their pass"),
-                                      ("--gather-in-pass", "rows gathered by their pass")])
+                                      ("--gather-in-pass", "rows gathered by their pass"),
+                                      ("--pass-pair", "steps launched as a pass pair")])
 def test_generate_with_a_fetch_during_the_pass_stays_bit_identical(tmp_path, monkeypatch, capsys, flag, kpi):
     monkeypatch.setenv("TIERSTORE_CACHE_DIR", str(tmp_path))
     code = main(["generate", "--demo", "--prompt", "tiers", "--max-new-tokens", "6", "--gpu-pool-frac", "0.25", flag,

@@ -57,8 +57,9 @@ def test_small_pool_steps_are_bit_identical_on_cuda():
         assert small.stats().replayed_steps > 0
 
 
+@pytest.mark.parametrize("pass_pair", [False, True], ids=["single", "pass_pair"])
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
-def test_cuda_graph_decode_with_quarter_pool_is_bit_identical(model_type, tmp_path):
+def test_cuda_graph_decode_with_quarter_pool_is_bit_identical(model_type, pass_pair, tmp_path):
     ckpt = save_hf_checkpoint(runtime_hf_model(model_type, seed=3), tmp_path / "ckpt")
     ensure_base_pack(ckpt, tmp_path / "packs", device="cuda")
     with open_checkpoint(ckpt) as c:
@@ -67,7 +68,8 @@ def test_cuda_graph_decode_with_quarter_pool_is_bit_identical(model_type, tmp_pa
     chunk = None  # the 25% run's prefill steps, which the resident run repeats (a chunked prefill rounds differently)
     for fraction in (0.25, 1.0):
         runtime = TieredRuntime(g, open_base_rows(ckpt, tmp_path / "packs"), device="cuda", arena_slots=16,
-                                pool_slots=round(fraction * g.total_routed_experts), config=RuntimeConfig(kpi_every=0))
+                                pool_slots=round(fraction * g.total_routed_experts),
+                                config=RuntimeConfig(kpi_every=0, pass_pair=pass_pair))
         model = load_model(ckpt, torch.bfloat16, "cuda")
         install_tiered_experts(model, runtime)
         with runtime:
@@ -83,6 +85,8 @@ def test_cuda_graph_decode_with_quarter_pool_is_bit_identical(model_type, tmp_pa
     for step, (a, b) in enumerate(zip(small.step_logits, resident.step_logits)):
         assert torch.equal(a, b), f"step {step}"
     assert stats.replayed_steps > 0
+    if pass_pair:  # captured as a second graph, with the cache's step back inside it
+        assert stats.pair_steps > 0 and stats.gathered_rows > 0
 
 
 @pytest.mark.parametrize("cuda_w2", [False, True], ids=["triton", "cuda_w2"])

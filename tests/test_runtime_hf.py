@@ -101,18 +101,22 @@ def test_all_resident_equals_the_original_model_on_w2_weights(model_type, checkp
     assert stats.replayed_steps == 0
 
 
+@pytest.mark.parametrize("pass_pair", [False, True], ids=["single", "pass_pair"])
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
-def test_quarter_pool_is_bit_identical_to_all_resident_over_64_steps(model_type, checkpoints):
-    """(b) with 25% of the experts on the device, every step's logits equal the all-resident run."""
+def test_quarter_pool_is_bit_identical_to_all_resident_over_64_steps(model_type, pass_pair, checkpoints):
+    """(b) with 25% of the experts on the device, every step's logits equal the all-resident run; with config
+    pass_pair too (the decode steps' pairs step the cache's position back between their passes)."""
     ckpt, packs = checkpoints(model_type)
     steps = 64
-    small, stats = generate(ckpt, packs, 0.25, steps)
+    small, stats = generate(ckpt, packs, 0.25, steps, pass_pair=pass_pair)
     resident, _ = generate(ckpt, packs, 1.0, steps, prefill_chunk=small.prefill_chunk)  # the same prefill steps
     assert small.new_ids == resident.new_ids
     assert len(small.step_logits) == steps
     for step, (a, b) in enumerate(zip(small.step_logits, resident.step_logits)):
         assert torch.equal(a, b), f"step {step} differs"
     assert stats.replayed_steps > 0 and stats.fetched_rows > stats.pool_slots
+    if pass_pair:
+        assert stats.pair_steps > 0 and stats.gathered_rows > 0
 
 
 def test_strict_mode_raises_when_a_step_cannot_fit(checkpoints):

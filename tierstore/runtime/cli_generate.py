@@ -55,7 +55,7 @@ def generate_command(args, out) -> int:
               f"{len(report.skipped[tag])}) in {time.perf_counter() - started:.1f} s", file=out)
     config = RuntimeConfig(replay_mode=args.replay_mode, miss_tolerance=args.miss_tol, fp_max=args.fp_max,
                            policy=args.policy, force_pool=args.force_pool, early_fetch=args.early_fetch,
-                           gather_in_pass=args.gather_in_pass, cuda_w2=args.cuda_w2, kpi_every=0,
+                           gather_in_pass=args.gather_in_pass, pass_pair=args.pass_pair, cuda_w2=args.cuda_w2, kpi_every=0,
                            **fp4_config(args))
     slot_bytes = w2_slot_layout(geometry.hidden, geometry.expert_inter).slot_bytes
     fraction = args.gpu_pool_frac if args.gpu_pool_frac is not None else (None if args.gpu_pool_gb else 0.25)

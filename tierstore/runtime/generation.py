@@ -5,6 +5,10 @@ rewound, so the replay overwrites the same cache entries with the corrected valu
 decode step is captured once as a CUDA graph (pools and tables exist before the capture) and
 every pass is a graph replay; elsewhere, or when capture fails, the step runs eagerly.
 
+With config `pass_pair` a decode step may launch its pass and the replay together
+(`TieredRuntime.pass_pair`): between them the cache's write position steps back by the one token the
+first pass wrote (`_step_back`, a device op, so the pair is captured as one CUDA graph like the step).
+
 With a runtime made with `output_words >= 1` and no confidence gate, the decode step's argmax is
 computed inside the step and published into the pass log (`TieredRuntime.publish`): the pass-log
 read that the step makes anyway brings the next token back, with no copy or sync of its own.
@@ -51,6 +55,8 @@ class TieredGenerator:
         self._pos = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1]
         self._graph = None
         self._graph_logits = None
+        self._pair_graph = None  # config pass_pair: the captured pass pair, and its logits
+        self._pair_logits = None
         # the gate may return a result other than the last pass's, whose published token would then not match
         self._fold = runtime.log.outputs is not None and getattr(runtime, "gate", None) is None
 
@@ -59,6 +65,13 @@ class TieredGenerator:
         for layer in self.cache.layers:
             if getattr(layer, "is_initialized", False):
                 layer.cumulative_length.fill_(position)
+
+    def _step_back(self) -> None:
+        """The cache's write position one decode token back, on the device (capturable): a pass pair's replay
+        overwrites what its first pass wrote."""
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.sub_(1)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=ids, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=1)
@@ -71,30 +84,46 @@ class TieredGenerator:
             self.runtime.publish(logits.argmax().view(1))  # the next token, read back with the pass log
         return logits
 
+    def _decode_pair_eager(self) -> torch.Tensor:
+        return self.runtime.pass_pair(self._decode_eager, self._step_back)()
+
     def _capture(self, position: int) -> None:
+        launches = [self._decode_eager] + ([self._decode_pair_eager] if self.runtime.pairs else [])
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up (allocations, autotuning) outside the capture
-                self._rewind(position)
-                self._decode_eager()
+            for launch in launches:
+                for _ in range(2):  # warm-up (allocations, autotuning) outside the capture; a pair nobody armed
+                    self._rewind(position)
+                    launch()
         torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        self._rewind(position)
-        try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                logits = self._decode_eager()
-        except RuntimeError as exc:
-            log.warning("CUDA graph capture of the decode step failed, running eagerly: %s", exc)
-            self.use_cuda_graph = False
-            return
-        self._graph, self._graph_logits = graph, logits
+        captured = []
+        for launch in launches:
+            graph = torch.cuda.CUDAGraph()
+            self._rewind(position)
+            try:
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    logits = launch()
+            except RuntimeError as exc:
+                log.warning("CUDA graph capture of the decode step failed, running eagerly: %s", exc)
+                self.use_cuda_graph = False
+                return
+            captured.append((graph, logits))
+        self._graph, self._graph_logits = captured[0]
+        if len(captured) > 1:
+            self._pair_graph, self._pair_logits = captured[1]
 
     def _decode_pass(self) -> torch.Tensor:
         if self._graph is not None:
             self._graph.replay()
             return self._graph_logits
         return self._decode_eager()
+
+    def _decode_pair(self) -> torch.Tensor:
+        if self._pair_graph is not None:
+            self._pair_graph.replay()
+            return self._pair_logits
+        return self._decode_pair_eager()
 
     # -- generation -----------------------------------------------------------------------------
     def prefill_chunk(self, prompt_tokens: int) -> int:
@@ -156,7 +185,8 @@ class TieredGenerator:
             if self.use_cuda_graph and self._graph is None:
                 self._capture(position)
             self._rewind(position)
-            logits, outcome = self.runtime.step(self._decode_pass, lambda p=position: self._rewind(p))
+            logits, outcome = self.runtime.step(self._decode_pass, lambda p=position: self._rewind(p),
+                                                forward_pair=self._decode_pair if self.runtime.pairs else None)
             published = int(outcome.last_pass.outputs[0]) if self._fold else None
             result.fired.append(outcome.gate is not None)
             result.all_fp4.append(outcome.all_fp4)
