@@ -56,12 +56,15 @@ def _pair_step(rt: TieredRuntime, model: ToyMoE, x: torch.Tensor):
     return rt.step(forward, lambda: None, forward_pair=rt.pass_pair(forward, lambda: None))
 
 
-@pytest.mark.parametrize("tokens,slots,arena", [(1, 32, "all"), (3, 32, "all"), (1, 20, "all"), (1, 32, 24)])
-def test_pairs_equal_the_resident_run_with_exact_bytes_and_tables(tokens, slots, arena):
+@pytest.mark.parametrize("tokens,slots,arena,copies", [(1, 32, "all", "kernel"), (3, 32, "all", "kernel"),
+                                                       (1, 20, "all", "kernel"), (1, 32, 24, "kernel"),
+                                                       (1, 32, "all", "engine")])
+def test_pairs_equal_the_resident_run_with_exact_bytes_and_tables(tokens, slots, arena, copies):
+    """(Engine copies on a CPU run the references like the kernel's.)"""
     g = toy_geometry(layers=LAYERS, experts=EXPERTS)
     model = ToyMoE(g, seed=3)
     resident = _resident(g, tokens)
-    small, source = _pair_runtime(g, slots, arena, tokens)
+    small, source = _pair_runtime(g, slots, arena, tokens, pass_pair_copies=copies)
     pairs_without_host_fetch = 0
     with resident, small:
         for step in range(48):
@@ -202,6 +205,8 @@ def test_the_knob_refuses_what_it_cannot_serve():
     assert RuntimeConfig().pass_pair is False
     with pytest.raises(ConfigError, match="pass_pair_copy_blocks must be an integer >= 1"):
         RuntimeConfig(pass_pair_copy_blocks=0)
+    with pytest.raises(ConfigError, match="pass_pair_copies must be one of kernel, engine"):
+        RuntimeConfig(pass_pair_copies="dma")
     assert RuntimeConfig.from_env({"TIERSTORE_PASS_PAIR": "1"}).pass_pair is True
     for other in ("gather_in_pass", "early_fetch"):
         with pytest.raises(ConfigError, match=f"pass_pair and {other}"):
@@ -225,14 +230,24 @@ def cuda():
 
 
 def _held_back(rt: TieredRuntime, cycles: int = 20_000_000) -> None:
-    """Every row copy of the pair's first pass starts only after a device sleep on its side stream."""
-    kernels = rt._gather._kernels
-    copy = kernels.copy_rows
+    """Every row copy of the pair's first pass starts only after a device sleep on its side stream (the copy
+    kernel's launch, or with engine copies each row the host issues)."""
+    gather = rt._gather
+    if gather.engine:
+        copy = gather._h2d.copy
+
+        def late_row(destination, source, nbytes, stream):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(cycles)
+            copy(destination, source, nbytes, stream)
+        gather._h2d.copy = late_row
+        return
+    copy = gather._kernels.copy_rows
 
     def late_copy(*args, **kwargs):
         torch.cuda._sleep(cycles)
         copy(*args, **kwargs)
-    kernels.copy_rows = late_copy
+    gather._kernels.copy_rows = late_copy
 
 
 def _cuda_case():
@@ -252,11 +267,12 @@ def test_cuda_refuses_the_torch_backend(cuda):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("copies", ["kernel", "engine"])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("held_back", [False, True], ids=["prompt", "held-back"])
-def test_cuda_pairs_equal_the_resident_run(cuda, graph, held_back):
+def test_cuda_pairs_equal_the_resident_run(cuda, graph, held_back, copies):
     g, model, want = _cuda_case()
-    small, source = _pair_runtime(g, 20, "all", device="cuda", backend="triton")
+    small, source = _pair_runtime(g, 20, "all", device="cuda", backend="triton", pass_pair_copies=copies)
     with small:
         if held_back:
             _held_back(small)
@@ -269,11 +285,12 @@ def test_cuda_pairs_equal_the_resident_run(cuda, graph, held_back):
 
 
 @pytest.mark.gpu
-def test_cuda_negative_control_without_the_replays_waits_reads_stale_rows(cuda):
+@pytest.mark.parametrize("copies", ["kernel", "engine"])
+def test_cuda_negative_control_without_the_replays_waits_reads_stale_rows(cuda, copies):
     """The held-back copies with the replay's waits removed but the last layer's (which joins the side stream, as
     a capture needs): some step differs from the resident run (so the waits keep the held-back test exact)."""
     g, model, want = _cuda_case()
-    small, _ = _pair_runtime(g, 20, "all", device="cuda", backend="triton")
+    small, _ = _pair_runtime(g, 20, "all", device="cuda", backend="triton", pass_pair_copies=copies)
     with small:
         _held_back(small)
         wait_rows = small._gather.wait_rows

@@ -15,7 +15,12 @@
 //   desc      [R, 2]   int64: (source host address, destination device address) of the layer's rows
 //   rows      [1]      how many rows of desc the plan gave the gather: &state[2] when the copy follows the plan on
 //                      one stream; a per-layer word (with a per-layer desc) when it runs on a side stream while
-//                      later layers plan (config pass_pair)
+//                      later layers plan (config pass_pair), both in pinned host memory when the host issues the
+//                      copies (pass_pair_copies "engine": written last, after a system-wide fence, so a host that
+//                      sees it also sees desc)
+//   done      [1]      engine copies: the layer's flag the replay waits for, set here when the plan took no row (the
+//                      host sets it after the rows otherwise; an unarmed pair, e.g. a capture's warm-up, needs no
+//                      host); null otherwise
 //
 // The host plans the spares while the pass before runs, so a victim's spare is used only while it still holds: the
 // victim still maps to that slot, and neither that pass nor this one so far routed it (`prev_seen`, `seen`); others
@@ -52,8 +57,8 @@ __device__ int block_rank(bool flag, int* warp_totals, int* total) {
 extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_pass_gather(
     const int* __restrict__ seen, const int* __restrict__ prev_seen, int* w2_table, const int* __restrict__ f4_table,
     const long long* __restrict__ addresses, int* state, const int* __restrict__ spares, int* gathered,
-    unsigned long long* desc, int* rows, int layer, int num_experts, int num_layers, unsigned long long slot_base,
-    long long slot_bytes) {
+    unsigned long long* desc, int* rows, int* done, int layer, int num_experts, int num_layers,
+    unsigned long long slot_base, long long slot_bytes) {
   __shared__ int warp_totals[32];
   __shared__ int take_slot[kPlanThreads];
   __shared__ int take_victim[kPlanThreads];
@@ -97,11 +102,14 @@ extern "C" __global__ void __launch_bounds__(kPlanThreads) plan_pass_gather(
     entry[2] = from;
     desc[2 * need_rank] = static_cast<unsigned long long>(source);
     desc[2 * need_rank + 1] = slot_base + static_cast<unsigned long long>(to) * slot_bytes;
+    __threadfence_system();  // desc may be pinned host memory the host reads once it sees *rows (engine copies)
   }
+  __syncthreads();
   if (t == 0) {
     gathered[0] = first_entry + take;
     state[1] = next_cursor;
     *rows = take;
+    if (done != nullptr && take == 0) *done = 1;  // engine copies: nothing for the host to copy, the layer is done
     if (layer == num_layers - 1) state[0] = 0;  // one pass per arming
   }
 }

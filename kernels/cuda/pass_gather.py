@@ -74,19 +74,21 @@ class PassGatherCuda:
 
     def plan_layer(self, layer: int, seen: torch.Tensor, prev_seen: torch.Tensor, w2_table: torch.Tensor,
                    f4_table: torch.Tensor, buffers: GatherBuffers, gathered: torch.Tensor, slots: torch.Tensor,
-                   desc: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
+                   desc: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                   done: torch.Tensor | None = None) -> None:
         """Plan `layer`'s rows on the current stream into `desc` (int64 [R, 2]) and `rows` (int32, one word);
-        default: the buffers' desc and state[2]."""
+        default: the buffers' desc and state[2]. `done` (int32, one device word): set to 1 when no row was planned."""
         num_layers, num_experts = w2_table.shape
         if num_experts > PLAN_THREADS:
             raise ValueError(f"the pass's gather plans up to {PLAN_THREADS} experts per layer, got {num_experts}")
         desc = buffers.desc if desc is None else desc
         rows = buffers.state[2:] if rows is None else rows
         stream = torch.cuda.current_stream().cuda_stream
-        self.plan.launch((1,), (PLAN_THREADS,), 0, stream, "ppppppppppiiipq",
+        self.plan.launch((1,), (PLAN_THREADS,), 0, stream, "pppppppppppiiipq",
                          [seen.data_ptr(), prev_seen.data_ptr(), w2_table.data_ptr(), f4_table.data_ptr(),
                           buffers.addresses.data_ptr(), buffers.state.data_ptr(), buffers.spares.data_ptr(),
-                          gathered.data_ptr(), desc.data_ptr(), rows.data_ptr(), layer, num_experts, num_layers,
+                          gathered.data_ptr(), desc.data_ptr(), rows.data_ptr(),
+                          done.data_ptr() if done is not None else 0, layer, num_experts, num_layers,
                           slots.data_ptr(), slots.shape[1]])
 
     def copy_rows(self, desc: torch.Tensor, rows: torch.Tensor, row_bytes: int, blocks: int | None = None) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from tierstore.errors import ConfigError
 
 REPLAY_MODES = ("strict", "approximate")
+PAIR_COPIES = ("kernel", "engine")  # pass_pair_copies: who moves a pass pair's rows on CUDA
 GATE_SIGNALS = ("max_prob", "margin")
 DEFAULT_GATE_TAU = {"max_prob": 0.60, "margin": 1.5}
 ENV_PREFIX = "TIERSTORE_"
@@ -92,7 +93,10 @@ class RuntimeConfig:
       `pass_pair_copy_blocks` (default 4) is the side stream's copy grid, which shares the SMs with both passes:
       on the H200 4 and 8 blocks beat 2, 16, 64 and two per SM (docs/runtime.md, "The pass pair"). After a pair
       whose first pass gathered fewer experts than it missed (spares short, rows not in the arena), the next 8
-      decode steps run single passes.
+      decode steps run single passes. `pass_pair_copies` ("kernel", the default; "engine"): who moves the rows
+      on CUDA: the copy kernel above, or the copy engine, driven by the host while the pair runs (each layer's
+      plan in pinned memory, the rows issued on a copy stream, a flag written after them that the replay waits
+      for); on a CPU both run the references.
 
     Kernels:
 
@@ -145,6 +149,7 @@ class RuntimeConfig:
     gather_in_pass: bool = False
     pass_pair: bool = False
     pass_pair_copy_blocks: int = 4
+    pass_pair_copies: str = "kernel"
     cuda_w2: bool | str = "auto"
 
     def __post_init__(self) -> None:
@@ -160,6 +165,8 @@ class RuntimeConfig:
             raise ConfigError(f"copy_streams must be 1 or 2, got {self.copy_streams!r}")
         if self.gather_in_pass and self.early_fetch:
             raise ConfigError("gather_in_pass and early_fetch both fetch while a pass runs; turn one of them off")
+        if self.pass_pair_copies not in PAIR_COPIES:
+            raise ConfigError(f"pass_pair_copies must be one of {', '.join(PAIR_COPIES)}, got {self.pass_pair_copies!r}")
         if self.pass_pair and (self.gather_in_pass or self.early_fetch):
             other = "gather_in_pass" if self.gather_in_pass else "early_fetch"
             raise ConfigError(f"pass_pair and {other} both fetch while a pass runs; turn one of them off")

@@ -140,7 +140,8 @@ class TieredRuntime:
                            record_tokens=record_tokens, output_words=output_words, early_layers=self._early,
                            gather_capacity=spares)
         self._gather = (PassGather(self.pool, self.arena, self.log, spares, paired=self.config.pass_pair,
-                                   copy_blocks=self.config.pass_pair_copy_blocks) if gathers else None)
+                                   copy_blocks=self.config.pass_pair_copy_blocks,
+                                   copies=self.config.pass_pair_copies) if gathers else None)
         self.pairs = self._gather is not None and self._gather.paired  # decode steps may launch a pass pair
         self._pair_half = 0  # while a pass pair runs (or is captured): 1 in its first pass, 2 in its replay
         self._last_gathered = 0  # experts the last pass read gathered for itself (`_recent_missing`)
@@ -409,7 +410,7 @@ class TieredRuntime:
                         self._pair_backoff -= 1
                         self._gather.drop_staged()
                     elif forward_pair is not None and self._recent_missing and self._gather.has_staged():
-                        first_forward = self._with_armed_gather(forward_pair)
+                        first_forward = self._with_armed_gather(self._with_served_copies(forward_pair))
                         if gated:
                             first_forward = self._with_signal(first_forward, logits_of or (lambda r: r))
                     else:  # a single pass: it gathers nothing
@@ -481,6 +482,16 @@ class TieredRuntime:
             return forward()
         return run
 
+    def _with_served_copies(self, forward_pair: Callable[[], object]):
+        """`forward_pair` with its engine copies served by the host while it runs (config pass_pair_copies engine;
+        otherwise `serve` returns at once)."""
+        def run():
+            self._gather.before_pair()
+            result = forward_pair()
+            self._gather.serve()
+            return result
+        return run
+
     def _stage_spares(self) -> None:
         """While a decode pass runs, before its read: the spares of the pass after it (gather_in_pass), from the
         victim plan just made, the free slots this pass may take left out (the device checks each victim when it
@@ -507,6 +518,7 @@ class TieredRuntime:
         self._settle_gathered()
         self._gather.disarm()
         self._gather.sync()
+        self._gather.recopy_gathered()
         gathered, table = self.log.gathered.cpu().tolist(), self.pool.table.cpu().view(-1).tolist()
         mirror = self.pool.mirror.reshape(-1)
         entries = [gathered[1 + 3 * i:4 + 3 * i] for i in range(gathered[0])]

@@ -22,9 +22,17 @@ would gather), so a pass is armed only when no install's copies are in flight an
 (`plan_and_fork`: they saw its missing experts as misses, so nothing in this pass reads the slots being written)
 and copies the rows on a side stream, each layer into its own descriptors, while the pass goes on; the replay
 waits for a layer's rows before that layer (`wait_rows`). On a CPU both are done at once by the references.
+With `copies` "engine" (config `pass_pair_copies`, CUDA) the copy engine moves the rows instead of a kernel: the
+plan writes each layer's descriptors and row count to pinned host memory; the host, after launching the pair,
+waits for each layer's count (`serve`), issues its rows on a copy stream and then writes the layer's flag there;
+the replay waits for the flag (a stream wait on a device word, `StreamValues`); a plan of no rows sets its flag
+itself, so a pair nobody serves (a capture's warm-up, unarmed) runs through. `serve` writes every flag it has not
+written when it stops, so a failure on the host never leaves the replay waiting.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -43,7 +51,7 @@ def gather_capacity(num_slots: int, num_layers: int, experts_per_layer: int) -> 
 
 class PassGather:
     def __init__(self, pool: DevicePool, arena: Arena, log: PassLog, capacity: int, paired: bool = False,
-                 copy_blocks: int | None = None):
+                 copy_blocks: int | None = None, copies: str = "kernel"):
         knob = "pass_pair" if paired else "gather_in_pass"
         if log.gathered is None or (log.gathered.numel() - 1) // 3 != capacity:
             raise ValueError(f"the pass log needs gather_capacity={capacity}")
@@ -74,10 +82,11 @@ class PassGather:
         self._addresses_synced = -1  # the arena version the device's addresses hold
         self._no_fp4 = torch.full_like(pool.table, -1)  # [L, E] the FP4 table of a runtime without an FP4 pool
         self._kernels = None
+        self.engine = paired and copies == "engine" and cuda  # the host issues the pair's copies (CUDA only)
         if paired:  # each layer's rows described apart: a layer's copy may still run while later layers plan
-            self.layer_desc = torch.zeros(pool.num_layers, pool.num_experts, 2, dtype=torch.int64,
-                                          device=self.device)  # [L, E, 2]
-            self.layer_rows = torch.zeros(pool.num_layers, dtype=torch.int32, device=self.device)  # [L]
+            place = dict(pin_memory=True) if self.engine else dict(device=self.device)
+            self.layer_desc = torch.zeros(pool.num_layers, pool.num_experts, 2, dtype=torch.int64, **place)  # [L, E, 2]
+            self.layer_rows = torch.zeros(pool.num_layers, dtype=torch.int32, **place)  # [L]
         if cuda:
             from tierstore.kernels.cuda.loader import CudaError
             from tierstore.kernels.cuda.pass_gather import PassGatherCuda
@@ -94,6 +103,16 @@ class PassGather:
                 self._side = torch.cuda.Stream(self.device, priority=-1)
                 self._planned = [torch.cuda.Event() for _ in range(pool.num_layers)]
                 self._copied = [torch.cuda.Event() for _ in range(pool.num_layers)]
+            if self.engine:
+                from tierstore.runtime.stream_values import StreamValues
+
+                self._values = StreamValues(self.device)
+                try:
+                    self._values.probe()
+                except RuntimeError as error:
+                    raise ConfigError(f"pass_pair_copies engine needs stream memory operations ({error}); use "
+                                      "pass_pair_copies kernel") from None
+                self._flags = torch.zeros(pool.num_layers, dtype=torch.int32, device=self.device)  # [L] 1 = landed
 
     def stage(self, slots: list[int], victims: list[int]) -> None:
         """The next pass's spares: `slots` with their `victims` (-1: a free slot, which no pass or install may take
@@ -162,8 +181,12 @@ class PassGather:
         if self._kernels is None:
             self._plan_ref(layer, f4, desc, rows)
             return
+        if self.engine and layer == 0:
+            self._flags.zero_()  # before any plan of this pass: the host's writes for it follow a plan
         self._kernels.plan_layer(layer, log.seen, self.prev_seen, pool.table, f4, buffers, log.gathered, pool.slots,
-                                 desc, rows)
+                                 desc, rows, self._flags[layer:layer + 1] if self.engine else None)
+        if self.engine:
+            return
         compute = torch.cuda.current_stream(self._stream_index)
         self._planned[layer].record(compute)
         self._side.wait_event(self._planned[layer])
@@ -174,8 +197,53 @@ class PassGather:
     def wait_rows(self, layer: int) -> None:
         """Pass pair, replay, before `layer`'s experts: the compute stream waits for the rows the first pass
         copied for that layer (CUDA; nothing to wait for on a CPU)."""
-        if self._kernels is not None:
+        if self.engine:
+            stream = torch.cuda.current_stream(self._stream_index)
+            self._values.wait(stream, self._flags.data_ptr() + 4 * layer, 1)
+        elif self._kernels is not None:
             torch.cuda.current_stream(self._stream_index).wait_event(self._copied[layer])
+
+    def before_pair(self) -> None:
+        """Engine copies: before a pair is launched, every layer's row count set to 'not planned yet' (-1)."""
+        if self.engine:
+            self.layer_rows.numpy()[:] = -1
+
+    def serve(self, timeout: float = 10.0) -> None:
+        """Engine copies, after launching a pair: each layer's planned rows issued on the copy stream as soon as its
+        plan is seen, then the layer's flag written there. RuntimeError when a plan does not show within
+        `timeout` seconds; every flag not yet written is written before returning or raising."""
+        if not self.engine:
+            return
+        counts, desc = self.layer_rows.numpy(), self.layer_desc.numpy()
+        stream, flags, served = self._side, self._flags.data_ptr(), 0
+        try:
+            for layer in range(len(counts)):
+                if counts[layer] < 0:
+                    deadline = time.monotonic() + timeout
+                    while counts[layer] < 0:
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"pass pair: layer {layer}'s plan did not show in {timeout} s")
+                if counts[layer]:  # a plan of no rows set its flag itself
+                    for source, destination in desc[layer, :counts[layer]].tolist():
+                        self._h2d.copy(destination, source, self.row_bytes, stream)
+                    self._values.write(stream, flags + 4 * layer, 1)
+                served += 1
+        finally:
+            for layer in range(served, len(counts)):
+                self._values.write(stream, flags + 4 * layer, 1)
+
+    def recopy_gathered(self) -> None:
+        """Engine copies, after a failed step: every row the last pass mapped for itself copied again and waited
+        for, so each mapped slot holds its expert's bytes whatever the host issued before it stopped."""
+        if not self.engine:
+            return
+        self.sync()
+        gathered = self.log.gathered.cpu().tolist()
+        addresses, slots = self.arena.address_table(), self.pool.slots
+        for key, slot, _ in (gathered[1 + 3 * i:4 + 3 * i] for i in range(gathered[0])):
+            if addresses[key]:  # the plan took only rows the arena holds; none is evicted while a step runs
+                self._h2d.copy(slots[slot].data_ptr(), addresses[key], self.row_bytes, self._side)
+        self._side.synchronize()
 
     def _plan_ref(self, layer: int, f4: torch.Tensor, desc: torch.Tensor | None = None,
                   rows: torch.Tensor | None = None) -> None:
