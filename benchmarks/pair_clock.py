@@ -1,0 +1,101 @@
+"""How long a pass pair runs on the device against its step's wall time (config pass_pair): CUDA events around the
+pair's graph launch, host timestamps around the step, in the replay benchmark's setup (synthetic skewed trace,
+preloaded 4 GiB arena, bf16, CUDA graphs, token folded). Per step that launched a pair:
+
+    wall      the step's host time (runtime.step)
+    device    the pair graph's device time (an event before its launch, one after)
+    launch    the step's start -> the pair's launch returned (host: arming, the graph launch)
+    after     the wall minus `launch` minus `device` (host time not overlapped by the pair: the pass-log read's
+              wake-up, its parse, the host's bookkeeping, and any fetch and replay when the pair fell short)
+
+Medians, and the same for the steps whose pair needed no host fetch (one replay).
+
+    python3 benchmarks/pair_clock.py --preset ds-v2-lite --layers 8 --coverage 0.5 [--copies engine] --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="ds-v2-lite")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--coverage", type=float, default=0.5)
+    parser.add_argument("--copies", default="kernel", help="config pass_pair_copies")
+    parser.add_argument("--warm-steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--pack-dir", default="/tmp/rp-timeline")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--commit", default="")
+    args = parser.parse_args()
+
+    import torch
+    if not torch.cuda.is_available():
+        sys.exit("pair_clock.py needs CUDA")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from replay import skewed_steps
+
+    from tierstore.geometry import get_preset
+    from tierstore.runtime import RuntimeConfig, TieredRuntime
+    from tierstore.runtime.replay import ensure_synthetic_pack, open_synthetic_rows, preload_arena
+    from tierstore.runtime.replay_drive import Graphs, drive, forward_fn
+
+    g = get_preset(args.preset).with_layers(args.layers)
+    spec = ensure_synthetic_pack(g, args.pack_dir)
+    steps = skewed_steps(g, args.warm_steps + args.steps)
+    slots = round(args.coverage * g.total_routed_experts)
+    config = RuntimeConfig(kpi_every=0, force_pool=True, pass_pair=True, pass_pair_copies=args.copies)
+    rows = []
+    with TieredRuntime(g, open_synthetic_rows(spec, args.pack_dir), pool_slots=slots,
+                       arena_slots=int(4 * 2**30) // spec.stride, device="cuda", config=config, output_words=1) as rt:
+        preload_arena(rt)
+        drive(rt, steps[:args.warm_steps], warmup=10, graph=True, readback="folded", dtype=torch.bfloat16)
+        x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16) * 0.01
+        weights = torch.full((1, g.top_k), 1.0 / g.top_k, device="cuda")
+        graphs = Graphs(forward_fn(rt, x, weights, naive=False, publish=True), rt.device,
+                        lambda f: rt.pass_pair(f, lambda: None))
+        routes = [torch.as_tensor(r, dtype=torch.int64).cuda() for r in steps[args.warm_steps:]]
+        graphs.capture(routes[0])
+        for ids in routes:
+            started = time.perf_counter()
+            run, pair = graphs.bind(ids)
+            marks = {}
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+            def timed_pair():
+                before.record()
+                out = pair()
+                after.record()
+                marks["launched"] = time.perf_counter()
+                return out
+            pairs = rt.stats().pair_steps
+            _, outcome = rt.step(run, lambda: None, forward_pair=timed_pair)
+            wall = time.perf_counter() - started
+            if rt.stats().pair_steps > pairs:
+                device = before.elapsed_time(after) * 1e3  # us
+                launch = (marks["launched"] - started) * 1e6
+                rows.append({"wall": wall * 1e6, "device": device, "launch": launch,
+                             "after": wall * 1e6 - launch - device, "replays": outcome.replays})
+
+    def medians(selected):
+        return {k: statistics.median(r[k] for r in selected) for k in ("wall", "device", "launch", "after")} \
+            if selected else {}
+    report = {"provenance": {"commit": args.commit, "torch": torch.__version__, "device": torch.cuda.get_device_name()},
+              "preset": args.preset, "layers": args.layers, "coverage": args.coverage, "copies": args.copies,
+              "pair_steps": len(rows), "median": medians(rows),
+              "median_one_replay": medians([r for r in rows if r["replays"] == 1]), "steps": rows}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    print(f"{args.preset} {args.layers} layers, coverage {args.coverage}, copies {args.copies}: {len(rows)} pair steps")
+    for name in ("median", "median_one_replay"):
+        print(f"  {name} (us): " + ", ".join(f"{k} {v:.1f}" for k, v in report[name].items()))
+
+
+if __name__ == "__main__":
+    main()
