@@ -5,6 +5,8 @@ preloaded 4 GiB arena, bf16, CUDA graphs, token folded). Per step that launched 
     wall      the step's host time (runtime.step)
     device    the pair graph's device time (an event before its launch, one after)
     launch    the step's start -> the pair's launch returned (host: arming, the graph launch)
+    bound, arm_start, arm_end, record   host marks from the step's start: the routing bound to the graphs, the
+              spares' arming begun and done, the pair's first event recorded (just before its graph launch)
     after     the wall minus `launch` minus `device` (host time not overlapped by the pair: the pass-log read's
               wake-up, its parse, the host's bookkeeping, and any fetch and replay when the pair fell short)
 
@@ -62,13 +64,23 @@ def main() -> None:
                         lambda f: rt.pass_pair(f, lambda: None))
         routes = [torch.as_tensor(r, dtype=torch.int64).cuda() for r in steps[args.warm_steps:]]
         graphs.capture(routes[0])
+        marks: dict[str, float] = {}
+        arm = rt._gather.arm_staged
+
+        def marked_arm():
+            marks["arm_start"] = time.perf_counter()
+            arm()
+            marks["arm_end"] = time.perf_counter()
+        rt._gather.arm_staged = marked_arm
         for ids in routes:
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            marks.clear()
             started = time.perf_counter()
             run, pair = graphs.bind(ids)
-            marks = {}
-            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            marks["bound"] = time.perf_counter()
 
             def timed_pair():
+                marks["record"] = time.perf_counter()
                 before.record()
                 out = pair()
                 after.record()
@@ -80,10 +92,12 @@ def main() -> None:
                 device = before.elapsed_time(after) * 1e3  # us
                 launch = (marks["launched"] - started) * 1e6
                 rows.append({"wall": wall * 1e6, "device": device, "launch": launch,
-                             "after": wall * 1e6 - launch - device, "replays": outcome.replays})
+                             "after": wall * 1e6 - launch - device, "replays": outcome.replays,
+                             **{k: (marks[k] - started) * 1e6 for k in ("bound", "arm_start", "arm_end", "record")}})
 
     def medians(selected):
-        return {k: statistics.median(r[k] for r in selected) for k in ("wall", "device", "launch", "after")} \
+        return {k: statistics.median(r[k] for r in selected)
+                for k in ("wall", "device", "launch", "after", "bound", "arm_start", "arm_end", "record")} \
             if selected else {}
     report = {"provenance": {"commit": args.commit, "torch": torch.__version__, "device": torch.cuda.get_device_name()},
               "preset": args.preset, "layers": args.layers, "coverage": args.coverage, "copies": args.copies,
