@@ -1162,8 +1162,8 @@ case "$step" in
     done
     ;;
   pairclock2)  # a pass pair's device time against its step's wall time (benchmarks/pair_clock.py, CUDA events around
-    # the pair's launch): ds-v2-lite 8 layers at 50 / 25 % and qwen3-30b-a3b 16 layers at 50 % with kernel copies,
-    # qwen3-30b-a3b 50 % with engine copies. Stage limits 4 x 80 s.
+    # the pair's launch, host marks before it): ds-v2-lite 8 layers and qwen3-30b-a3b 16 layers at 50 % with kernel
+    # copies, qwen3-30b-a3b 50 % with engine copies. Stage limits 3 x 80 s.
     for cell in "ds-v2-lite 8 0.5 kernel" "qwen3-30b-a3b 16 0.5 kernel" \
                 "qwen3-30b-a3b 16 0.5 engine"; do
       set -- $cell
