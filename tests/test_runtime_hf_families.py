@@ -37,7 +37,7 @@ def family_checkpoints(tmp_path_factory):
 def test_quarter_pool_is_bit_identical_over_64_steps_for_the_other_families(model_type, family_checkpoints):
     """64 decode steps at 25% coverage replay (and fetch more rows than the pool holds) and return the
     all-resident logits and tokens exactly."""
-    quarter_pool_check(model_type, family_checkpoints)
+    quarter_pool_check(model_type=model_type, pass_pair=False, checkpoints=family_checkpoints)
 
 
 def test_a_prompt_whose_layer_cannot_fit_the_pool_prefills_in_steps(family_checkpoints, monkeypatch):
