@@ -127,3 +127,19 @@ def cuda_decode_steps(rt, model: ToyMoE, geometry: MoEGeometry, graph: bool, ste
         got, _ = rt.step(forward, lambda: None, forward_pair=pair)
         outputs.append(got.clone())
     return outputs
+
+
+def arena_runtime(geometry: MoEGeometry, slots: int, arena_slots: int | str, tokens: int = 1, device: str = "cpu",
+                  backend: str = "auto", **config):
+    """(runtime, source): a runtime over `memory_source(geometry, seed=7)` with a pool of `slots` and the config
+    fields given; arena_slots "all": an arena holding every row (filled before it returns)."""
+    from tierstore.runtime import RuntimeConfig, TieredRuntime
+
+    source = memory_source(geometry, seed=7)
+    every = [(layer, expert) for layer in range(geometry.num_moe_layers) for expert in range(geometry.num_experts)]
+    rt = TieredRuntime(geometry, source, pool_slots=slots,
+                       arena_slots=len(every) if arena_slots == "all" else arena_slots, device=device, backend=backend,
+                       config=RuntimeConfig(kpi_every=0, tokens_per_step=tokens, **config))
+    if arena_slots == "all":
+        rt.arena.fetch(every, scan=True)
+    return rt, source

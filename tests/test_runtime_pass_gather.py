@@ -15,7 +15,7 @@ from itertools import islice
 
 import pytest
 import torch
-from test_runtime_fixtures import ToyMoE, cuda_decode_steps, memory_source, toy_geometry
+from test_runtime_fixtures import ToyMoE, arena_runtime, cuda_decode_steps, memory_source, toy_geometry
 
 from tests.cuda_fixtures import needs_nvcc, ptxas_report
 from tierstore.errors import ConfigError
@@ -102,17 +102,9 @@ def test_gather_rows_ref_copies_each_planned_row():
     assert torch.equal(target[0], source[2]) and torch.equal(target[1], source[0]) and not target[2].any()
 
 
-def _gather_runtime(g, slots: int, arena_slots: int | str, tokens: int = 1, device: str = "cpu", backend: str = "auto",
-                    **config):
-    """A runtime with gather_in_pass over a pool of `slots`; arena_slots "all": an arena holding every row."""
-    source = memory_source(g, seed=7)
-    every = [(layer, expert) for layer in range(g.num_moe_layers) for expert in range(g.num_experts)]
-    rt = TieredRuntime(g, source, pool_slots=slots, arena_slots=len(every) if arena_slots == "all" else arena_slots,
-                       device=device, backend=backend,
-                       config=RuntimeConfig(kpi_every=0, tokens_per_step=tokens, gather_in_pass=True, **config))
-    if arena_slots == "all":
-        rt.arena.fetch(every, scan=True)
-    return rt, source
+def _gather_runtime(g, slots: int, arena_slots: int | str, tokens: int = 1, **kwargs):
+    """A runtime with gather_in_pass over a pool of `slots` (`arena_runtime`)."""
+    return arena_runtime(g, slots, arena_slots, tokens, gather_in_pass=True, **kwargs)
 
 
 def _check_exact(rt: TieredRuntime, source) -> None:

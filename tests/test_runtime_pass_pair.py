@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runtime_fixtures import ToyMoE, cuda_decode_steps, memory_source, toy_geometry
+from test_runtime_fixtures import ToyMoE, arena_runtime, cuda_decode_steps, memory_source, toy_geometry
 
 from tierstore.errors import ConfigError
 from tierstore.runtime import RuntimeConfig, TieredRuntime
@@ -23,17 +23,9 @@ from tierstore.runtime.passlog import PassLog
 LAYERS, EXPERTS = 4, 16
 
 
-def _pair_runtime(g, slots: int, arena_slots: int | str, tokens: int = 1, device: str = "cpu",
-                  backend: str = "auto", **config):
-    """A runtime with pass_pair over a pool of `slots`; arena_slots "all": an arena holding every row."""
-    source = memory_source(g, seed=7)
-    every = [(layer, expert) for layer in range(g.num_moe_layers) for expert in range(g.num_experts)]
-    rt = TieredRuntime(g, source, pool_slots=slots, arena_slots=len(every) if arena_slots == "all" else arena_slots,
-                       device=device, backend=backend,
-                       config=RuntimeConfig(kpi_every=0, tokens_per_step=tokens, pass_pair=True, **config))
-    if arena_slots == "all":
-        rt.arena.fetch(every, scan=True)
-    return rt, source
+def _pair_runtime(g, slots: int, arena_slots: int | str, tokens: int = 1, **kwargs):
+    """A runtime with pass_pair over a pool of `slots` (`arena_runtime`)."""
+    return arena_runtime(g, slots, arena_slots, tokens, pass_pair=True, **kwargs)
 
 
 def _resident(g, tokens: int = 1, device: str = "cpu", backend: str = "auto") -> TieredRuntime:

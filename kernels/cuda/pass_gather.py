@@ -28,6 +28,7 @@ ALIGN = 16  # bytes: rows, row addresses and slots are copied in 16-byte words
 class GatherBuffers:
     control: torch.Tensor  # int32 [3 + 2C]: state, then spares (what the host writes before a pass, in one copy)
     state: torch.Tensor  # int32 [3], a view of control
+    rows: torch.Tensor  # int32 [1], state[2]: the rows of the last plan, where a copy after it on one stream reads them
     spares: torch.Tensor  # int32 [C, 2], a view of control
     addresses: torch.Tensor  # int64 [L * E]
     desc: torch.Tensor  # int64 [R, 2]
@@ -41,7 +42,7 @@ class GatherBuffers:
     @classmethod
     def over(cls, control: torch.Tensor, addresses: torch.Tensor, desc: torch.Tensor) -> GatherBuffers:
         """The buffers over these tensors, state and spares as views of `control`."""
-        return cls(control, control[:3], control[3:].view(-1, 2), addresses, desc)
+        return cls(control, control[:3], control[2:3], control[3:].view(-1, 2), addresses, desc)
 
 
 def check_alignment(row_bytes: int, slot_bytes: int, stride: int, base: int) -> None:
@@ -70,19 +71,20 @@ class PassGatherCuda:
                  row_bytes: int) -> None:
         """Plan and copy `layer`'s rows, one after the other on the current stream."""
         self.plan_layer(layer, seen, prev_seen, w2_table, f4_table, buffers, gathered, slots)
-        self.copy_rows(buffers.desc, buffers.state[2:], row_bytes)
+        self.copy_rows(buffers.desc, buffers.rows, row_bytes)
 
     def plan_layer(self, layer: int, seen: torch.Tensor, prev_seen: torch.Tensor, w2_table: torch.Tensor,
                    f4_table: torch.Tensor, buffers: GatherBuffers, gathered: torch.Tensor, slots: torch.Tensor,
                    desc: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                    done: torch.Tensor | None = None) -> None:
         """Plan `layer`'s rows on the current stream into `desc` (int64 [R, 2]) and `rows` (int32, one word);
-        default: the buffers' desc and state[2]. `done` (int32, one device word): set to 1 when no row was planned."""
+        default: the buffers' desc and rows (state[2]). `done` (int32, one device word): set to 1 when no row was
+        planned."""
         num_layers, num_experts = w2_table.shape
         if num_experts > PLAN_THREADS:
             raise ValueError(f"the pass's gather plans up to {PLAN_THREADS} experts per layer, got {num_experts}")
         desc = buffers.desc if desc is None else desc
-        rows = buffers.state[2:] if rows is None else rows
+        rows = buffers.rows if rows is None else rows
         stream = torch.cuda.current_stream().cuda_stream
         self.plan.launch((1,), (PLAN_THREADS,), 0, stream, "pppppppppppiiipq",
                          [seen.data_ptr(), prev_seen.data_ptr(), w2_table.data_ptr(), f4_table.data_ptr(),
@@ -106,10 +108,10 @@ def plan_pass_gather_ref(layer: int, seen: torch.Tensor, prev_seen: torch.Tensor
     in neither pool whose rows the arena holds, ascending, take the eligible spares from the cursor on in order (a
     spare is eligible when it is free, or when its victim still maps to its slot and neither the pass before nor
     this one so far routed it), as many as both allow; victims unmapped, experts mapped, (key, slot, victim)
-    appended to `gathered`, `desc` and `rows` (default: the buffers' desc and state[2]) and the state updated, and
-    the last layer disarms."""
+    appended to `gathered`, `desc` and `rows` (default: the buffers' desc and rows, state[2]) and the state updated,
+    and the last layer disarms."""
     desc = buffers.desc if desc is None else desc
-    rows = buffers.state[2:] if rows is None else rows
+    rows = buffers.rows if rows is None else rows
     num_layers, num_experts = w2_table.shape
     flat_table, flat_f4, flat_seen = w2_table.view(-1), f4_table.view(-1), seen.view(-1)
     flat_prev = prev_seen.view(-1)
@@ -144,8 +146,8 @@ def plan_pass_gather_ref(layer: int, seen: torch.Tensor, prev_seen: torch.Tensor
 def gather_rows_ref(buffers: GatherBuffers, row_bytes: int, desc: torch.Tensor | None = None,
                     rows: torch.Tensor | None = None) -> None:
     """What `gather_pass_rows` does, for host memory (a CPU pool): the first `rows[0]` rows of `desc` by address
-    (default: the buffers' desc and state[2], the last plan's)."""
+    (default: the buffers' desc and rows (state[2]), the last plan's)."""
     desc = buffers.desc if desc is None else desc
-    count = int(buffers.state[2] if rows is None else rows[0])
+    count = int((buffers.rows if rows is None else rows)[0])
     for source, destination in desc[:count].tolist():
         ctypes.memmove(destination, source, row_bytes)

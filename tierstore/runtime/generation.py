@@ -16,15 +16,13 @@ read that the step makes anyway brings the next token back, with no copy or sync
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from tierstore.errors import ConfigError
-
-log = logging.getLogger("tierstore.runtime")
+from tierstore.runtime.graphs import capture_graphs
 
 
 @dataclass
@@ -88,27 +86,11 @@ class TieredGenerator:
         return self.runtime.pass_pair(self._decode_eager, self._step_back)()
 
     def _capture(self, position: int) -> None:
-        launches = [self._decode_eager] + ([self._decode_pair_eager] if self.runtime.pairs else [])
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for launch in launches:
-                for _ in range(2):  # warm-up (allocations, autotuning) outside the capture; a pair nobody armed
-                    self._rewind(position)
-                    launch()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        captured = []
-        for launch in launches:
-            graph = torch.cuda.CUDAGraph()
-            self._rewind(position)
-            try:
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    logits = launch()
-            except RuntimeError as exc:
-                log.warning("CUDA graph capture of the decode step failed, running eagerly: %s", exc)
-                self.use_cuda_graph = False
-                return
-            captured.append((graph, logits))
+        launches = [self._decode_eager] + ([self._decode_pair_eager] if self.runtime.pairs else [])  # a pair: unarmed
+        captured = capture_graphs(launches, self.device, "the decode step", lambda: self._rewind(position))
+        if captured is None:
+            self.use_cuda_graph = False
+            return
         self._graph, self._graph_logits = captured[0]
         if len(captured) > 1:
             self._pair_graph, self._pair_logits = captured[1]

@@ -17,7 +17,6 @@ token and its sync after the step), "folded" (the forward publishes the token in
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,8 +25,7 @@ import numpy as np
 import torch
 
 from tierstore.runtime.engine import COUNTERS, TieredRuntime
-
-log = logging.getLogger("tierstore.runtime")
+from tierstore.runtime.graphs import capture_graphs
 
 
 @dataclass(frozen=True)
@@ -162,23 +160,9 @@ class Graphs:
         launches = [lambda: self.forward(static)]
         if self.pair is not None:
             launches.append(self.pair(lambda: self.forward(static)))
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for launch in launches:  # allocations and kernel compilation outside the capture
-                for _ in range(2):
-                    launch()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        captured = []
-        for launch in launches:
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    out = launch()
-            except RuntimeError as exc:
-                log.warning("CUDA graph capture of the replay forward failed, running eagerly: %s", exc)
-                return False
-            captured.append((graph, out))
+        captured = capture_graphs(launches, self.device, "the replay forward")
+        if captured is None:
+            return False
         self._graphs[key] = (static, captured[0], captured[1] if self.pair is not None else None)
         return True
 

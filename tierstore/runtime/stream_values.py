@@ -24,22 +24,23 @@ class StreamValues:
         self._device = device.index if device.index is not None else torch.cuda.current_device()
         self._driver.ensure_context(self._device)
         lib = self._driver.lib
-        self._wait = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
-        self._write = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
-        for fn in (self._wait, self._write):
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-            fn.restype = ctypes.c_int
+        # CUDA 12 exports the _v2 entry points (the plain names are their aliases in the headers)
+        self._wait = "cuStreamWaitValue32_v2" if hasattr(lib, "cuStreamWaitValue32_v2") else "cuStreamWaitValue32"
+        self._write = "cuStreamWriteValue32_v2" if hasattr(lib, "cuStreamWriteValue32_v2") else "cuStreamWriteValue32"
+        for name in (self._wait, self._write):
+            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
 
     def wait(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
         """`stream` waits until the word at `address` (device memory) equals `value`."""
-        self._check(self._wait(stream.cuda_stream, address, value, WAIT_EQ), "cuStreamWaitValue32")
+        self._driver.check(self._wait, stream.cuda_stream, address, value, WAIT_EQ)
 
     def write(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
         """Writes `value` to the word at `address` after `stream`'s earlier work (a memory barrier first)."""
-        self._check(self._write(stream.cuda_stream, address, value, 0), "cuStreamWriteValue32")
+        self._driver.check(self._write, stream.cuda_stream, address, value, 0)
 
     def probe(self) -> None:
-        """A write and a wait on a scratch word, synchronised: RuntimeError where they are not supported."""
+        """A write and a wait on a scratch word, synchronised: RuntimeError (CudaError) where they are not
+        supported."""
         word = torch.zeros(1, dtype=torch.int32, device=f"cuda:{self._device}")
         stream = torch.cuda.current_stream(self._device)
         self.write(stream, word.data_ptr(), 7)
@@ -47,9 +48,3 @@ class StreamValues:
         stream.synchronize()
         if int(word) != 7:
             raise RuntimeError("cuStreamWriteValue32 did not write its word")
-
-    def _check(self, status: int, what: str) -> None:
-        if status:
-            name = ctypes.c_char_p()
-            self._driver.lib.cuGetErrorName(status, ctypes.byref(name))
-            raise RuntimeError(f"{what} failed: {name.value.decode() if name.value else status}")
