@@ -211,6 +211,11 @@ def main() -> None:
                               f"{runs['tiered_flipped'].get('steady_early_fetched_rows', 0)}; gathered by their pass "
                               f"{t.get('steady_gathered_rows', 0)} vs {runs['tiered_flipped'].get('steady_gathered_rows', 0)}"
                               f"; steady bytes {t['steady']['fetched_bytes']} vs {f['fetched_bytes']})", flush=True)
+                    for name, run in runs.items():
+                        if run.get("steady_pair_steps"):
+                            print(f"  {name}: steady steps launched as a pass pair {run['steady_pair_steps']}, "
+                                  f"recent medians pair {run['pair_step_ms']:.3f} ms, single "
+                                  f"{run['single_step_ms']:.3f} ms (0: not timed)", flush=True)
                     split = b.get("fetch_step_median_ms")
                     if b.get("fetch_steps"):
                         print(f"  steady steps that fetched {b['fetch_steps']}, medians: step {split['ms']:.3f} ms, "

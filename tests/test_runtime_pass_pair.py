@@ -24,7 +24,9 @@ LAYERS, EXPERTS = 4, 16
 
 
 def _pair_runtime(g, slots: int, arena_slots: int | str, tokens: int = 1, **kwargs):
-    """A runtime with pass_pair over a pool of `slots` (`arena_runtime`)."""
+    """A runtime with pass_pair over a pool of `slots` (`arena_runtime`), pairing every step likely to miss
+    (`pass_pair_choice` always; the timed choice is tested in test_runtime_pair_choice.py)."""
+    kwargs.setdefault("pass_pair_choice", "always")
     return arena_runtime(g, slots, arena_slots, tokens, pass_pair=True, **kwargs)
 
 
@@ -168,7 +170,7 @@ def test_a_pair_failing_in_its_replay_leaves_the_host_in_step():
 def test_after_a_pair_that_gathered_less_than_it_missed_single_passes_run_for_a_while():
     """An arena of 48 of the 64 rows, filled by fetches: pairs miss rows they cannot gather; the steps after such a pair run
     single passes (PAIR_RETRY_STEPS), every step still equal to the resident run."""
-    from tierstore.runtime.engine import PAIR_RETRY_STEPS
+    from tierstore.runtime.pair_choice import PAIR_RETRY_STEPS
 
     g = toy_geometry(layers=LAYERS, experts=EXPERTS)
     model = ToyMoE(g, seed=3)
@@ -184,7 +186,7 @@ def test_after_a_pair_that_gathered_less_than_it_missed_single_passes_run_for_a_
             assert torch.equal(got, want)
             after = small.stats()
             paired = after.pair_steps > before.pair_steps
-            kinds.append((paired, paired and small._pair_backoff == PAIR_RETRY_STEPS))
+            kinds.append((paired, paired and small._pair_choice.backoff_left == PAIR_RETRY_STEPS))
         _check_exact(small, source)
     shorts = [i for i, (_, short) in enumerate(kinds) if short]
     assert shorts, "no pair fell short: the case does not test the back-off"

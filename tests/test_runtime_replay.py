@@ -97,9 +97,10 @@ def test_compare_pass_pair_runs_pairs_and_matches_the_resident_tokens(tmp_path):
     spec = ensure_synthetic_pack(g, tmp_path)
     steps = trace_steps(skewed_routing(g, 16), None, g.num_moe_layers, None)
     result = run_replay(g, lambda: open_synthetic_rows(spec, tmp_path), steps, pool_slots=12, arena_slots=48,
-                        device="cpu", warmup=4, arena_preload=True, compare={"pass_pair": True})
+                        device="cpu", warmup=4, arena_preload=True,
+                        compare={"pass_pair": True, "pass_pair_choice": "always"})
     flipped = result["runs"]["tiered_flipped"]
-    assert result["compared_config"] == {"pass_pair": True}
+    assert result["compared_config"] == {"pass_pair": True, "pass_pair_choice": "always"}
     assert flipped["steady_gathered_rows"] > 0 and flipped["steady"]["replay_rate"] > 0
     assert result["flipped_tokens_match_resident"] and result["tokens_match_resident"]
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from tierstore.errors import ConfigError
+from tierstore.runtime.pair_choice import PAIR_CHOICES
 
 REPLAY_MODES = ("strict", "approximate")
 PAIR_COPIES = ("kernel", "engine")  # pass_pair_copies: who moves a pass pair's rows on CUDA
@@ -93,10 +94,13 @@ class RuntimeConfig:
       `pass_pair_copy_blocks` (default 4) is the side stream's copy grid, which shares the SMs with both passes:
       on the H200 4 and 8 blocks beat 2, 16, 64 and two per SM (docs/runtime.md, "The pass pair"). After a pair
       whose first pass gathered fewer experts than it missed (spares short, rows not in the arena), the next 8
-      decode steps run single passes. `pass_pair_copies` ("kernel", the default; "engine"): who moves the rows
-      on CUDA: the copy kernel above, or the copy engine, driven by the host while the pair runs (each layer's
-      plan in pinned memory, the rows issued on a copy stream, a flag written after them that the replay waits
-      for); on a CPU both run the references.
+      decode steps run single passes. `pass_pair_choice` ("timed", the default; "always"): which of the other
+      steps likely to miss launch their pair: those where the runtime's recent pairs took less wall time than its
+      recent single passes (the two kinds alternate until each has three times, then the slower one runs every
+      16th such step to stay measured; `runtime/pair_choice.py`), or every one. `pass_pair_copies` ("kernel", the
+      default; "engine"): who moves the rows on CUDA: the copy kernel above, or the copy engine, driven by the
+      host while the pair runs (each layer's plan in pinned memory, the rows issued on a copy stream, a flag
+      written after them that the replay waits for); on a CPU both run the references.
 
     Kernels:
 
@@ -150,6 +154,7 @@ class RuntimeConfig:
     pass_pair: bool = False
     pass_pair_copy_blocks: int = 4
     pass_pair_copies: str = "kernel"
+    pass_pair_choice: str = "timed"
     cuda_w2: bool | str = "auto"
 
     def __post_init__(self) -> None:
@@ -167,6 +172,9 @@ class RuntimeConfig:
             raise ConfigError("gather_in_pass and early_fetch both fetch while a pass runs; turn one of them off")
         if self.pass_pair_copies not in PAIR_COPIES:
             raise ConfigError(f"pass_pair_copies must be one of {', '.join(PAIR_COPIES)}, got {self.pass_pair_copies!r}")
+        if self.pass_pair_choice not in PAIR_CHOICES:
+            raise ConfigError(f"pass_pair_choice must be one of {', '.join(PAIR_CHOICES)}, "
+                              f"got {self.pass_pair_choice!r}")
         if self.pass_pair and (self.gather_in_pass or self.early_fetch):
             other = "gather_in_pass" if self.gather_in_pass else "early_fetch"
             raise ConfigError(f"pass_pair and {other} both fetch while a pass runs; turn one of them off")

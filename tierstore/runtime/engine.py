@@ -36,6 +36,7 @@ from tierstore.runtime.fp4_tier import Fp4Stats, Fp4Tier
 from tierstore.runtime.gate import ConfidenceGate
 from tierstore.runtime.gate_stats import GateRecorder, GateStats
 from tierstore.runtime.gated_step import run_gated
+from tierstore.runtime.pair_choice import PairChoice
 from tierstore.runtime.pass_gather import PassGather, gather_capacity
 from tierstore.runtime.passlog import PassLog, PassReport
 from tierstore.runtime.pools import DevicePool
@@ -55,7 +56,6 @@ COUNTERS = ("steps", "replays", "fetched_bytes", "fetch_s", "arena_hit_rows", "a
             "install_s", "copy_s", "copy_wait_s", "read_s")  # TieredRuntime.counters()
 
 
-PAIR_RETRY_STEPS = 8  # pass_pair: single-pass decode steps after a pair that gathered fewer experts than it missed
 
 
 def working_set_slots(geometry: MoEGeometry, tokens_per_step: int, margin: float) -> int:
@@ -169,9 +169,9 @@ class TieredRuntime:
         # experts a recent decode pass missed or gathered for itself, decaying: updated by each read
         # (`_read_pass`), it sizes the victim plan (`_victim_plan_size`) and the spares (`_stage_spares`)
         self._recent_missing = 0
-        # pass_pair: decode steps left before a pair is tried again after one whose first pass gathered fewer experts
-        # than it missed (spares short, rows not in the arena): its replay was spent on a step the host fetches for
-        self._pair_backoff = 0
+        # pass_pair: which decode steps likely to miss launch their pair (the back-off, the timed choice)
+        self._pair_choice = PairChoice(self.config.pass_pair_choice)
+        self._pairs_offered = False  # a decode step was given a pair: the reads stage spares for the next one
         self._untouched = None  # (last pass report, time) of the last step, not yet told to the pool's policy
         self._decode_pass: PassReport | None = None  # the last decode step's last pass: prefill evicts its experts last
         self.closed = False
@@ -406,15 +406,14 @@ class TieredRuntime:
                         self._gather.drop_staged()
                     elif not self.pairs:
                         forward = self._with_armed_gather(forward)
-                    elif self._pair_backoff:
-                        self._pair_backoff -= 1
-                        self._gather.drop_staged()
-                    elif forward_pair is not None and self._recent_missing and self._gather.has_staged():
+                    elif self._pair_choice.take(forward_pair is not None and self._recent_missing > 0
+                                                and self._gather.has_staged()):
                         first_forward = self._with_armed_gather(self._with_served_copies(forward_pair))
                         if gated:
                             first_forward = self._with_signal(first_forward, logits_of or (lambda r: r))
                     else:  # a single pass: it gathers nothing
                         self._gather.drop_staged()
+                    self._pairs_offered = self._pairs_offered or forward_pair is not None
                 read_pass, pair_first = self._read_pass, []
                 if first_forward is not None:  # what the pair's first pass missed is in the first read's log
 
@@ -428,7 +427,6 @@ class TieredRuntime:
                 if pair_first:
                     first = first[0], dataclasses.replace(first[1], first_pass_missing_pairs=pair_first[0])
                     self._stats.pairs += 1
-                    self._pair_backoff = PAIR_RETRY_STEPS if pair_first[2] < pair_first[1] else 0
                 result, outcome = first
                 if gated:
                     result, outcome = self._gated(first, forward, rewind, logits_of, step_routed, during_pass)
@@ -439,6 +437,7 @@ class TieredRuntime:
                 torch.cuda.current_stream(self.device).synchronize()  # its host copies land before the next clear
             if self._gather is not None:
                 self._recover_gathered()
+            self._pair_choice.failed()
             self.settle()
             self._stats.failed += 1
             raise
@@ -458,8 +457,11 @@ class TieredRuntime:
             self.fp4.close_step(step_routed if outcome.gate is not None else self.last_pass.routed_ids)
             self._fp4_snapshot.push(self.log.host_seen())  # the last read's counts: no device work
             self._fp4_manager.wake()
-        self._stats.add_step(outcome.replays, outcome.first_pass_missing_pairs, time.perf_counter() - started,
-                             outcome.tolerated, outcome.residue_pairs)
+        seconds = time.perf_counter() - started
+        self._stats.add_step(outcome.replays, outcome.first_pass_missing_pairs, seconds, outcome.tolerated,
+                             outcome.residue_pairs)
+        if self.pairs and not prefill:  # a pair whose first pass gathered fewer experts than it missed backs off
+            self._pair_choice.done(seconds, *(pair_first[2], pair_first[1]) if pair_first else ())
         every = self.config.kpi_every
         if every and self._stats.steps % every == 0:
             log.info(self.kpi_line(every))
@@ -570,7 +572,7 @@ class TieredRuntime:
             self.pool.apply_hits()
         if self._plans_victims and not self._scan:
             self.pool.plan_victims(self._victim_plan_size())
-        if self._gather is not None and not self._scan:
+        if self._gather is not None and not self._scan and (self._pairs_offered or not self.pairs):
             self._stage_spares()
         started = time.perf_counter()
         self.last_pass = self.log.read()
@@ -637,7 +639,8 @@ class TieredRuntime:
         self.settle()
         self.pool.collect()
         arena = self.arena.stats()
-        return self._stats.snapshot(arena.hit_rows, arena.miss_rows, self.pool.copy_seconds)
+        return self._stats.snapshot(arena.hit_rows, arena.miss_rows, self.pool.copy_seconds,
+                                    self._pair_choice.medians_ms())
 
     def counters(self) -> tuple:
         """Cheap running totals for per-step breakdowns, named by `COUNTERS`. Fetch seconds are the
@@ -652,7 +655,8 @@ class TieredRuntime:
         self._settle_gathered()  # the last pass's own rows counted (gather_in_pass)
         self.pool.collect()
         arena = self.arena.stats()
-        line = self._stats.kpi_line(last, arena.hit_rows, arena.miss_rows, self.pool.copy_seconds)
+        line = self._stats.kpi_line(last, arena.hit_rows, arena.miss_rows, self.pool.copy_seconds,
+                                    self._pair_choice.medians_ms())
         if self.fp4 is not None:
             line += precision_kpi(self.fp4_stats(), self.gate_stats() if self.gate is not None else None)
         return line

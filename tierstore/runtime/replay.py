@@ -202,6 +202,8 @@ def _run(geometry, source_factory, steps, *, pool_slots: int, arena_slots: int, 
             "readback": drive_args.get("readback", "none"), "tokens": out["tokens"],
             "steady_early_fetched_rows": out["steady_early_fetched_rows"],
             "steady_located_rows": out["steady_located_rows"], "steady_gathered_rows": out["steady_gathered_rows"],
+            "steady_pair_steps": out["steady_pair_steps"], "pair_step_ms": out["pair_step_ms"],
+            "single_step_ms": out["single_step_ms"],
             "cold": out["cold"].as_dict(), "steady": out["steady"].as_dict()}
 
 

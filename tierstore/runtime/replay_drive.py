@@ -224,14 +224,14 @@ def drive(runtime: TieredRuntime, steps: list[np.ndarray], *, warmup: int, naive
     tokens: list[int | None] = []
     marks = [_counters(runtime)]
     steps_marks = [runtime.counters()]
-    # rows fetched while their pass ran (early_fetch), by the located path and by their own pass (gather_in_pass), before
-    # the steady window
-    at_warmup = (0, 0, 0)
+    # rows fetched while their pass ran (early_fetch), by the located path and by their own pass (gather_in_pass), and
+    # the steps launched as a pass pair, before the steady window
+    at_warmup = (0, 0, 0, 0)
     for i, ids in enumerate(routes):
         if i == warmup:
             marks.append(_counters(runtime))
             stats = runtime.stats()
-            at_warmup = (stats.early_fetched_rows, stats.located_rows, stats.gathered_rows)
+            at_warmup = (stats.early_fetched_rows, stats.located_rows, stats.gathered_rows, stats.pair_steps)
         if step_logits is not None:
             step_logits.copy_(logits[i])  # queued before the clock starts, like a decoder's own logits
         started = time.perf_counter()
@@ -262,11 +262,13 @@ def drive(runtime: TieredRuntime, steps: list[np.ndarray], *, warmup: int, naive
     marks.append(_counters(runtime))
     row_bytes = runtime.source.row_bytes
     final = runtime.stats()
-    steady_early, steady_located, steady_gathered = (
+    steady_early, steady_located, steady_gathered, steady_pairs = (
         (final.early_fetched_rows - at_warmup[0], final.located_rows - at_warmup[1],
-         final.gathered_rows - at_warmup[2]) if len(routes) > warmup else (0, 0, 0))
+         final.gathered_rows - at_warmup[2], final.pair_steps - at_warmup[3]) if len(routes) > warmup else (0, 0, 0, 0))
     return {"graph": graphs is not None, "tokens": tokens, "steady_early_fetched_rows": steady_early,
             "steady_located_rows": steady_located, "steady_gathered_rows": steady_gathered,
+            "steady_pair_steps": steady_pairs, "pair_step_ms": final.pair_step_ms,
+            "single_step_ms": final.single_step_ms,
             "cold": _window(times[:warmup], marks[0], marks[1], row_bytes, _per_step(times[:warmup],
                                                                                      steps_marks[:warmup + 1])),
             "steady": _window(times[warmup:], marks[1], marks[2], row_bytes, _per_step(times[warmup:],

@@ -35,6 +35,10 @@ class RuntimeStats:
     gathered_rows: int  # of fetched_rows, those passes fetched for themselves (config gather_in_pass, pass_pair)
     pair_steps: int  # steps launched as a pass pair (config pass_pair; their replay counted in `replays`)
     prefill_hot_evictions: int  # decode hot-set experts a prefill fetch had to evict (the pool lacked room)
+    # pass_pair's timed choice: median wall ms of the recent steps likely to miss run as a pair / a single pass
+    # (0.0 for a kind not timed yet; `runtime/pair_choice.py`)
+    pair_step_ms: float = 0.0
+    single_step_ms: float = 0.0
 
     @property
     def replay_rate(self) -> float:
@@ -92,7 +96,8 @@ class StatsRecorder:
         self.step_seconds.append(seconds)
         self.recent.append((replays > 0, first_misses))
 
-    def snapshot(self, arena_hits: int, arena_misses: int, copy_seconds: float) -> RuntimeStats:
+    def snapshot(self, arena_hits: int, arena_misses: int, copy_seconds: float,
+                 pair_medians_ms: tuple[float, float] = (0.0, 0.0)) -> RuntimeStats:
         times = np.asarray(self.step_seconds) if self.step_seconds else np.zeros(1)
         looked_up = arena_hits + arena_misses
         return RuntimeStats(
@@ -107,11 +112,13 @@ class StatsRecorder:
             pool_slots=self.pool_slots, pool_coverage=self.pool_slots / self.total_experts,
             early_fetched_rows=self.early_fetched_rows, located_rows=self.located_rows, gathered_rows=self.gathered_rows,
             pair_steps=self.pairs, prefill_hot_evictions=self.prefill_hot_evictions,
+            pair_step_ms=pair_medians_ms[0], single_step_ms=pair_medians_ms[1],
         )
 
-    def kpi_line(self, last: int, arena_hits: int, arena_misses: int, copy_seconds: float) -> str:
+    def kpi_line(self, last: int, arena_hits: int, arena_misses: int, copy_seconds: float,
+                 pair_medians_ms: tuple[float, float] = (0.0, 0.0)) -> str:
         """"[tierstore] KPI: replay X% of last N steps (avg Y missing pairs/step; cumulative Z% of M) ..." """
-        stats = self.snapshot(arena_hits, arena_misses, copy_seconds)
+        stats = self.snapshot(arena_hits, arena_misses, copy_seconds, pair_medians_ms)
         window = list(self.recent)[-last:] if last else list(self.recent)
         n = len(window)
         recent_rate = sum(r for r, _ in window) / n if n else 0.0
@@ -135,6 +142,8 @@ class StatsRecorder:
             line += f" | {stats.gathered_rows} rows gathered by their pass"
         if stats.pair_steps:
             line += f" | {stats.pair_steps} steps launched as a pass pair"
+            if stats.pair_step_ms and stats.single_step_ms:
+                line += f" (recent medians: pair {stats.pair_step_ms:.2f} ms, single {stats.single_step_ms:.2f} ms)"
         if stats.prefill_hot_evictions:
             line += f" | prefill evicted {stats.prefill_hot_evictions} decode-hot experts (pool short of room)"
         return line

@@ -1,0 +1,117 @@
+"""Which decode steps launch a pass pair (`runtime/pair_choice.py`, config `pass_pair_choice`): the timed choice
+learns by alternating, then runs the kind whose recent steps were faster and explores the other; the back-off after a
+pair that fell short; failed and backed-off steps are not timed. And the runtime with the timed choice: every step
+equal to the all-resident run, both kinds run, the medians in its stats and KPI line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_runtime_fixtures import ToyMoE, arena_runtime, memory_source, toy_geometry
+
+from tierstore.errors import ConfigError
+from tierstore.runtime import RuntimeConfig, TieredRuntime
+from tierstore.runtime.pair_choice import EXPLORE_EVERY, PAIR_RETRY_STEPS, TIMED_WINDOW, PairChoice
+
+
+def _run(choice: PairChoice, steps: int, seconds_of, eligible: bool = True) -> list[bool]:
+    """`steps` eligible decode steps, each timed `seconds_of(paired)`; the kinds chosen."""
+    kinds = []
+    for _ in range(steps):
+        paired = choice.take(eligible)
+        choice.done(seconds_of(paired))
+        kinds.append(paired)
+    return kinds
+
+
+def test_the_timed_choice_alternates_until_both_kinds_have_three_times():
+    choice = PairChoice("timed")
+    assert choice.faster() is None and choice.medians_ms() == (0.0, 0.0)
+    assert _run(choice, 6, lambda paired: 0.001) == [True, False] * 3
+    assert choice.faster() is True  # a tie keeps the pair
+
+
+@pytest.mark.parametrize("pair_s,single_s", [(0.8e-3, 1.0e-3), (1.1e-3, 1.0e-3)])
+def test_the_timed_choice_runs_the_faster_kind_and_explores_the_other(pair_s, single_s):
+    choice = PairChoice("timed")
+    kinds = _run(choice, 6 + 4 * EXPLORE_EVERY, lambda paired: pair_s if paired else single_s)
+    faster = pair_s < single_s
+    settled = kinds[6:]
+    assert settled.count(not faster) == 4  # one exploring step in every EXPLORE_EVERY
+    assert choice.faster() is faster
+    assert choice.medians_ms() == pytest.approx((1e3 * pair_s, 1e3 * single_s))
+
+
+def test_the_timed_choice_turns_when_the_regime_changes():
+    """Pairs fast at first, then slow (say the coverage fell): within a window of exploring steps it runs singles."""
+    choice = PairChoice("timed")
+    _run(choice, 40, lambda paired: 0.8e-3 if paired else 1.0e-3)
+    assert choice.faster() is True
+    kinds = _run(choice, (TIMED_WINDOW // 2 + 2) * EXPLORE_EVERY, lambda paired: 1.3e-3 if paired else 1.0e-3)
+    assert choice.faster() is False and kinds[-EXPLORE_EVERY + 1:].count(True) <= 1
+
+
+def test_always_pairs_every_eligible_step_and_none_that_is_not():
+    choice = PairChoice("always")
+    assert _run(choice, 5, lambda paired: 1.0 if paired else 0.001) == [True] * 5
+    assert _run(choice, 3, lambda paired: 0.001, eligible=False) == [False] * 3
+    assert not PairChoice("timed").take(False)
+
+
+def test_a_short_pair_backs_off_and_the_back_off_is_not_timed():
+    choice = PairChoice("always")
+    assert choice.take(True)
+    choice.done(0.002, gathered=3, missed=5)
+    assert choice.backoff_left == PAIR_RETRY_STEPS
+    for _ in range(PAIR_RETRY_STEPS):
+        assert not choice.take(True)
+        choice.done(0.5)  # not a sample
+    assert choice.take(True)
+    choice.done(0.002, gathered=5, missed=5)  # a pair that gathered all it missed: no back-off
+    assert choice.backoff_left == 0
+    assert choice.medians_ms() == (2.0, 0.0)
+
+
+def test_a_failed_step_is_not_timed():
+    choice = PairChoice("timed")
+    assert choice.take(True)
+    choice.failed()
+    choice.done(9.0)
+    assert choice.medians_ms() == (0.0, 0.0)
+    with pytest.raises(ValueError, match="pass_pair_choice must be one of timed, always"):
+        PairChoice("sometimes")
+    with pytest.raises(ConfigError, match="pass_pair_choice must be one of timed, always"):
+        RuntimeConfig(pass_pair_choice="sometimes")
+    assert RuntimeConfig().pass_pair_choice == "timed"
+    assert RuntimeConfig.from_env({"TIERSTORE_PASS_PAIR_CHOICE": "always"}).pass_pair_choice == "always"
+
+
+def test_the_runtime_with_the_timed_choice_runs_both_kinds_and_stays_exact(monkeypatch):
+    """The timed choice on a CPU runtime whose pairs are made to look slow after the learning steps: both kinds
+    run, every step equals the all-resident run, and the stats and the KPI line carry the two medians."""
+    g = toy_geometry(layers=4, experts=16)
+    model = ToyMoE(g, seed=3)
+    resident = TieredRuntime(g, memory_source(g, seed=7), pool_slots=g.total_routed_experts,
+                             config=RuntimeConfig(kpi_every=0))
+    resident.preload()
+    small, _ = arena_runtime(g, 24, "all", pass_pair=True)
+    choice = small._pair_choice
+    done = choice.done
+    monkeypatch.setattr(choice, "done", lambda seconds, *shortfall: done(
+        seconds + (1.0 if choice._timing else 0.0), *shortfall))  # every timed pair 1 s slower
+    kinds = []
+    with resident, small:
+        for step in range(40):
+            x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)) * 3
+            want, _ = resident.step(lambda: model.forward(resident, x), lambda: None)
+            forward = lambda: model.forward(small, x)  # noqa: E731
+            before = small.stats().pair_steps
+            got, _ = small.step(forward, lambda: None, forward_pair=small.pass_pair(forward, lambda: None))
+            assert torch.equal(got, want), f"step {step} differs from the all-resident run"
+            kinds.append(small.stats().pair_steps > before)
+        stats = small.stats()
+        line = small.kpi_line()
+    assert choice.faster() is False
+    assert 3 <= stats.pair_steps < 10, kinds  # the learning pairs and the exploring ones
+    assert stats.pair_step_ms > 1000 > stats.single_step_ms > 0
+    assert "(recent medians: pair " in line

@@ -1,0 +1,78 @@
+"""Which decode steps launch a pass pair (config `pass_pair`): the back-off after a pair that fell short, and the
+choice between a pair and a single pass by their measured step times (`pass_pair_choice`)."""
+
+from __future__ import annotations
+
+from collections import deque
+from statistics import median
+
+PAIR_CHOICES = ("timed", "always")  # pass_pair_choice
+PAIR_RETRY_STEPS = 8  # single-pass decode steps after a pair that gathered fewer experts than it missed
+TIMED_WINDOW = 7  # step times kept per kind (the median of these decides)
+EXPLORE_EVERY = 16  # in the timed choice, every this many-th eligible step runs the slower kind, to keep its time current
+
+
+class PairChoice:
+    """For each decode step of a runtime that can launch pairs: pair or single.
+
+    A step is *eligible* when the runtime could launch a pair (the caller gave one, a recent pass missed, spares
+    are staged). After a pair whose first pass gathered fewer experts than it missed, the next `PAIR_RETRY_STEPS`
+    decode steps run single (the back-off; not timed). Otherwise `always` pairs every eligible step; `timed`
+    alternates pairs and single passes over the first eligible steps, then runs the kind whose last
+    `TIMED_WINDOW` eligible steps have the lower median wall time, and every `EXPLORE_EVERY`-th eligible step the
+    other kind, so that a change of regime (coverage, routing, load) turns the choice. Call `take` at a step's
+    start and `done` after it succeeded; a step that failed is not timed."""
+
+    def __init__(self, choice: str = "timed"):
+        if choice not in PAIR_CHOICES:
+            raise ValueError(f"pass_pair_choice must be one of {', '.join(PAIR_CHOICES)}, got {choice!r}")
+        self.choice = choice
+        self._seconds: dict[bool, deque[float]] = {True: deque(maxlen=TIMED_WINDOW),
+                                                  False: deque(maxlen=TIMED_WINDOW)}
+        self._eligible = 0  # eligible steps seen outside the back-off
+        self.backoff_left = 0  # decode steps the back-off still runs single
+        self._timing: bool | None = None  # the kind the step under way is a sample of (None: not a sample)
+
+    def take(self, eligible: bool) -> bool:
+        """Whether this decode step launches its pair."""
+        self._timing = None
+        if self.backoff_left:
+            self.backoff_left -= 1
+            return False
+        if not eligible:
+            return False
+        self._eligible += 1
+        pair = True if self.choice == "always" else self._timed_kind()
+        self._timing = pair
+        return pair
+
+    def done(self, seconds: float, gathered: int | None = None, missed: int | None = None) -> None:
+        """After a step that `take` was asked about: its wall time, and for a pair the experts its first pass
+        gathered and missed (fewer gathered than missed starts the back-off)."""
+        if self._timing is not None:
+            self._seconds[self._timing].append(seconds)
+            self._timing = None
+        if gathered is not None and missed is not None and gathered < missed:
+            self.backoff_left = PAIR_RETRY_STEPS
+
+    def failed(self) -> None:
+        """The step under way raised: it is no sample."""
+        self._timing = None
+
+    def medians_ms(self) -> tuple[float, float]:
+        """The median wall time in ms of the recent eligible steps run as a pair and as a single pass (0.0 for a
+        kind not yet timed)."""
+        return tuple(1e3 * median(self._seconds[kind]) if self._seconds[kind] else 0.0 for kind in (True, False))
+
+    def faster(self) -> bool | None:
+        """The kind the timed choice now prefers (True: the pair), None while either has fewer than 3 times."""
+        pairs, singles = self._seconds[True], self._seconds[False]
+        if len(pairs) < 3 or len(singles) < 3:
+            return None
+        return median(pairs) <= median(singles)
+
+    def _timed_kind(self) -> bool:
+        preferred = self.faster()
+        if preferred is None:  # learning: alternate, the pair first
+            return len(self._seconds[True]) <= len(self._seconds[False])
+        return (not preferred) if self._eligible % EXPLORE_EVERY == 0 else preferred
