@@ -51,6 +51,35 @@ def test_the_timed_choice_turns_when_the_regime_changes():
     assert choice.faster() is False and kinds[-EXPLORE_EVERY + 1:].count(True) <= 1
 
 
+def test_staging_is_asked_for_only_before_a_step_to_pair():
+    """`stages_next` at each step's read names the next step's kind: while learning (the step under way counted),
+    once singles are faster only before an exploring step, never in the back-off; a pair chosen with nothing
+    staged runs single and untimed."""
+    choice = PairChoice("timed")
+    for _ in range(6):
+        paired = choice.take(True)
+        predicted = choice.stages_next()
+        choice.done(0.002 if paired else 0.001)
+        assert choice.take(True) == predicted
+        choice.done(0.002 if predicted else 0.001)
+    staged_before = []
+    for _ in range(2 * EXPLORE_EVERY):
+        paired = choice.take(True)
+        staged_before.append(choice.stages_next())
+        choice.done(0.002 if paired else 0.001)
+    assert sum(staged_before) == 2  # one exploring pair in every EXPLORE_EVERY
+    choice = PairChoice("always")
+    assert choice.take(True) and choice.stages_next()
+    choice.done(0.002, gathered=1, missed=2)
+    for step in range(PAIR_RETRY_STEPS):  # the back-off's steps do not pair; the last one's read stages
+        assert not choice.take(True)
+        assert choice.stages_next() == (step == PAIR_RETRY_STEPS - 1)
+        choice.done(0.001)
+    assert not choice.take(True, staged=False)  # its spares fell short: a single pass, not a sample
+    choice.done(9.0)
+    assert choice.medians_ms() == (2.0, 0.0)
+
+
 def test_always_pairs_every_eligible_step_and_none_that_is_not():
     choice = PairChoice("always")
     assert _run(choice, 5, lambda paired: 1.0 if paired else 0.001) == [True] * 5
@@ -96,7 +125,9 @@ def test_the_runtime_with_the_timed_choice_runs_both_kinds_and_stays_exact(monke
     resident.preload()
     small, _ = arena_runtime(g, 24, "all", pass_pair=True)
     choice = small._pair_choice
-    done = choice.done
+    done, stage = choice.done, small._stage_spares
+    stages = []
+    monkeypatch.setattr(small, "_stage_spares", lambda: (stages.append(len(kinds)), stage()))  # the step it ran in
     monkeypatch.setattr(choice, "done", lambda seconds, *shortfall: done(
         seconds + (1.0 if choice._timing else 0.0), *shortfall))  # every timed pair 1 s slower
     kinds = []
@@ -115,3 +146,4 @@ def test_the_runtime_with_the_timed_choice_runs_both_kinds_and_stays_exact(monke
     assert 3 <= stats.pair_steps < 10, kinds  # the learning pairs and the exploring ones
     assert stats.pair_step_ms > 1000 > stats.single_step_ms > 0
     assert "(recent medians: pair " in line
+    assert len(set(stages)) <= stats.pair_steps + 3  # steps staging spares for a next one: before the pairs only

@@ -171,7 +171,7 @@ class TieredRuntime:
         self._recent_missing = 0
         # pass_pair: which decode steps likely to miss launch their pair (the back-off, the timed choice)
         self._pair_choice = PairChoice(self.config.pass_pair_choice)
-        self._pairs_offered = False  # a decode step was given a pair: the reads stage spares for the next one
+        self._pairs_offered = False  # a decode step was given a pair: reads stage spares for a next one to pair
         self._untouched = None  # (last pass report, time) of the last step, not yet told to the pool's policy
         self._decode_pass: PassReport | None = None  # the last decode step's last pass: prefill evicts its experts last
         self.closed = False
@@ -406,8 +406,8 @@ class TieredRuntime:
                         self._gather.drop_staged()
                     elif not self.pairs:
                         forward = self._with_armed_gather(forward)
-                    elif self._pair_choice.take(forward_pair is not None and self._recent_missing > 0
-                                                and self._gather.has_staged()):
+                    elif self._pair_choice.take(forward_pair is not None and self._recent_missing > 0,
+                                                self._gather.has_staged()):
                         first_forward = self._with_armed_gather(self._with_served_copies(forward_pair))
                         if gated:
                             first_forward = self._with_signal(first_forward, logits_of or (lambda r: r))
@@ -572,7 +572,8 @@ class TieredRuntime:
             self.pool.apply_hits()
         if self._plans_victims and not self._scan:
             self.pool.plan_victims(self._victim_plan_size())
-        if self._gather is not None and not self._scan and (self._pairs_offered or not self.pairs):
+        if self._gather is not None and not self._scan and (
+                not self.pairs or self._pairs_offered and self._pair_choice.stages_next()):
             self._stage_spares()
         started = time.perf_counter()
         self.last_pass = self.log.read()

@@ -15,13 +15,15 @@ EXPLORE_EVERY = 16  # in the timed choice, every this many-th eligible step runs
 class PairChoice:
     """For each decode step of a runtime that can launch pairs: pair or single.
 
-    A step is *eligible* when the runtime could launch a pair (the caller gave one, a recent pass missed, spares
-    are staged). After a pair whose first pass gathered fewer experts than it missed, the next `PAIR_RETRY_STEPS`
-    decode steps run single (the back-off; not timed). Otherwise `always` pairs every eligible step; `timed`
-    alternates pairs and single passes over the first eligible steps, then runs the kind whose last
-    `TIMED_WINDOW` eligible steps have the lower median wall time, and every `EXPLORE_EVERY`-th eligible step the
-    other kind, so that a change of regime (coverage, routing, load) turns the choice. Call `take` at a step's
-    start and `done` after it succeeded; a step that failed is not timed."""
+    A step is *eligible* when the runtime could launch a pair (the caller gave one, a recent pass missed). After a
+    pair whose first pass gathered fewer experts than it missed, the next `PAIR_RETRY_STEPS` decode steps run
+    single (the back-off; not timed). Otherwise `always` pairs every eligible step; `timed` alternates pairs and
+    single passes over the first eligible steps, then runs the kind whose last `TIMED_WINDOW` eligible steps have
+    the lower median wall time, and every `EXPLORE_EVERY`-th eligible step the other kind, so that a change of
+    regime (coverage, routing, load) turns the choice. A pair needs spares staged while the pass before it ran:
+    `stages_next` tells that pass's read whether the next step is to be a pair (staging takes victims from the
+    plan a single pass's fetch would use). Call `take` at a step's start and `done` after it succeeded; a step
+    that failed is not timed."""
 
     def __init__(self, choice: str = "timed"):
         if choice not in PAIR_CHOICES:
@@ -33,8 +35,9 @@ class PairChoice:
         self.backoff_left = 0  # decode steps the back-off still runs single
         self._timing: bool | None = None  # the kind the step under way is a sample of (None: not a sample)
 
-    def take(self, eligible: bool) -> bool:
-        """Whether this decode step launches its pair."""
+    def take(self, eligible: bool, staged: bool = True) -> bool:
+        """Whether this decode step launches its pair (`staged`: spares were staged for it; a pair chosen without
+        them runs single, untimed)."""
         self._timing = None
         if self.backoff_left:
             self.backoff_left -= 1
@@ -42,9 +45,18 @@ class PairChoice:
         if not eligible:
             return False
         self._eligible += 1
-        pair = True if self.choice == "always" else self._timed_kind()
+        pair = self.choice == "always" or self._timed_kind(self._eligible)
+        if pair and not staged:
+            return False
         self._timing = pair
         return pair
+
+    def stages_next(self) -> bool:
+        """At the read of a decode pass: whether the next eligible step is to be a pair (the step under way counted
+        as the sample it is)."""
+        if self.backoff_left:
+            return False
+        return self.choice == "always" or self._timed_kind(self._eligible + 1, pending=self._timing)
 
     def done(self, seconds: float, gathered: int | None = None, missed: int | None = None) -> None:
         """After a step that `take` was asked about: its wall time, and for a pair the experts its first pass
@@ -71,8 +83,10 @@ class PairChoice:
             return None
         return median(pairs) <= median(singles)
 
-    def _timed_kind(self) -> bool:
+    def _timed_kind(self, index: int, pending: bool | None = None) -> bool:
+        """The timed choice's kind for the `index`-th eligible step (`pending`: a sample not yet timed)."""
+        pairs, singles = (len(self._seconds[kind]) + (pending is kind) for kind in (True, False))
         preferred = self.faster()
-        if preferred is None:  # learning: alternate, the pair first
-            return len(self._seconds[True]) <= len(self._seconds[False])
-        return (not preferred) if self._eligible % EXPLORE_EVERY == 0 else preferred
+        if preferred is None or min(pairs, singles) < 3:  # learning: alternate, the pair first
+            return pairs <= singles
+        return (not preferred) if index % EXPLORE_EVERY == 0 else preferred
