@@ -196,7 +196,11 @@ def test_after_a_pair_that_gathered_less_than_it_missed_single_passes_run_for_a_
 
 
 def test_the_knob_refuses_what_it_cannot_serve():
-    assert RuntimeConfig().pass_pair is False
+    assert RuntimeConfig().pass_pair == "auto"
+    assert [RuntimeConfig.from_env({"TIERSTORE_PASS_PAIR": raw}).pass_pair for raw in ("auto", "0", "on")] == [
+        "auto", False, True]
+    with pytest.raises(ConfigError, match="pass_pair must be auto, true or false"):
+        RuntimeConfig(pass_pair="sometimes")
     with pytest.raises(ConfigError, match="pass_pair_copy_blocks must be an integer >= 1"):
         RuntimeConfig(pass_pair_copy_blocks=0)
     with pytest.raises(ConfigError, match="pass_pair_copies must be one of kernel, engine"):
@@ -205,6 +209,7 @@ def test_the_knob_refuses_what_it_cannot_serve():
     for other in ("gather_in_pass", "early_fetch"):
         with pytest.raises(ConfigError, match=f"pass_pair and {other}"):
             RuntimeConfig(pass_pair=True, **{other: True})
+        assert RuntimeConfig(**{other: True}).pass_pair == "auto"  # auto yields to either
     g = toy_geometry(layers=LAYERS, experts=EXPERTS)
     with pytest.raises(ConfigError, match="pass_pair copies rows from the arena"):
         _pair_runtime(g, 32, 0)
@@ -213,6 +218,9 @@ def test_the_knob_refuses_what_it_cannot_serve():
         assert not full.pairs
         with pytest.raises(ConfigError, match="has no pass pair"):
             full.pass_pair(lambda: None, lambda: None)
+    auto, _ = arena_runtime(g, 32, "all")  # auto on a CPU: off (a pass is not asynchronous there)
+    with auto:
+        assert not auto.pairs and auto._gather is None
 
 
 # -- GPU ------------------------------------------------------------------------------------------------------------
@@ -258,6 +266,19 @@ def test_cuda_refuses_the_torch_backend(cuda):
     g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
     with pytest.raises(ConfigError, match="pass_pair on CUDA needs the triton backend"):
         _pair_runtime(g, 20, "all", device="cuda", backend="torch")
+
+
+@pytest.mark.gpu
+def test_cuda_auto_pairs_where_they_can_run(cuda):
+    """pass_pair auto on CUDA: on with the triton backend and an arena; off with the torch backend, without an
+    arena, beside gather_in_pass, and in a pool that holds every expert."""
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
+    cases = [((20, "all"), {}, True), ((20, "all"), {"backend": "torch"}, False), ((20, 0), {}, False),
+             ((20, "all"), {"gather_in_pass": True}, False), ((g.total_routed_experts, "all"), {}, False)]
+    for (slots, arena), kwargs, paired in cases:
+        rt, _ = arena_runtime(g, slots, arena, device="cuda", **{"backend": "triton", **kwargs})
+        with rt:
+            assert rt.pairs is paired, (slots, arena, kwargs)
 
 
 @pytest.mark.gpu

@@ -34,9 +34,10 @@ def register(subparsers) -> None:
                         help="fetch each finished MoE layer's misses while the decode pass still runs (config early_fetch)")
     parser.add_argument("--gather-in-pass", action="store_true",
                         help="each decode pass maps and copies its own missing arena rows (config gather_in_pass)")
-    parser.add_argument("--pass-pair", action="store_true",
+    parser.add_argument("--pass-pair", action=argparse.BooleanOptionalAction, default="auto",
                         help="a decode step likely to miss launches its pass and the replay together, the first "
-                             "pass copying its missing arena rows while it runs (config pass_pair)")
+                             "pass copying its missing arena rows while it runs (config pass_pair; default: auto, "
+                             "on CUDA where it can run, off on a CPU)")
     add_cuda_w2_flag(parser, "the model's")
     parser.add_argument("--verify-resident", action="store_true",
                         help="rerun all-resident and compare every step's logits bit for bit")

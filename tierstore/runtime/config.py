@@ -84,13 +84,18 @@ class RuntimeConfig:
       on a CPU their torch reference.
       On the H200 it was even with the default at 50 % coverage (0.98x-1.04x its step time over four runs) and
       slower at 25 % (by 2-13 %) (docs/runtime.md, "The pass's own fetch"), hence off.
-    - `pass_pair` (default off; decode steps, a pool that can miss, an arena): a decode step that is likely to
-      miss (a recent pass missed) is launched as a pair, its pass and the replay together (one CUDA graph where
+    - `pass_pair` (`auto`, the default; true; false; decode steps, a pool that can miss, an arena): a decode step
+      that is likely to miss (a recent pass missed) is launched as a pair, its pass and the replay together (one CUDA graph where
       the caller captures `TieredRuntime.pass_pair`): after each MoE layer's experts the first pass maps the
       layer's missing arena rows into armed spares (as `gather_in_pass` does) and copies them on a side stream
       while its later layers run; the replay waits for each layer's rows before that layer. The host launches
       once and reads once; what the replay still misses is fetched and replayed as before. Same rows and kernels:
       the result is unchanged. Not with `gather_in_pass` or `early_fetch`, nor with the torch backend on CUDA.
+      `auto`: on where it can run and pays, a CUDA device with the triton backend, an arena and neither of those
+      knobs (its CUDA kernels failing to build turn it off with a warning); off on a CPU, where a pass is not
+      asynchronous and a pair costs two. The caller launches the pairs (`tierstore generate`, the replay
+      benchmark; not yet the vLLM adapter, which turns it off). On the H200 with the timed choice it was 1.03x-1.12x
+      faster than single passes at 50 % coverage and even at 25 % / 10 % (0.94x-1.03x) (docs/runtime.md).
       `pass_pair_copy_blocks` (default 4) is the side stream's copy grid, which shares the SMs with both passes:
       on the H200 4 and 8 blocks beat 2, 16, 64 and two per SM (docs/runtime.md, "The pass pair"). After a pair
       whose first pass gathered fewer experts than it missed (spares short, rows not in the arena), the next 8
@@ -151,7 +156,7 @@ class RuntimeConfig:
     copy_streams: int = 1
     early_fetch: bool = False
     gather_in_pass: bool = False
-    pass_pair: bool = False
+    pass_pair: bool | str = "auto"
     pass_pair_copy_blocks: int = 4
     pass_pair_copies: str = "kernel"
     pass_pair_choice: str = "timed"
@@ -175,10 +180,11 @@ class RuntimeConfig:
         if self.pass_pair_choice not in PAIR_CHOICES:
             raise ConfigError(f"pass_pair_choice must be one of {', '.join(PAIR_CHOICES)}, "
                               f"got {self.pass_pair_choice!r}")
-        if self.pass_pair and (self.gather_in_pass or self.early_fetch):
+        object.__setattr__(self, "pass_pair", _switch_setting("pass_pair", self.pass_pair))
+        if self.pass_pair is True and (self.gather_in_pass or self.early_fetch):
             other = "gather_in_pass" if self.gather_in_pass else "early_fetch"
             raise ConfigError(f"pass_pair and {other} both fetch while a pass runs; turn one of them off")
-        object.__setattr__(self, "cuda_w2", _cuda_w2_setting(self.cuda_w2))  # frozen: normalised once here
+        object.__setattr__(self, "cuda_w2", _switch_setting("cuda_w2", self.cuda_w2))  # frozen: normalised once here
         if not self.working_set_margin >= 1.0:
             raise ConfigError(f"working_set_margin must be >= 1.0, got {self.working_set_margin!r}")
         self._check_precision_tier()
@@ -242,8 +248,9 @@ def _parse(name: str, raw: str, kind: type):
         raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind.__name__}") from None
 
 
-def _cuda_w2_setting(value) -> bool | str:
-    """`cuda_w2` as True, False or "auto" (also from the strings 1 / true / yes / on, 0 / false / no / off, auto)."""
+def _switch_setting(name: str, value) -> bool | str:
+    """A knob `name` as True, False or "auto" (also from the strings 1 / true / yes / on, 0 / false / no / off,
+    auto)."""
     if value is True or value is False or value == "auto":
         return value
     text = value.lower() if isinstance(value, str) else None
@@ -253,7 +260,7 @@ def _cuda_w2_setting(value) -> bool | str:
         return False
     if text == "auto":
         return "auto"
-    raise ConfigError(f"cuda_w2 must be auto, true or false, got {value!r}")
+    raise ConfigError(f"{name} must be auto, true or false, got {value!r}")
 
 
 def parse_gate_agg(text: str) -> float | None:

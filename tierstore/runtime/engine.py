@@ -27,6 +27,7 @@ from tierstore.cache.arena import Arena, RowSource
 from tierstore.cache.policy import get_policy
 from tierstore.errors import CapacityError, ConfigError
 from tierstore.geometry import MoEGeometry
+from tierstore.kernels.cuda.pass_gather import PLAN_THREADS
 from tierstore.kernels.layout import fp4_slot_layout, w2_slot_layout
 from tierstore.runtime.compute import TorchExperts, TritonExperts
 from tierstore.runtime.config import RuntimeConfig
@@ -128,20 +129,32 @@ class TieredRuntime:
         # gather_in_pass: decode passes map and copy their own missing arena rows (`PassGather`); pass_pair: the
         # first pass of a pair does, while the pair's replay waits for them (`pass_pair`)
         self.backend = _resolve_backend(backend, self.device)
-        knob = "pass_pair" if self.config.pass_pair else "gather_in_pass"
-        gathers = (self.config.gather_in_pass or self.config.pass_pair) and slots < geometry.total_routed_experts
+        can_miss = slots < geometry.total_routed_experts
+        paired = self._pairs_wanted(can_miss, arena_slots)
+        knob = "pass_pair" if paired else "gather_in_pass"
+        gathers = (self.config.gather_in_pass or paired) and can_miss
         if gathers and self.device.type == "cuda" and self.backend == "torch":
             raise ConfigError(f"{knob} on CUDA needs the triton backend: the torch backend reuses decoded "
                               "slots by the host's generation counts, which a pass's own fetch changes only at its "
                               "read")
-        spares = (gather_capacity(slots, shape[0], min(shape[1], geometry.top_k * self.config.tokens_per_step))
-                  if gathers else 0)
-        self.log = PassLog(*shape, geometry.top_k, capacity=shape[0] * shape[1], device=self.device,
+
+        def pass_log(spares: int) -> PassLog:
+            return PassLog(*shape, geometry.top_k, capacity=shape[0] * shape[1], device=self.device,
                            record_tokens=record_tokens, output_words=output_words, early_layers=self._early,
                            gather_capacity=spares)
-        self._gather = (PassGather(self.pool, self.arena, self.log, spares, paired=self.config.pass_pair,
-                                   copy_blocks=self.config.pass_pair_copy_blocks,
-                                   copies=self.config.pass_pair_copies) if gathers else None)
+        spares = (gather_capacity(slots, shape[0], min(shape[1], geometry.top_k * self.config.tokens_per_step))
+                  if gathers else 0)
+        self.log, self._gather = pass_log(spares), None
+        if gathers:
+            try:
+                self._gather = PassGather(self.pool, self.arena, self.log, spares, paired=paired,
+                                          copy_blocks=self.config.pass_pair_copy_blocks,
+                                          copies=self.config.pass_pair_copies)
+            except ConfigError as error:
+                if self.config.pass_pair != "auto" or self.config.gather_in_pass:
+                    raise
+                log.warning("pass_pair auto: off (%s)", error)
+                self.log = pass_log(0)
         self.pairs = self._gather is not None and self._gather.paired  # decode steps may launch a pass pair
         self._pair_half = 0  # while a pass pair runs (or is captured): 1 in its first pass, 2 in its replay
         self._last_gathered = 0  # experts the last pass read gathered for itself (`_recent_missing`)
@@ -179,6 +192,16 @@ class TieredRuntime:
                  self.pool.num_slots, self.layout.slot_bytes / 2**20, self.pool.num_slots * self.layout.slot_bytes / 2**30,
                  100 * self.pool.num_slots / geometry.total_routed_experts, geometry.total_routed_experts,
                  self.device, self.backend, arena_slots)
+
+    def _pairs_wanted(self, can_miss: bool, arena_slots: int) -> bool:
+        """Config pass_pair resolved: as given when true or false; auto: on a CUDA device with the triton backend,
+        a pool that can miss, an arena, experts the plan kernel covers, and neither gather_in_pass nor early_fetch."""
+        config = self.config
+        if config.pass_pair != "auto":
+            return config.pass_pair
+        return (can_miss and self.device.type == "cuda" and self.backend == "triton" and arena_slots > 0
+                and not config.gather_in_pass and not config.early_fetch
+                and self.geometry.num_experts <= PLAN_THREADS)
 
     def _setup_precision_tier(self, source: RowSource | None, slots: int | None, arena_slots: int) -> None:
         """The FP4 tier (pool, manager) and the gate, before any compute object binds the pools."""
