@@ -11,7 +11,8 @@ from test_runtime_fixtures import ToyMoE, arena_runtime, memory_source, toy_geom
 
 from tierstore.errors import ConfigError
 from tierstore.runtime import RuntimeConfig, TieredRuntime
-from tierstore.runtime.pair_choice import EXPLORE_EVERY, PAIR_RETRY_STEPS, TIMED_WINDOW, PairChoice
+from tierstore.runtime.pair_choice import (EXPLORE_EVERY, EXPLORE_EVERY_WIDE, PAIR_RETRY_STEPS, TIMED_WINDOW,
+                                           PairChoice)
 
 
 def _run(choice: PairChoice, steps: int, seconds_of, eligible: bool = True) -> list[bool]:
@@ -31,13 +32,17 @@ def test_the_timed_choice_alternates_until_both_kinds_have_three_times():
     assert choice.faster() is True  # a tie keeps the pair
 
 
-@pytest.mark.parametrize("pair_s,single_s", [(0.8e-3, 1.0e-3), (1.1e-3, 1.0e-3)])
-def test_the_timed_choice_runs_the_faster_kind_and_explores_the_other(pair_s, single_s):
+@pytest.mark.parametrize("pair_s,single_s,every", [(0.97e-3, 1.0e-3, EXPLORE_EVERY), (1.05e-3, 1.0e-3, EXPLORE_EVERY),
+                                                     (0.8e-3, 1.0e-3, EXPLORE_EVERY_WIDE),
+                                                     (1.3e-3, 1.0e-3, EXPLORE_EVERY_WIDE)])
+def test_the_timed_choice_runs_the_faster_kind_and_explores_the_other(pair_s, single_s, every):
+    """One exploring step in every EXPLORE_EVERY, or every EXPLORE_EVERY_WIDE where the other kind is over 1.1x
+    slower."""
     choice = PairChoice("timed")
-    kinds = _run(choice, 6 + 4 * EXPLORE_EVERY, lambda paired: pair_s if paired else single_s)
+    kinds = _run(choice, 6 + 4 * every, lambda paired: pair_s if paired else single_s)
     faster = pair_s < single_s
     settled = kinds[6:]
-    assert settled.count(not faster) == 4  # one exploring step in every EXPLORE_EVERY
+    assert settled.count(not faster) == 4
     assert choice.faster() is faster
     assert choice.medians_ms() == pytest.approx((1e3 * pair_s, 1e3 * single_s))
 
@@ -47,8 +52,8 @@ def test_the_timed_choice_turns_when_the_regime_changes():
     choice = PairChoice("timed")
     _run(choice, 40, lambda paired: 0.8e-3 if paired else 1.0e-3)
     assert choice.faster() is True
-    kinds = _run(choice, (TIMED_WINDOW // 2 + 2) * EXPLORE_EVERY, lambda paired: 1.3e-3 if paired else 1.0e-3)
-    assert choice.faster() is False and kinds[-EXPLORE_EVERY + 1:].count(True) <= 1
+    kinds = _run(choice, 5 * EXPLORE_EVERY, lambda paired: 1.3e-3 if paired else 1.0e-3)
+    assert choice.faster() is False and kinds[-4 * EXPLORE_EVERY:].count(True) <= 1
 
 
 def test_staging_is_asked_for_only_before_a_step_to_pair():
@@ -59,14 +64,14 @@ def test_staging_is_asked_for_only_before_a_step_to_pair():
     for _ in range(6):
         paired = choice.take(True)
         predicted = choice.stages_next()
-        choice.done(0.002 if paired else 0.001)
+        choice.done(1.05e-3 if paired else 1e-3)
         assert choice.take(True) == predicted
-        choice.done(0.002 if predicted else 0.001)
+        choice.done(1.05e-3 if predicted else 1e-3)
     staged_before = []
     for _ in range(2 * EXPLORE_EVERY):
         paired = choice.take(True)
         staged_before.append(choice.stages_next())
-        choice.done(0.002 if paired else 0.001)
+        choice.done(1.05e-3 if paired else 1e-3)
     assert sum(staged_before) == 2  # one exploring pair in every EXPLORE_EVERY
     choice = PairChoice("always")
     assert choice.take(True) and choice.stages_next()

@@ -102,7 +102,8 @@ class RuntimeConfig:
       decode steps run single passes. `pass_pair_choice` ("timed", the default; "always"): which of the other
       steps likely to miss launch their pair: those where the runtime's recent pairs took less wall time than its
       recent single passes (the two kinds alternate until each has three times, then the slower one runs every
-      16th such step to stay measured; `runtime/pair_choice.py`), or every one. `pass_pair_copies` ("kernel", the
+      16th such step to stay measured, every 64th while it is over 1.1x slower; `runtime/pair_choice.py`), or
+      every one. `pass_pair_copies` ("kernel", the
       default; "engine"): who moves the rows on CUDA: the copy kernel above, or the copy engine, driven by the
       host while the pair runs (each layer's plan in pinned memory, the rows issued on a copy stream, a flag
       written after them that the replay waits for); on a CPU both run the references.

@@ -10,6 +10,8 @@ PAIR_CHOICES = ("timed", "always")  # pass_pair_choice
 PAIR_RETRY_STEPS = 8  # single-pass decode steps after a pair that gathered fewer experts than it missed
 TIMED_WINDOW = 7  # step times kept per kind (the median of these decides)
 EXPLORE_EVERY = 16  # in the timed choice, every this many-th eligible step runs the slower kind, to keep its time current
+EXPLORE_EVERY_WIDE = 64  # ... when the slower kind's median is more than WIDE_GAP x the faster's
+WIDE_GAP = 1.10
 
 
 class PairChoice:
@@ -19,8 +21,9 @@ class PairChoice:
     pair whose first pass gathered fewer experts than it missed, the next `PAIR_RETRY_STEPS` decode steps run
     single (the back-off; not timed). Otherwise `always` pairs every eligible step; `timed` alternates pairs and
     single passes over the first eligible steps, then runs the kind whose last `TIMED_WINDOW` eligible steps have
-    the lower median wall time, and every `EXPLORE_EVERY`-th eligible step the other kind, so that a change of
-    regime (coverage, routing, load) turns the choice. A pair needs spares staged while the pass before it ran:
+    the lower median wall time, and every `EXPLORE_EVERY`-th eligible step the other kind (every
+    `EXPLORE_EVERY_WIDE`-th while it is more than `WIDE_GAP` x slower), so that a change of regime (coverage,
+    routing, load) turns the choice. A pair needs spares staged while the pass before it ran:
     `stages_next` tells that pass's read whether the next step is to be a pair (staging takes victims from the
     plan a single pass's fetch would use). Call `take` at a step's start and `done` after it succeeded; a step
     that failed is not timed."""
@@ -89,4 +92,6 @@ class PairChoice:
         preferred = self.faster()
         if preferred is None or min(pairs, singles) < 3:  # learning: alternate, the pair first
             return pairs <= singles
-        return (not preferred) if index % EXPLORE_EVERY == 0 else preferred
+        fast, slow = (median(self._seconds[kind]) for kind in (preferred, not preferred))
+        every = EXPLORE_EVERY_WIDE if slow > WIDE_GAP * fast else EXPLORE_EVERY
+        return (not preferred) if index % every == 0 else preferred
