@@ -94,19 +94,18 @@ class RuntimeConfig:
       `auto`: on where it can run and pays, a CUDA device with the triton backend, an arena and neither of those
       knobs (its CUDA kernels failing to build turn it off with a warning); off on a CPU, where a pass is not
       asynchronous and a pair costs two. The caller launches the pairs (`tierstore generate`, the replay
-      benchmark; not yet the vLLM adapter, which turns it off). On the H200 with the timed choice it was 1.03x-1.12x
-      faster than single passes at 50 % coverage and even at 25 % / 10 % (0.94x-1.03x) (docs/runtime.md).
+      benchmark; not yet the vLLM adapter, which turns it off). On the H200 it was faster than single passes at
+      50 % coverage on average and even with them at 25 % / 10 % (docs/runtime.md, "The timed choice").
       `pass_pair_copy_blocks` (default 4) is the side stream's copy grid, which shares the SMs with both passes:
-      on the H200 4 and 8 blocks beat 2, 16, 64 and two per SM (docs/runtime.md, "The pass pair"). After a pair
-      whose first pass gathered fewer experts than it missed (spares short, rows not in the arena), the next 8
-      decode steps run single passes. `pass_pair_choice` ("timed", the default; "always"): which of the other
-      steps likely to miss launch their pair: those where the runtime's recent pairs took less wall time than its
-      recent single passes (the two kinds alternate until each has three times, then the slower one runs every
-      16th such step to stay measured, every 64th while it is over 1.1x slower; `runtime/pair_choice.py`), or
-      every one. `pass_pair_copies` ("kernel", the
-      default; "engine"): who moves the rows on CUDA: the copy kernel above, or the copy engine, driven by the
-      host while the pair runs (each layer's plan in pinned memory, the rows issued on a copy stream, a flag
-      written after them that the replay waits for); on a CPU both run the references.
+      on the H200 4 and 8 blocks beat 2, 16, 64 and two per SM (docs/runtime.md, "The pass pair").
+      `pass_pair_choice` ("timed", the default; "always"): which decode steps likely to miss launch their pair:
+      those where the runtime's recent pairs took less wall time than its recent single passes (the two kinds
+      alternate until each has three times, then the slower one runs every 16th such step to stay measured, every
+      32nd while it is over 1.1x slower; `runtime/pair_choice.py`), or every one but the 8 steps after a pair
+      whose first pass gathered fewer experts than it missed (spares short, rows not in the arena).
+      `pass_pair_copies` ("kernel", the default; "engine"): who moves the rows on CUDA: the copy kernel above, or
+      the copy engine, driven by the host while the pair runs (each layer's plan in pinned memory, the rows issued
+      on a copy stream, a flag written after them that the replay waits for); on a CPU both run the references.
 
     Kernels:
 

@@ -7,23 +7,24 @@ from collections import deque
 from statistics import median
 
 PAIR_CHOICES = ("timed", "always")  # pass_pair_choice
-PAIR_RETRY_STEPS = 8  # single-pass decode steps after a pair that gathered fewer experts than it missed
-TIMED_WINDOW = 7  # step times kept per kind (the median of these decides)
+PAIR_RETRY_STEPS = 8  # `always`: single-pass decode steps after a pair that gathered fewer experts than it missed
+TIMED_WINDOW = 5  # step times kept per kind (the median of these decides)
 EXPLORE_EVERY = 16  # in the timed choice, every this many-th eligible step runs the slower kind, to keep its time current
-EXPLORE_EVERY_WIDE = 64  # ... when the slower kind's median is more than WIDE_GAP x the faster's
+EXPLORE_EVERY_WIDE = 32  # ... when the slower kind's median is more than WIDE_GAP x the faster's
 WIDE_GAP = 1.10
 
 
 class PairChoice:
     """For each decode step of a runtime that can launch pairs: pair or single.
 
-    A step is *eligible* when the runtime could launch a pair (the caller gave one, a recent pass missed). After a
-    pair whose first pass gathered fewer experts than it missed, the next `PAIR_RETRY_STEPS` decode steps run
-    single (the back-off; not timed). Otherwise `always` pairs every eligible step; `timed` alternates pairs and
-    single passes over the first eligible steps, then runs the kind whose last `TIMED_WINDOW` eligible steps have
-    the lower median wall time, and every `EXPLORE_EVERY`-th eligible step the other kind (every
-    `EXPLORE_EVERY_WIDE`-th while it is more than `WIDE_GAP` x slower), so that a change of regime (coverage,
-    routing, load) turns the choice. A pair needs spares staged while the pass before it ran:
+    A step is *eligible* when the runtime could launch a pair (the caller gave one, a recent pass missed). `always`
+    pairs every eligible step but the `PAIR_RETRY_STEPS` decode steps after a pair whose first pass gathered fewer
+    experts than it missed (spares short, rows not in the arena), which run single (the back-off). `timed`
+    alternates pairs and single passes over the first eligible steps, then runs the kind whose last `TIMED_WINDOW`
+    eligible steps have the lower median wall time, and every `EXPLORE_EVERY`-th eligible step the other kind
+    (every `EXPLORE_EVERY_WIDE`-th while it is more than `WIDE_GAP` x slower), so that a change of regime
+    (coverage, routing, load) turns the choice; a pair that fell short is a slow sample there, not a back-off (on
+    the H200 an isolated short pair at 50 % coverage sent 8 steps that pairs ran faster to single passes). A pair needs spares staged while the pass before it ran:
     `stages_next` tells that pass's read whether the next step is to be a pair (staging takes victims from the
     plan a single pass's fetch would use). Call `take` at a step's start and `done` after it succeeded; a step
     that failed is not timed."""
@@ -63,11 +64,11 @@ class PairChoice:
 
     def done(self, seconds: float, gathered: int | None = None, missed: int | None = None) -> None:
         """After a step that `take` was asked about: its wall time, and for a pair the experts its first pass
-        gathered and missed (fewer gathered than missed starts the back-off)."""
+        gathered and missed (with `always`, fewer gathered than missed starts the back-off)."""
         if self._timing is not None:
             self._seconds[self._timing].append(seconds)
             self._timing = None
-        if gathered is not None and missed is not None and gathered < missed:
+        if self.choice == "always" and gathered is not None and missed is not None and gathered < missed:
             self.backoff_left = PAIR_RETRY_STEPS
 
     def failed(self) -> None:
