@@ -1,7 +1,7 @@
 """Which decode steps launch a pass pair (`runtime/pair_choice.py`, config `pass_pair_choice`): the timed choice
 learns by alternating, then runs the kind whose recent steps were faster and explores the other; `always`'s back-off
-after a pair that fell short; failed and backed-off steps are not timed. And the runtime with the timed choice: every step
-equal to the all-resident run, both kinds run, the medians in its stats and KPI line."""
+after a pair that fell short; failed and backed-off steps are not timed. And the runtime with the timed choice: every
+step equal to the all-resident run, both kinds run, the medians in its stats and KPI line."""
 
 from __future__ import annotations
 

@@ -85,17 +85,18 @@ class RuntimeConfig:
       On the H200 it was even with the default at 50 % coverage (0.98x-1.04x its step time over four runs) and
       slower at 25 % (by 2-13 %) (docs/runtime.md, "The pass's own fetch"), hence off.
     - `pass_pair` (`auto`, the default; true; false; decode steps, a pool that can miss, an arena): a decode step
-      that is likely to miss (a recent pass missed) is launched as a pair, its pass and the replay together (one CUDA graph where
-      the caller captures `TieredRuntime.pass_pair`): after each MoE layer's experts the first pass maps the
-      layer's missing arena rows into armed spares (as `gather_in_pass` does) and copies them on a side stream
-      while its later layers run; the replay waits for each layer's rows before that layer. The host launches
-      once and reads once; what the replay still misses is fetched and replayed as before. Same rows and kernels:
-      the result is unchanged. Not with `gather_in_pass` or `early_fetch`, nor with the torch backend on CUDA.
+      that is likely to miss (a recent pass missed) is launched as a pair, its pass and the replay together (one
+      CUDA graph where the caller captures `TieredRuntime.pass_pair`): after each MoE layer's experts the first
+      pass maps the layer's missing arena rows into armed spares (as `gather_in_pass` does) and copies them on a
+      side stream while its later layers run; the replay waits for each layer's rows before that layer. The host
+      launches once and reads once; what the replay still misses is fetched and replayed as before. Same rows and
+      kernels: the result is unchanged. Not with `gather_in_pass` or `early_fetch`, nor with the torch backend on CUDA.
       `auto`: on where it can run and pays, a CUDA device with the triton backend, an arena and neither of those
       knobs (its CUDA kernels failing to build turn it off with a warning); off on a CPU, where a pass is not
       asynchronous and a pair costs two. The caller launches the pairs (`tierstore generate`, the replay
       benchmark; not yet the vLLM adapter, which turns it off). On the H200 it was faster than single passes at
-      50 % coverage on average and even with them at 25 % / 10 % (docs/runtime.md, "The timed choice").
+      50 % coverage on average (1.05x-1.07x), even with them at 25 % and 1-3 % slower at 10 % (docs/runtime.md, "The
+      timed choice").
       `pass_pair_copy_blocks` (default 4) is the side stream's copy grid, which shares the SMs with both passes:
       on the H200 4 and 8 blocks beat 2, 16, 64 and two per SM (docs/runtime.md, "The pass pair").
       `pass_pair_choice` ("timed", the default; "always"): which decode steps likely to miss launch their pair:

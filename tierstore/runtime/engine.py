@@ -483,7 +483,7 @@ class TieredRuntime:
         seconds = time.perf_counter() - started
         self._stats.add_step(outcome.replays, outcome.first_pass_missing_pairs, seconds, outcome.tolerated,
                              outcome.residue_pairs)
-        if self.pairs and not prefill:  # a pair whose first pass gathered fewer experts than it missed backs off
+        if self.pairs and not prefill:  # its time; with `always` a pair that gathered fewer than it missed backs off
             self._pair_choice.done(seconds, *(pair_first[2], pair_first[1]) if pair_first else ())
         every = self.config.kpi_every
         if every and self._stats.steps % every == 0:

@@ -9,7 +9,7 @@ from statistics import median
 PAIR_CHOICES = ("timed", "always")  # pass_pair_choice
 PAIR_RETRY_STEPS = 8  # `always`: single-pass decode steps after a pair that gathered fewer experts than it missed
 TIMED_WINDOW = 5  # step times kept per kind (the median of these decides)
-EXPLORE_EVERY = 16  # in the timed choice, every this many-th eligible step runs the slower kind, to keep its time current
+EXPLORE_EVERY = 16  # timed: every this many-th eligible step runs the slower kind, to keep its time current
 EXPLORE_EVERY_WIDE = 32  # ... when the slower kind's median is more than WIDE_GAP x the faster's
 WIDE_GAP = 1.10
 
@@ -24,10 +24,11 @@ class PairChoice:
     eligible steps have the lower median wall time, and every `EXPLORE_EVERY`-th eligible step the other kind
     (every `EXPLORE_EVERY_WIDE`-th while it is more than `WIDE_GAP` x slower), so that a change of regime
     (coverage, routing, load) turns the choice; a pair that fell short is a slow sample there, not a back-off (on
-    the H200 an isolated short pair at 50 % coverage sent 8 steps that pairs ran faster to single passes). A pair needs spares staged while the pass before it ran:
-    `stages_next` tells that pass's read whether the next step is to be a pair (staging takes victims from the
-    plan a single pass's fetch would use). Call `take` at a step's start and `done` after it succeeded; a step
-    that failed is not timed."""
+    the H200 an isolated short pair at 50 % coverage sent 8 steps that pairs ran faster to single passes).
+
+    A pair needs spares staged while the pass before it ran: `stages_next` tells that pass's read whether the next
+    step is to be a pair (staging takes victims from the plan a single pass's fetch would use). Call `take` at a
+    step's start and `done` after it succeeded; a step that failed is not timed."""
 
     def __init__(self, choice: str = "timed"):
         if choice not in PAIR_CHOICES:
