@@ -62,7 +62,10 @@ def test_auto_size_uses_free_device_memory_minus_the_reserve():
         assert 0 < rt.fp4.pool.num_slots <= GEOMETRY.total_routed_experts
 
 
-def test_cuda_graph_decode_with_the_gate_equals_the_all_fp4_run(tmp_path):
+@pytest.mark.parametrize("pass_pair", [False, True], ids=["single", "pass_pair"])
+def test_cuda_graph_decode_with_the_gate_equals_the_all_fp4_run(tmp_path, pass_pair):
+    """With pass_pair the fired run launches pairs (captured as the generator's second graph) beside the FP4 tier
+    and the gate; the all-FP4 reference runs single passes."""
     ckpt = save_hf_checkpoint(runtime_hf_model("qwen3_moe", seed=3), tmp_path / "ckpt")
     ensure_base_pack(ckpt, tmp_path / "packs", device="cuda", tags=("base", "fp4"))
     with open_checkpoint(ckpt) as c:
@@ -78,11 +81,13 @@ def test_cuda_graph_decode_with_the_gate_equals_the_all_fp4_run(tmp_path):
         with rt:
             if forced is not None:
                 rt.preload_fp4()
-            return TieredGenerator(model, rt, len(PROMPT) + 17, use_cuda_graph=True).generate(
+            out = TieredGenerator(model, rt, len(PROMPT) + 17, use_cuda_graph=True).generate(
                 PROMPT, 16, keep_logits=True, forced_ids=forced)
+            return out, rt.stats()
 
-    fired = generate(gate=True, gate_tau=1.0, gate_fp_max=8)
-    reference = generate(forced=fired.new_ids)
+    fired, stats = generate(gate=True, gate_tau=1.0, gate_fp_max=8, pass_pair=pass_pair, pass_pair_choice="always")
+    reference, _ = generate(forced=fired.new_ids, pass_pair=False)
     assert fired.cuda_graph and all(fired.fired[1:])
+    assert (stats.pair_steps > 0) == pass_pair
     for a, b in zip(fired.step_logits, reference.step_logits):
         assert torch.equal(a, b)

@@ -71,6 +71,32 @@ def test_fired_steps_equal_the_all_fp4_run_bit_for_bit():
         assert torch.equal(a, b)
 
 
+def test_fired_steps_with_pass_pairs_equal_the_all_fp4_run_bit_for_bit():
+    """The pass pair beside the FP4 tier and the gate (config pass_pair, every step likely to miss paired): the
+    pair's first pass reads the FP4 table like any pass, its signal is the one the gate judges, the gate's reruns
+    are single passes; every step equals the all-FP4 run."""
+    model, xs = ToyMoE(GEOMETRY), decode_inputs(GEOMETRY, 12)
+    want = all_fp4(model, xs)
+    w2_rows, fp4_rows = ROWS
+    runtime = TieredRuntime(GEOMETRY, MemoryRowSource(w2_rows), pool_slots=24, arena_slots=ALL,
+                            fp4_source=MemoryRowSource(fp4_rows), fp4_slots=ALL,
+                            config=RuntimeConfig(kpi_every=0, gate=True, gate_tau=1.0, gate_fp_max=8,
+                                                 fp4_policy="need", pass_pair=True, pass_pair_choice="always"))
+    with runtime:
+        runtime.arena.fetch([(layer, expert) for layer in range(GEOMETRY.num_moe_layers)
+                             for expert in range(GEOMETRY.num_experts)], scan=True)
+        got = []
+        for x in xs:
+            forward = lambda x=x: model.forward(runtime, x)  # noqa: E731
+            out, outcome = runtime.step(forward, lambda: None, forward_pair=runtime.pass_pair(forward, lambda: None))
+            assert outcome.gate is not None and outcome.gate.converged and outcome.residue_pairs == 0
+            assert runtime.wait_fp4_manager(10)
+            got.append(out)
+        assert runtime.stats().pair_steps > 0
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step} differs from the all-FP4 run"
+
+
 def test_a_gate_that_never_fires_changes_nothing():
     model, xs = ToyMoE(GEOMETRY), decode_inputs(GEOMETRY, 10, seed=1)
     results = []
