@@ -36,15 +36,18 @@ runtime_gpu_tests() {  # runtime_gpu_tests LIMIT: the GPU tests of the runtime's
     tests/test_runtime_located_fetch.py tests/test_runtime_fetch_split.py -m gpu -q
 }
 
-compare_rounds() {  # compare_rounds NAME LIMIT CONFIG ROUNDS COVERAGES: replay.py --compare-config CONFIG on both
-  # presets, ROUNDS rounds, each cell's default and compared runs in one process (the default first)
-  local name="$1" limit="$2" config="$3" rounds="$4" coverages="$5" round cell
+compare_rounds() {  # compare_rounds NAME LIMIT CONFIG ROUNDS COVERAGES [alternate]: replay.py --compare-config CONFIG
+  # on both presets, ROUNDS rounds, each cell's default and compared runs in one process (the default first; with
+  # "alternate", the compared config first in the even rounds: --compare-first)
+  local name="$1" limit="$2" config="$3" rounds="$4" coverages="$5" order="${6:-}" round cell first
   for round in $(seq "$rounds"); do
+    first=()
+    [ "$order" = alternate ] && [ $((round % 2)) = 0 ] && first=(--compare-first)
     for cell in "ds-v2-lite 8" "qwen3-30b-a3b 16"; do
       set -- $cell
       stage "replay-$1-$round" "$limit" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$1" --layers "$2" \
         --steps 220 --warmup 20 --coverages "$coverages" --arena-gb 4 --arena-preload --dtype bfloat16 \
-        --compare-config "$config" --commit "$commit" --out "$work/replay_$1_${name}_$round.json"
+        --compare-config "$config" ${first[@]+"${first[@]}"} --commit "$commit" --out "$work/replay_$1_${name}_$round.json"
     done
   done
 }

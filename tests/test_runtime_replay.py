@@ -105,6 +105,26 @@ def test_compare_pass_pair_runs_pairs_and_matches_the_resident_tokens(tmp_path):
     assert result["flipped_tokens_match_resident"] and result["tokens_match_resident"]
 
 
+@pytest.mark.parametrize("compare_first", [False, True])
+def test_compare_first_runs_the_compared_config_before_the_default(tmp_path, monkeypatch, compare_first):
+    from tierstore.runtime import replay
+
+    g = toy_geometry()
+    spec = ensure_synthetic_pack(g, tmp_path)
+    steps = trace_steps(skewed_routing(g, 6), None, g.num_moe_layers, None)
+    order, run = [], replay._run
+
+    def recording(*args, config, **kwargs):
+        order.append("naive" if kwargs.get("naive") else "plain" if kwargs.get("plain") else config.kpi_every)
+        return run(*args, config=config, **kwargs)
+    monkeypatch.setattr(replay, "_run", recording)
+    result = run_replay(g, lambda: open_synthetic_rows(spec, tmp_path), steps, pool_slots=12, arena_slots=48,
+                        device="cpu", warmup=2, compare={"kpi_every": 7}, compare_first=compare_first)
+    tiered = [0, "naive", 7] if not compare_first else [7, 0, "naive"]
+    assert order == ["plain", "plain", *tiered]
+    assert result["compared_first"] is compare_first and result["flipped_tokens_match_resident"]
+
+
 def test_replay_cli_config_and_compare_config_parse_fields_like_the_environment():
     import argparse
     import importlib.util

@@ -218,7 +218,7 @@ def _overhead(geometry, source_factory, steps, *, device, config, graph: bool, w
 def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *, pool_slots: int, arena_slots: int,
                device: torch.device | str, config: RuntimeConfig | None = None, warmup: int = 0,
                graph: bool = True, arena_preload: bool = False, overhead: bool = True,
-               dtype: torch.dtype = torch.float32, compare: dict | None = None) -> dict:
+               dtype: torch.dtype = torch.float32, compare: dict | None = None, compare_first: bool = False) -> dict:
     """A plain all-resident run (preloaded, forward + sync, no step protocol), the same with the
     decoder's token readback (forward + copy + sync), the tiered run (token folded into the pass-log
     read) and the naive on-demand baseline (eager, token read back), of the same steps, each with a
@@ -237,7 +237,9 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
     `dtype`: the activations' dtype (a decoder's is bfloat16; the default float32 keeps earlier runs
     comparable, and the kernels' inline-PTX paths run only for bfloat16). `compare`: config fields to
     change (e.g. {"layer_waits": False}) for a second tiered run (`tiered_flipped`, `tiered_over_flipped`,
-    `compared_config`), in the same process after the naive run: a side by side of two settings."""
+    `compared_config`), in the same process after the naive run (with `compare_first`, before the tiered run: the
+    later of two runs in a process was often the faster on the H200, so alternating the order balances it): a side
+    by side of two settings."""
     device = torch.device(device)
     config = config or RuntimeConfig(kpi_every=0, force_pool=True)
     everything = geometry.total_routed_experts
@@ -248,16 +250,19 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
                          plain=True, graph=graph, **common),
         "resident_readback": _run(geometry, source_factory, steps, pool_slots=everything, arena_slots=0, preload=True,
                                   plain=True, readback="separate", graph=graph, **common),
-        "tiered": _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
-                       preload=full, arena_preload=arena_preload, readback="folded", graph=graph, **common),
-        "naive": _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
-                      preload=full, arena_preload=arena_preload, naive=True, readback="separate", **common),
     }
-    if compare:
-        flipped = dict(common, config=dataclasses.replace(config, **compare))
-        runs["tiered_flipped"] = _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
-                                      preload=full, arena_preload=arena_preload, readback="folded", graph=graph,
-                                      **flipped)
+
+    def tiered_run(run_config: RuntimeConfig) -> dict:
+        return _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots, preload=full,
+                    arena_preload=arena_preload, readback="folded", graph=graph, **dict(common, config=run_config))
+    flipped_config = dataclasses.replace(config, **compare) if compare else None
+    if compare and compare_first:
+        runs["tiered_flipped"] = tiered_run(flipped_config)
+    runs["tiered"] = tiered_run(config)
+    runs["naive"] = _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
+                         preload=full, arena_preload=arena_preload, naive=True, readback="separate", **common)
+    if compare and not compare_first:
+        runs["tiered_flipped"] = tiered_run(flipped_config)
     h2d = host_to_device_gbps(device)
     probe = source_factory()
     try:
@@ -290,7 +295,7 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
         "runs": runs,
     }
     if compare:
-        out["compared_config"] = dict(compare)
+        out["compared_config"], out["compared_first"] = dict(compare), compare_first
         other = runs["tiered_flipped"]
         out["tiered_over_flipped"] = ratio(tiered_ms, other["steady"]["step_ms"])
         out["flipped_over_floor"] = ratio(other["steady"]["step_ms"], floor_ms)
