@@ -26,7 +26,7 @@ args = parser.parse_args()
 g = get_preset("ds-v2-lite").with_layers(8)
 spec = ensure_synthetic_pack(g, "/tmp/rp")
 steps = skewed_steps(g, 60 + args.steps)
-cfg = RuntimeConfig(kpi_every=0, force_pool=True)
+cfg = RuntimeConfig(kpi_every=0, force_pool=True, pass_pair=False)  # the single pass's miss step
 with TieredRuntime(g, open_synthetic_rows(spec, "/tmp/rp"), pool_slots=round(args.coverage * g.total_routed_experts),
                    arena_slots=int(4 * 2**30) // spec.stride, device="cuda", config=cfg, output_words=1) as rt:
     preload_arena(rt)

@@ -305,7 +305,8 @@ def main() -> None:
     slots = round(args.coverage * g.total_routed_experts)
     with TieredRuntime(g, open_synthetic_rows(spec, args.pack_dir), pool_slots=slots,
                        arena_slots=int(4 * 2**30) // spec.stride, device="cuda",
-                       config=RuntimeConfig(kpi_every=0, force_pool=True, gather_in_pass=args.gather_in_pass),
+                       config=RuntimeConfig(kpi_every=0, force_pool=True, gather_in_pass=args.gather_in_pass,
+                                            pass_pair=False),  # the single pass's miss step (pairs: pair_clock.py)
                        output_words=1) as rt:
         preload_arena(rt)
         if args.coverage >= 1.0:

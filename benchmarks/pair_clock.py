@@ -52,7 +52,8 @@ def main() -> None:
     spec = ensure_synthetic_pack(g, args.pack_dir)
     steps = skewed_steps(g, args.warm_steps + args.steps)
     slots = round(args.coverage * g.total_routed_experts)
-    config = RuntimeConfig(kpi_every=0, force_pool=True, pass_pair=True, pass_pair_copies=args.copies)
+    config = RuntimeConfig(kpi_every=0, force_pool=True, pass_pair=True, pass_pair_choice="always",
+                           pass_pair_copies=args.copies)
     rows = []
     with TieredRuntime(g, open_synthetic_rows(spec, args.pack_dir), pool_slots=slots,
                        arena_slots=int(4 * 2**30) // spec.stride, device="cuda", config=config, output_words=1) as rt:
