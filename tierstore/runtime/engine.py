@@ -151,7 +151,7 @@ class TieredRuntime:
                                           copy_blocks=self.config.pass_pair_copy_blocks,
                                           copies=self.config.pass_pair_copies)
             except ConfigError as error:
-                if self.config.pass_pair != "auto" or self.config.gather_in_pass:
+                if not (paired and self.config.pass_pair == "auto"):
                     raise
                 log.warning("pass_pair auto: off (%s)", error)
                 self.log = pass_log(0)

@@ -36,6 +36,7 @@ class PairChoice:
         self.choice = choice
         self._seconds: dict[bool, deque[float]] = {True: deque(maxlen=TIMED_WINDOW),
                                                   False: deque(maxlen=TIMED_WINDOW)}
+        self._medians: dict[bool, float | None] = {True: None, False: None}  # of `_seconds`, kept by `done`
         self._eligible = 0  # eligible steps seen outside the back-off
         self.backoff_left = 0  # decode steps the back-off still runs single
         self._timing: bool | None = None  # the kind the step under way is a sample of (None: not a sample)
@@ -68,6 +69,7 @@ class PairChoice:
         gathered and missed (with `always`, fewer gathered than missed starts the back-off)."""
         if self._timing is not None:
             self._seconds[self._timing].append(seconds)
+            self._medians[self._timing] = median(self._seconds[self._timing])
             self._timing = None
         if self.choice == "always" and gathered is not None and missed is not None and gathered < missed:
             self.backoff_left = PAIR_RETRY_STEPS
@@ -79,14 +81,13 @@ class PairChoice:
     def medians_ms(self) -> tuple[float, float]:
         """The median wall time in ms of the recent eligible steps run as a pair and as a single pass (0.0 for a
         kind not yet timed)."""
-        return tuple(1e3 * median(self._seconds[kind]) if self._seconds[kind] else 0.0 for kind in (True, False))
+        return tuple(1e3 * self._medians[kind] if self._medians[kind] is not None else 0.0 for kind in (True, False))
 
     def faster(self) -> bool | None:
         """The kind the timed choice now prefers (True: the pair), None while either has fewer than 3 times."""
-        pairs, singles = self._seconds[True], self._seconds[False]
-        if len(pairs) < 3 or len(singles) < 3:
+        if len(self._seconds[True]) < 3 or len(self._seconds[False]) < 3:
             return None
-        return median(pairs) <= median(singles)
+        return self._medians[True] <= self._medians[False]
 
     def _timed_kind(self, index: int, pending: bool | None = None) -> bool:
         """The timed choice's kind for the `index`-th eligible step (`pending`: a sample not yet timed)."""
@@ -94,6 +95,6 @@ class PairChoice:
         preferred = self.faster()
         if preferred is None or min(pairs, singles) < 3:  # learning: alternate, the pair first
             return pairs <= singles
-        fast, slow = (median(self._seconds[kind]) for kind in (preferred, not preferred))
+        fast, slow = self._medians[preferred], self._medians[not preferred]
         every = EXPLORE_EVERY_WIDE if slow > WIDE_GAP * fast else EXPLORE_EVERY
         return (not preferred) if index % every == 0 else preferred

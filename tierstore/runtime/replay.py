@@ -259,8 +259,10 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
     if compare and compare_first:
         runs["tiered_flipped"] = tiered_run(flipped_config)
     runs["tiered"] = tiered_run(config)
+    # the naive run never launches a pass pair: its runtime builds no pass gather (pass_pair auto on CUDA would)
+    naive = dict(common, config=dataclasses.replace(config, pass_pair=False))
     runs["naive"] = _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
-                         preload=full, arena_preload=arena_preload, naive=True, readback="separate", **common)
+                         preload=full, arena_preload=arena_preload, naive=True, readback="separate", **naive)
     if compare and not compare_first:
         runs["tiered_flipped"] = tiered_run(flipped_config)
     h2d = host_to_device_gbps(device)
