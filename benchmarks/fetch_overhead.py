@@ -8,11 +8,12 @@ arena preloaded with every row (each miss is an arena hit, as in `--arena-preloa
 tiny rows (hidden and expert width 128: 16 KiB slots) so that the copies (memcpys there) do not
 hide the Python around them; with `--device cuda` at the preset's real rows, bf16, CUDA graphs (the
 replay benchmark's warm case), where the steady step time is reported too. Timed by wrapping, in
-both trees alike: `TieredRuntime.fetch` (the host's time in a fetch; in trees after e8b7b7f the step
-calls `TieredRuntime._fetch`, wrapped where it exists), `Arena.fetch` and `DevicePool.install`, one
-fetch per steady step; and `to_first_copy`, from the end of the pass-log read (on CUDA: its sync,
-the wait for the forward, plus the read of the log) to the install's first row copy, the host
-latency the copies wait for. The deferred policy hits are applied before the read, as on CUDA with a
+both trees alike, under whichever names a tree has: the step's fetch (`TieredRuntime._fetch_for_step` since
+the located fetch of 879dcab, `_fetch` after e8b7b7f, `fetch` before), its arena part (`Arena.locate` and
+`Arena.fetch`) and its install (`DevicePool.install_located` and `install`), one fetch per steady step; and
+`to_first_copy`, from the end of the pass-log read (on CUDA: its sync, the wait for the forward, plus the
+read of the log) to the install's first row copy (`DevicePool._issue` or `_copy_rows`), the host latency the
+copies wait for. Both trees run single passes (`pass_pair` off where the tree has it). The deferred policy hits are applied before the read, as on CUDA with a
 pool that can evict (`_early_hits`), so they do not count in the fetch.
 
 The parent process alternates rounds between the trees (`--baseline REV`, checked out as a git
@@ -58,33 +59,46 @@ def worker(steps: int, warmup: int, device: str, coverage: float, preset: str, l
     g = get_preset(preset).with_layers(layers)
     if device == "cpu":  # tiny rows: the memcpys must not hide the Python around them
         g = dataclasses.replace(g, hidden=128, expert_inter=128)
+    # both trees: Triton; single passes (a tree with pass_pair would pair on CUDA: not the path timed here)
+    knobs = dict(kpi_every=0, force_pool=True, cuda_w2=False)
+    if "pass_pair" in {field.name for field in dataclasses.fields(RuntimeConfig)}:
+        knobs["pass_pair"] = False
     runtime = TieredRuntime(g, MemoryRowSource(tiled_rows(g, False)), pool_slots=round(coverage * g.total_routed_experts),
-                            arena_slots=g.total_routed_experts, device=device,
-                            config=RuntimeConfig(kpi_every=0, force_pool=True, cuda_w2=False),  # both trees: Triton
+                            arena_slots=g.total_routed_experts, device=device, config=RuntimeConfig(**knobs),
                             output_words=1)
     with runtime:
         runtime._early_hits = True  # as on CUDA with a pool that can evict: the last step's hits before the read
         preload_arena(runtime)
         calls: dict[str, list] = {part: [] for part in PARTS}
-        fetch = "_fetch" if hasattr(runtime, "_fetch") else "fetch"
-        for owner, name, part in ((runtime, fetch, "fetch"), (runtime.arena, "fetch", "arena"),
-                                  (runtime.pool, "install", "install")):
+        # the step's fetch and its parts under each tree's names: the located fetch (arena.locate,
+        # pool.install_located) since 879dcab, the general one (arena.fetch, pool.install) before and beside it
+        fetch = next(name for name in ("_fetch_for_step", "_fetch", "fetch") if hasattr(runtime, name))
+        hooks = [(runtime, fetch, "fetch")] + [(owner, name, part) for owner, names, part in (
+            (runtime.arena, ("locate", "fetch"), "arena"), (runtime.pool, ("install_located", "install"), "install"))
+            for name in names if hasattr(owner, name)]
+        for owner, name, part in hooks:
             timed(owner, name, part, calls, runtime)
         read_ended = []
         wrap_timed(runtime.log, "read", lambda started: read_ended.append(time.perf_counter()))
-        copy_rows = runtime.pool._copy_rows
 
-        def first_copy(rows, slots, stream):
-            if read_ended:
-                calls["to_first_copy"].append((runtime._stats.steps, time.perf_counter() - read_ended.pop()))
-                read_ended.clear()
-            return copy_rows(rows, slots, stream)
+        def first_copy(issue):
+            def issue_noting_first(*args):
+                if read_ended:
+                    calls["to_first_copy"].append((runtime._stats.steps, time.perf_counter() - read_ended.pop()))
+                    read_ended.clear()
+                return issue(*args)
+            return issue_noting_first
 
-        runtime.pool._copy_rows = first_copy
+        for name in ("_copy_rows", "_issue"):  # the general path's copies, the located path's (and, on CUDA, both)
+            if hasattr(runtime.pool, name):
+                setattr(runtime.pool, name, first_copy(getattr(runtime.pool, name)))
         out = drive(runtime, skewed_steps(g, steps), warmup=warmup, readback="folded", graph=device == "cuda",
                     dtype=torch.bfloat16 if device == "cuda" else torch.float32)
         rows = runtime.stats().fetched_rows
     steady = {part: [s for step, s in values if step >= warmup] for part, values in calls.items()}
+    if not all(steady.values()):
+        raise RuntimeError("no steady fetch reached these hooks: "
+                           + ", ".join(part for part, values in steady.items() if not values))
     return {"steps": steps, "warmup": warmup, "fetches": len(steady["fetch"]),
             "rows_per_fetch_call": rows / len(calls["fetch"]), "step_ms": out["steady"].as_dict()["step_ms"],
             **{f"{part}_p50_us": 1e6 * statistics.median(values) for part, values in steady.items()},

@@ -219,6 +219,12 @@ def main() -> None:
                             print(f"  {name}: steady steps launched as a pass pair {run['steady_pair_steps']}, "
                                   f"recent medians pair {run['pair_step_ms']:.3f} ms, single "
                                   f"{run['single_step_ms']:.3f} ms (0: not timed)", flush=True)
+                        for kind, k in run["steady"]["breakdown"].get("by_kind", {}).items():
+                            if name.startswith("tiered"):
+                                print(f"    {name} {kind} steps {k['steps']}: means step {k['ms']:.3f} ms = forward "
+                                      f"calls {k['forward_ms']:.3f} + read prep {k['prep_ms']:.3f} + reads "
+                                      f"{k['read_ms']:.3f} + fetch {k['fetch_ms']:.3f} + rest; copies "
+                                      f"{k['copy_ms']:.3f} ms on the device", flush=True)
                     split = b.get("fetch_step_median_ms")
                     if b.get("fetch_steps"):
                         print(f"  steady steps that fetched {b['fetch_steps']}, medians: step {split['ms']:.3f} ms, "

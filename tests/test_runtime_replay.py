@@ -103,6 +103,16 @@ def test_compare_pass_pair_runs_pairs_and_matches_the_resident_tokens(tmp_path):
     assert result["compared_config"] == {"pass_pair": True, "pass_pair_choice": "always"}
     assert flipped["steady_gathered_rows"] > 0 and flipped["steady"]["replay_rate"] > 0
     assert result["flipped_tokens_match_resident"] and result["tokens_match_resident"]
+    # each step says whether it was a pair; the breakdown splits the window by kind
+    steady = flipped["steady"]
+    flags = steady["per_step"]["pairs"]
+    assert set(flags) <= {0, 1} and sum(flags) == flipped["steady_pair_steps"] > 0
+    kinds = steady["breakdown"]["by_kind"]
+    assert kinds["pair"]["steps"] == sum(flags) and kinds.get("single", {"steps": 0})["steps"] == 12 - sum(flags)
+    pair_ms = [ms for ms, flag in zip(steady["per_step"]["ms"], flags) if flag]
+    assert kinds["pair"]["ms"] == pytest.approx(sum(pair_ms) / len(pair_ms))
+    assert 0 < kinds["pair"]["forward_ms"] < kinds["pair"]["ms"] and kinds["pair"]["prep_ms"] > 0
+    assert sum(result["runs"]["tiered"]["steady"]["per_step"]["pairs"]) == 0  # the default is off on a CPU
 
 
 @pytest.mark.parametrize("compare_first", [False, True])

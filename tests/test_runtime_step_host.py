@@ -2,6 +2,7 @@
 hits, which must leave the policy exactly where per-key `on_access` calls would."""
 
 import numpy as np
+import pytest
 import torch
 
 from tierstore.cache.policy import get_policy
@@ -105,3 +106,26 @@ def test_routed_ids_are_computed_late_but_from_their_own_pass():
     assert "routed_ids" in first.__dict__  # the second read computed it before its copy
     assert first.routed_ids.tolist() == [1, 4] and second.routed_ids.tolist() == [19, 21]
     assert first.routed_keys == ((0, 1), (0, 4)) and second.routed_id_set == frozenset({19, 21})
+
+
+@pytest.mark.parametrize("slots, told", [(48, False), (12, True)])
+def test_only_a_pool_that_can_evict_tells_its_policy_what_steps_routed(monkeypatch, slots, told):
+    """A pool holding every expert never evicts, so its steps skip the policy's bookkeeping (host work at full
+    coverage); a pool that can evict hears of every decode step's routed experts, once each."""
+    from test_runtime_fixtures import ToyMoE, arena_runtime, toy_geometry
+
+    g = toy_geometry()
+    rt, _ = arena_runtime(g, slots, 0)
+    touched = []
+    monkeypatch.setattr(rt.pool, "touch_ids", lambda ids, now: touched.append(ids.tolist()))
+    model = ToyMoE(g)
+    x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(3))
+    routed = []
+    with rt:
+        rt.preload([(layer, expert) for layer in range(g.num_moe_layers) for expert in range(g.num_experts)][:slots])
+        for _ in range(5):
+            x, outcome = rt.step(lambda x=x: model.forward(rt, x), lambda: None)
+            routed.append(outcome.last_pass.routed_ids.tolist())
+            x = x / x.norm()
+        rt.settle()
+    assert touched == (routed if told else [])

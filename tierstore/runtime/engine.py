@@ -54,7 +54,7 @@ BACKENDS = ("auto", "torch", "triton")
 NO_IDS = np.empty(0, dtype=np.int64)
 NO_LOCK = nullcontext()  # a step's safe point without an FP4 tier (reusable: it holds nothing)
 COUNTERS = ("steps", "replays", "fetched_bytes", "fetch_s", "arena_hit_rows", "arena_miss_rows", "arena_s",
-            "install_s", "copy_s", "copy_wait_s", "read_s")  # TieredRuntime.counters()
+            "install_s", "copy_s", "copy_wait_s", "read_s", "forward_s", "prep_s", "pairs")  # TieredRuntime.counters()
 
 
 
@@ -186,6 +186,9 @@ class TieredRuntime:
         self._pair_choice = PairChoice(self.config.pass_pair_choice)
         self._pairs_offered = False  # a decode step was given a pair: reads stage spares for a next one to pair
         self._untouched = None  # (last pass report, time) of the last step, not yet told to the pool's policy
+        # a pool that holds every expert never evicts: its policy's order is never asked for, so steps do not tell it
+        # what they routed (the no-miss step's host work at full coverage)
+        self._tells_policy = can_miss
         self._decode_pass: PassReport | None = None  # the last decode step's last pass: prefill evicts its experts last
         self.closed = False
         log.info("device pool: %d slots x %.2f MiB = %.3f GiB (%.1f%% of %d experts) on %s, backend %s; arena %d slots",
@@ -437,6 +440,8 @@ class TieredRuntime:
                     else:  # a single pass: it gathers nothing
                         self._gather.drop_staged()
                     self._pairs_offered = self._pairs_offered or forward_pair is not None
+                forward = self._clocked(forward)
+                first_forward = self._clocked(first_forward) if first_forward is not None else None
                 read_pass, pair_first = self._read_pass, []
                 if first_forward is not None:  # what the pair's first pass missed is in the first read's log
 
@@ -473,7 +478,8 @@ class TieredRuntime:
         # forward is then running on the device) or when anything uses the pool first: off the
         # host path between a no-miss step's sync and its return (the FP4 tier never uses this pool)
         # the reports, not their routed ids: those are computed when used, at the latest by the pass log's next read
-        self._untouched = self.last_pass, time.monotonic()
+        if self._tells_policy:
+            self._untouched = self.last_pass, time.monotonic()
         if not prefill:
             self._decode_pass = self.last_pass
         if self.fp4 is not None:
@@ -489,6 +495,16 @@ class TieredRuntime:
         if every and self._stats.steps % every == 0:
             log.info(self.kpi_line(every))
         return result, outcome
+
+    def _clocked(self, forward: Callable[[], object]):
+        """`forward` with its host time added to the stats' `forward_seconds` (on CUDA with graphs: the launch)."""
+        def run():
+            started = time.perf_counter()
+            try:
+                return forward()
+            finally:
+                self._stats.forward_seconds += time.perf_counter() - started
+        return run
 
     def _with_signal(self, forward: Callable[[], object], logits_of: Callable[[object], torch.Tensor]):
         """`forward` followed by the gate's signal on the device and its asynchronous copy to the
@@ -590,6 +606,7 @@ class TieredRuntime:
             self.pool.touch_ids(report.routed_ids, now)
 
     def _read_pass(self) -> PassReport:
+        preparing = time.perf_counter()
         self.settle()
         if self._early_hits:
             self.pool.apply_hits()
@@ -599,6 +616,7 @@ class TieredRuntime:
                 not self.pairs or self._pairs_offered and self._pair_choice.stages_next()):
             self._stage_spares()
         started = time.perf_counter()
+        self._stats.prep_seconds += started - preparing
         self.last_pass = self.log.read()
         self._stats.read_seconds += time.perf_counter() - started
         if self._gather is not None:
@@ -673,7 +691,8 @@ class TieredRuntime:
         s, pool = self._stats, self.pool
         pool.collect()
         return (s.steps, s.replays, s.fetched_bytes, s.fetch_seconds, *self.arena.row_counts(), s.arena_seconds,
-                s.install_seconds, pool.copy_seconds, pool.wait_seconds, s.read_seconds)
+                s.install_seconds, pool.copy_seconds, pool.wait_seconds, s.read_seconds, s.forward_seconds,
+                s.prep_seconds, s.pairs)
 
     def kpi_line(self, last: int = 0) -> str:
         self._settle_gathered()  # the last pass's own rows counted (gather_in_pass)

@@ -45,10 +45,11 @@ class Window:
     arena_miss_bytes: int  # fetched rows read from the row source (the pack on disk)
     gate_fired: int  # steps the confidence gate fired on (0 without a gate)
     gate_replays: int
-    per_step: dict | None = None  # lists, one entry per step: ms, replays, arena_hit_rows, arena_miss_rows, and
-    # PER_STEP_MS: fetch_ms (host time in fetch) = arena_ms + install_ms (+ copy_wait_ms in fetch); copy_ms (the
-    # copies' device time); copy_wait_ms (host blocked on copies); read_ms (pass-log reads: each waits for its
-    # forward and for copies in flight)
+    per_step: dict | None = None  # lists, one entry per step: ms, replays, arena_hit_rows, arena_miss_rows, pairs (1:
+    # launched as a pass pair), and PER_STEP_MS: fetch_ms (host time in fetch) = arena_ms + install_ms (+ copy_wait_ms
+    # in fetch); copy_ms (the copies' device time); copy_wait_ms (host blocked on copies); read_ms (pass-log reads:
+    # each waits for its forward and for copies in flight); forward_ms (host time in the forward calls: on CUDA with
+    # graphs their launches); prep_ms (a read's host work before its sync: policy hits, victim plans, spares)
 
     def as_dict(self) -> dict:
         steps = max(self.steps, 1)
@@ -79,10 +80,23 @@ def breakdown(per_step: dict | None) -> dict:
             "max_replays": int(replays.max()), "fetch_steps": int(fetched.sum()),
             "fetch_step_median_ms": {name: float(np.median(np.asarray(per_step[name])[fetched])) if fetched.any()
                                      else 0.0 for name in ("ms", *PER_STEP_MS)},
-            "slowest": {k: v[slowest] for k, v in per_step.items()} | {"index": slowest}}
+            "slowest": {k: v[slowest] for k, v in per_step.items()} | {"index": slowest},
+            "by_kind": by_kind(per_step)}
 
 
-PER_STEP_MS = ("fetch_ms", "arena_ms", "install_ms", "copy_ms", "copy_wait_ms", "read_ms")
+def by_kind(per_step: dict) -> dict:
+    """Means over the steps launched as a pass pair and over the others (config pass_pair): {"pair" | "single":
+    {"steps", "ms", and each of PER_STEP_MS}}; a kind with no step is left out."""
+    pairs = np.asarray(per_step.get("pairs", [0] * len(per_step["ms"]))) > 0
+    out = {}
+    for kind, chosen in (("pair", pairs), ("single", ~pairs)):
+        if chosen.any():
+            out[kind] = {"steps": int(chosen.sum())} | {name: float(np.asarray(per_step[name])[chosen].mean())
+                                                       for name in ("ms", *PER_STEP_MS)}
+    return out
+
+
+PER_STEP_MS = ("fetch_ms", "arena_ms", "install_ms", "copy_ms", "copy_wait_ms", "read_ms", "forward_ms", "prep_ms")
 
 
 def _counters(runtime: TieredRuntime) -> np.ndarray:
@@ -108,7 +122,8 @@ def _per_step(times: list[float], marks: list[tuple]) -> dict:
     d = np.diff(np.asarray(marks, dtype=np.float64).reshape(len(marks), len(COUNTERS)), axis=0)  # [steps, counters]
     column = dict(zip(COUNTERS, d.T))
     out = {"ms": [round(1e3 * t, 4) for t in times]}
-    out.update({name: column[name].astype(int).tolist() for name in ("replays", "arena_hit_rows", "arena_miss_rows")})
+    out.update({name: column[name].astype(int).tolist() for name in ("replays", "arena_hit_rows", "arena_miss_rows",
+                                                                    "pairs")})
     out.update({name: np.round(1e3 * column[name[:-3] + "_s"], 4).tolist() for name in PER_STEP_MS})
     return out
 

@@ -70,6 +70,8 @@ class StatsRecorder:
         self.pairs = 0  # steps launched as a pass pair
         self.arena_seconds = self.install_seconds = 0.0  # the parts of fetch_seconds in the arena and the pool
         self.read_seconds = 0.0  # pass-log reads (their sync waits for the forward and any copies in flight)
+        self.forward_seconds = 0.0  # host time in the step's forward calls (on CUDA with graphs: their launches)
+        self.prep_seconds = 0.0  # host work of a read before its sync (policy hits, victim plans, staged spares)
         self.step_seconds: deque[float] = deque(maxlen=WINDOW)
         self.recent: deque[tuple[bool, int]] = deque(maxlen=WINDOW)  # (replayed, first-pass missing pairs)
 
