@@ -9,6 +9,12 @@ device work is the same in every variant, so their differences are what each way
     stamp_spin  the same copy, then a 4-byte stamp copied after it on the same stream; the host spins on the stamp in
                 pinned memory (stream order: the stamp lands after the log and after the graph's last kernel)
     bare        no copy, `stream.synchronize()` (the floor: what a resident step waits for)
+    staged_kernel   the graph ends with `stage_log_words` (kernels/cuda/log_stage.cu: one block writes the log into
+                pinned host memory, then a host flag); the host only synchronises (the pass writes its own read-back)
+    staged_memcpy   the graph ends with the log's copy to pinned memory as a captured memcpy node; the host only
+                synchronises
+
+The staged variants' graphs differ from the others' by that last node (the point: its device cost is in their times).
 
 Variants run interleaved (round robin), so the host's drift falls on all of them alike. Also checks that every
 variant returned the log's bytes of its own iteration (a stale read fails the run).
@@ -26,11 +32,14 @@ from pathlib import Path
 
 import torch
 
-VARIANTS = ("sync", "event", "stamp_spin", "bare")
+from tierstore.kernels.cuda.log_stage import LogStager
+
+VARIANTS = ("sync", "event", "stamp_spin", "bare", "staged_kernel", "staged_memcpy")
 
 
-def _graph(buffer: torch.Tensor, counter: torch.Tensor, sleep_cycles: int) -> torch.cuda.CUDAGraph:
-    """A captured pass: a device sleep, then the log buffer := the pass's counter (bumped on the device)."""
+def _graph(buffer: torch.Tensor, counter: torch.Tensor, sleep_cycles: int, stage=None) -> torch.cuda.CUDAGraph:
+    """A captured pass: a device sleep, then the log buffer := the pass's counter (bumped on the device), then
+    `stage()` when given (the pass's own read-back)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
@@ -39,6 +48,8 @@ def _graph(buffer: torch.Tensor, counter: torch.Tensor, sleep_cycles: int) -> to
             torch.cuda._sleep(sleep_cycles)
             counter.add_(1)
             buffer.copy_(counter.expand_as(buffer))
+            if stage is not None:
+                stage()
     torch.cuda.current_stream().wait_stream(side)
     return graph
 
@@ -52,16 +63,24 @@ def run(iterations: int, words: int, sleep_cycles: int) -> dict:
     stamp_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
     stamp_view, host_view = stamp_host.numpy(), host.numpy()
     event = torch.cuda.Event()
+    flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    flag_view = flag.numpy()
+    stager = LogStager()
     graph = _graph(buffer, counter, sleep_cycles)
-    graph.replay()
+    graphs = {name: graph for name in VARIANTS}
+    graphs["staged_kernel"] = _graph(buffer, counter, sleep_cycles, lambda: stager.stage(buffer, host, flag))
+    graphs["staged_memcpy"] = _graph(buffer, counter, sleep_cycles, lambda: host.copy_(buffer, non_blocking=True))
+    for each in set(graphs.values()):
+        each.replay()
     torch.cuda.synchronize()
     expected = int(counter.item())
     times = {name: [] for name in VARIANTS}
     for i in range(iterations):
         for name in VARIANTS:
             expected += 1
+            flag_view[0] = 0
             started = time.perf_counter()
-            graph.replay()
+            graphs[name].replay()
             if name == "sync":
                 host.copy_(buffer, non_blocking=True)
                 stream.synchronize()
@@ -75,9 +94,11 @@ def run(iterations: int, words: int, sleep_cycles: int) -> dict:
                 stamp_host.copy_(stamp_device, non_blocking=True)
                 while stamp_view[0] != expected:
                     pass
-            else:
+            else:  # bare, and the staged ones: the pass wrote the host copy
                 stream.synchronize()
             elapsed = time.perf_counter() - started
+            if name == "staged_kernel" and flag_view[0] != 1:
+                raise AssertionError(f"staged_kernel: iteration {i} left the flag at {flag_view[0]}")
             if name != "bare" and not (host_view[0] == expected and host_view[-1] == expected):
                 raise AssertionError(f"{name}: iteration {i} read {host_view[0]}..{host_view[-1]}, expected {expected}")
             if i >= iterations // 10:  # warm-up left out

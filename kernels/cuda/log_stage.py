@@ -1,0 +1,55 @@
+"""The pass log's read-back written by the pass (`log_stage.cu`): `LogStager` builds and launches `stage_log_words` on
+the current stream (capturable), which copies the log's int32 words into pinned host memory and then sets a host flag;
+`stage_log_ref` is the plain-torch reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tierstore.kernels.cuda import loader
+
+SOURCE = Path(__file__).resolve().with_name("log_stage.cu")
+THREADS = 1024  # one block: the log is a few thousand words
+
+
+class LogStager:
+    """`stage(words, host, flag)`: words int32 [n] on the device, host int32 [n] and flag int32 [1] pinned."""
+
+    def __init__(self, device: int | None = None) -> None:
+        self.device = torch.cuda.current_device() if device is None else device
+        torch.cuda.init()
+        self.kernel = loader.load(loader.build(SOURCE), "stage_log_words", self.device)
+
+    def stage(self, words: torch.Tensor, host: torch.Tensor, flag: torch.Tensor) -> None:
+        check_stage_buffers(words, host, flag)
+        n = words.numel()
+        quads = n // 4
+        tail = n - 4 * quads
+        stream = torch.cuda.current_stream().cuda_stream
+        self.kernel.launch((1,), (THREADS,), 0, stream, "ppippip",
+                           [words.data_ptr(), host.data_ptr(), quads, words.data_ptr() + 16 * quads,
+                            host.data_ptr() + 16 * quads, tail, flag.data_ptr()])
+
+
+def check_stage_buffers(words: torch.Tensor, host: torch.Tensor, flag: torch.Tensor) -> None:
+    """ValueError unless words, host and flag are contiguous int32, host as long as words and pinned with flag, and
+    words and host 16-byte aligned (the kernel moves 16-byte words, then the tail)."""
+    for name, tensor in (("words", words), ("host", host), ("flag", flag)):
+        if tensor.dtype != torch.int32 or not tensor.is_contiguous():
+            raise ValueError(f"the log's staging needs contiguous int32 tensors: {name} is {tensor.dtype}"
+                             f"{'' if tensor.is_contiguous() else ', not contiguous'}")
+    if host.numel() != words.numel() or flag.numel() != 1:
+        raise ValueError(f"host has {host.numel()} words for {words.numel()}, flag {flag.numel()} (needs 1)")
+    if not (host.is_pinned() and flag.is_pinned()):
+        raise ValueError("the log's staging writes pinned host memory: host and flag must be pinned")
+    if words.data_ptr() % 16 or host.data_ptr() % 16:
+        raise ValueError("the log's staging moves 16-byte words: words and host must be 16-byte aligned")
+
+
+def stage_log_ref(words: torch.Tensor, host: np.ndarray, flag: np.ndarray) -> None:
+    """What `stage_log_words` leaves on the host: host[:] = words, then flag[0] = 1."""
+    host[:] = words.cpu().numpy()
+    flag[0] = 1
