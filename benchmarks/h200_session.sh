@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 measurements of main, in device calls of under 10 minutes each (one step per call; each step's
 # comment below says what it measures; the last ones run are those of 2026-11-30's tenth session: passgather,
-# passgather2, mend12, closing12, mend12b, gatherclock, passgather3, and the eleventh's: pair, pair2, pair3, pair4, pair5, pair6, pair7, pairclock2, closing13, and the twelfth's: choice, choice2, closing14, closing14b, closing14c, fp4pair2, and the thirteenth's: closing15, stagewake, closing15b; steps that compare against an older tree need
+# passgather2, mend12, closing12, mend12b, gatherclock, passgather3, and the eleventh's: pair, pair2, pair3, pair4, pair5, pair6, pair7, pairclock2, closing13, and the twelfth's: choice, choice2, closing14, closing14b, closing14c, fp4pair2, and the thirteenth's: closing15, stagewake, closing15b, closing15c; steps that compare against an older tree need
 # its tarball in .baseline carried too (hostpath, hostpath2, qwen3ab, located*, closing11, planvariant); staged /
 # stagedx's code was reverted: run them from a5beae6 / 973424c).
 # Run from the repository root on the GPU machine:
@@ -14,7 +14,7 @@
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`), except
 # under $work/baseline/, where the runs of an older tree write (their --commit names that tree).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11|hostcut2|located|located2|located3|syncwake|closing11|planvariant|pinning|passgather|passgather2|mend12|closing12|mend12b|gatherclock|passgather3|pair|pair2|pair3|pair4|pair5|pair6|pair7|pairclock2|closing13|choice|choice2|closing14|closing14b|closing14c|fp4pair2|closing15|stagewake|closing15b}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11|hostcut2|located|located2|located3|syncwake|closing11|planvariant|pinning|passgather|passgather2|mend12|closing12|mend12b|gatherclock|passgather3|pair|pair2|pair3|pair4|pair5|pair6|pair7|pairclock2|closing13|choice|choice2|closing14|closing14b|closing14c|fp4pair2|closing15|stagewake|closing15b|closing15c}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -36,17 +36,18 @@ runtime_gpu_tests() {  # runtime_gpu_tests LIMIT: the GPU tests of the runtime's
     tests/test_runtime_located_fetch.py tests/test_runtime_fetch_split.py -m gpu -q
 }
 
-compare_rounds() {  # compare_rounds NAME LIMIT CONFIG ROUNDS COVERAGES [alternate|same [STEPS]]: replay.py
+compare_rounds() {  # compare_rounds NAME LIMIT CONFIG ROUNDS COVERAGES [alternate|interleave|same [STEPS]]: replay.py
   # --compare-config CONFIG on both presets, ROUNDS rounds, each cell's default and compared runs in one process (the
-  # default first; with "alternate", the compared config first in the even rounds: --compare-first); STEPS steps of
-  # which 20 warm-up (220 unless given)
+  # default first; with "alternate", the compared config first in the even rounds: --compare-first; with "interleave",
+  # the two runtimes taking turns step by step: --interleave); STEPS steps of which 20 warm-up (220 unless given)
   local name="$1" limit="$2" config="$3" rounds="$4" coverages="$5" order="${6:-}" steps="${7:-220}" round cell first
   for round in $(seq "$rounds"); do
     first=()
     [ "$order" = alternate ] && [ $((round % 2)) = 0 ] && first=(--compare-first)
+    [ "$order" = interleave ] && first=(--interleave)
     for cell in "ds-v2-lite 8" "qwen3-30b-a3b 16"; do
       set -- $cell
-      stage "replay-$1-$round" "$limit" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$1" --layers "$2" \
+      stage "replay-$name-$1-$round" "$limit" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$1" --layers "$2" \
         --steps "$steps" --warmup 20 --coverages "$coverages" --arena-gb 4 --arena-preload --dtype bfloat16 \
         --compare-config "$config" ${first[@]+"${first[@]}"} --commit "$commit" --out "$work/replay_$1_${name}_$round.json"
     done
@@ -1263,6 +1264,18 @@ case "$step" in
     stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     compare_rounds closing15b 100 stage_pass_log=0 2 1,0.5,0.25,0.1 alternate 420
+    ;;
+  closing15c)  # the staged read-back armed by the host before each launch (no reset kernel), and the replay's
+    # --interleave (the default and the compared runtimes taking turns step by step): the staging's, the pair's and
+    # the runtime's GPU tests, the main job on the quality checkpoint, then interleaved side by sides on both presets:
+    # stage_pass_log=0 at 100 / 50 % (600 steady steps) and pass_pair=0 at 50 / 25 / 10 % (400). Stage limits 150 + 80
+    # + 2 x 90 + 2 x 110 s.
+    stage tests 150 python3 -m pytest tests/test_runtime_staged_log.py tests/test_log_stage.py \
+      tests/test_runtime_pass_pair.py tests/test_runtime_gpu.py tests/test_fp4_gpu.py -m gpu -q
+    stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    compare_rounds closing15c-stage 90 stage_pass_log=0 1 1,0.5 interleave 620
+    compare_rounds closing15c-pair 110 pass_pair=0 1 0.5,0.25,0.1 interleave 420
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

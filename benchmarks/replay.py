@@ -141,6 +141,9 @@ def main() -> None:
     parser.add_argument("--compare-first", action="store_true",
                         help="run the compared config before the default one (by default it runs last; alternate "
                              "the order between calls: the later run of a process was often the faster on the H200)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="with --compare-config: the default and the compared runtimes open together, taking turns "
+                             "step by step (the host's drift falls on both alike; twice the pools and arenas)")
     parser.add_argument("--commit", help="commit of the tree (when it runs without .git)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "replay.json"))
     args = parser.parse_args()
@@ -149,10 +152,13 @@ def main() -> None:
     head = {"provenance": provenance(args.commit), "method": {
         "steps": args.steps, "warmup": args.warmup, "layers": args.layers, "graph": not args.eager, "dtype": args.dtype,
         "arena_preload": args.arena_preload, "compare_layer_waits": args.compare_layer_waits,
-        "config": args.config, "compare_config": args.compare_config, "compare_first": args.compare_first, "traces": args.trace, "trace_layers": args.trace_layers,
+        "config": args.config, "compare_config": args.compare_config, "compare_first": args.compare_first,
+        "interleave": args.interleave, "traces": args.trace, "trace_layers": args.trace_layers,
         "trace_top_k": args.trace_top_k, "synthetic": not args.no_synthetic,
         "floor": "plain all-resident steady step + steady arena-hit bytes / pinned H2D + arena-miss bytes / source read"}}
     compare = _compare_config(args)
+    if args.interleave and not compare:
+        parser.error("--interleave needs --compare-config (the runtimes it interleaves are the default and the compared)")
     config = _base_config(args)
     if args.no_synthetic and not args.trace:
         parser.error("--no-synthetic needs at least one --trace")
@@ -183,7 +189,8 @@ def main() -> None:
                                         pool_slots=pool, arena_slots=int(arena_gb * 2**30) // spec.stride,
                                         device=device, config=config, warmup=args.warmup, graph=not args.eager,
                                         arena_preload=args.arena_preload, dtype=getattr(torch, args.dtype),
-                                        compare=compare, compare_first=args.compare_first)
+                                        compare=compare, compare_first=args.compare_first,
+                                        interleave=args.interleave)
                     result.update(preset=preset, workload=name, arena_gb=arena_gb, trace_mapping=mapping)
                     results.append(result)
                     Path(args.out).write_text(json.dumps({**head, "results": results}, indent=2))  # after every run

@@ -1,9 +1,9 @@
 """Config `stage_pass_log`: each pass writes its own pass-log read-back (kernels/cuda/log_stage.cu), and the read only
 synchronises.
 
-CPU, with the kernels' references standing in (`RefStager`): a staged pass is read from its staging copy; a pass that
-did not stage is read by the copy, also after a staged pass that was never read (every pass's reset clears the
-flag); an earlier report's routed experts stay its own when the next pass rewrites the staging copy; the runtime
+CPU, with the kernel's reference standing in (`RefStager`): a staged pass is read from its staging copy; a pass that
+did not stage is read by the copy, also after a staged pass that was never read (the host arms the flag before each
+launch); an earlier report's routed experts stay its own when the next pass rewrites the staging copy; the runtime
 stages once per read pass (the last MoE layer, or `publish` with output words; never a pair's first pass) and every
 step equals the all-resident run, single passes and pairs. GPU: the same runtime on the kernels, eager and under CUDA
 graphs, equal to a run with the knob off, every read staged."""
@@ -15,7 +15,7 @@ import torch
 from test_runtime_fixtures import ToyMoE, arena_runtime, cuda_decode_steps, memory_source, toy_geometry
 
 from tierstore.errors import ConfigError
-from tierstore.kernels.cuda.log_stage import reset_log_ref, stage_log_ref
+from tierstore.kernels.cuda.log_stage import stage_log_ref
 from tierstore.runtime import RuntimeConfig, TieredRuntime
 from tierstore.runtime.passlog import PassLog
 
@@ -23,7 +23,7 @@ LAYERS, EXPERTS = 3, 8
 
 
 class RefStager:
-    """The kernels' references behind `LogStager`'s interface (a CPU stand-in); counts the stagings."""
+    """The kernel's reference behind `LogStager`'s interface (a CPU stand-in); counts the stagings."""
 
     def __init__(self):
         self.stagings = 0
@@ -34,12 +34,11 @@ class RefStager:
             stage_log_ref(words, host.numpy(), flag.numpy())
         return stage
 
-    def bind_reset(self, words, flag):
-        return lambda: reset_log_ref(words, flag.numpy())
-
 
 def _pass(log: PassLog, routed: list[int], misses: int = 0, stage: bool = True) -> None:
-    """A pass on the CPU: reset, route `routed` (experts of layer 0), count `misses`, then stage (or not)."""
+    """A pass on the CPU, launched as the runtime does (armed): reset, route `routed` (experts of layer 0), count
+    `misses`, then stage (or not)."""
+    log.arm()
     log.reset()
     log.record(0, torch.tensor([routed]))
     log.counts[:] = torch.tensor([misses, misses], dtype=torch.int32)
@@ -58,7 +57,7 @@ def test_a_staged_pass_is_read_from_its_staging_copy():
 def test_a_pass_that_did_not_stage_is_read_by_the_copy_even_after_an_unread_staged_pass():
     log = PassLog(LAYERS, EXPERTS, top_k=2, capacity=4, device="cpu", stager=RefStager())
     _pass(log, [1, 5], misses=2)  # staged, never read
-    _pass(log, [2, 3], stage=False)  # its reset cleared the flag
+    _pass(log, [2, 3], stage=False)  # armed before it: the flag is the unread pass's no more
     report = log.read()
     assert log.staged_reads == 0 and report.missing_pairs == 0 and report.routed_ids.tolist() == [2, 3]
     assert log.read().routed_ids.tolist() == [2, 3] and log.staged_reads == 0  # read again: the copy again
@@ -124,6 +123,34 @@ def test_the_runtime_stages_each_read_pass_once_and_equals_the_resident_run(monk
         stats = rt.stats()
     assert stats.replayed_steps > 0 and (stats.pair_steps > 0) == pairs
     assert log.staged_reads == reads == stager.stagings  # each read pass staged once, and only those
+
+
+def test_a_failed_steps_staged_pass_never_passes_for_a_later_pass_that_did_not_stage(monkeypatch):
+    """A step whose forward staged and then raised is never read; the next step's pass does not stage (a log with
+    output words whose forward does not publish): its read must copy its own pass, not take the failed one's."""
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=3)
+    plain = TieredRuntime(g, memory_source(g, seed=7), pool_slots=g.total_routed_experts,
+                          config=RuntimeConfig(kpi_every=0))
+    rt, stager = _staged_runtime(monkeypatch, g, g.total_routed_experts, 1)
+    rt.preload()
+    plain.preload()
+    x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(0)) * 3
+    y = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(1)) * 3
+
+    def staged_then_fails():
+        out = model.forward(rt, x)
+        rt.publish(out.argmax(-1))
+        raise RuntimeError("the caller's forward failed after its last MoE layer")
+
+    with rt, plain:
+        want = plain.step(lambda: model.forward(plain, y), lambda: None)[1].last_pass.routed_ids.tolist()
+        assert want != plain.step(lambda: model.forward(plain, x), lambda: None)[1].last_pass.routed_ids.tolist()
+        with pytest.raises(RuntimeError, match="failed after"):
+            rt.step(staged_then_fails, lambda: None)
+        assert stager.stagings == 1
+        _, outcome = rt.step(lambda: model.forward(rt, y), lambda: None)
+        assert outcome.last_pass.routed_ids.tolist() == want and rt.log.staged_reads == 0
 
 
 def test_the_knob_refuses_a_cpu_device_when_required_and_is_off_there_by_default():

@@ -489,8 +489,9 @@ class TieredRuntime:
                 if self.fp4 is not None:  # read under the lock: the manager cannot change residency here
                     outcome = outcome.with_all_fp4(self.fp4.pool.all_resident(outcome.last_pass.routed_ids))
         except BaseException:
-            if self._early and self.device.type == "cuda":  # a pass that failed before its read may still run:
-                torch.cuda.current_stream(self.device).synchronize()  # its host copies land before the next clear
+            if (self._early or self.log.stages) and self.device.type == "cuda":  # a pass that failed before its read
+                # may still run: its host copies (early fetch) and staged read-back land before the next clear or arm
+                torch.cuda.current_stream(self.device).synchronize()
             if self._gather is not None:
                 self._recover_gathered()
             self._pair_choice.failed()
@@ -525,9 +526,11 @@ class TieredRuntime:
         return result, outcome
 
     def _clocked(self, forward: Callable[[], object]):
-        """`forward` with its host time added to the stats' `forward_seconds` (on CUDA with graphs: the launch)."""
+        """`forward` with its host time added to the stats' `forward_seconds` (on CUDA with graphs: the launch), after
+        arming the pass log's staged read-back (config stage_pass_log: only a pass of this launch may pass for it)."""
         def run():
             started = time.perf_counter()
+            self.log.arm()
             try:
                 return forward()
             finally:

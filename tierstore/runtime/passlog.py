@@ -24,9 +24,10 @@ into the buffer, so the pass-log read that the step protocol makes is also the d
 
 With a `stager` (the runtime's `stage_pass_log`, on CUDA: `kernels/cuda/log_stage.py`), the pass writes its own
 read-back: `stage()` (capturable; the runtime calls it at the end of each pass) copies the buffer into a pinned
-staging copy on the device's stream and then sets a pinned flag, which every pass's `reset()` clears on the device
-first; `read()` then only synchronises, takes the staging copy when the flag is set (and clears it) and copies the
-buffer as before when it is not (the stream's last pass did not stage).
+staging copy on the device's stream and then sets a pinned flag. The host clears the flag with `arm()` before it
+launches a pass (the runtime: before each launch of a step, and it waits for a failed step's passes); `read()` then
+only synchronises, takes the staging copy when the flag is set and copies the buffer as before when it is not (no pass
+launched since `arm()` staged).
 The staging copy is the kernel's destination, baked into a captured graph, and the next pass may rewrite it before the
 host looks again: `read()` moves it into the host copy that reports and `host_*` read, so those stay the last read's.
 On the H200 the staged read waited +1.7 / +2.4 us over a bare synchronise against +7.2 / +6.9 us for the copy after
@@ -112,7 +113,7 @@ class PassLog:
          self._host_routing, self._host_outputs) = np.split(host, np.cumsum(sizes)[:6])
         self._layer_rows = self._layer_stamps = None
         # the pass's own read-back: `stager.bind(words, staging, flag)` gives its launcher (see the module doc)
-        self._stage = self._reset_staged = None
+        self._stage = None
         self.staged_reads = 0  # reads that took the pass's staging copy
         if stager is not None:
             pin = self.device.type == "cuda"
@@ -120,7 +121,6 @@ class PassLog:
             self._staged_flag = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
             self._host_staging, self._host_flag = self._staging.numpy(), self._staged_flag.numpy()
             self._stage = stager.bind(self.buffer, self._staging, self._staged_flag)
-            self._reset_staged = stager.bind_reset(self._cleared, self._staged_flag)  # also clears the flag
         self._last_report: PassReport | None = None  # the last read's, whose routed ids the next read computes first
         if early_layers:
             pin = self.device.type == "cuda"
@@ -138,9 +138,6 @@ class PassLog:
                 raise ValueError("a pass pair needs a pass log with gather_capacity > 0")
             self._first.copy_(self.counts)
             self._cleared_for_replay.zero_()
-            return
-        if self._reset_staged is not None:  # the same words zeroed, and the staged flag: this pass has not staged
-            self._reset_staged()
             return
         self._cleared.zero_()
 
@@ -212,6 +209,13 @@ class PassLog:
         if self._stage is not None:
             self._stage()
 
+    def arm(self) -> None:
+        """Before launching a pass (with a stager): clear the staged flag, so that the next `read()` takes the staging
+        copy only if a pass launched from now on staged. Every pass launched before must be over (read, or its
+        stream synchronised)."""
+        if self._stage is not None:
+            self._host_flag[0] = 0
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self._stream_index).synchronize()
@@ -224,7 +228,7 @@ class PassLog:
             self._sync()
         else:
             self._sync()
-            if self._host_flag[0]:  # the pass staged: its words are in the staging copy
+            if self._host_flag[0]:  # a pass launched since `arm()` staged: its words are in the staging copy
                 self._host_flag[0] = 0
                 np.copyto(self._host_np, self._host_staging)
                 self.staged_reads += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ from tierstore.io.readers.choice import direct_io_supported
 from tierstore.io.row_codec import row_bytes
 from tierstore.runtime.config import RuntimeConfig
 from tierstore.runtime.engine import TieredRuntime
-from tierstore.runtime.replay_drive import drive, nomiss_overhead
+from tierstore.runtime.replay_drive import Driver, drive, drive_interleaved, nomiss_overhead
 from tierstore.runtime.synthetic import random_experts
 from tierstore.slot_codec import KERNEL_SLOT_CODEC
 
@@ -187,24 +188,55 @@ def preload_arena(runtime: TieredRuntime, batch: int = 64) -> int:
     return len(keys)
 
 
-def _run(geometry, source_factory, steps, *, pool_slots: int, arena_slots: int, device, config, preload: bool,
-         arena_preload: bool = False, **drive_args) -> dict:
+def _open(geometry, source_factory, steps, *, pool_slots: int, arena_slots: int, device, config, preload: bool,
+          arena_preload: bool = False) -> tuple[TieredRuntime, int]:
+    """A runtime for one run, its pool preloaded (`preload`) and its arena filled (`arena_preload`): (runtime, arena
+    rows preloaded)."""
     tokens = max((len(s) for s in steps), default=1)
-    with TieredRuntime(geometry, source_factory(), pool_slots=pool_slots, arena_slots=arena_slots, device=device,
-                       config=config, output_words=tokens) as runtime:
+    runtime = TieredRuntime(geometry, source_factory(), pool_slots=pool_slots, arena_slots=arena_slots, device=device,
+                            config=config, output_words=tokens)
+    try:
         if preload:
             runtime.preload()
-        preloaded_rows = preload_arena(runtime) if arena_preload and arena_slots else 0
-        out = drive(runtime, steps, **drive_args)
-        cuda_kernels = getattr(runtime.experts, "cuda_w2", None) is not None  # config cuda_w2 loaded the CUDA C++ op
+        return runtime, preload_arena(runtime) if arena_preload and arena_slots else 0
+    except BaseException:
+        runtime.close()
+        raise
+
+
+def _report(runtime: TieredRuntime, out: dict, preload: bool, preloaded_rows: int, readback: str) -> dict:
+    cuda_kernels = getattr(runtime.experts, "cuda_w2", None) is not None  # config cuda_w2 loaded the CUDA C++ op
     return {"graph": out["graph"], "preloaded": preload, "arena_preloaded_rows": preloaded_rows,
-            "cuda_w2_kernels": cuda_kernels,
-            "readback": drive_args.get("readback", "none"), "tokens": out["tokens"],
+            "cuda_w2_kernels": cuda_kernels, "readback": readback, "tokens": out["tokens"],
             "steady_early_fetched_rows": out["steady_early_fetched_rows"],
             "steady_located_rows": out["steady_located_rows"], "steady_gathered_rows": out["steady_gathered_rows"],
             "steady_pair_steps": out["steady_pair_steps"], "pair_step_ms": out["pair_step_ms"],
             "single_step_ms": out["single_step_ms"],
             "cold": out["cold"].as_dict(), "steady": out["steady"].as_dict()}
+
+
+def _run(geometry, source_factory, steps, *, pool_slots: int, arena_slots: int, device, config, preload: bool,
+         arena_preload: bool = False, **drive_args) -> dict:
+    runtime, preloaded_rows = _open(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
+                                    device=device, config=config, preload=preload, arena_preload=arena_preload)
+    with runtime:
+        out = drive(runtime, steps, **drive_args)
+        return _report(runtime, out, preload, preloaded_rows, drive_args.get("readback", "none"))
+
+
+def _run_interleaved(geometry, source_factory, steps, configs: list[RuntimeConfig], *, pool_slots: int,
+                     arena_slots: int, device, preload: bool, arena_preload: bool = False, **drive_args) -> list[dict]:
+    """`_run` of each config, their runtimes open together and driven step by step in turn (`drive_interleaved`)."""
+    with ExitStack() as stack:
+        opened = []
+        for config in configs:
+            runtime, rows = _open(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
+                                  device=device, config=config, preload=preload, arena_preload=arena_preload)
+            stack.enter_context(runtime)
+            opened.append((runtime, rows))
+        outs = drive_interleaved([Driver(runtime, steps, **drive_args) for runtime, _ in opened])
+        return [_report(runtime, out, preload, rows, drive_args.get("readback", "none"))
+                for (runtime, rows), out in zip(opened, outs)]
 
 
 def _overhead(geometry, source_factory, steps, *, device, config, graph: bool, warmup: int, dtype) -> dict:
@@ -218,7 +250,8 @@ def _overhead(geometry, source_factory, steps, *, device, config, graph: bool, w
 def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *, pool_slots: int, arena_slots: int,
                device: torch.device | str, config: RuntimeConfig | None = None, warmup: int = 0,
                graph: bool = True, arena_preload: bool = False, overhead: bool = True,
-               dtype: torch.dtype = torch.float32, compare: dict | None = None, compare_first: bool = False) -> dict:
+               dtype: torch.dtype = torch.float32, compare: dict | None = None, compare_first: bool = False,
+               interleave: bool = False) -> dict:
     """A plain all-resident run (preloaded, forward + sync, no step protocol), the same with the
     decoder's token readback (forward + copy + sync), the tiered run (token folded into the pass-log
     read) and the naive on-demand baseline (eager, token read back), of the same steps, each with a
@@ -239,7 +272,9 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
     change (e.g. {"layer_waits": False}) for a second tiered run (`tiered_flipped`, `tiered_over_flipped`,
     `compared_config`), in the same process after the naive run (with `compare_first`, before the tiered run: the
     later of two runs in a process was often the faster on the H200, so alternating the order balances it): a side
-    by side of two settings."""
+    by side of two settings. `interleave` (with `compare`): the two tiered runtimes are open together and take turns
+    step by step instead (`drive_interleaved`), so the host's drift during the runs falls on both alike (two pools
+    and two arenas at once: twice the memory)."""
     device = torch.device(device)
     config = config or RuntimeConfig(kpi_every=0, force_pool=True)
     everything = geometry.total_routed_experts
@@ -256,14 +291,20 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
         return _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots, preload=full,
                     arena_preload=arena_preload, readback="folded", graph=graph, **dict(common, config=run_config))
     flipped_config = dataclasses.replace(config, **compare) if compare else None
-    if compare and compare_first:
-        runs["tiered_flipped"] = tiered_run(flipped_config)
-    runs["tiered"] = tiered_run(config)
+    if compare and interleave:
+        runs["tiered"], runs["tiered_flipped"] = _run_interleaved(
+            geometry, source_factory, steps, [config, flipped_config], pool_slots=pool_slots, arena_slots=arena_slots,
+            device=device, preload=full, arena_preload=arena_preload, readback="folded", graph=graph, warmup=warmup,
+            dtype=dtype)
+    else:
+        if compare and compare_first:
+            runs["tiered_flipped"] = tiered_run(flipped_config)
+        runs["tiered"] = tiered_run(config)
     # the naive run never launches a pass pair: its runtime builds no pass gather (pass_pair auto on CUDA would)
     naive = dict(common, config=dataclasses.replace(config, pass_pair=False))
     runs["naive"] = _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
                          preload=full, arena_preload=arena_preload, naive=True, readback="separate", **naive)
-    if compare and not compare_first:
+    if compare and not compare_first and not interleave:
         runs["tiered_flipped"] = tiered_run(flipped_config)
     h2d = host_to_device_gbps(device)
     probe = source_factory()
@@ -297,7 +338,7 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
         "runs": runs,
     }
     if compare:
-        out["compared_config"], out["compared_first"] = dict(compare), compare_first
+        out["compared_config"], out["compared_first"], out["interleaved"] = dict(compare), compare_first, interleave
         other = runs["tiered_flipped"]
         out["tiered_over_flipped"] = ratio(tiered_ms, other["steady"]["step_ms"])
         out["flipped_over_floor"] = ratio(other["steady"]["step_ms"], floor_ms)

@@ -211,6 +211,95 @@ class Readback:
         return int(self.host[0])
 
 
+class Driver:
+    """One runtime driven through forced routing: `__init__` sets up (the forward, its graphs, the routes on the
+    device), `step(i)` runs and times the i-th step, `result()` reports (see `drive`). Several drivers can take
+    turns step by step (`drive_interleaved`)."""
+
+    def __init__(self, runtime: TieredRuntime, steps: list[np.ndarray], *, warmup: int, naive: bool = False,
+                 graph: bool = False, plain: bool = False, readback: str = "none", logits: torch.Tensor | None = None,
+                 dtype=torch.float32):
+        if readback not in READBACKS or (readback == "folded" and (plain or runtime.log.outputs is None)):
+            raise ValueError(f"readback {readback!r} with plain={plain}: choose one of {READBACKS}; folded needs the "
+                             "step protocol and a runtime with output_words")
+        self.runtime, self.warmup, self.plain, self.readback, self.logits = runtime, warmup, plain, readback, logits
+        device, g = runtime.device, runtime.geometry
+        self.device = device
+        x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(0)).to(device, dtype) * 0.01  # [1, H]
+        weights = torch.full((1, g.top_k), 1.0 / g.top_k, device=device)  # [1, k]
+        self.forward = forward_fn(runtime, x, weights, naive, publish=readback == "folded")
+        self.routes = [torch.as_tensor(np.asarray(r), dtype=torch.int64).to(device) for r in steps]  # before timing
+        self.pair = (lambda f: runtime.pass_pair(f, lambda: None)) if runtime.pairs and not plain and not naive else None
+        self.graphs = Graphs(self.forward, device, self.pair) if graph and device.type == "cuda" and not naive else None
+        if self.graphs is not None and not all(self.graphs.capture(r) for r in {tuple(r.shape): r for r in
+                                                                                 self.routes}.values()):
+            self.graphs = None
+        self.read = Readback(device, max((r.shape[0] for r in self.routes), default=1)) if readback == "separate" \
+            else None
+        # a decoder's logits sit at one address (its graph's output): the gate's captured signal needs that
+        self.step_logits = torch.empty_like(logits[0]) if logits is not None else None  # [T, V]
+        self.times: list[float] = []
+        self.tokens: list[int | None] = []
+        self.marks = [_counters(runtime)]
+        self.steps_marks = [runtime.counters()]
+        # rows fetched while their pass ran (early_fetch), by the located path and by their own pass (gather_in_pass),
+        # and the steps launched as a pass pair, before the steady window
+        self.at_warmup = (0, 0, 0, 0)
+
+    def step(self, i: int) -> None:
+        runtime, ids, device = self.runtime, self.routes[i], self.device
+        if i == self.warmup:
+            self.marks.append(_counters(runtime))
+            stats = runtime.stats()
+            self.at_warmup = (stats.early_fetched_rows, stats.located_rows, stats.gathered_rows, stats.pair_steps)
+        if self.step_logits is not None:
+            self.step_logits.copy_(self.logits[i])  # queued before the clock starts, like a decoder's own logits
+        started = time.perf_counter()
+        if self.graphs is not None:
+            run, run_pair = self.graphs.bind(ids)
+        else:
+            run = lambda ids=ids: self.forward(ids)  # noqa: E731
+            run_pair = self.pair(run) if self.pair is not None else None
+        if self.plain:
+            _, token = run()
+            if self.read is None and device.type == "cuda":
+                torch.cuda.synchronize(device)
+        elif self.step_logits is not None:
+            step_logits = self.step_logits
+            (_, token), outcome = runtime.step(run, lambda: None, logits_of=lambda _: step_logits,
+                                               forward_pair=run_pair)
+        else:
+            (_, token), outcome = runtime.step(run, lambda: None, forward_pair=run_pair)
+        if self.read is not None:
+            self.tokens.append(self.read(token))
+        elif self.readback == "folded":
+            self.tokens.append(int(outcome.last_pass.outputs[0]))
+        else:
+            self.tokens.append(None)
+        self.times.append(time.perf_counter() - started)
+        self.steps_marks.append(runtime.counters())
+
+    def result(self) -> dict:
+        runtime, warmup, times, marks = self.runtime, self.warmup, self.times, self.marks
+        if len(marks) == 1:  # no steady window: the cold one ends here
+            marks.append(_counters(runtime))
+        marks.append(_counters(runtime))
+        row_bytes = runtime.source.row_bytes
+        final = runtime.stats()
+        at = self.at_warmup
+        steady_early, steady_located, steady_gathered, steady_pairs = (
+            (final.early_fetched_rows - at[0], final.located_rows - at[1], final.gathered_rows - at[2],
+             final.pair_steps - at[3]) if len(self.routes) > warmup else (0, 0, 0, 0))
+        return {"graph": self.graphs is not None, "tokens": self.tokens, "steady_early_fetched_rows": steady_early,
+                "steady_located_rows": steady_located, "steady_gathered_rows": steady_gathered,
+                "steady_pair_steps": steady_pairs, "pair_step_ms": final.pair_step_ms,
+                "single_step_ms": final.single_step_ms,
+                "cold": _window(times[:warmup], marks[0], marks[1], row_bytes,
+                                _per_step(times[:warmup], self.steps_marks[:warmup + 1])),
+                "steady": _window(times[warmup:], marks[1], marks[2], row_bytes,
+                                  _per_step(times[warmup:], self.steps_marks[warmup:]))}
+
+
 def drive(runtime: TieredRuntime, steps: list[np.ndarray], *, warmup: int, naive: bool = False, graph: bool = False,
           plain: bool = False, readback: str = "none", logits: torch.Tensor | None = None, dtype=torch.float32) -> dict:
     """Run `steps` (int [T, L, k] each) through `runtime`; {"graph": bool, "cold": Window, "steady": Window,
@@ -220,74 +309,23 @@ def drive(runtime: TieredRuntime, steps: list[np.ndarray], *, warmup: int, naive
     every expert). `readback`: see the module doc; "folded" needs `runtime.log.outputs`. `logits`
     [steps, T, V] on the device: what the confidence gate sees at each step (synthetic confidence;
     the forward's output has no vocabulary)."""
-    if readback not in READBACKS or (readback == "folded" and (plain or runtime.log.outputs is None)):
-        raise ValueError(f"readback {readback!r} with plain={plain}: choose one of {READBACKS}; folded needs the "
-                         "step protocol and a runtime with output_words")
-    device, g = runtime.device, runtime.geometry
-    x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(0)).to(device, dtype) * 0.01  # [1, H]
-    weights = torch.full((1, g.top_k), 1.0 / g.top_k, device=device)  # [1, k]
-    forward = forward_fn(runtime, x, weights, naive, publish=readback == "folded")
-    routes = [torch.as_tensor(np.asarray(r), dtype=torch.int64).to(device) for r in steps]  # uploaded before timing
-    pair = (lambda f: runtime.pass_pair(f, lambda: None)) if runtime.pairs and not plain and not naive else None
-    graphs = Graphs(forward, device, pair) if graph and device.type == "cuda" and not naive else None
-    if graphs is not None and not all(graphs.capture(r) for r in {tuple(r.shape): r for r in routes}.values()):
-        graphs = None
-    read = Readback(device, max((r.shape[0] for r in routes), default=1)) if readback == "separate" else None
-    # a decoder's logits sit at one address (its graph's output): the gate's captured signal needs that
-    step_logits = torch.empty_like(logits[0]) if logits is not None else None  # [T, V]
-    times: list[float] = []
-    tokens: list[int | None] = []
-    marks = [_counters(runtime)]
-    steps_marks = [runtime.counters()]
-    # rows fetched while their pass ran (early_fetch), by the located path and by their own pass (gather_in_pass), and
-    # the steps launched as a pass pair, before the steady window
-    at_warmup = (0, 0, 0, 0)
-    for i, ids in enumerate(routes):
-        if i == warmup:
-            marks.append(_counters(runtime))
-            stats = runtime.stats()
-            at_warmup = (stats.early_fetched_rows, stats.located_rows, stats.gathered_rows, stats.pair_steps)
-        if step_logits is not None:
-            step_logits.copy_(logits[i])  # queued before the clock starts, like a decoder's own logits
-        started = time.perf_counter()
-        if graphs is not None:
-            run, run_pair = graphs.bind(ids)
-        else:
-            run = lambda ids=ids: forward(ids)  # noqa: E731
-            run_pair = pair(run) if pair is not None else None
-        if plain:
-            _, token = run()
-            if read is None and device.type == "cuda":
-                torch.cuda.synchronize(device)
-        elif logits is not None:
-            (_, token), outcome = runtime.step(run, lambda: None, logits_of=lambda _: step_logits,
-                                               forward_pair=run_pair)
-        else:
-            (_, token), outcome = runtime.step(run, lambda: None, forward_pair=run_pair)
-        if read is not None:
-            tokens.append(read(token))
-        elif readback == "folded":
-            tokens.append(int(outcome.last_pass.outputs[0]))
-        else:
-            tokens.append(None)
-        times.append(time.perf_counter() - started)
-        steps_marks.append(runtime.counters())
-    if len(marks) == 1:  # no steady window: the cold one ends here
-        marks.append(_counters(runtime))
-    marks.append(_counters(runtime))
-    row_bytes = runtime.source.row_bytes
-    final = runtime.stats()
-    steady_early, steady_located, steady_gathered, steady_pairs = (
-        (final.early_fetched_rows - at_warmup[0], final.located_rows - at_warmup[1],
-         final.gathered_rows - at_warmup[2], final.pair_steps - at_warmup[3]) if len(routes) > warmup else (0, 0, 0, 0))
-    return {"graph": graphs is not None, "tokens": tokens, "steady_early_fetched_rows": steady_early,
-            "steady_located_rows": steady_located, "steady_gathered_rows": steady_gathered,
-            "steady_pair_steps": steady_pairs, "pair_step_ms": final.pair_step_ms,
-            "single_step_ms": final.single_step_ms,
-            "cold": _window(times[:warmup], marks[0], marks[1], row_bytes, _per_step(times[:warmup],
-                                                                                     steps_marks[:warmup + 1])),
-            "steady": _window(times[warmup:], marks[1], marks[2], row_bytes, _per_step(times[warmup:],
-                                                                                       steps_marks[warmup:]))}
+    driver = Driver(runtime, steps, warmup=warmup, naive=naive, graph=graph, plain=plain, readback=readback,
+                    logits=logits, dtype=dtype)
+    for i in range(len(steps)):
+        driver.step(i)
+    return driver.result()
+
+
+def drive_interleaved(drivers: list[Driver]) -> list[dict]:
+    """Each driver's `drive` result, the drivers taking turns step by step (the order rotating every step), so the
+    host's drift between runs falls on all of them alike: a side-by-side comparison of runtimes of one process."""
+    steps = len(drivers[0].routes)
+    if any(len(d.routes) != steps for d in drivers):
+        raise ValueError("interleaved drivers need the same number of steps")
+    for i in range(steps):
+        for j in range(len(drivers)):
+            drivers[(i + j) % len(drivers)].step(i)
+    return [d.result() for d in drivers]
 
 
 NOMISS_VARIANTS = ("plain", "plain_readback", "passlog_read", "step_folded", "step_separate")
