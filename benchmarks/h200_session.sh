@@ -3,7 +3,8 @@
 # comment below says what it measures; the last ones run are those of 2026-11-30's tenth session: passgather,
 # passgather2, mend12, closing12, mend12b, gatherclock, passgather3, and the eleventh's: pair, pair2, pair3, pair4, pair5, pair6, pair7, pairclock2, closing13, and the twelfth's: choice, choice2, closing14, closing14b, closing14c, fp4pair2, and the thirteenth's: closing15, stagewake, closing15b, closing15c; steps that compare against an older tree need
 # its tarball in .baseline carried too (hostpath, hostpath2, qwen3ab, located*, closing11, planvariant); staged /
-# stagedx's code was reverted: run them from a5beae6 / 973424c).
+# stagedx's code was reverted: run them from a5beae6 / 973424c; stage_pass_log's was removed after closing15c: run
+# closing15b / closing15c from d518448 / c7e9d20).
 # Run from the repository root on the GPU machine:
 #   TIERSTORE_COMMIT=<sha of the tree, taken on the dev machine> bash benchmarks/h200_session.sh kernels
 #   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime      (carry .whl for liburing)
@@ -1243,10 +1244,11 @@ case "$step" in
     stage tests 120 python3 -m pytest tests/test_runtime_pass_pair.py tests/test_runtime_gpu.py -m gpu -q
     compare_rounds closing15 110 pass_pair=0 2 1,0.5,0.25,0.1 alternate 620
     ;;
-  stagewake)  # the pass writing its own log read-back (kernels/cuda/log_stage.cu) against the copy after it:
+  stagewake)  # the pass writing its own log read-back (benchmarks/log_stage.cu; kernels/cuda/ at 3a5351d) against the
+    # copy after it:
     # the staging kernel's GPU tests, then benchmarks/sync_wake.py with the staged variants (kernel, captured memcpy)
     # beside the earlier ways, at ds-v2-lite's and qwen3-30b-a3b's log sizes. Stage limits 90 + 2 x 60 s.
-    stage tests 90 python3 -m pytest tests/test_log_stage.py -q
+    stage tests 90 python3 -m pytest tests/test_bench_log_stage.py -q
     stage sync-wake-1600 60 python3 benchmarks/sync_wake.py --iterations 600 --words 1600 --commit "$commit" \
       --json "$work/sync_wake_1600.json"
     stage sync-wake-6200 60 python3 benchmarks/sync_wake.py --iterations 600 --words 6200 --commit "$commit" \

@@ -9,7 +9,7 @@ device work is the same in every variant, so their differences are what each way
     stamp_spin  the same copy, then a 4-byte stamp copied after it on the same stream; the host spins on the stamp in
                 pinned memory (stream order: the stamp lands after the log and after the graph's last kernel)
     bare        no copy, `stream.synchronize()` (the floor: what a resident step waits for)
-    staged_kernel   the graph ends with `stage_log_words` (kernels/cuda/log_stage.cu: one block writes the log into
+    staged_kernel   the graph ends with `stage_log_words` (benchmarks/log_stage.cu: one block writes the log into
                 pinned host memory, then a host flag); the host only synchronises (the pass writes its own read-back)
     staged_memcpy   the graph ends with the log's copy to pinned memory as a captured memcpy node; the host only
                 synchronises
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from tierstore.kernels.cuda.log_stage import LogStager
+from log_stage import LogStager
 
 VARIANTS = ("sync", "event", "stamp_spin", "bare", "staged_kernel", "staged_memcpy")
 

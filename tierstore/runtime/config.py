@@ -108,14 +108,6 @@ class RuntimeConfig:
       the copy engine, driven by the host while the pair runs (each layer's plan in pinned memory, the rows issued
       on a copy stream, a flag written after them that the replay waits for); on a CPU both run the references.
 
-    - `stage_pass_log` (`auto`, the default; true; false; CUDA): each pass writes its own pass-log read-back, one
-      kernel at its end copying the log into pinned host memory (`kernels/cuda/log_stage.cu`, built with nvcc), so
-      the step's read only synchronises instead of launching a device-to-host copy after the pass and waiting for it
-      (on the H200 +1.7 / +2.4 us over a bare synchronise against +7.2 / +6.9 us, benchmarks/sync_wake.py); a pass
-      that did not stage (a forward of a log with output words that does not call `publish`) is read by the copy as
-      before. `auto`: on a CUDA device where the kernels build (otherwise off, with a warning); off on a CPU. `true`:
-      a CPU device or a failed build is a ConfigError.
-
     Kernels:
 
     - `cuda_w2` (`auto`, the default; true; false): the triton backend runs gate_up and down with the CUDA C++ whole op between the
@@ -170,7 +162,6 @@ class RuntimeConfig:
     pass_pair_copies: str = "kernel"
     pass_pair_choice: str = "timed"
     cuda_w2: bool | str = "auto"
-    stage_pass_log: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.replay_mode not in REPLAY_MODES:
@@ -195,7 +186,6 @@ class RuntimeConfig:
             other = "gather_in_pass" if self.gather_in_pass else "early_fetch"
             raise ConfigError(f"pass_pair and {other} both fetch while a pass runs; turn one of them off")
         object.__setattr__(self, "cuda_w2", _switch_setting("cuda_w2", self.cuda_w2))  # frozen: normalised once here
-        object.__setattr__(self, "stage_pass_log", _switch_setting("stage_pass_log", self.stage_pass_log))
         if not self.working_set_margin >= 1.0:
             raise ConfigError(f"working_set_margin must be >= 1.0, got {self.working_set_margin!r}")
         self._check_precision_tier()

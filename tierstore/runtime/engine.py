@@ -138,12 +138,10 @@ class TieredRuntime:
                               "slots by the host's generation counts, which a pass's own fetch changes only at its "
                               "read")
 
-        stager = self._log_stager()
-
         def pass_log(spares: int) -> PassLog:
             return PassLog(*shape, geometry.top_k, capacity=shape[0] * shape[1], device=self.device,
                            record_tokens=record_tokens, output_words=output_words, early_layers=self._early,
-                           gather_capacity=spares, stager=stager)
+                           gather_capacity=spares)
         spares = (gather_capacity(slots, shape[0], min(shape[1], geometry.top_k * self.config.tokens_per_step))
                   if gathers else 0)
         self.log, self._gather = pass_log(spares), None
@@ -159,7 +157,6 @@ class TieredRuntime:
                 self.log = pass_log(0)
         self.pairs = self._gather is not None and self._gather.paired  # decode steps may launch a pass pair
         self._pair_half = 0  # while a pass pair runs (or is captured): 1 in its first pass, 2 in its replay
-        self._last_layer = shape[0] - 1  # its MoE layer stages the pass's log read-back (config stage_pass_log)
         self._last_gathered = 0  # experts the last pass read gathered for itself (`_recent_missing`)
         # (key ids, slots, victims) a read pass mapped for itself, not yet on the host (`_settle_gathered`)
         self._pending_gathered: tuple[list[int], list[int], list[int]] | None = None
@@ -208,27 +205,6 @@ class TieredRuntime:
         return (can_miss and self.device.type == "cuda" and self.backend == "triton" and arena_slots > 0
                 and not config.gather_in_pass and not config.early_fetch
                 and self.geometry.num_experts <= PLAN_THREADS)
-
-    def _log_stager(self):
-        """Config stage_pass_log resolved: the kernels that let each pass write its own log read-back (a CUDA device
-        where they build), or None."""
-        setting = self.config.stage_pass_log
-        if setting is False:
-            return None
-        if self.device.type != "cuda":
-            if setting is True:
-                raise ConfigError(f"stage_pass_log needs a CUDA device, not {self.device}")
-            return None
-        from tierstore.kernels.cuda.loader import CudaError
-        from tierstore.kernels.cuda.log_stage import LogStager
-
-        try:
-            return LogStager(self.device.index if self.device.index is not None else torch.cuda.current_device())
-        except (CudaError, OSError) as error:
-            if setting is True:
-                raise ConfigError(f"stage_pass_log: the staging kernels did not build or load ({error})") from error
-            log.warning("stage_pass_log auto: off (%s)", error)
-            return None
 
     def _setup_precision_tier(self, source: RowSource | None, slots: int | None, arena_slots: int) -> None:
         """The FP4 tier (pool, manager) and the gate, before any compute object binds the pools."""
@@ -281,8 +257,6 @@ class TieredRuntime:
                 out = torch.cat(outs)
         if self._early:
             self.log.publish_layer(layer)  # after the layer's MoE: its routing reaches the host during the pass
-        if layer == self._last_layer and self.log.outputs is None and self._pair_half != 1:
-            self.log.stage()  # the pass's own read-back (stage_pass_log); with output words, `publish` stages
         return out
 
     @staticmethod
@@ -314,8 +288,6 @@ class TieredRuntime:
         at the end of the forward (capturable); `outcome.last_pass.outputs` (int32) then holds them,
         with no device-to-host copy or sync of their own. Needs `output_words` >= their count."""
         self.log.publish(values)
-        if self._pair_half != 1:  # a pair's first pass is never read: only its replay stages
-            self.log.stage()
 
     # -- fetch --------------------------------------------------------------------------------
     def fetch(self, keys: Iterable[Key], protect: Iterable[Key], scan: bool = False, partial: bool = False,
@@ -489,9 +461,8 @@ class TieredRuntime:
                 if self.fp4 is not None:  # read under the lock: the manager cannot change residency here
                     outcome = outcome.with_all_fp4(self.fp4.pool.all_resident(outcome.last_pass.routed_ids))
         except BaseException:
-            if (self._early or self.log.stages) and self.device.type == "cuda":  # a pass that failed before its read
-                # may still run: its host copies (early fetch) and staged read-back land before the next clear or arm
-                torch.cuda.current_stream(self.device).synchronize()
+            if self._early and self.device.type == "cuda":  # a pass that failed before its read may still run:
+                torch.cuda.current_stream(self.device).synchronize()  # its host copies land before the next clear
             if self._gather is not None:
                 self._recover_gathered()
             self._pair_choice.failed()
@@ -526,11 +497,9 @@ class TieredRuntime:
         return result, outcome
 
     def _clocked(self, forward: Callable[[], object]):
-        """`forward` with its host time added to the stats' `forward_seconds` (on CUDA with graphs: the launch), after
-        arming the pass log's staged read-back (config stage_pass_log: only a pass of this launch may pass for it)."""
+        """`forward` with its host time added to the stats' `forward_seconds` (on CUDA with graphs: the launch)."""
         def run():
             started = time.perf_counter()
-            self.log.arm()
             try:
                 return forward()
             finally:

@@ -21,17 +21,6 @@ row once its stamp has landed (the row landed first), without any synchronisatio
 e.g. a decoder's sampled token: `publish(values)` at the end of the forward (capturable) writes it
 into the buffer, so the pass-log read that the step protocol makes is also the decoder's readback
 (one device-to-host copy and one sync per pass instead of two). `PassReport.outputs` holds it.
-
-With a `stager` (the runtime's `stage_pass_log`, on CUDA: `kernels/cuda/log_stage.py`), the pass writes its own
-read-back: `stage()` (capturable; the runtime calls it at the end of each pass) copies the buffer into a pinned
-staging copy on the device's stream and then sets a pinned flag. The host clears the flag with `arm()` before it
-launches a pass (the runtime: before each launch of a step, and it waits for a failed step's passes); `read()` then
-only synchronises, takes the staging copy when the flag is set and copies the buffer as before when it is not (no pass
-launched since `arm()` staged).
-The staging copy is the kernel's destination, baked into a captured graph, and the next pass may rewrite it before the
-host looks again: `read()` moves it into the host copy that reports and `host_*` read, so those stay the last read's.
-On the H200 the staged read waited +1.7 / +2.4 us over a bare synchronise against +7.2 / +6.9 us for the copy after
-the pass (1.6k / 6.2k words; benchmarks/sync_wake.py).
 """
 
 from __future__ import annotations
@@ -87,7 +76,7 @@ class PassLog:
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, capacity: int, device,
                  record_tokens: int = 0, output_words: int = 0, early_layers: bool = False,
-                 gather_capacity: int = 0, stager=None):
+                 gather_capacity: int = 0):
         self.device = torch.device(device)
         self._stream_index = self.device.index if self.device.index is not None else (
             torch.cuda.current_device() if self.device.type == "cuda" else None)  # current_stream by index: fast
@@ -108,19 +97,10 @@ class PassLog:
         self._cleared = self.buffer[:sum(sizes[:4])]
         self._cleared_for_replay = self.buffer[sizes[0] + sizes[1]:sum(sizes[:4])]  # counts and seen
         self._host = torch.empty_like(self.buffer, device="cpu", pin_memory=self.device.type == "cuda")
-        host = self._host_np = self._host.numpy()
+        host = self._host.numpy()
         (self._host_gathered, self._host_first, self._host_counts, self._host_seen, self._host_entries,
          self._host_routing, self._host_outputs) = np.split(host, np.cumsum(sizes)[:6])
         self._layer_rows = self._layer_stamps = None
-        # the pass's own read-back: `stager.bind(words, staging, flag)` gives its launcher (see the module doc)
-        self._stage = None
-        self.staged_reads = 0  # reads that took the pass's staging copy
-        if stager is not None:
-            pin = self.device.type == "cuda"
-            self._staging = torch.zeros_like(self.buffer, device="cpu", pin_memory=pin)
-            self._staged_flag = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
-            self._host_staging, self._host_flag = self._staging.numpy(), self._staged_flag.numpy()
-            self._stage = stager.bind(self.buffer, self._staging, self._staged_flag)
         self._last_report: PassReport | None = None  # the last read's, whose routed ids the next read computes first
         if early_layers:
             pin = self.device.type == "cuda"
@@ -198,43 +178,12 @@ class PassLog:
         rewritten by the next read)."""
         return self._host_seen.reshape(self.seen.shape)
 
-    @property
-    def stages(self) -> bool:
-        """Whether passes can write their own read-back (a stager was given)."""
-        return self._stage is not None
-
-    def stage(self) -> None:
-        """The pass's read-back (capturable): call it after the pass's last write to the buffer (no-op without a
-        stager)."""
-        if self._stage is not None:
-            self._stage()
-
-    def arm(self) -> None:
-        """Before launching a pass (with a stager): clear the staged flag, so that the next `read()` takes the staging
-        copy only if a pass launched from now on staged. Every pass launched before must be over (read, or its
-        stream synchronised)."""
-        if self._stage is not None:
-            self._host_flag[0] = 0
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self._stream_index).synchronize()
-
     def read(self) -> PassReport:
         if self._last_report is not None:  # its routed ids from the host copy, before this read overwrites it
             self._last_report.routed_ids  # a cached property: computed here
-        if self._stage is None:
-            self._host.copy_(self.buffer, non_blocking=True)
-            self._sync()
-        else:
-            self._sync()
-            if self._host_flag[0]:  # a pass launched since `arm()` staged: its words are in the staging copy
-                self._host_flag[0] = 0
-                np.copyto(self._host_np, self._host_staging)
-                self.staged_reads += 1
-            else:
-                self._host.copy_(self.buffer, non_blocking=True)
-                self._sync()
+        self._host.copy_(self.buffer, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self._stream_index).synchronize()
         pairs, experts = self._host_counts.tolist()
         logged = min(experts, len(self._host_entries) // 2)
         missing = ()

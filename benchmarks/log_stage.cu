@@ -4,7 +4,7 @@
 // copy of its own (no device-to-host copy launched after the forward, no copy engine). The host clears the flag before
 // it launches a pass, so after a synchronise the flag is 1 exactly when a pass it launched since staged; a pass that
 // did not stage leaves it 0, and the host then copies as before. Plain-torch reference: `stage_log_ref`
-// (kernels/cuda/log_stage.py).
+// (benchmarks/log_stage.py).
 //
 //   words [n]  int32 device: the pass log's buffer
 //   host  [n]  int32 pinned host: its copy

@@ -1,13 +1,19 @@
-"""The pass log's read-back written by the pass (kernels/cuda/log_stage.cu) against its plain-torch reference."""
+"""benchmarks/log_stage.cu (a pass writing its own pass-log read-back, timed by sync_wake.py) against its plain-torch
+reference."""
 
 import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from tests.cuda_fixtures import needs_nvcc, ptxas_report
-from tierstore.kernels.cuda.log_stage import SOURCE, LogStager, check_stage_buffers, stage_log_ref
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from log_stage import SOURCE, LogStager, check_stage_buffers, stage_log_ref  # noqa: E402
 
 
 def test_the_reference_copies_the_words_then_sets_the_flag():

@@ -1,6 +1,10 @@
-"""The pass log's read-back written by the pass (`log_stage.cu`): `LogStager` builds `stage_log_words` and binds it to a
-log's buffers; the kernel copies the log's int32 words into pinned host memory and then sets a host flag (on the
-current stream, capturable); `stage_log_ref` is the plain-torch reference."""
+"""A pass writing its own pass-log read-back (`log_stage.cu`), measured by benchmarks/sync_wake.py: `LogStager` builds
+`stage_log_words` and binds it to a log's buffers; the kernel copies the log's int32 words into pinned host memory and
+then sets a host flag (on the current stream, capturable); `stage_log_ref` is the plain-torch reference.
+
+Tried in the runtime in the thirteenth session (config `stage_pass_log`, d518448-c7e9d20) and removed: its read waited
+~5 us less in sync_wake, but the runtime's steps were not measurably faster (docs/runtime.md, "The pass's own
+read-back")."""
 
 from __future__ import annotations
 
