@@ -13,8 +13,9 @@ the located fetch of 879dcab, `_fetch` after e8b7b7f, `fetch` before), its arena
 `Arena.fetch`) and its install (`DevicePool.install_located` and `install`), one fetch per steady step; and
 `to_first_copy`, from the end of the pass-log read (on CUDA: its sync, the wait for the forward, plus the
 read of the log) to the install's first row copy (`DevicePool._issue` or `_copy_rows`), the host latency the
-copies wait for. Both trees run single passes (`pass_pair` off where the tree has it). The deferred policy hits are applied before the read, as on CUDA with a
-pool that can evict (`_early_hits`), so they do not count in the fetch.
+copies wait for. Both trees run single passes (`pass_pair` off where the tree has it). The deferred policy hits
+are applied before the read, as on CUDA with a pool that can evict (`_early_hits`), so they do not count in the
+fetch.
 
 The parent process alternates rounds between the trees (`--baseline REV`, checked out as a git
 worktree, and the working tree), each round a fresh subprocess importing that tree's tierstore.

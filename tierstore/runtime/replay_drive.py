@@ -87,7 +87,7 @@ def breakdown(per_step: dict | None) -> dict:
 def by_kind(per_step: dict) -> dict:
     """Means over the steps launched as a pass pair and over the others (config pass_pair): {"pair" | "single":
     {"steps", "ms", and each of PER_STEP_MS}}; a kind with no step is left out."""
-    pairs = np.asarray(per_step.get("pairs", [0] * len(per_step["ms"]))) > 0
+    pairs = np.asarray(per_step["pairs"]) > 0
     out = {}
     for kind, chosen in (("pair", pairs), ("single", ~pairs)):
         if chosen.any():
