@@ -3,8 +3,8 @@
 # comment below says what it measures; the last ones run are those of 2026-11-30's tenth session: passgather,
 # passgather2, mend12, closing12, mend12b, gatherclock, passgather3, and the eleventh's: pair, pair2, pair3, pair4, pair5, pair6, pair7, pairclock2, closing13, and the twelfth's: choice, choice2, closing14, closing14b, closing14c, fp4pair2, and the thirteenth's: closing15, stagewake, closing15b, closing15c, blocks15, final15; steps that compare against an older tree need
 # its tarball in .baseline carried too (hostpath, hostpath2, qwen3ab, located*, closing11, planvariant); staged /
-# stagedx's code was reverted: run them from a5beae6 / 973424c; stage_pass_log's was removed after closing15c: run
-# closing15b / closing15c from d518448 / c7e9d20).
+# stagedx's code was reverted: run them from a5beae6 / 973424c; stage_pass_log's was removed after closing15c, whose
+# steps closing15b / closing15c are in h200_session.sh at d518448 / c7e9d20: run them from there).
 # Run from the repository root on the GPU machine:
 #   TIERSTORE_COMMIT=<sha of the tree, taken on the dev machine> bash benchmarks/h200_session.sh kernels
 #   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime      (carry .whl for liburing)
@@ -15,7 +15,7 @@
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`), except
 # under $work/baseline/, where the runs of an older tree write (their --commit names that tree).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11|hostcut2|located|located2|located3|syncwake|closing11|planvariant|pinning|passgather|passgather2|mend12|closing12|mend12b|gatherclock|passgather3|pair|pair2|pair3|pair4|pair5|pair6|pair7|pairclock2|closing13|choice|choice2|closing14|closing14b|closing14c|fp4pair2|closing15|stagewake|closing15b|closing15c|blocks15|final15}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11|hostcut2|located|located2|located3|syncwake|closing11|planvariant|pinning|passgather|passgather2|mend12|closing12|mend12b|gatherclock|passgather3|pair|pair2|pair3|pair4|pair5|pair6|pair7|pairclock2|closing13|choice|choice2|closing14|closing14b|closing14c|fp4pair2|closing15|stagewake|blocks15|final15}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -1253,31 +1253,6 @@ case "$step" in
       --json "$work/sync_wake_1600.json"
     stage sync-wake-6200 60 python3 benchmarks/sync_wake.py --iterations 600 --words 6200 --commit "$commit" \
       --json "$work/sync_wake_6200.json"
-    ;;
-  closing15b)  # config stage_pass_log (each pass writes its own pass-log read-back; auto, on on CUDA): the staging's
-    # and every runtime GPU test file and the FP4 tier's (all staging now), the main job on the quality checkpoint
-    # (--verify-resident), then --compare-config stage_pass_log=0 against the default on both presets at 100 / 50 /
-    # 25 / 10 %, 400 steady steps, two rounds in alternated order. Stage limits 200 + 80 + 4 x 100 s.
-    stage tests 200 python3 -m pytest tests/test_runtime_staged_log.py tests/test_log_stage.py \
-      tests/test_runtime_gpu.py tests/test_runtime_pool_copies.py tests/test_runtime_layer_waits.py \
-      tests/test_runtime_early_fetch.py tests/test_runtime_cuda_w2.py tests/test_runtime_located_fetch.py \
-      tests/test_runtime_fetch_split.py tests/test_runtime_pass_pair.py tests/test_runtime_pass_gather.py \
-      tests/test_fp4_gpu.py -m gpu -q
-    stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
-      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
-    compare_rounds closing15b 100 stage_pass_log=0 2 1,0.5,0.25,0.1 alternate 420
-    ;;
-  closing15c)  # the staged read-back armed by the host before each launch (no reset kernel), and the replay's
-    # --interleave (the default and the compared runtimes taking turns step by step): the staging's, the pair's and
-    # the runtime's GPU tests, the main job on the quality checkpoint, then interleaved side by sides on both presets:
-    # stage_pass_log=0 at 100 / 50 % (600 steady steps) and pass_pair=0 at 50 / 25 / 10 % (400). Stage limits 150 + 80
-    # + 2 x 90 + 2 x 110 s.
-    stage tests 150 python3 -m pytest tests/test_runtime_staged_log.py tests/test_log_stage.py \
-      tests/test_runtime_pass_pair.py tests/test_runtime_gpu.py tests/test_fp4_gpu.py -m gpu -q
-    stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
-      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
-    compare_rounds closing15c-stage 90 stage_pass_log=0 1 1,0.5 interleave 620
-    compare_rounds closing15c-pair 110 pass_pair=0 1 0.5,0.25,0.1 interleave 420
     ;;
   blocks15)  # the pass pair's copy grid on qwen3-30b-a3b (only ds-v2-lite 50 % was measured, pair2 / pair3): the
     # default 4 blocks interleaved step by step against 8 at 50 / 25 % and against 16 at 50 %, both presets, 400
