@@ -8,7 +8,6 @@ read-back")."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,30 +20,21 @@ THREADS = 1024  # one block: the log is a few thousand words
 
 
 class LogStager:
-    """Builds (nvcc, cached) and loads `stage_log_words` once; `bind` checks a log's buffers once and returns its
-    launcher."""
+    """Builds (nvcc, cached) and loads `stage_log_words` once; `stage` launches it."""
 
     def __init__(self, device: int | None = None) -> None:
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
         self.kernel = loader.load(loader.build(SOURCE), "stage_log_words", self.device)
 
-    def bind(self, words: torch.Tensor, host: torch.Tensor, flag: torch.Tensor) -> Callable[[], None]:
-        """A launcher of the staging of `words` (int32 [n], device) into `host` (int32 [n], pinned), then flag[0] = 1
-        (int32 [1], pinned), on the current stream at each call (capturable). The tensors must outlive it."""
+    def stage(self, words: torch.Tensor, host: torch.Tensor, flag: torch.Tensor) -> None:
+        """`words` (int32 [n], device) into `host` (int32 [n], pinned), then flag[0] = 1 (int32 [1], pinned), on the
+        current stream (capturable: a graph keeps these addresses, so the tensors must outlive it)."""
         check_stage_buffers(words, host, flag)
         quads = words.numel() // 4
-        tail = words.numel() - 4 * quads
-        values = [words.data_ptr(), host.data_ptr(), quads, words.data_ptr() + 16 * quads, host.data_ptr() + 16 * quads,
-                  tail, flag.data_ptr()]
-
-        def stage() -> None:
-            self.kernel.launch((1,), (THREADS,), 0, torch.cuda.current_stream().cuda_stream, "ppippip", values)
-        return stage
-
-    def stage(self, words: torch.Tensor, host: torch.Tensor, flag: torch.Tensor) -> None:
-        """`bind(words, host, flag)()`: once."""
-        self.bind(words, host, flag)()
+        self.kernel.launch((1,), (THREADS,), 0, torch.cuda.current_stream().cuda_stream, "ppippip",
+                           [words.data_ptr(), host.data_ptr(), quads, words.data_ptr() + 16 * quads,
+                            host.data_ptr() + 16 * quads, words.numel() - 4 * quads, flag.data_ptr()])
 
 
 def check_stage_buffers(words: torch.Tensor, host: torch.Tensor, flag: torch.Tensor) -> None:
