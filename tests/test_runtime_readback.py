@@ -10,7 +10,7 @@ from test_runtime_replay import skewed_routing
 from tierstore.runtime import RuntimeConfig, TieredRuntime
 from tierstore.runtime.passlog import PassLog
 from tierstore.runtime.replay import run_replay, trace_steps
-from tierstore.runtime.replay_drive import NOMISS_VARIANTS
+from tierstore.runtime.replay_drive import NOMISS_VARIANTS, UNREAD_VARIANTS
 
 try:
     from test_runtime_hf import checkpoints  # noqa: F401 (the fixture, for the generation test)
@@ -96,7 +96,7 @@ def test_full_pool_reports_the_interleaved_no_miss_overhead():
     steps = trace_steps(skewed_routing(g, 10), None, g.num_moe_layers, None)
     result = run_replay(g, lambda: memory_source(g), steps, pool_slots=48, arena_slots=0, device="cpu", warmup=2)
     overhead = result["nomiss_overhead"]
-    assert set(overhead["variants"]) == set(NOMISS_VARIANTS) and overhead["steps"] == 8
+    assert set(overhead["variants"]) == set(NOMISS_VARIANTS + UNREAD_VARIANTS) and overhead["steps"] == 8
     assert overhead["variants"]["plain"]["minus_plain_us"] == 0.0
     assert all(v["mean_ms"] > 0 for v in overhead["variants"].values())
 

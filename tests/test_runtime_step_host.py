@@ -115,7 +115,7 @@ def test_only_a_pool_that_can_evict_tells_its_policy_what_steps_routed(monkeypat
     from test_runtime_fixtures import ToyMoE, arena_runtime, toy_geometry
 
     g = toy_geometry()
-    rt, _ = arena_runtime(g, slots, 0)
+    rt, _ = arena_runtime(g, slots, 0, full_pool_reads=True)  # every step read: its routed experts known
     touched = []
     monkeypatch.setattr(rt.pool, "touch_ids", lambda ids, now: touched.append(ids.tolist()))
     model = ToyMoE(g)

@@ -32,6 +32,11 @@ class RuntimeConfig:
     - `force_pool`: start even when the pool is below the per-step working set
       (`working_set_margin` x layers x top-k x `tokens_per_step`).
     - `kpi_every`: log a KPI line every that many steps (0 = never).
+    - `full_pool_reads` (default off): once a pool that holds every expert has them all installed, nothing can
+      miss, so its decode steps launch the forward and return without reading the pass log: no device-to-host
+      copy and no sync of their own (the caller's read of the result waits for the forward; `outcome.last_pass`
+      is then `UNREAD_PASS`). Not where the read brings something back: an FP4 tier, the gate, `output_words`,
+      recorded routing. On: every pass is read anyway (one copy and one sync per step: a check of that invariant).
 
     FP4 precision tier (docs/precision-tier.md):
 
@@ -162,6 +167,7 @@ class RuntimeConfig:
     pass_pair_copies: str = "kernel"
     pass_pair_choice: str = "timed"
     cuda_w2: bool | str = "auto"
+    full_pool_reads: bool = False
 
     def __post_init__(self) -> None:
         if self.replay_mode not in REPLAY_MODES:

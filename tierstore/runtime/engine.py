@@ -39,7 +39,7 @@ from tierstore.runtime.gate_stats import GateRecorder, GateStats
 from tierstore.runtime.gated_step import run_gated
 from tierstore.runtime.pair_choice import PairChoice
 from tierstore.runtime.pass_gather import PassGather, gather_capacity
-from tierstore.runtime.passlog import PassLog, PassReport
+from tierstore.runtime.passlog import UNREAD_PASS, PassLog, PassReport
 from tierstore.runtime.pools import DevicePool
 from tierstore.runtime.rows import check_row_source
 from tierstore.runtime.seen_snapshot import ChainedSnapshot
@@ -53,6 +53,7 @@ Key = tuple[int, int]
 BACKENDS = ("auto", "torch", "triton")
 NO_IDS = np.empty(0, dtype=np.int64)
 NO_LOCK = nullcontext()  # a step's safe point without an FP4 tier (reusable: it holds nothing)
+UNREAD_OUTCOME = StepOutcome(0, 0, 0, False, UNREAD_PASS)  # a decode step of a complete full pool (`_unread_step`)
 COUNTERS = ("steps", "replays", "fetched_bytes", "fetch_s", "arena_hit_rows", "arena_miss_rows", "arena_s",
             "install_s", "copy_s", "copy_wait_s", "read_s", "forward_s", "prep_s", "pairs")  # TieredRuntime.counters()
 
@@ -190,6 +191,11 @@ class TieredRuntime:
         # what they routed (the no-miss step's host work at full coverage)
         self._tells_policy = can_miss
         self._decode_pass: PassReport | None = None  # the last decode step's last pass: prefill evicts its experts last
+        # a pool that holds every expert, once all are installed, cannot miss: its decode steps are not read unless the
+        # read brings something back (config full_pool_reads: read anyway)
+        self._skips_reads = (not can_miss and not self.config.full_pool_reads and self.fp4 is None and self.gate is None
+                             and self.log.outputs is None and self.log.routing is None)
+        self._experts_total = geometry.total_routed_experts
         self.closed = False
         log.info("device pool: %d slots x %.2f MiB = %.3f GiB (%.1f%% of %d experts) on %s, backend %s; arena %d slots",
                  self.pool.num_slots, self.layout.slot_bytes / 2**20, self.pool.num_slots * self.layout.slot_bytes / 2**30,
@@ -413,7 +419,11 @@ class TieredRuntime:
         decode step (not `prefill`) whose logits (`logits_of(result)`, default the result itself)
         fire is re-run with its routed experts forced to FP4 (`outcome.gate` tells how). `forward_pair`
         (config `pass_pair`: `pass_pair(forward, rewind)`, or its captured graph): a decode step launches it
-        instead of `forward` first when a recent pass missed and spares are staged (one replay counted)."""
+        instead of `forward` first when a recent pass missed and spares are staged (one replay counted).
+        A decode step of a pool that holds every expert, all installed, is not read (config `full_pool_reads`):
+        it returns `forward()`'s result at once, without a sync, with `UNREAD_OUTCOME`."""
+        if self._skips_reads and not prefill and self.pool.num_mapped == self._experts_total:
+            return self._unread_step(forward)
         started = time.perf_counter()
         self._scan = prefill
         step_routed: set = set()  # every pass's routed keys, kept only when the gate fires
@@ -495,6 +505,20 @@ class TieredRuntime:
         if every and self._stats.steps % every == 0:
             log.info(self.kpi_line(every))
         return result, outcome
+
+    def _unread_step(self, forward: Callable[[], object]):
+        """A decode step that cannot miss: its forward launched, nothing read (no sync), no policy to tell."""
+        started = time.perf_counter()
+        try:
+            result = forward()
+        except BaseException:
+            self._stats.failed += 1
+            raise
+        self._stats.add_unread_step(time.perf_counter() - started)
+        every = self.config.kpi_every
+        if every and self._stats.steps % every == 0:
+            log.info(self.kpi_line(every))
+        return result, UNREAD_OUTCOME
 
     def _clocked(self, forward: Callable[[], object]):
         """`forward` with its host time added to the stats' `forward_seconds` (on CUDA with graphs: the launch)."""

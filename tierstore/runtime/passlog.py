@@ -46,9 +46,17 @@ class PassReport:
     # `routed_ids` from it first: so that costs nothing between a read and the fetch or the step's return
     _host_seen: np.ndarray | None = field(default=None, repr=False)
 
+    @property
+    def read(self) -> bool:
+        """False for `UNREAD_PASS`: a pass nobody read (its routed experts are unknown)."""
+        return self._host_seen is not None
+
     @cached_property
     def routed_ids(self) -> np.ndarray:
         """int64 [n] ascending layer * E + expert of every routed expert."""
+        if self._host_seen is None:
+            raise RuntimeError("this pass was not read (a decode step of a pool holding every expert, where nothing "
+                               "can miss), so its routed experts are unknown; config full_pool_reads reads each pass")
         return self._host_seen.nonzero()[0]  # 1-D: ascending = row-major
 
     @cached_property
@@ -67,6 +75,11 @@ class PassReport:
     def routed_id_set(self) -> frozenset[int]:
         """`routed_ids` as a set: what a fetch for this pass protects (no key tuples built)."""
         return frozenset(self.routed_ids.tolist())
+
+
+# what a step reports for a pass it did not read (`TieredRuntime.step` with every expert resident): no miss, by
+# construction rather than by a read; its routed experts are unknown
+UNREAD_PASS = PassReport(0, (), 0, None, 0)
 
 
 class PassLog:

@@ -189,12 +189,12 @@ def preload_arena(runtime: TieredRuntime, batch: int = 64) -> int:
 
 
 def _open(geometry, source_factory, steps, *, pool_slots: int, arena_slots: int, device, config, preload: bool,
-          arena_preload: bool = False) -> tuple[TieredRuntime, int]:
+          arena_preload: bool = False, folds: bool = True) -> tuple[TieredRuntime, int]:
     """A runtime for one run, its pool preloaded (`preload`) and its arena filled (`arena_preload`): (runtime, arena
-    rows preloaded)."""
+    rows preloaded). `folds`: with `output_words` for the steps' tokens (readback "folded")."""
     tokens = max((len(s) for s in steps), default=1)
     runtime = TieredRuntime(geometry, source_factory(), pool_slots=pool_slots, arena_slots=arena_slots, device=device,
-                            config=config, output_words=tokens)
+                            config=config, output_words=tokens if folds else 0)
     try:
         if preload:
             runtime.preload()
@@ -218,33 +218,50 @@ def _report(runtime: TieredRuntime, out: dict, preload: bool, preloaded_rows: in
 def _run(geometry, source_factory, steps, *, pool_slots: int, arena_slots: int, device, config, preload: bool,
          arena_preload: bool = False, **drive_args) -> dict:
     runtime, preloaded_rows = _open(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
-                                    device=device, config=config, preload=preload, arena_preload=arena_preload)
+                                    device=device, config=config, preload=preload, arena_preload=arena_preload,
+                                    folds=drive_args.get("readback") == "folded")
     with runtime:
         out = drive(runtime, steps, **drive_args)
         return _report(runtime, out, preload, preloaded_rows, drive_args.get("readback", "none"))
 
 
-def _run_interleaved(geometry, source_factory, steps, configs: list[RuntimeConfig], *, pool_slots: int,
-                     arena_slots: int, device, preload: bool, arena_preload: bool = False, **drive_args) -> list[dict]:
-    """`_run` of each config, their runtimes open together and driven step by step in turn (`drive_interleaved`)."""
+def _run_interleaved(geometry, source_factory, steps, configs: list[RuntimeConfig], readbacks: list[str], *,
+                     pool_slots: int, arena_slots: int, device, preload: bool, arena_preload: bool = False,
+                     **drive_args) -> list[dict]:
+    """`_run` of each config (with its readback), their runtimes open together and driven step by step in turn
+    (`drive_interleaved`)."""
     with ExitStack() as stack:
         opened = []
-        for config in configs:
+        for config, readback in zip(configs, readbacks):
             runtime, rows = _open(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
-                                  device=device, config=config, preload=preload, arena_preload=arena_preload)
+                                  device=device, config=config, preload=preload, arena_preload=arena_preload,
+                                  folds=readback == "folded")
             stack.enter_context(runtime)
-            opened.append((runtime, rows))
-        outs = drive_interleaved([Driver(runtime, steps, **drive_args) for runtime, _ in opened])
-        return [_report(runtime, out, preload, rows, drive_args.get("readback", "none"))
-                for (runtime, rows), out in zip(opened, outs)]
+            opened.append((runtime, rows, readback))
+        outs = drive_interleaved([Driver(runtime, steps, readback=readback, **drive_args)
+                                  for runtime, _, readback in opened])
+        return [_report(runtime, out, preload, rows, readback) for (runtime, rows, readback), out in zip(opened, outs)]
+
+
+def _tiered_readback(config: RuntimeConfig, full: bool) -> str:
+    """The tiered run's token readback: folded into the pass-log read, except where a full pool reads nothing
+    (config full_pool_reads off) and its decoder reads the token itself."""
+    return "separate" if full and not config.full_pool_reads else "folded"
 
 
 def _overhead(geometry, source_factory, steps, *, device, config, graph: bool, warmup: int, dtype) -> dict:
-    tokens = max((len(s) for s in steps), default=1)
-    with TieredRuntime(geometry, source_factory(), pool_slots=geometry.total_routed_experts, arena_slots=0,
-                       device=device, config=config, output_words=tokens) as runtime:
-        runtime.preload()
-        return nomiss_overhead(runtime, steps, graph=graph, warmup=min(warmup, len(steps) // 2), dtype=dtype)
+    """`nomiss_overhead` on a full pool that folds its tokens and, where `config` lets a full pool skip its reads,
+    beside one that does (its unread variants)."""
+    everything = geometry.total_routed_experts
+    with ExitStack() as stack:
+        runtime = stack.enter_context(_open(geometry, source_factory, steps, pool_slots=everything, arena_slots=0,
+                                            device=device, config=config, preload=True)[0])
+        unread = None
+        if not config.full_pool_reads:
+            unread = stack.enter_context(_open(geometry, source_factory, steps, pool_slots=everything, arena_slots=0,
+                                               device=device, config=config, preload=True, folds=False)[0])
+        return nomiss_overhead(runtime, steps, graph=graph, warmup=min(warmup, len(steps) // 2), dtype=dtype,
+                               unread=unread)
 
 
 def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *, pool_slots: int, arena_slots: int,
@@ -254,7 +271,8 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
                interleave: bool = False) -> dict:
     """A plain all-resident run (preloaded, forward + sync, no step protocol), the same with the
     decoder's token readback (forward + copy + sync), the tiered run (token folded into the pass-log
-    read) and the naive on-demand baseline (eager, token read back), of the same steps, each with a
+    read; where its pool holds every expert and reads no pass, config full_pool_reads off, the token's own
+    readback as in the plain decoder's) and the naive on-demand baseline (eager, token read back), of the same steps, each with a
     cold window (the first `warmup` steps) and a steady one, plus the floor of the steady tiered steps:
 
         floor = plain step + (arena-hit bytes / pinned H2D + arena-miss bytes / source read) per step
@@ -289,13 +307,15 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
 
     def tiered_run(run_config: RuntimeConfig) -> dict:
         return _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots, preload=full,
-                    arena_preload=arena_preload, readback="folded", graph=graph, **dict(common, config=run_config))
+                    arena_preload=arena_preload, readback=_tiered_readback(run_config, full), graph=graph,
+                    **dict(common, config=run_config))
     flipped_config = dataclasses.replace(config, **compare) if compare else None
     if compare and interleave:
+        configs = [config, flipped_config]
         runs["tiered"], runs["tiered_flipped"] = _run_interleaved(
-            geometry, source_factory, steps, [config, flipped_config], pool_slots=pool_slots, arena_slots=arena_slots,
-            device=device, preload=full, arena_preload=arena_preload, readback="folded", graph=graph, warmup=warmup,
-            dtype=dtype)
+            geometry, source_factory, steps, configs, [_tiered_readback(c, full) for c in configs],
+            pool_slots=pool_slots, arena_slots=arena_slots, device=device, preload=full, arena_preload=arena_preload,
+            graph=graph, warmup=warmup, dtype=dtype)
     else:
         if compare and compare_first:
             runs["tiered_flipped"] = tiered_run(flipped_config)

@@ -275,6 +275,8 @@ class Driver:
         elif self.readback == "folded":
             self.tokens.append(int(outcome.last_pass.outputs[0]))
         else:
+            if not self.plain and not outcome.last_pass.read and device.type == "cuda":
+                torch.cuda.synchronize(device)  # a step that read nothing ends with its forward, as a plain one
             self.tokens.append(None)
         self.times.append(time.perf_counter() - started)
         self.steps_marks.append(runtime.counters())
@@ -329,10 +331,11 @@ def drive_interleaved(drivers: list[Driver]) -> list[dict]:
 
 
 NOMISS_VARIANTS = ("plain", "plain_readback", "passlog_read", "step_folded", "step_separate")
+UNREAD_VARIANTS = ("step_unread", "step_unread_readback")  # nomiss_overhead with an `unread` runtime
 
 
 def nomiss_overhead(runtime: TieredRuntime, steps: list[np.ndarray], *, graph: bool, warmup: int = 10,
-                    dtype=torch.float32) -> dict:
+                    dtype=torch.float32, unread: TieredRuntime | None = None) -> dict:
     """What the step protocol costs when nothing misses, every variant on the same runtime (which
     holds every expert) and the same captured forward, interleaved step by step (rotating order),
     so clocks and drift hit every variant alike:
@@ -343,6 +346,12 @@ def nomiss_overhead(runtime: TieredRuntime, steps: list[np.ndarray], *, graph: b
     - step_folded: `runtime.step` with the token published into the pass log (one copy, one sync);
     - step_separate: `runtime.step` + the token's own copy + sync (a decoder that does not fold).
 
+    `unread`: a second runtime that holds every expert and does not read its passes (no `output_words`; config
+    `full_pool_reads` off), its own forward captured the same way, adds two variants in the same rotation:
+
+    - step_unread: `unread.step` + synchronise (compare with plain);
+    - step_unread_readback: `unread.step` + the token's copy + sync (compare with plain_readback).
+
     Returns per variant mean / p50 / p99 ms over the steps after `warmup`, and each variant's mean
     minus plain and minus plain_readback in microseconds."""
     if runtime.log.outputs is None:
@@ -350,11 +359,19 @@ def nomiss_overhead(runtime: TieredRuntime, steps: list[np.ndarray], *, graph: b
     device, g = runtime.device, runtime.geometry
     x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(0)).to(device, dtype) * 0.01  # [1, H]
     weights = torch.full((1, g.top_k), 1.0 / g.top_k, device=device)  # [1, k]
-    forward = forward_fn(runtime, x, weights, naive=False, publish=True)
     routes = [torch.as_tensor(np.asarray(r), dtype=torch.int64).to(device) for r in steps]
-    graphs = Graphs(forward, device) if graph and device.type == "cuda" else None
-    if graphs is not None and not all(graphs.capture(r) for r in {tuple(r.shape): r for r in routes}.values()):
-        graphs = None
+
+    def binder(of: TieredRuntime, publish: bool) -> tuple[Callable[[torch.Tensor], Callable], bool]:
+        """(ids -> the step's forward of runtime `of`, whether that is a captured graph)."""
+        forward = forward_fn(of, x, weights, naive=False, publish=publish)
+        graphs = Graphs(forward, device) if graph and device.type == "cuda" else None
+        if graphs is not None and not all(graphs.capture(r) for r in {tuple(r.shape): r for r in routes}.values()):
+            graphs = None
+        if graphs is not None:
+            return (lambda ids: graphs.bind(ids)[0]), True
+        return (lambda ids: (lambda: forward(ids))), False
+
+    bind, captured = binder(runtime, publish=True)
     read = Readback(device, max(r.shape[0] for r in routes))
 
     def sync() -> None:
@@ -378,18 +395,32 @@ def nomiss_overhead(runtime: TieredRuntime, steps: list[np.ndarray], *, graph: b
     def step_separate(run):
         return read(runtime.step(run, lambda: None)[0][1])
 
-    variants = dict(zip(NOMISS_VARIANTS, (plain, plain_readback, passlog_read, step_folded, step_separate)))
+    variants = {name: (bind, run) for name, run in zip(NOMISS_VARIANTS, (plain, plain_readback, passlog_read,
+                                                                        step_folded, step_separate))}
+    if unread is not None:
+        if unread.log.outputs is not None or unread.config.full_pool_reads:
+            raise ValueError("the unread runtime must not read its passes: no output_words, full_pool_reads off")
+        bind_unread, unread_captured = binder(unread, publish=False)
+        captured = captured and unread_captured
+
+        def step_unread(run):
+            unread.step(run, lambda: None)
+            sync()
+
+        def step_unread_readback(run):
+            return read(unread.step(run, lambda: None)[0][1])
+        variants.update(zip(UNREAD_VARIANTS, ((bind_unread, step_unread), (bind_unread, step_unread_readback))))
     times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for i, ids in enumerate(routes):
         for j in range(len(names)):
             name = names[(i + j) % len(names)]
+            bind_step, variant = variants[name]
             started = time.perf_counter()
-            run = graphs.bind(ids)[0] if graphs is not None else (lambda ids=ids: forward(ids))
-            variants[name](run)
+            variant(bind_step(ids))
             if i >= warmup:
                 times[name].append(time.perf_counter() - started)
-    out: dict = {"graph": graphs is not None, "steps": max(len(routes) - warmup, 0), "variants": {}}
+    out: dict = {"graph": captured, "steps": max(len(routes) - warmup, 0), "variants": {}}
     for name, values in times.items():
         ms = np.asarray(values) * 1e3 if values else np.zeros(1)
         out["variants"][name] = {"mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),

@@ -39,6 +39,9 @@ class RuntimeStats:
     # (0.0 for a kind not timed yet; `runtime/pair_choice.py`)
     pair_step_ms: float = 0.0
     single_step_ms: float = 0.0
+    # decode steps of a pool holding every expert that were not read (nothing could miss; config full_pool_reads):
+    # counted in `steps`, not in the step times, which are the read steps' (the host does not wait for the others)
+    unread_steps: int = 0
 
     @property
     def replay_rate(self) -> float:
@@ -68,6 +71,7 @@ class StatsRecorder:
         self.fetch_seconds = 0.0
         self.prefill_hot_evictions = 0
         self.pairs = 0  # steps launched as a pass pair
+        self.unread = 0  # steps not read (`add_unread_step`)
         self.arena_seconds = self.install_seconds = 0.0  # the parts of fetch_seconds in the arena and the pool
         self.read_seconds = 0.0  # pass-log reads (their sync waits for the forward and any copies in flight)
         self.forward_seconds = 0.0  # host time in the step's forward calls (on CUDA with graphs: their launches)
@@ -98,6 +102,14 @@ class StatsRecorder:
         self.step_seconds.append(seconds)
         self.recent.append((replays > 0, first_misses))
 
+    def add_unread_step(self, host_seconds: float) -> None:
+        """A step that launched its forward and read nothing: no miss by construction, no step time (the host
+        did not wait for it); its host time is forward time."""
+        self.steps += 1
+        self.unread += 1
+        self.forward_seconds += host_seconds
+        self.recent.append((False, 0))
+
     def snapshot(self, arena_hits: int, arena_misses: int, copy_seconds: float,
                  pair_medians_ms: tuple[float, float] = (0.0, 0.0)) -> RuntimeStats:
         times = np.asarray(self.step_seconds) if self.step_seconds else np.zeros(1)
@@ -114,7 +126,7 @@ class StatsRecorder:
             pool_slots=self.pool_slots, pool_coverage=self.pool_slots / self.total_experts,
             early_fetched_rows=self.early_fetched_rows, located_rows=self.located_rows, gathered_rows=self.gathered_rows,
             pair_steps=self.pairs, prefill_hot_evictions=self.prefill_hot_evictions,
-            pair_step_ms=pair_medians_ms[0], single_step_ms=pair_medians_ms[1],
+            pair_step_ms=pair_medians_ms[0], single_step_ms=pair_medians_ms[1], unread_steps=self.unread,
         )
 
     def kpi_line(self, last: int, arena_hits: int, arena_misses: int, copy_seconds: float,
@@ -125,12 +137,14 @@ class StatsRecorder:
         n = len(window)
         recent_rate = sum(r for r, _ in window) / n if n else 0.0
         recent_misses = sum(m for _, m in window) / n if n else 0.0
+        step_times = (f"step p50 {1e3 * stats.step_p50_s:.2f} ms p99 {1e3 * stats.step_p99_s:.2f} ms"
+                      if self.step_seconds else "no step read")
         line = (f"[tierstore] KPI: replay {100 * recent_rate:.1f}% of last {n} steps "
                 f"(avg {recent_misses:.2f} missing pairs/step; cumulative {100 * stats.replay_rate:.1f}% of "
                 f"{stats.steps}) - pool {stats.pool_slots} slots = {100 * stats.pool_coverage:.1f}% of experts | "
                 f"fetch {stats.fetched_rows} rows {stats.fetched_bytes / 2**20:.1f} MiB, host "
                 f"{stats.fetch_seconds:.3f} s, copies at {stats.copy_gbps:.2f} GB/s | "
-                f"step p50 {1e3 * stats.step_p50_s:.2f} ms p99 {1e3 * stats.step_p99_s:.2f} ms | "
+                f"{step_times} | "
                 f"arena hits {100 * stats.arena_hit_share:.1f}%")
         if stats.second_order_steps:
             line += f" | second-order replays {stats.second_order_steps}"
@@ -146,6 +160,9 @@ class StatsRecorder:
             line += f" | {stats.pair_steps} steps launched as a pass pair"
             if stats.pair_step_ms and stats.single_step_ms:
                 line += f" (recent medians: pair {stats.pair_step_ms:.2f} ms, single {stats.single_step_ms:.2f} ms)"
+        if stats.unread_steps:
+            line += (f" | {stats.unread_steps} steps not read (every expert resident, nothing can miss; step times "
+                     "are the read steps')")
         if stats.prefill_hot_evictions:
             line += f" | prefill evicted {stats.prefill_hot_evictions} decode-hot experts (pool short of room)"
         return line
