@@ -99,6 +99,7 @@ def test_all_resident_equals_the_original_model_on_w2_weights(model_type, checkp
     for step, (a, b) in enumerate(zip(got.step_logits, want.logits)):
         torch.testing.assert_close(a, b[0].float(), rtol=1e-4, atol=1e-4, msg=f"step {step}")
     assert stats.replayed_steps == 0
+    assert stats.unread_steps == len(got.new_ids) - 1  # a preloaded full pool reads no decode pass
 
 
 @pytest.mark.parametrize("pass_pair", [False, True], ids=["single", "pass_pair"])
