@@ -12,7 +12,14 @@ preloaded 4 GiB arena, bf16, CUDA graphs, token folded). Per step that launched 
 
 Medians, and the same for the steps whose pair needed no host fetch (one replay).
 
-    python3 benchmarks/pair_clock.py --preset ds-v2-lite --layers 8 --coverage 0.5 [--copies engine] --json out.json
+`--hold-us N`: every other pair step first queues a device sleep of about N us before its first event, so the whole
+graph is submitted before the device reaches it: that step's `device` is the graph's execution alone, and its
+difference from the other steps' `device` is the time the device waited for the launch (`median_held`). Also the
+host time of launching the single-pass graph alone (`single_launch_us`, device idle before each launch), against the
+pair's (`launch - record`).
+
+    python3 benchmarks/pair_clock.py --preset ds-v2-lite --layers 8 --coverage 0.5 [--copies engine] [--hold-us 1000] \
+        --json out.json
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ def main() -> None:
     parser.add_argument("--warm-steps", type=int, default=60)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--pack-dir", default="/tmp/rp-timeline")
+    parser.add_argument("--hold-us", type=float, default=0.0, help="every other pair step: a device sleep first")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--commit", default="")
     args = parser.parse_args()
@@ -73,7 +81,10 @@ def main() -> None:
             arm()
             marks["arm_end"] = time.perf_counter()
         rt._gather.arm_staged = marked_arm
-        for ids in routes:
+        # cycles of the device's sleep: its clock rate in kHz x the hold in ms
+        hold_cycles = int(torch.cuda.clock_rate() * args.hold_us / 1e3) if args.hold_us else 0
+        for index, ids in enumerate(routes):
+            held = bool(hold_cycles) and index % 2 == 1
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             marks.clear()
             started = time.perf_counter()
@@ -82,6 +93,8 @@ def main() -> None:
 
             def timed_pair():
                 marks["record"] = time.perf_counter()
+                if held:
+                    torch.cuda._sleep(hold_cycles)
                 before.record()
                 out = pair()
                 after.record()
@@ -92,9 +105,18 @@ def main() -> None:
             if "launched" in marks:  # the step launched its pair
                 device = before.elapsed_time(after) * 1e3  # us
                 launch = (marks["launched"] - started) * 1e6
-                rows.append({"wall": wall * 1e6, "device": device, "launch": launch,
+                rows.append({"held": held, "wall": wall * 1e6, "device": device, "launch": launch,
                              "after": wall * 1e6 - launch - device, "replays": outcome.replays,
                              **{k: (marks[k] - started) * 1e6 for k in ("bound", "arm_start", "arm_end", "record")}})
+
+        single_launch = []
+        for _ in range(30):  # the single-pass graph's launch alone, the device idle before each
+            run, _ = graphs.bind(routes[-1])
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            run()
+            single_launch.append((time.perf_counter() - started) * 1e6)
+            torch.cuda.synchronize()
 
     def medians(selected):
         return {k: statistics.median(r[k] for r in selected)
@@ -102,13 +124,19 @@ def main() -> None:
             if selected else {}
     report = {"provenance": {"commit": args.commit, "torch": torch.__version__, "device": torch.cuda.get_device_name()},
               "preset": args.preset, "layers": args.layers, "coverage": args.coverage, "copies": args.copies,
-              "pair_steps": len(rows), "median": medians(rows),
-              "median_one_replay": medians([r for r in rows if r["replays"] == 1]), "steps": rows}
+              "hold_us": args.hold_us, "pair_steps": len(rows), "median": medians([r for r in rows if not r["held"]]),
+              "median_one_replay": medians([r for r in rows if r["replays"] == 1 and not r["held"]]),
+              "median_held": medians([r for r in rows if r["held"]]),
+              "single_launch_us": statistics.median(single_launch), "steps": rows}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     print(f"{args.preset} {args.layers} layers, coverage {args.coverage}, copies {args.copies}: {len(rows)} pair steps")
-    for name in ("median", "median_one_replay"):
-        print(f"  {name} (us): " + ", ".join(f"{k} {v:.1f}" for k, v in report[name].items()))
+    for name in ("median", "median_one_replay", "median_held"):
+        if report[name]:
+            print(f"  {name} (us): " + ", ".join(f"{k} {v:.1f}" for k, v in report[name].items()))
+    pair_launch = statistics.median(r["launch"] - r["record"] for r in rows) if rows else 0.0
+    print(f"  launch (us, host): pair graph {pair_launch:.1f} (median), single-pass graph alone "
+          f"{report['single_launch_us']:.1f}")
 
 
 if __name__ == "__main__":
