@@ -18,8 +18,16 @@ difference from the other steps' `device` is the time the device waited for the 
 host time of launching the single-pass graph alone (`single_launch_us`, device idle before each launch), against the
 pair's (`launch - record`).
 
+`--profile-steps N`: N more pair steps under torch.profiler (CUPTI), each cut from the device's own timestamps
+(`pair_timelines`, microseconds): `span` (the step's first device activity to its last), `pass1` (to the end of the
+last plan kernel, the first pass's last work) and `pass1_busy` (the compute stream's busy time in it), `replay` (from
+there to the end) and `replay_busy` / `replay_wait` (busy / idle compute stream in it: idle while a layer waits for
+its rows), `copy_busy` (the row-copy kernels' busy time on the side stream), `copies_end` (the last copy's end from
+the span's start) and `tail` (the last copy's end to the span's end); `copy_gbps` = the profiled steps' mean gathered
+bytes / the median copy_busy. A diagnostic: the profiler slows the host's launches, not the graph's kernels.
+
     python3 benchmarks/pair_clock.py --preset ds-v2-lite --layers 8 --coverage 0.5 [--copies engine] [--hold-us 1000] \
-        --json out.json
+        [--profile-steps 20] --json out.json
 """
 from __future__ import annotations
 
@@ -27,8 +35,46 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+
+def _timeline_medians(timelines: list[dict]) -> dict:
+    fields = sorted({k for t in timelines for k in t})
+    return {k: statistics.median(t[k] for t in timelines if k in t) for k in fields}
+
+
+PLAN, COPY = "plan_pass_gather", "gather_pass_rows"  # the pair's kernels, by name
+
+
+def pair_timelines(events: list[dict]) -> list[dict]:
+    """One dict per profiled pair step (a `tierstore.step` host range whose device work has plan kernels): see the
+    module doc. A device activity belongs to the step whose host range holds its start (a step ends with a sync)."""
+    from miss_step_timeline import DEVICE_CATS, STEP, _interval, _union
+
+    device = sorted((e for e in events if e.get("cat") in DEVICE_CATS and e.get("ph") == "X"), key=lambda e: e["ts"])
+    steps = sorted(_interval(e) for e in events if e.get("cat") == "user_annotation" and e.get("name") == STEP)
+    out = []
+    for s0, s1 in steps:
+        acts = [e for e in device if s0 <= e["ts"] <= s1]
+        plans = [e for e in acts if PLAN in e.get("name", "")]
+        if not plans:
+            continue
+        copies = [e for e in acts if COPY in e.get("name", "")]
+        compute = [e for e in acts if COPY not in e.get("name", "")]
+        first, last = min(_interval(e)[0] for e in acts), max(_interval(e)[1] for e in acts)
+        pass1_end = max(_interval(e)[1] for e in plans)
+        t = {"span": last - first, "pass1": pass1_end - first, "replay": last - pass1_end,
+             "pass1_busy": _union([_interval(e) for e in compute if e["ts"] < pass1_end]),
+             "replay_busy": _union([_interval(e) for e in compute if e["ts"] >= pass1_end]),
+             "copy_busy": _union([_interval(e) for e in copies]), "copy_kernels": len(copies)}
+        t["replay_wait"] = t["replay"] - t["replay_busy"]
+        if copies:
+            copies_end = max(_interval(e)[1] for e in copies)
+            t.update(copies_end=copies_end - first, tail=last - copies_end)
+        out.append(t)
+    return out
 
 
 def main() -> None:
@@ -41,6 +87,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--pack-dir", default="/tmp/rp-timeline")
     parser.add_argument("--hold-us", type=float, default=0.0, help="every other pair step: a device sleep first")
+    parser.add_argument("--profile-steps", type=int, default=0, help="pair steps profiled after the timed ones")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--commit", default="")
     args = parser.parse_args()
@@ -49,6 +96,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("pair_clock.py needs CUDA")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from miss_step_timeline import _annotate
     from replay import skewed_steps
 
     from tierstore.geometry import get_preset
@@ -58,7 +106,7 @@ def main() -> None:
 
     g = get_preset(args.preset).with_layers(args.layers)
     spec = ensure_synthetic_pack(g, args.pack_dir)
-    steps = skewed_steps(g, args.warm_steps + args.steps)
+    steps = skewed_steps(g, args.warm_steps + args.steps + args.profile_steps)
     slots = round(args.coverage * g.total_routed_experts)
     config = RuntimeConfig(kpi_every=0, force_pool=True, pass_pair=True, pass_pair_choice="always",
                            pass_pair_copies=args.copies)
@@ -83,8 +131,9 @@ def main() -> None:
         rt._gather.arm_staged = marked_arm
         # cycles of the device's sleep: its clock rate in kHz x the hold in ms
         hold_cycles = int(torch.cuda.clock_rate() * args.hold_us / 1e3) if args.hold_us else 0
-        for index, ids in enumerate(routes):
-            held = bool(hold_cycles) and index % 2 == 1
+
+        def pair_step(ids: torch.Tensor, held: bool) -> None:
+            """One step with its pair timed (a row in `rows` when it launched one)."""
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             marks.clear()
             started = time.perf_counter()
@@ -109,6 +158,25 @@ def main() -> None:
                              "after": wall * 1e6 - launch - device, "replays": outcome.replays,
                              **{k: (marks[k] - started) * 1e6 for k in ("bound", "arm_start", "arm_end", "record")}})
 
+        for index, ids in enumerate(routes[:args.steps]):
+            pair_step(ids, held=bool(hold_cycles) and index % 2 == 1)
+        timelines, gathered_mb = [], 0.0
+        if args.profile_steps:
+            timed_rows = len(rows)
+            gathered = rt.stats().gathered_rows
+            _annotate(rt)
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as prof:
+                for ids in routes[args.steps:]:
+                    pair_step(ids, held=False)
+            del rows[timed_rows:]  # profiled: not timed
+            gathered_mb = (rt.stats().gathered_rows - gathered) * spec.row_bytes / 1e6 / args.profile_steps
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "trace.json"
+                prof.export_chrome_trace(str(path))
+                trace = json.loads(path.read_text())
+            timelines = pair_timelines(trace["traceEvents"] if isinstance(trace, dict) else trace)
+
         single_launch = []
         for _ in range(30):  # the single-pass graph's launch alone, the device idle before each
             run, _ = graphs.bind(routes[-1])
@@ -127,7 +195,9 @@ def main() -> None:
               "hold_us": args.hold_us, "pair_steps": len(rows), "median": medians([r for r in rows if not r["held"]]),
               "median_one_replay": medians([r for r in rows if r["replays"] == 1 and not r["held"]]),
               "median_held": medians([r for r in rows if r["held"]]),
-              "single_launch_us": statistics.median(single_launch), "steps": rows}
+              "single_launch_us": statistics.median(single_launch), "steps": rows,
+              "profiled": {"steps": len(timelines), "gathered_mb_per_step": gathered_mb,
+                           "median_us": _timeline_medians(timelines), "timelines": timelines}}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     print(f"{args.preset} {args.layers} layers, coverage {args.coverage}, copies {args.copies}: {len(rows)} pair steps")
@@ -137,6 +207,12 @@ def main() -> None:
     pair_launch = statistics.median(r["launch"] - r["record"] for r in rows) if rows else 0.0
     print(f"  launch (us, host): pair graph {pair_launch:.1f} (median), single-pass graph alone "
           f"{report['single_launch_us']:.1f}")
+    profiled = report["profiled"]
+    if timelines:
+        busy = profiled["median_us"].get("copy_busy", 0.0)
+        print(f"  profiled, {len(timelines)} pair steps, medians (us): " + ", ".join(
+            f"{k} {v:.1f}" for k, v in profiled["median_us"].items()) + f"; rows {gathered_mb:.2f} MB per step "
+            f"({gathered_mb * 1e3 / busy if busy else 0.0:.1f} GB/s over copy_busy)")
 
 
 if __name__ == "__main__":
