@@ -18,7 +18,8 @@ difference from the other steps' `device` is the time the device waited for the 
 host time of launching the single-pass graph alone (`single_launch_us`, device idle before each launch), against the
 pair's (`launch - record`).
 
-`--profile-steps N`: N more pair steps under torch.profiler (CUPTI), each cut from the device's own timestamps
+`--profile-steps N`: N more pair steps (then 8 single passes of the same kind of graph, `single_pass_timelines`: span
+and busy time, for scale) under torch.profiler (CUPTI), each pair step cut from the device's own timestamps
 (`pair_timelines`, microseconds): `span` (the step's first device activity to its last), `pass1` (to the end of the
 last plan kernel, the first pass's last work) and `pass1_busy` (the compute stream's busy time in it), `replay` (from
 there to the end) and `replay_busy` / `replay_wait` (busy / idle compute stream in it: idle while a layer waits for
@@ -46,6 +47,20 @@ def _timeline_medians(timelines: list[dict]) -> dict:
 
 
 PLAN, COPY = "plan_pass_gather", "gather_pass_rows"  # the pair's kernels, by name
+SINGLE = "pair_clock.single_pass"  # a profiled single pass's host range
+
+
+def single_pass_timelines(events: list[dict]) -> list[dict]:
+    """{"span", "busy"} (microseconds) of each profiled single pass (a `SINGLE` host range ending with a sync)."""
+    from miss_step_timeline import DEVICE_CATS, _interval, _union
+
+    device = [e for e in events if e.get("cat") in DEVICE_CATS and e.get("ph") == "X"]
+    out = []
+    for s0, s1 in sorted(_interval(e) for e in events if e.get("cat") == "user_annotation" and e.get("name") == SINGLE):
+        acts = [_interval(e) for e in device if s0 <= e["ts"] <= s1]
+        if acts:
+            out.append({"span": max(b for _, b in acts) - min(a for a, _ in acts), "busy": _union(acts)})
+    return out
 
 
 def pair_timelines(events: list[dict]) -> list[dict]:
@@ -160,7 +175,7 @@ def main() -> None:
 
         for index, ids in enumerate(routes[:args.steps]):
             pair_step(ids, held=bool(hold_cycles) and index % 2 == 1)
-        timelines, gathered_mb = [], 0.0
+        timelines, singles, gathered_mb = [], [], 0.0
         if args.profile_steps:
             timed_rows = len(rows)
             gathered = rt.stats().gathered_rows
@@ -169,13 +184,20 @@ def main() -> None:
             with torch.profiler.profile(activities=activities) as prof:
                 for ids in routes[args.steps:]:
                     pair_step(ids, held=False)
+                for ids in routes[args.steps:args.steps + 8]:  # single passes of the same graphs' kind, for scale
+                    run, _ = graphs.bind(ids)
+                    torch.cuda.synchronize()
+                    with torch.profiler.record_function(SINGLE):
+                        run()
+                        torch.cuda.synchronize()
             del rows[timed_rows:]  # profiled: not timed
             gathered_mb = (rt.stats().gathered_rows - gathered) * spec.row_bytes / 1e6 / args.profile_steps
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "trace.json"
                 prof.export_chrome_trace(str(path))
                 trace = json.loads(path.read_text())
-            timelines = pair_timelines(trace["traceEvents"] if isinstance(trace, dict) else trace)
+            events = trace["traceEvents"] if isinstance(trace, dict) else trace
+            timelines, singles = pair_timelines(events), single_pass_timelines(events)
 
         single_launch = []
         for _ in range(30):  # the single-pass graph's launch alone, the device idle before each
@@ -197,7 +219,8 @@ def main() -> None:
               "median_held": medians([r for r in rows if r["held"]]),
               "single_launch_us": statistics.median(single_launch), "steps": rows,
               "profiled": {"steps": len(timelines), "gathered_mb_per_step": gathered_mb,
-                           "median_us": _timeline_medians(timelines), "timelines": timelines}}
+                           "median_us": _timeline_medians(timelines), "timelines": timelines,
+                           "single_pass_median_us": _timeline_medians(singles), "single_passes": singles}}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     print(f"{args.preset} {args.layers} layers, coverage {args.coverage}, copies {args.copies}: {len(rows)} pair steps")
@@ -213,6 +236,10 @@ def main() -> None:
         print(f"  profiled, {len(timelines)} pair steps, medians (us): " + ", ".join(
             f"{k} {v:.1f}" for k, v in profiled["median_us"].items()) + f"; rows {gathered_mb:.2f} MB per step "
             f"({gathered_mb * 1e3 / busy if busy else 0.0:.1f} GB/s over copy_busy)")
+        single = profiled["single_pass_median_us"]
+        if single:
+            print(f"  profiled single passes ({len(singles)}), medians (us): span {single['span']:.1f}, busy "
+                  f"{single['busy']:.1f}")
 
 
 if __name__ == "__main__":

@@ -47,3 +47,9 @@ def test_medians_take_each_field_over_the_steps_that_have_it(clock):
     assert len(timelines) == 3
     medians = clock._timeline_medians(timelines + [{"span": 1.0}])
     assert medians["span"] == 160.0 and medians["copy_busy"] == 95.0
+
+
+def test_a_single_pass_is_timed_from_its_own_host_range(clock):
+    events = [event(clock.SINGLE, 100.0, 60, cat="user_annotation"), event("moe_w2", 110.0, 20),
+              event("moe_w2", 140.0, 15), event("plan_pass_gather", 300.0, 5)]  # the last: outside the range
+    assert clock.single_pass_timelines(events) == [{"span": 45.0, "busy": 35.0}]
