@@ -23,7 +23,7 @@ and busy time, for scale) under torch.profiler (CUPTI), each pair step cut from 
 (`pair_timelines`, microseconds): `span` (the step's first device activity to its last), `pass1` (to the end of the
 last plan kernel, the first pass's last work) and `pass1_busy` (the compute stream's busy time in it), `replay` (from
 there to the end) and `replay_busy` / `replay_wait` (busy / idle compute stream in it: idle while a layer waits for
-its rows), `copy_busy` (the row-copy kernels' busy time on the side stream), `copies_end` (the last copy's end from
+its rows), `pass1:<kernel>` / `replay:<kernel>` (device time by kernel name in each pass), `copy_busy` (the row-copy kernels' busy time on the side stream), `copies_end` (the last copy's end from
 the span's start) and `tail` (the last copy's end to the span's end); `copy_gbps` = the profiled steps' mean gathered
 bytes / the median copy_busy. A diagnostic: the profiler slows the host's launches, not the graph's kernels.
 
@@ -51,16 +51,30 @@ SINGLE = "pair_clock.single_pass"  # a profiled single pass's host range
 
 
 def single_pass_timelines(events: list[dict]) -> list[dict]:
-    """{"span", "busy"} (microseconds) of each profiled single pass (a `SINGLE` host range ending with a sync)."""
+    """{"span", "busy", "single:<kernel name>": device time by name} (microseconds) of each profiled single pass (a
+    `SINGLE` host range ending with a sync)."""
     from miss_step_timeline import DEVICE_CATS, _interval, _union
 
     device = [e for e in events if e.get("cat") in DEVICE_CATS and e.get("ph") == "X"]
     out = []
     for s0, s1 in sorted(_interval(e) for e in events if e.get("cat") == "user_annotation" and e.get("name") == SINGLE):
-        acts = [_interval(e) for e in device if s0 <= e["ts"] <= s1]
+        inside = [e for e in device if s0 <= e["ts"] <= s1]
+        acts = [_interval(e) for e in inside]
         if acts:
-            out.append({"span": max(b for _, b in acts) - min(a for a, _ in acts), "busy": _union(acts)})
+            t = {"span": max(b for _, b in acts) - min(a for a, _ in acts), "busy": _union(acts)}
+            for e in inside:
+                key = f"single:{kernel_name(e)}"
+                t[key] = t.get(key, 0.0) + float(e.get("dur", 0.0))
+            out.append(t)
     return out
+
+
+def kernel_name(event: dict) -> str:
+    """A device activity's name up to its argument list or template, at most 48 characters."""
+    name = event.get("name", "")
+    for mark in ("(", "<"):
+        name = name.split(mark)[0]
+    return name.strip()[:48]
 
 
 def pair_timelines(events: list[dict]) -> list[dict]:
@@ -85,6 +99,9 @@ def pair_timelines(events: list[dict]) -> list[dict]:
              "replay_busy": _union([_interval(e) for e in compute if e["ts"] >= pass1_end]),
              "copy_busy": _union([_interval(e) for e in copies]), "copy_kernels": len(copies)}
         t["replay_wait"] = t["replay"] - t["replay_busy"]
+        for e in compute:  # device time by kernel name in each pass
+            key = f"{'pass1' if e['ts'] < pass1_end else 'replay'}:{kernel_name(e)}"
+            t[key] = t.get(key, 0.0) + float(e.get("dur", 0.0))
         if copies:
             copies_end = max(_interval(e)[1] for e in copies)
             t.update(copies_end=copies_end - first, tail=last - copies_end)
@@ -240,6 +257,9 @@ def main() -> None:
         if single:
             print(f"  profiled single passes ({len(singles)}), medians (us): span {single['span']:.1f}, busy "
                   f"{single['busy']:.1f}")
+        by_name = {k: v for k, v in {**profiled["median_us"], **single}.items() if ":" in k}
+        for key in sorted(by_name, key=lambda k: (k.split(":")[1], k)):
+            print(f"    {key}: {by_name[key]:.1f} us")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ def test_a_pair_step_splits_into_passes_waits_and_copies(clock):
     single = [event("tierstore.step", 5000.0, 100, cat="user_annotation"), event("moe_w2", 5010.0, 50)]
     [t] = clock.pair_timelines(pair_step(1000.0) + single)  # the step without plan kernels is no pair: left out
     assert t == {"span": 160.0, "pass1": 70.0, "replay": 90.0, "pass1_busy": 70.0, "replay_busy": 60.0,
-                 "replay_wait": 30.0, "copy_busy": 95.0, "copy_kernels": 2, "copies_end": 130.0, "tail": 30.0}
+                 "replay_wait": 30.0, "copy_busy": 95.0, "copy_kernels": 2, "copies_end": 130.0, "tail": 30.0,
+                 "pass1:moe_w2": 60.0, "pass1:plan_pass_gather": 10.0, "replay:moe_w2": 60.0}
 
 
 def test_medians_take_each_field_over_the_steps_that_have_it(clock):
@@ -52,4 +53,9 @@ def test_medians_take_each_field_over_the_steps_that_have_it(clock):
 def test_a_single_pass_is_timed_from_its_own_host_range(clock):
     events = [event(clock.SINGLE, 100.0, 60, cat="user_annotation"), event("moe_w2", 110.0, 20),
               event("moe_w2", 140.0, 15), event("plan_pass_gather", 300.0, 5)]  # the last: outside the range
-    assert clock.single_pass_timelines(events) == [{"span": 45.0, "busy": 35.0}]
+    assert clock.single_pass_timelines(events) == [{"span": 45.0, "busy": 35.0, "single:moe_w2": 35.0}]
+
+
+def test_kernel_names_lose_their_arguments_and_templates(clock):
+    assert clock.kernel_name({"name": "void w2_down<128, 4>(int const*, float*)"}) == "void w2_down"
+    assert clock.kernel_name({"name": "plan_pass_gather"}) == "plan_pass_gather"
