@@ -205,6 +205,8 @@ def test_the_knob_refuses_what_it_cannot_serve():
         RuntimeConfig(pass_pair_copy_blocks=0)
     with pytest.raises(ConfigError, match="pass_pair_copies must be one of kernel, engine"):
         RuntimeConfig(pass_pair_copies="dma")
+    with pytest.raises(ConfigError, match="pass_pair_plans must be one of stream, inline"):
+        RuntimeConfig(pass_pair_plans="later")
     assert RuntimeConfig.from_env({"TIERSTORE_PASS_PAIR": "1"}).pass_pair is True
     for other in ("gather_in_pass", "early_fetch"):
         with pytest.raises(ConfigError, match=f"pass_pair and {other}"):
@@ -252,6 +254,16 @@ def _held_back(rt: TieredRuntime, cycles: int = 20_000_000) -> None:
     gather._kernels.copy_rows = late_copy
 
 
+def _held_back_plans(rt: TieredRuntime, cycles: int = 20_000_000) -> None:
+    """Every plan of the pair's first pass starts only after a device sleep on the stream it runs on."""
+    plan = rt._gather._kernels.plan_layer
+
+    def late_plan(*args, **kwargs):
+        torch.cuda._sleep(cycles)
+        plan(*args, **kwargs)
+    rt._gather._kernels.plan_layer = late_plan
+
+
 def _cuda_case():
     """(geometry, model, the all-resident run's outputs) of the GPU tests."""
     g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
@@ -282,15 +294,21 @@ def test_cuda_auto_pairs_where_they_can_run(cuda):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("copies", ["kernel", "engine"])
+@pytest.mark.parametrize("copies, plans", [("kernel", "stream"), ("kernel", "inline"), ("engine", "stream")])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-@pytest.mark.parametrize("held_back", [False, True], ids=["prompt", "held-back"])
-def test_cuda_pairs_equal_the_resident_run(cuda, graph, held_back, copies):
+@pytest.mark.parametrize("held_back", ["prompt", "copies", "plans"])
+def test_cuda_pairs_equal_the_resident_run(cuda, graph, held_back, copies, plans):
+    """Every step equal to the resident run with the copies or the plans held back behind a device sleep (plans on
+    their own stream: the replay must wait for the last one; engine copies plan inline whatever the knob says)."""
     g, model, want = _cuda_case()
-    small, source = _pair_runtime(g, 20, "all", device="cuda", backend="triton", pass_pair_copies=copies)
+    small, source = _pair_runtime(g, 20, "all", device="cuda", backend="triton", pass_pair_copies=copies,
+                                  pass_pair_plans=plans)
     with small:
-        if held_back:
+        assert (small._gather._plans is not None) is (copies == "kernel" and plans == "stream")
+        if held_back == "copies":
             _held_back(small)
+        elif held_back == "plans":
+            _held_back_plans(small)
         got = cuda_decode_steps(small, model, g, graph)
         _check_exact(small, source)
         stats = small.stats()

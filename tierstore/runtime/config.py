@@ -12,6 +12,7 @@ from tierstore.runtime.pair_choice import PAIR_CHOICES
 
 REPLAY_MODES = ("strict", "approximate")
 PAIR_COPIES = ("kernel", "engine")  # pass_pair_copies: who moves a pass pair's rows on CUDA
+PAIR_PLANS = ("stream", "inline")  # pass_pair_plans: where a pass pair's first pass plans its layers' rows on CUDA
 GATE_SIGNALS = ("max_prob", "margin")
 DEFAULT_GATE_TAU = {"max_prob": 0.60, "margin": 1.5}
 ENV_PREFIX = "TIERSTORE_"
@@ -112,6 +113,13 @@ class RuntimeConfig:
       `pass_pair_copies` ("kernel", the default; "engine"): who moves the rows on CUDA: the copy kernel above, or
       the copy engine, driven by the host while the pair runs (each layer's plan in pinned memory, the rows issued
       on a copy stream, a flag written after them that the replay waits for); on a CPU both run the references.
+      `pass_pair_plans` ("stream", the default; "inline"; kernel copies on CUDA): where the first pass plans each
+      layer's rows: on a stream of their own, each plan after its layer's experts while the pass goes on to its next
+      layers (only the last plan stays between the passes: the replay starts after it), or on the compute stream
+      between the layers (each plan, ~7 us on the H200, then lies on the pass's path). Either way the replay reads
+      only rows that landed and slots no plan is still unmapping, so its result is the same; with plans on their
+      own stream a later layer of the first pass may still read a victim the plan is taking (that pass's result is
+      thrown away; the replay then misses the victim and fetches it, as when a layer routes a victim later).
 
     Kernels:
 
@@ -165,6 +173,7 @@ class RuntimeConfig:
     pass_pair: bool | str = "auto"
     pass_pair_copy_blocks: int = 4
     pass_pair_copies: str = "kernel"
+    pass_pair_plans: str = "stream"
     pass_pair_choice: str = "timed"
     cuda_w2: bool | str = "auto"
     full_pool_reads: bool = False
@@ -184,6 +193,8 @@ class RuntimeConfig:
             raise ConfigError("gather_in_pass and early_fetch both fetch while a pass runs; turn one of them off")
         if self.pass_pair_copies not in PAIR_COPIES:
             raise ConfigError(f"pass_pair_copies must be one of {', '.join(PAIR_COPIES)}, got {self.pass_pair_copies!r}")
+        if self.pass_pair_plans not in PAIR_PLANS:
+            raise ConfigError(f"pass_pair_plans must be one of {', '.join(PAIR_PLANS)}, got {self.pass_pair_plans!r}")
         if self.pass_pair_choice not in PAIR_CHOICES:
             raise ConfigError(f"pass_pair_choice must be one of {', '.join(PAIR_CHOICES)}, "
                               f"got {self.pass_pair_choice!r}")

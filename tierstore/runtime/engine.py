@@ -150,7 +150,7 @@ class TieredRuntime:
             try:
                 self._gather = PassGather(self.pool, self.arena, self.log, spares, paired=paired,
                                           copy_blocks=self.config.pass_pair_copy_blocks,
-                                          copies=self.config.pass_pair_copies)
+                                          copies=self.config.pass_pair_copies, plans=self.config.pass_pair_plans)
             except ConfigError as error:
                 if not (paired and self.config.pass_pair == "auto"):
                     raise
@@ -404,6 +404,7 @@ class TieredRuntime:
             try:
                 self._pair_half = 1
                 forward()
+                self._gather.join_plans()
                 rewind()
                 self._pair_half = 2
                 return forward()

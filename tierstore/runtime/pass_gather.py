@@ -19,9 +19,15 @@ A host fetch drops the staged spares (its installs may take their free slots, an
 would gather), so a pass is armed only when no install's copies are in flight and its free spares are free.
 
 `paired` (config `pass_pair`): the first pass of a pass pair plans each layer after the layer's experts ran
-(`plan_and_fork`: they saw its missing experts as misses, so nothing in this pass reads the slots being written)
-and copies the rows on a side stream, each layer into its own descriptors, while the pass goes on; the replay
-waits for a layer's rows before that layer (`wait_rows`). On a CPU both are done at once by the references.
+(`plan_and_fork`: they saw its missing experts as misses) and copies the rows on a side stream, each layer into its
+own descriptors, while the pass goes on; the replay waits for a layer's rows before that layer (`wait_rows`). With
+`plans` "stream" (config `pass_pair_plans`, kernel copies on CUDA) the plans run on a stream of their own, each after
+its layer's experts, so the first pass does not wait for them; the replay starts after the last (`join_plans`): no
+replay kernel runs while a plan unmaps a victim or reads the routed counts the replay's reset zeroes. A later layer
+of the first pass may then read a victim being taken (stale, or its slot's new bytes): only that pass's result,
+which the replay replaces, can be wrong; the replay finds the victim unmapped. With `plans` "inline" each plan runs
+on the compute stream between its layer and the next, so nothing in the first pass reads a slot being written.
+On a CPU both are done at once by the references.
 With `copies` "engine" (config `pass_pair_copies`, CUDA) the copy engine moves the rows instead of a kernel: the
 plan writes each layer's descriptors and row count to pinned host memory; the host, after launching the pair,
 waits for each layer's count (`serve`), issues its rows on a copy stream and then writes the layer's flag there;
@@ -51,7 +57,7 @@ def gather_capacity(num_slots: int, num_layers: int, experts_per_layer: int) -> 
 
 class PassGather:
     def __init__(self, pool: DevicePool, arena: Arena, log: PassLog, capacity: int, paired: bool = False,
-                 copy_blocks: int | None = None, copies: str = "kernel"):
+                 copy_blocks: int | None = None, copies: str = "kernel", plans: str = "stream"):
         knob = "pass_pair" if paired else "gather_in_pass"
         if log.gathered is None or (log.gathered.numel() - 1) // 3 != capacity:
             raise ValueError(f"the pass log needs gather_capacity={capacity}")
@@ -82,6 +88,7 @@ class PassGather:
         self._addresses_synced = -1  # the arena version the device's addresses hold
         self._no_fp4 = torch.full_like(pool.table, -1)  # [L, E] the FP4 table of a runtime without an FP4 pool
         self._kernels = None
+        self._plans = None  # the plans' own stream (CUDA, paired, kernel copies, plans "stream")
         self.engine = paired and copies == "engine" and cuda  # the host issues the pair's copies (CUDA only)
         if paired:  # each layer's rows described apart: a layer's copy may still run while later layers plan
             place = dict(pin_memory=True) if self.engine else dict(device=self.device)
@@ -103,6 +110,11 @@ class PassGather:
                 self._side = torch.cuda.Stream(self.device, priority=-1)
                 self._planned = [torch.cuda.Event() for _ in range(pool.num_layers)]
                 self._copied = [torch.cuda.Event() for _ in range(pool.num_layers)]
+            # kernel copies, plans on a stream of their own (config pass_pair_plans "stream"): each after its layer's
+            # experts (`_layer_done`), in layer order, off the first pass's path
+            self._plans = (torch.cuda.Stream(self.device, priority=-1)
+                           if paired and not self.engine and plans == "stream" else None)
+            self._layer_done = [torch.cuda.Event() for _ in range(pool.num_layers)] if self._plans is not None else None
             if self.engine:
                 from tierstore.runtime.stream_values import StreamValues
 
@@ -171,6 +183,8 @@ class PassGather:
             torch.cuda.current_stream(self._stream_index).synchronize()
             if self.paired:
                 self._side.synchronize()
+            if self._plans is not None:
+                self._plans.synchronize()
 
     def plan_and_fork(self, layer: int, f4_table: torch.Tensor | None) -> None:
         """Pass pair, first pass, after `layer`'s experts: plan its missing rows on the compute stream and copy them
@@ -183,16 +197,30 @@ class PassGather:
             return
         if self.engine and layer == 0:
             self._flags.zero_()  # before any plan of this pass: the host's writes for it follow a plan
-        self._kernels.plan_layer(layer, log.seen, self.prev_seen, pool.table, f4, buffers, log.gathered, pool.slots,
-                                 desc, rows, self._flags[layer:layer + 1] if self.engine else None)
+        compute = torch.cuda.current_stream(self._stream_index)
+        plans = compute
+        if self._plans is not None:  # the plan after this layer's experts, the pass going on meanwhile
+            self._layer_done[layer].record(compute)
+            self._plans.wait_event(self._layer_done[layer])
+            plans = self._plans
+        with torch.cuda.stream(plans):
+            self._kernels.plan_layer(layer, log.seen, self.prev_seen, pool.table, f4, buffers, log.gathered,
+                                     pool.slots, desc, rows, self._flags[layer:layer + 1] if self.engine else None)
         if self.engine:
             return
-        compute = torch.cuda.current_stream(self._stream_index)
-        self._planned[layer].record(compute)
+        self._planned[layer].record(plans)
         self._side.wait_event(self._planned[layer])
         with torch.cuda.stream(self._side):
             self._kernels.copy_rows(desc, rows, self.row_bytes, self.copy_blocks)
             self._copied[layer].record(self._side)
+
+    def join_plans(self) -> None:
+        """Pass pair, between its passes (CUDA, plans on their own stream; capturable): the replay waits for the
+        first pass's last plan, and so for every plan (one stream, in layer order). Its pass-log reset zeroes the
+        routed counts the plans read, and a plan may unmap a victim of any layer, which no replay kernel may read
+        while it happens."""
+        if self._plans is not None:
+            torch.cuda.current_stream(self._stream_index).wait_event(self._planned[-1])
 
     def wait_rows(self, layer: int) -> None:
         """Pass pair, replay, before `layer`'s experts: the compute stream waits for the rows the first pass
