@@ -21,11 +21,13 @@ pair's (`launch - record`).
 `--profile-steps N`: N more pair steps (then 8 single passes of the same kind of graph, `single_pass_timelines`: span
 and busy time, for scale) under torch.profiler (CUPTI), each pair step cut from the device's own timestamps
 (`pair_timelines`, microseconds): `span` (the step's first device activity to its last), `pass1` (to the end of the
-last plan kernel, the first pass's last work) and `pass1_busy` (the compute stream's busy time in it), `replay` (from
-there to the end) and `replay_busy` / `replay_wait` (busy / idle compute stream in it: idle while a layer waits for
-its rows), `pass1:<kernel>` / `replay:<kernel>` (device time by kernel name in each pass), `copy_busy` (the row-copy kernels' busy time on the side stream), `copies_end` (the last copy's end from
-the span's start) and `tail` (the last copy's end to the span's end); `copy_gbps` = the profiled steps' mean gathered
-bytes / the median copy_busy. A diagnostic: the profiler slows the host's launches, not the graph's kernels.
+last plan kernel, the first pass's last work) and `pass1_busy` (the time some kernel other than a row copy ran in it:
+the compute stream's, and the plans' where they have their own stream), `replay` (from there to the end) and
+`replay_busy` / `replay_wait` (the same busy time in it, and the rest: a layer waiting for its rows),
+`pass1:<kernel>` / `replay:<kernel>` (device time by kernel name in each pass), `copy_busy` (the row-copy kernels'
+busy time on the side stream), `copies_end` (the last copy's end from the span's start) and `tail` (the last copy's
+end to the span's end); `copy_gbps` = the profiled steps' mean gathered bytes / the median copy_busy. A diagnostic:
+the profiler lengthens the step (its span against the unprofiled `device`).
 
     python3 benchmarks/pair_clock.py --preset ds-v2-lite --layers 8 --coverage 0.5 [--copies engine] [--hold-us 1000] \
         [--profile-steps 20] --json out.json

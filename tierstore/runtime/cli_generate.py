@@ -38,8 +38,9 @@ def _runtime(checkpoint, pack_dir, geometry, pool_slots, arena, device, config, 
     # (config full_pool_reads off; no FP4 tier, no recorded routing): the generator then reads it itself
     unread = pool_slots >= geometry.total_routed_experts and not (record or fp4 or config.full_pool_reads)
     return TieredRuntime(geometry, rows, pool_slots=pool_slots, arena_slots=slots, device=device, config=config,
-                         heat_path=rows.pack.paths.heat, record_tokens=1 if record else 0, output_words=0 if unread else 1,
-                         fp4_source=fp4_rows, fp4_slots=fp4 or None, fp4_arena_slots=fp4_arena)
+                         heat_path=rows.pack.paths.heat, record_tokens=1 if record else 0,
+                         output_words=0 if unread else 1, fp4_source=fp4_rows, fp4_slots=fp4 or None,
+                         fp4_arena_slots=fp4_arena)
 
 
 def generate_command(args, out) -> int:

@@ -187,8 +187,9 @@ class PassGather:
                 self._plans.synchronize()
 
     def plan_and_fork(self, layer: int, f4_table: torch.Tensor | None) -> None:
-        """Pass pair, first pass, after `layer`'s experts: plan its missing rows on the compute stream and copy them
-        on the side stream (CUDA; capturable: the replay's `wait_rows` joins it), or both at once (CPU)."""
+        """Pass pair, first pass, after `layer`'s experts: plan its missing rows (on the plans' stream, or inline on
+        the compute stream) and copy them on the side stream (CUDA; capturable: the replay's `join_plans` and
+        `wait_rows` join them), or both at once (CPU)."""
         pool, buffers, log = self.pool, self.buffers, self.log
         f4 = f4_table if f4_table is not None else self._no_fp4
         desc, rows = self.layer_desc[layer], self.layer_rows[layer:layer + 1]

@@ -250,8 +250,8 @@ def _tiered_readback(config: RuntimeConfig, full: bool) -> str:
 
 
 def _overhead(geometry, source_factory, steps, *, device, config, graph: bool, warmup: int, dtype) -> dict:
-    """`nomiss_overhead` on a full pool that folds its tokens and, where `config` lets a full pool skip its reads,
-    beside one that does (its unread variants)."""
+    """`nomiss_overhead` on a full pool that folds its tokens into its reads, with a second full pool that reads no
+    pass beside it (the unread variants) unless `config` has full_pool_reads on."""
     everything = geometry.total_routed_experts
     with ExitStack() as stack:
         runtime = stack.enter_context(_open(geometry, source_factory, steps, pool_slots=everything, arena_slots=0,
@@ -272,8 +272,9 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
     """A plain all-resident run (preloaded, forward + sync, no step protocol), the same with the
     decoder's token readback (forward + copy + sync), the tiered run (token folded into the pass-log
     read; where its pool holds every expert and reads no pass, config full_pool_reads off, the token's own
-    readback as in the plain decoder's) and the naive on-demand baseline (eager, token read back), of the same steps, each with a
-    cold window (the first `warmup` steps) and a steady one, plus the floor of the steady tiered steps:
+    readback as in the plain decoder's) and the naive on-demand baseline (eager, token read back), of
+    the same steps, each with a cold window (the first `warmup` steps) and a steady one, plus the floor
+    of the steady tiered steps:
 
         floor = plain step + (arena-hit bytes / pinned H2D + arena-miss bytes / source read) per step
 
