@@ -142,8 +142,9 @@ def main() -> None:
                         help="run the compared config before the default one (by default it runs last; alternate "
                              "the order between calls: the later run of a process was often the faster on the H200)")
     parser.add_argument("--interleave", action="store_true",
-                        help="with --compare-config: the default and the compared runtimes open together, taking turns "
-                             "step by step (the host's drift falls on both alike; twice the pools and arenas)")
+                        help="the resident runs, the tiered one and the compared one (--compare-config) open together, "
+                             "taking turns step by step (the host's drift falls on all alike, the floor's resident "
+                             "step included; every pool and arena at once); the naive run stays separate")
     parser.add_argument("--commit", help="commit of the tree (when it runs without .git)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "replay.json"))
     args = parser.parse_args()
@@ -157,8 +158,6 @@ def main() -> None:
         "trace_top_k": args.trace_top_k, "synthetic": not args.no_synthetic,
         "floor": "plain all-resident steady step + steady arena-hit bytes / pinned H2D + arena-miss bytes / source read"}}
     compare = _compare_config(args)
-    if args.interleave and not compare:
-        parser.error("--interleave needs --compare-config (the runtimes it interleaves are the default and the compared)")
     config = _base_config(args)
     if args.no_synthetic and not args.trace:
         parser.error("--no-synthetic needs at least one --trace")

@@ -135,8 +135,10 @@ def test_compare_first_runs_the_compared_config_before_the_default(tmp_path, mon
     assert result["compared_first"] is compare_first and result["flipped_tokens_match_resident"]
 
 
-def test_interleave_runs_both_tiered_runtimes_in_turns_and_both_match_the_resident_tokens(tmp_path, monkeypatch):
-    """The default and the compared runtime are open together and take turns step by step, the order rotating."""
+def test_interleave_runs_the_resident_and_both_tiered_runtimes_in_turns_and_all_match_the_resident_tokens(
+        tmp_path, monkeypatch):
+    """The two resident runs, the default and the compared runtime are open together and take turns step by step, the
+    order rotating; the naive run stays separate, after them."""
     from tierstore.runtime import replay_drive
 
     g = toy_geometry()
@@ -144,15 +146,31 @@ def test_interleave_runs_both_tiered_runtimes_in_turns_and_both_match_the_reside
     steps = trace_steps(skewed_routing(g, 12), None, g.num_moe_layers, None)
     order = []
     step = replay_drive.Driver.step
-    monkeypatch.setattr(replay_drive.Driver, "step", lambda self, i: (order.append((i, self.runtime.config.layer_waits)),
-                                                                     step(self, i))[1])
+
+    def kind(driver) -> str:
+        if driver.plain:
+            return "resident" if driver.readback == "none" else "resident_readback"
+        return "tiered" if driver.runtime.config.layer_waits else "tiered_flipped"
+    monkeypatch.setattr(replay_drive.Driver, "step", lambda self, i: (order.append((i, kind(self))), step(self, i))[1])
     result = run_replay(g, lambda: open_synthetic_rows(spec, tmp_path), steps, pool_slots=12, arena_slots=16,
                         device="cpu", warmup=4, compare={"layer_waits": False}, interleave=True)
     assert result["interleaved"] and result["tokens_match_resident"] and result["flipped_tokens_match_resident"]
-    tiered = order[24:48]  # after the two resident runs' 12 steps each, before the naive run's
-    assert tiered == [(i, waits) for i in range(12) for waits in ((True, False) if i % 2 == 0 else (False, True))]
+    names = ["resident", "resident_readback", "tiered", "tiered_flipped"]
+    assert order[:48] == [(i, names[(i + j) % 4]) for i in range(12) for j in range(4)]
+    assert len(order) == 48 + 12  # then the naive run's steps
     for name in ("tiered", "tiered_flipped"):
         assert result["runs"][name]["steady"]["steps"] == 8 and result["runs"][name]["steady"]["replay_rate"] > 0
+    assert result["runs"]["resident"]["tokens"] == [None] * 12 and result["runs"]["resident"]["steady"]["steps"] == 8
+
+
+def test_interleave_without_a_compared_config_runs_the_resident_and_tiered_runtimes_in_turns(tmp_path):
+    g = toy_geometry()
+    spec = ensure_synthetic_pack(g, tmp_path)
+    steps = trace_steps(skewed_routing(g, 8), None, g.num_moe_layers, None)
+    result = run_replay(g, lambda: open_synthetic_rows(spec, tmp_path), steps, pool_slots=12, arena_slots=16,
+                        device="cpu", warmup=2, interleave=True)
+    assert result["interleaved"] and result["tokens_match_resident"] and "tiered_flipped" not in result["runs"]
+    assert set(result["runs"]) == {"resident", "resident_readback", "tiered", "naive"}
 
 
 def test_replay_cli_config_and_compare_config_parse_fields_like_the_environment():

@@ -225,22 +225,26 @@ def _run(geometry, source_factory, steps, *, pool_slots: int, arena_slots: int, 
         return _report(runtime, out, preload, preloaded_rows, drive_args.get("readback", "none"))
 
 
-def _run_interleaved(geometry, source_factory, steps, configs: list[RuntimeConfig], readbacks: list[str], *,
-                     pool_slots: int, arena_slots: int, device, preload: bool, arena_preload: bool = False,
-                     **drive_args) -> list[dict]:
-    """`_run` of each config (with its readback), their runtimes open together and driven step by step in turn
-    (`drive_interleaved`)."""
+def _run_interleaved(geometry, source_factory, steps, runs: dict[str, dict], *, device,
+                     **drive_args) -> dict[str, dict]:
+    """`_run` of each of `runs` (name -> its `_open` arguments pool_slots, arena_slots, config, preload,
+    arena_preload, and its `Driver` arguments plain, readback), the runtimes open together and driven step by step in
+    turn (`drive_interleaved`): name -> report."""
     with ExitStack() as stack:
-        opened = []
-        for config, readback in zip(configs, readbacks):
-            runtime, rows = _open(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
-                                  device=device, config=config, preload=preload, arena_preload=arena_preload,
+        opened = {}
+        for name, run in runs.items():
+            readback = run.get("readback", "none")
+            runtime, rows = _open(geometry, source_factory, steps, pool_slots=run["pool_slots"],
+                                  arena_slots=run["arena_slots"], device=device, config=run["config"],
+                                  preload=run["preload"], arena_preload=run.get("arena_preload", False),
                                   folds=readback == "folded")
             stack.enter_context(runtime)
-            opened.append((runtime, rows, readback))
-        outs = drive_interleaved([Driver(runtime, steps, readback=readback, **drive_args)
-                                  for runtime, _, readback in opened])
-        return [_report(runtime, out, preload, rows, readback) for (runtime, rows, readback), out in zip(opened, outs)]
+            opened[name] = (runtime, rows, run)
+        outs = drive_interleaved([Driver(runtime, steps, plain=run.get("plain", False),
+                                         readback=run.get("readback", "none"), **drive_args)
+                                  for runtime, _, run in opened.values()])
+        return {name: _report(runtime, out, run["preload"], rows, run.get("readback", "none"))
+                for (name, (runtime, rows, run)), out in zip(opened.items(), outs)}
 
 
 def _tiered_readback(config: RuntimeConfig, full: bool) -> str:
@@ -291,42 +295,42 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
     change (e.g. {"layer_waits": False}) for a second tiered run (`tiered_flipped`, `tiered_over_flipped`,
     `compared_config`), in the same process after the naive run (with `compare_first`, before the tiered run: the
     later of two runs in a process was often the faster on the H200, so alternating the order balances it): a side
-    by side of two settings. `interleave` (with `compare`): the two tiered runtimes are open together and take turns
-    step by step instead (`drive_interleaved`), so the host's drift during the runs falls on both alike (two pools
-    and two arenas at once: twice the memory)."""
+    by side of two settings. `interleave`: the runs but the naive one (the two resident runs, the tiered one and the
+    compared one) are open together and take turns step by step (`drive_interleaved`, the order rotating), so the
+    host's drift during the runs falls on all alike, the floor's resident step included (every pool and arena at
+    once)."""
     device = torch.device(device)
     config = config or RuntimeConfig(kpi_every=0, force_pool=True)
     everything = geometry.total_routed_experts
     common = dict(device=device, config=config, warmup=warmup, dtype=dtype)
     full = pool_slots >= everything
-    runs = {
-        "resident": _run(geometry, source_factory, steps, pool_slots=everything, arena_slots=0, preload=True,
-                         plain=True, graph=graph, **common),
-        "resident_readback": _run(geometry, source_factory, steps, pool_slots=everything, arena_slots=0, preload=True,
-                                  plain=True, readback="separate", graph=graph, **common),
-    }
-
-    def tiered_run(run_config: RuntimeConfig) -> dict:
-        return _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots, preload=full,
-                    arena_preload=arena_preload, readback=_tiered_readback(run_config, full), graph=graph,
-                    **dict(common, config=run_config))
     flipped_config = dataclasses.replace(config, **compare) if compare else None
-    if compare and interleave:
-        configs = [config, flipped_config]
-        runs["tiered"], runs["tiered_flipped"] = _run_interleaved(
-            geometry, source_factory, steps, configs, [_tiered_readback(c, full) for c in configs],
-            pool_slots=pool_slots, arena_slots=arena_slots, device=device, preload=full, arena_preload=arena_preload,
-            graph=graph, warmup=warmup, dtype=dtype)
+    # name -> (_open and Driver arguments) of the timed runs but the naive one
+    specs = {"resident": dict(pool_slots=everything, arena_slots=0, config=config, preload=True, plain=True),
+             "resident_readback": dict(pool_slots=everything, arena_slots=0, config=config, preload=True, plain=True,
+                                       readback="separate")}
+    for name, run_config in (("tiered", config), ("tiered_flipped", flipped_config)):
+        if run_config is not None:
+            specs[name] = dict(pool_slots=pool_slots, arena_slots=arena_slots, config=run_config, preload=full,
+                               arena_preload=arena_preload, readback=_tiered_readback(run_config, full))
+    def separate(name: str) -> dict:
+        return _run(geometry, source_factory, steps, device=device, graph=graph, warmup=warmup, dtype=dtype,
+                    **specs[name])
+
+    if interleave:
+        runs = _run_interleaved(geometry, source_factory, steps, specs, device=device, graph=graph, warmup=warmup,
+                                dtype=dtype)
     else:
+        runs = {name: separate(name) for name in ("resident", "resident_readback")}
         if compare and compare_first:
-            runs["tiered_flipped"] = tiered_run(flipped_config)
-        runs["tiered"] = tiered_run(config)
+            runs["tiered_flipped"] = separate("tiered_flipped")
+        runs["tiered"] = separate("tiered")
     # the naive run never launches a pass pair: its runtime builds no pass gather (pass_pair auto on CUDA would)
     naive = dict(common, config=dataclasses.replace(config, pass_pair=False))
     runs["naive"] = _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
                          preload=full, arena_preload=arena_preload, naive=True, readback="separate", **naive)
     if compare and not compare_first and not interleave:
-        runs["tiered_flipped"] = tiered_run(flipped_config)
+        runs["tiered_flipped"] = separate("tiered_flipped")
     h2d = host_to_device_gbps(device)
     probe = source_factory()
     try:
@@ -355,11 +359,11 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
         "tiered_over_resident": ratio(tiered_ms, resident_ms),
         "tiered_over_resident_readback": ratio(tiered_ms, readback_ms),
         "tokens_match_resident": runs["tiered"]["tokens"] == runs["resident_readback"]["tokens"],
-        "layer_waits": config.layer_waits, "copy_streams": config.copy_streams,
+        "layer_waits": config.layer_waits, "copy_streams": config.copy_streams, "interleaved": interleave,
         "runs": runs,
     }
     if compare:
-        out["compared_config"], out["compared_first"], out["interleaved"] = dict(compare), compare_first, interleave
+        out["compared_config"], out["compared_first"] = dict(compare), compare_first
         other = runs["tiered_flipped"]
         out["tiered_over_flipped"] = ratio(tiered_ms, other["steady"]["step_ms"])
         out["flipped_over_floor"] = ratio(other["steady"]["step_ms"], floor_ms)
