@@ -54,14 +54,15 @@ def test_generate_prefills_in_steps_when_one_layer_of_the_prompt_cannot_fit_and_
 
 
 def test_generate_with_a_full_pool_reads_its_token_itself_and_stays_bit_identical(tmp_path, monkeypatch, capsys):
-    """A pool of every expert folds no token into the pass-log read (its steps stop reading once every expert is
-    installed): the generator reads the token itself, and the run equals the preloaded resident one bit for bit."""
+    """A pool of every expert is filled before the prompt and folds no token into the pass-log read: its decode steps
+    read nothing, the generator reads the token itself, and the run equals the resident one bit for bit."""
     monkeypatch.setenv("TIERSTORE_CACHE_DIR", str(tmp_path))
     code = main(["generate", "--demo", "--prompt", "tiers", "--max-new-tokens", "6", "--gpu-pool-frac", "1.0",
                  "--verify-resident"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "bit-identical: yes (6 steps)" in out and "pool 128 slots = 100.0% of experts" in out
+    assert "pool: every expert installed (128)" in out and "5 steps not read" in out  # 6 tokens: 5 decode steps
 
 
 def test_generate_refuses_a_pool_below_the_working_set(tmp_path, monkeypatch, capsys):

@@ -72,6 +72,11 @@ def generate_command(args, out) -> int:
 
     runtime = _runtime(checkpoint, pack_dir, geometry, pool_slots, args.arena_gb, device, config, args.record_trace, fp4)
     with runtime:
+        if runtime.pool.num_slots >= geometry.total_routed_experts:  # a pool of every expert starts with them all
+            loading = time.perf_counter()
+            runtime.preload()
+            print(f"pool: every expert installed ({geometry.total_routed_experts}) in "
+                  f"{time.perf_counter() - loading:.1f} s", file=out)
         install_tiered_experts(model, runtime)
         result = TieredGenerator(model, runtime, max_length, use_graph).generate(
             prompt, args.max_new_tokens, keep_logits=args.verify_resident or args.verify_fp4,
