@@ -1,5 +1,5 @@
 """A pass writing its own pass-log read-back (`log_stage.cu`), measured by benchmarks/sync_wake.py: `LogStager` builds
-`stage_log_words` and binds it to a log's buffers; the kernel copies the log's int32 words into pinned host memory and
+`stage_log_words` and launches it (`stage`); the kernel copies the log's int32 words into pinned host memory and
 then sets a host flag (on the current stream, capturable); `stage_log_ref` is the plain-torch reference.
 
 Tried in the runtime in the thirteenth session (config `stage_pass_log`, d518448-c7e9d20) and removed: its read waited
@@ -56,4 +56,3 @@ def stage_log_ref(words: torch.Tensor, host: np.ndarray, flag: np.ndarray) -> No
     """What `stage_log_words` leaves on the host: host[:] = words, then flag[0] = 1."""
     host[:] = words.cpu().numpy()
     flag[0] = 1
-

@@ -136,7 +136,7 @@ def main() -> None:
     from tierstore.geometry import get_preset
     from tierstore.runtime import RuntimeConfig, TieredRuntime
     from tierstore.runtime.replay import ensure_synthetic_pack, open_synthetic_rows, preload_arena
-    from tierstore.runtime.replay_drive import Graphs, drive, forward_fn
+    from tierstore.runtime.replay_drive import Graphs, drive, forward_fn, step_inputs
 
     g = get_preset(args.preset).with_layers(args.layers)
     spec = ensure_synthetic_pack(g, args.pack_dir)
@@ -149,9 +149,7 @@ def main() -> None:
                        arena_slots=int(4 * 2**30) // spec.stride, device="cuda", config=config, output_words=1) as rt:
         preload_arena(rt)
         drive(rt, steps[:args.warm_steps], warmup=10, graph=True, readback="folded", dtype=torch.bfloat16)
-        x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16) * 0.01
-        weights = torch.full((1, g.top_k), 1.0 / g.top_k, device="cuda")
-        graphs = Graphs(forward_fn(rt, x, weights, naive=False, publish=True), rt.device,
+        graphs = Graphs(forward_fn(rt, *step_inputs(rt, torch.bfloat16), naive=False, publish=True), rt.device,
                         lambda f: rt.pass_pair(f, lambda: None))
         routes = [torch.as_tensor(r, dtype=torch.int64).cuda() for r in steps[args.warm_steps:]]
         graphs.capture(routes[0])

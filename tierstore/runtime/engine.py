@@ -502,9 +502,7 @@ class TieredRuntime:
                              outcome.residue_pairs)
         if self.pairs and not prefill:  # its time; with `always` a pair that gathered fewer than it missed backs off
             self._pair_choice.done(seconds, *(pair_first[2], pair_first[1]) if pair_first else ())
-        every = self.config.kpi_every
-        if every and self._stats.steps % every == 0:
-            log.info(self.kpi_line(every))
+        self._log_kpi()
         return result, outcome
 
     def _unread_step(self, forward: Callable[[], object]):
@@ -516,10 +514,14 @@ class TieredRuntime:
             self._stats.failed += 1
             raise
         self._stats.add_unread_step(time.perf_counter() - started)
+        self._log_kpi()
+        return result, UNREAD_OUTCOME
+
+    def _log_kpi(self) -> None:
+        """After a step: the KPI line of the last `kpi_every` steps, every `kpi_every` steps."""
         every = self.config.kpi_every
         if every and self._stats.steps % every == 0:
             log.info(self.kpi_line(every))
-        return result, UNREAD_OUTCOME
 
     def _clocked(self, forward: Callable[[], object]):
         """`forward` with its host time added to the stats' `forward_seconds` (on CUDA with graphs: the launch)."""

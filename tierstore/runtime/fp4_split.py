@@ -34,7 +34,7 @@ import torch
 from tierstore.geometry import MoEGeometry
 from tierstore.runtime.config import RuntimeConfig
 from tierstore.runtime.engine import TieredRuntime
-from tierstore.runtime.replay_drive import Graphs, forward_fn
+from tierstore.runtime.replay_drive import captured_graphs, forward_fn, step_inputs
 from tierstore.runtime.replay_gate import hottest_keys
 from tierstore.runtime.rows import MemoryRowSource
 
@@ -80,13 +80,9 @@ class _Driver:
     """One runtime's forward (captured per routing shape when `graph`) and its two ways to run a step."""
 
     def __init__(self, runtime: TieredRuntime, routes: list[torch.Tensor], graph: bool, dtype: torch.dtype):
-        self.runtime, device, g = runtime, runtime.device, runtime.geometry
-        x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(0)).to(device, dtype) * 0.01  # [1, H]
-        weights = torch.full((1, g.top_k), 1.0 / g.top_k, device=device)  # [1, k]
-        self.forward = forward_fn(runtime, x, weights, naive=False)
-        self.graphs = Graphs(self.forward, device) if graph and device.type == "cuda" else None
-        if self.graphs is not None and not all(self.graphs.capture(r) for r in {tuple(r.shape): r for r in routes}.values()):
-            self.graphs = None
+        self.runtime = runtime
+        self.forward = forward_fn(runtime, *step_inputs(runtime, dtype), naive=False)
+        self.graphs = captured_graphs(self.forward, runtime.device, routes) if graph else None
 
     def _bound(self, ids: torch.Tensor) -> Callable:
         return self.graphs.bind(ids)[0] if self.graphs is not None else (lambda: self.forward(ids))

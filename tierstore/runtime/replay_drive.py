@@ -211,6 +211,24 @@ class Readback:
         return int(self.host[0])
 
 
+def step_inputs(runtime: TieredRuntime, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forced-routing forward's fixed inputs: (hidden [1, H] seeded, combine weights [1, k] uniform)."""
+    device, g = runtime.device, runtime.geometry
+    x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(0)).to(device, dtype) * 0.01  # [1, H]
+    weights = torch.full((1, g.top_k), 1.0 / g.top_k, device=device)  # [1, k]
+    return x, weights
+
+
+def captured_graphs(forward: Callable, device: torch.device, routes: list[torch.Tensor],
+                    pair: Callable[[Callable], Callable] | None = None) -> Graphs | None:
+    """`Graphs` of `forward` (and its pair) captured for every routing shape of `routes`, or None on a CPU device or
+    when a capture fails (the runs then go eager)."""
+    if device.type != "cuda":
+        return None
+    graphs = Graphs(forward, device, pair)
+    return graphs if all(graphs.capture(r) for r in {tuple(r.shape): r for r in routes}.values()) else None
+
+
 class Driver:
     """One runtime driven through forced routing: `__init__` sets up (the forward, its graphs, the routes on the
     device), `step(i)` runs and times the i-th step, `result()` reports (see `drive`). Several drivers can take
@@ -223,17 +241,11 @@ class Driver:
             raise ValueError(f"readback {readback!r} with plain={plain}: choose one of {READBACKS}; folded needs the "
                              "step protocol and a runtime with output_words")
         self.runtime, self.warmup, self.plain, self.readback, self.logits = runtime, warmup, plain, readback, logits
-        device, g = runtime.device, runtime.geometry
-        self.device = device
-        x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(0)).to(device, dtype) * 0.01  # [1, H]
-        weights = torch.full((1, g.top_k), 1.0 / g.top_k, device=device)  # [1, k]
-        self.forward = forward_fn(runtime, x, weights, naive, publish=readback == "folded")
+        device = self.device = runtime.device
+        self.forward = forward_fn(runtime, *step_inputs(runtime, dtype), naive, publish=readback == "folded")
         self.routes = [torch.as_tensor(np.asarray(r), dtype=torch.int64).to(device) for r in steps]  # before timing
         self.pair = (lambda f: runtime.pass_pair(f, lambda: None)) if runtime.pairs and not plain and not naive else None
-        self.graphs = Graphs(self.forward, device, self.pair) if graph and device.type == "cuda" and not naive else None
-        if self.graphs is not None and not all(self.graphs.capture(r) for r in {tuple(r.shape): r for r in
-                                                                                 self.routes}.values()):
-            self.graphs = None
+        self.graphs = captured_graphs(self.forward, device, self.routes, self.pair) if graph and not naive else None
         self.read = Readback(device, max((r.shape[0] for r in self.routes), default=1)) if readback == "separate" \
             else None
         # a decoder's logits sit at one address (its graph's output): the gate's captured signal needs that
@@ -356,17 +368,13 @@ def nomiss_overhead(runtime: TieredRuntime, steps: list[np.ndarray], *, graph: b
     minus plain and minus plain_readback in microseconds."""
     if runtime.log.outputs is None:
         raise ValueError("nomiss_overhead needs a runtime with output_words >= the tokens per step")
-    device, g = runtime.device, runtime.geometry
-    x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(0)).to(device, dtype) * 0.01  # [1, H]
-    weights = torch.full((1, g.top_k), 1.0 / g.top_k, device=device)  # [1, k]
+    device = runtime.device
     routes = [torch.as_tensor(np.asarray(r), dtype=torch.int64).to(device) for r in steps]
 
     def binder(of: TieredRuntime, publish: bool) -> tuple[Callable[[torch.Tensor], Callable], bool]:
         """(ids -> the step's forward of runtime `of`, whether that is a captured graph)."""
-        forward = forward_fn(of, x, weights, naive=False, publish=publish)
-        graphs = Graphs(forward, device) if graph and device.type == "cuda" else None
-        if graphs is not None and not all(graphs.capture(r) for r in {tuple(r.shape): r for r in routes}.values()):
-            graphs = None
+        forward = forward_fn(of, *step_inputs(of, dtype), naive=False, publish=publish)
+        graphs = captured_graphs(forward, device, routes) if graph else None
         if graphs is not None:
             return (lambda ids: graphs.bind(ids)[0]), True
         return (lambda ids: (lambda: forward(ids))), False
