@@ -223,7 +223,7 @@ def main() -> None:
                     for name, run in runs.items():
                         if run.get("steady_pair_steps"):
                             print(f"  {name}: steady steps launched as a pass pair {run['steady_pair_steps']}, "
-                                  f"recent means pair {run['pair_step_ms']:.3f} ms, single "
+                                  f"recent medians pair {run['pair_step_ms']:.3f} ms, single "
                                   f"{run['single_step_ms']:.3f} ms (0: not timed)", flush=True)
                         for kind, k in run["steady"]["breakdown"].get("by_kind", {}).items():
                             if name.startswith("tiered"):

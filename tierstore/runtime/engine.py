@@ -441,7 +441,6 @@ class TieredRuntime:
                 if self._gather is not None:
                     if prefill:  # its layers fetch for themselves: no spares
                         self._gather.drop_staged()
-                        self._pair_choice.interrupted()  # it settles the last pair: the next decode step is no sample
                     elif not self.pairs:
                         forward = self._with_armed_gather(forward)
                     elif self._pair_choice.take(forward_pair is not None and self._recent_missing > 0,
@@ -477,7 +476,7 @@ class TieredRuntime:
                 torch.cuda.current_stream(self.device).synchronize()  # its host copies land before the next clear
             if self._gather is not None:
                 self._recover_gathered()
-            self._pair_choice.interrupted()
+            self._pair_choice.failed()
             self.settle()
             self._stats.failed += 1
             raise
@@ -710,7 +709,7 @@ class TieredRuntime:
         self.pool.collect()
         arena = self.arena.stats()
         return self._stats.snapshot(arena.hit_rows, arena.miss_rows, self.pool.copy_seconds,
-                                    self._pair_choice.recent_ms())
+                                    self._pair_choice.medians_ms())
 
     def counters(self) -> tuple:
         """Cheap running totals for per-step breakdowns, named by `COUNTERS`. Fetch seconds are the
@@ -727,7 +726,7 @@ class TieredRuntime:
         self.pool.collect()
         arena = self.arena.stats()
         line = self._stats.kpi_line(last, arena.hit_rows, arena.miss_rows, self.pool.copy_seconds,
-                                    self._pair_choice.recent_ms())
+                                    self._pair_choice.medians_ms())
         if self.fp4 is not None:
             line += precision_kpi(self.fp4_stats(), self.gate_stats() if self.gate is not None else None)
         return line

@@ -35,8 +35,8 @@ class RuntimeStats:
     gathered_rows: int  # of fetched_rows, those passes fetched for themselves (config gather_in_pass, pass_pair)
     pair_steps: int  # steps launched as a pass pair (config pass_pair; their replay counted in `replays`)
     prefill_hot_evictions: int  # decode hot-set experts a prefill fetch had to evict (the pool lacked room)
-    # pass_pair's timed choice: mean wall ms of the recent steps likely to miss run as a pair / a single pass, each
-    # after a step of its own kind (0.0 for a kind not timed yet; `runtime/pair_choice.py`)
+    # pass_pair's timed choice: median wall ms of the recent steps likely to miss run as a pair / a single pass
+    # (0.0 for a kind not timed yet; `runtime/pair_choice.py`)
     pair_step_ms: float = 0.0
     single_step_ms: float = 0.0
     # decode steps of a pool holding every expert that were not read (nothing could miss; config full_pool_reads):
@@ -111,7 +111,7 @@ class StatsRecorder:
         self.recent.append((False, 0))
 
     def snapshot(self, arena_hits: int, arena_misses: int, copy_seconds: float,
-                 pair_recent_ms: tuple[float, float] = (0.0, 0.0)) -> RuntimeStats:
+                 pair_medians_ms: tuple[float, float] = (0.0, 0.0)) -> RuntimeStats:
         times = np.asarray(self.step_seconds) if self.step_seconds else np.zeros(1)
         looked_up = arena_hits + arena_misses
         return RuntimeStats(
@@ -126,13 +126,13 @@ class StatsRecorder:
             pool_slots=self.pool_slots, pool_coverage=self.pool_slots / self.total_experts,
             early_fetched_rows=self.early_fetched_rows, located_rows=self.located_rows, gathered_rows=self.gathered_rows,
             pair_steps=self.pairs, prefill_hot_evictions=self.prefill_hot_evictions,
-            pair_step_ms=pair_recent_ms[0], single_step_ms=pair_recent_ms[1], unread_steps=self.unread,
+            pair_step_ms=pair_medians_ms[0], single_step_ms=pair_medians_ms[1], unread_steps=self.unread,
         )
 
     def kpi_line(self, last: int, arena_hits: int, arena_misses: int, copy_seconds: float,
-                 pair_recent_ms: tuple[float, float] = (0.0, 0.0)) -> str:
+                 pair_medians_ms: tuple[float, float] = (0.0, 0.0)) -> str:
         """"[tierstore] KPI: replay X% of last N steps (avg Y missing pairs/step; cumulative Z% of M) ..." """
-        stats = self.snapshot(arena_hits, arena_misses, copy_seconds, pair_recent_ms)
+        stats = self.snapshot(arena_hits, arena_misses, copy_seconds, pair_medians_ms)
         window = list(self.recent)[-last:] if last else list(self.recent)
         n = len(window)
         recent_rate = sum(r for r, _ in window) / n if n else 0.0
@@ -159,7 +159,7 @@ class StatsRecorder:
         if stats.pair_steps:
             line += f" | {stats.pair_steps} steps launched as a pass pair"
             if stats.pair_step_ms and stats.single_step_ms:
-                line += f" (recent means: pair {stats.pair_step_ms:.2f} ms, single {stats.single_step_ms:.2f} ms)"
+                line += f" (recent medians: pair {stats.pair_step_ms:.2f} ms, single {stats.single_step_ms:.2f} ms)"
         if stats.unread_steps:
             line += (f" | {stats.unread_steps} steps not read (every expert resident, nothing can miss; step times "
                      "are the read steps')")
