@@ -1,21 +1,16 @@
 """benchmarks/pair_choice_sim.py: measured steps pooled by (previous kind, kind), policies driven over them, the
 table against the single-pass run; bad input named."""
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from cuda_fixtures import bench_module
 
 
 @pytest.fixture(scope="module")
 def sim():
-    spec = importlib.util.spec_from_file_location("bench_pair_choice_sim", ROOT / "benchmarks" / "pair_choice_sim.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("pair_choice_sim")
 
 
 def per_step(kinds: str, ms_of) -> dict:
