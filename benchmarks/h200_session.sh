@@ -1328,7 +1328,8 @@ case "$step" in
     compare_rounds closing17 140 pass_pair=0 2 1,0.5,0.25,0.1 interleave 620
     ;;
   closing18)  # closing17's cells and method at the fifteenth session's timed choice (samples only after a step of
-    # their own kind, runs of two when a kind is tried, the mean decides). Stage limits 4 x 140 s.
+    # their own kind, runs of two when a kind is tried, the mean decides; reverted after this run: run the step from
+    # 089e588). Stage limits 4 x 140 s.
     compare_rounds closing18 140 pass_pair=0 2 1,0.5,0.25,0.1 interleave 620
     ;;
   final17)  # the fifteenth session's last code (closing17's runtime; closing18's choice reverted): the runtime's GPU
