@@ -199,6 +199,35 @@ def test_victims_are_never_routed_earlier_in_their_pass():
     assert took > 0
 
 
+@pytest.mark.parametrize("keeps_recent", [True, False])
+def test_a_victim_the_pass_before_routed_is_skipped_unless_the_knob_is_off(keeps_recent):
+    """config gather_keeps_recent: on, no pass takes a victim the pass before it routed; off, some pass does (a
+    tight pool where every step routes much of it), and every step still equals the all-resident run."""
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=5)
+    resident = TieredRuntime(g, memory_source(g, seed=7), pool_slots=g.total_routed_experts,
+                             config=RuntimeConfig(kpi_every=0))
+    resident.preload()
+    small, source = _gather_runtime(g, 20, "all", gather_keeps_recent=keeps_recent)
+    recent_victims, victims_seen = 0, 0
+    with resident, small:
+        before = None  # the routed counts of the last pass of the step before
+        for step in range(40):
+            x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)) * 3
+            want, _ = resident.step(lambda: model.forward(resident, x), lambda: None)
+            got, outcome = small.step(lambda: model.forward(small, x), lambda: None)
+            assert torch.equal(got, want), f"step {step} differs from the all-resident run"
+            _check_exact(small, source)
+            victims = [victim for victim in small.log.host_gathered()[2] if victim >= 0]
+            if outcome.replays == 0 and before is not None:  # the gathering pass was the step's last
+                victims_seen += len(victims)
+                recent_victims += sum(before[victim] > 0 for victim in victims)
+            before = small.log.host_routed_counts().copy()  # the read buffer is reused by the next read
+    assert victims_seen > 0
+    assert (recent_victims > 0) == (not keeps_recent)
+    assert RuntimeConfig.from_env({"TIERSTORE_GATHER_KEEPS_RECENT": "0"}).gather_keeps_recent is False
+
+
 def test_a_pass_that_fails_midway_leaves_the_host_in_step():
     """A forward raising after two MoE layers (which gathered): the step fails, the pool is coherent after, and
     the next steps equal the resident run."""

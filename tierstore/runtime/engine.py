@@ -150,7 +150,8 @@ class TieredRuntime:
             try:
                 self._gather = PassGather(self.pool, self.arena, self.log, spares, paired=paired,
                                           copy_blocks=self.config.pass_pair_copy_blocks,
-                                          copies=self.config.pass_pair_copies, plans=self.config.pass_pair_plans)
+                                          copies=self.config.pass_pair_copies, plans=self.config.pass_pair_plans,
+                                          keeps_recent=self.config.gather_keeps_recent)
             except ConfigError as error:
                 if not (paired and self.config.pass_pair == "auto"):
                     raise

@@ -7,7 +7,8 @@ or install may have taken since, then the first experts of the policy's eviction
 slots) in pinned memory; launching N+1, `arm_staged` copies them to the device (one copy on the compute stream,
 two when the arena's rows moved and their addresses go along). Since they were planned before N's results were
 known, the device uses a victim's spare only while it still holds (`kernels/cuda/pass_gather.cu`: the victim
-still maps to that slot, and neither N nor N+1 so far routed it; `begin_pass` keeps N's routed counts for N+1).
+still maps to that slot, and neither N nor N+1 so far routed it; `begin_pass` keeps N's routed counts for N+1;
+config `gather_keeps_recent` false drops the first condition).
 Before each MoE layer's experts (after the pass log recorded the layer's routing) `layer()` plans and copies that
 layer's missing rows (CUDA C++ on a CUDA device, the torch reference on a CPU). The pass-log read brings back what
 was mapped (`PassLog.host_gathered`) and the runtime maps it on the host later, off the step's path
@@ -57,7 +58,8 @@ def gather_capacity(num_slots: int, num_layers: int, experts_per_layer: int) -> 
 
 class PassGather:
     def __init__(self, pool: DevicePool, arena: Arena, log: PassLog, capacity: int, paired: bool = False,
-                 copy_blocks: int | None = None, copies: str = "kernel", plans: str = "stream"):
+                 copy_blocks: int | None = None, copies: str = "kernel", plans: str = "stream",
+                 keeps_recent: bool = True):
         knob = "pass_pair" if paired else "gather_in_pass"
         if log.gathered is None or (log.gathered.numel() - 1) // 3 != capacity:
             raise ValueError(f"the pass log needs gather_capacity={capacity}")
@@ -76,7 +78,9 @@ class PassGather:
         self.row_bytes = arena.source.row_bytes
         self.buffers = GatherBuffers.allocate(capacity, pool.num_layers * pool.num_experts, pool.num_experts,
                                               self.device)
-        self.prev_seen = torch.zeros_like(log.seen)  # [L, E] the routed counts of the pass before (`begin_pass`)
+        # [L, E] the routed counts of the pass before (`begin_pass`); all zero when a victim it routed may be taken
+        self.prev_seen = torch.zeros_like(log.seen)
+        self.keeps_recent = keeps_recent  # config gather_keeps_recent
         cuda = self.device.type == "cuda"
         # two host stagings of the control words, used in turn: the one armed last may still be on its way
         self._controls = [torch.zeros_like(self.buffers.control, device="cpu", pin_memory=cuda) for _ in range(2)]
@@ -171,8 +175,10 @@ class PassGather:
         self._h2d.copy(device.data_ptr(), host.data_ptr(), count * host.element_size(), stream)
 
     def begin_pass(self) -> None:
-        """At the start of a pass, before its routed counts are zeroed: keep the last pass's (capturable)."""
-        self.prev_seen.copy_(self.log.seen)
+        """At the start of a pass, before its routed counts are zeroed: keep the last pass's (capturable; nothing
+        without `keeps_recent`, whose `prev_seen` stays zero)."""
+        if self.keeps_recent:
+            self.prev_seen.copy_(self.log.seen)
 
     def has_staged(self) -> bool:
         return self._staged is not None
