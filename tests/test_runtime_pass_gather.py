@@ -178,11 +178,11 @@ def test_spares_for_the_next_pass_are_free_slots_then_the_policys_order(slots, t
 
 
 def test_victims_are_never_routed_earlier_in_their_pass():
-    """Every victim a pass took was routed neither by the pass before nor by that pass up to the layer that
-    took it."""
+    """Every victim a pass took was routed neither by the pass before (config gather_keeps_recent) nor by that pass
+    up to the layer that took it."""
     g = toy_geometry(layers=LAYERS, experts=EXPERTS)
     model = ToyMoE(g, seed=5)
-    small, _ = _gather_runtime(g, 20, "all")
+    small, _ = _gather_runtime(g, 20, "all", gather_keeps_recent=True)
     with small:
         took = 0
         for step in range(30):

@@ -120,10 +120,12 @@ class RuntimeConfig:
       only rows that landed and slots no plan is still unmapping, so its result is the same; with plans on their
       own stream a later layer of the first pass may still read a victim the plan is taking (that pass's result is
       thrown away; the replay then misses the victim and fetches it, as when a layer routes a victim later).
-      `gather_keeps_recent` (default true; with `gather_in_pass` or `pass_pair`): a pass that maps its own missing
-      experts skips a staged victim that the pass before it routed (the spares were planned before that pass's hits
-      reached the policy, so such a victim is stale in the eviction order); false takes it like any other victim.
-      A policy choice only: either way a victim routed later in the same pass is missed there and fetched.
+      `gather_keeps_recent` (default false; with `gather_in_pass` or `pass_pair`): true, a pass that maps its own
+      missing experts skips a staged victim that the pass before it routed (the spares were planned before that
+      pass's hits reached the policy); false takes it like any other victim, so the spares run short less often.
+      A policy choice only: either way a victim routed later in the same pass is missed there and fetched. On the
+      H200 false ran qwen3-30b-a3b 25 % 1.057x-1.059x faster and 50 % 1.4-1.5 % slower, ds-v2-lite within
+      -1.5 % to +0.1 % (docs/runtime.md, "The pair's spares and the pass before").
 
     Kernels:
 
@@ -178,7 +180,7 @@ class RuntimeConfig:
     pass_pair_copy_blocks: int = 4
     pass_pair_copies: str = "kernel"
     pass_pair_plans: str = "stream"
-    gather_keeps_recent: bool = True
+    gather_keeps_recent: bool = False
     pass_pair_choice: str = "timed"
     cuda_w2: bool | str = "auto"
     full_pool_reads: bool = False
