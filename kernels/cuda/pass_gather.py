@@ -107,7 +107,8 @@ def plan_pass_gather_ref(layer: int, seen: torch.Tensor, prev_seen: torch.Tensor
     """What `plan_pass_gather` writes, in plain torch on the same tensors (any device): the layer's routed experts
     in neither pool whose rows the arena holds, ascending, take the eligible spares from the cursor on in order (a
     spare is eligible when it is free, or when its victim still maps to its slot and neither the pass before nor
-    this one so far routed it), as many as both allow; victims unmapped, experts mapped, (key, slot, victim)
+    this one so far routed it; the runtime passes `prev_seen` all zero unless config gather_keeps_recent), as many
+    as both allow; victims unmapped, experts mapped, (key, slot, victim)
     appended to `gathered`, `desc` and `rows` (default: the buffers' desc and rows, state[2]) and the state updated,
     and the last layer disarms."""
     desc = buffers.desc if desc is None else desc
