@@ -124,8 +124,9 @@ class RuntimeConfig:
       missing experts skips a staged victim that the pass before it routed (the spares were planned before that
       pass's hits reached the policy); false takes it like any other victim, so the spares run short less often.
       A policy choice only: either way a victim routed later in the same pass is missed there and fetched. On the
-      H200 false ran qwen3-30b-a3b 25 % 1.057x-1.059x faster and 50 % 1.4-1.5 % slower, ds-v2-lite within
-      -1.5 % to +0.1 % (docs/runtime.md, "The pair's spares and the pass before").
+      H200 (interleaved) the guard's step took 1.057x-1.062x the time at qwen3-30b-a3b 25 %; without it 50 % was
+      1.4-1.5 % slower there, ds-v2-lite within -1.5 % to +0.6 % (docs/runtime.md, "The pair's spares and the pass
+      before").
 
     Kernels:
 

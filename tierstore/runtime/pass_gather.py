@@ -59,7 +59,7 @@ def gather_capacity(num_slots: int, num_layers: int, experts_per_layer: int) -> 
 class PassGather:
     def __init__(self, pool: DevicePool, arena: Arena, log: PassLog, capacity: int, paired: bool = False,
                  copy_blocks: int | None = None, copies: str = "kernel", plans: str = "stream",
-                 keeps_recent: bool = True):
+                 keeps_recent: bool = False):
         knob = "pass_pair" if paired else "gather_in_pass"
         if log.gathered is None or (log.gathered.numel() - 1) // 3 != capacity:
             raise ValueError(f"the pass log needs gather_capacity={capacity}")
