@@ -34,9 +34,10 @@ def _runtime(checkpoint, pack_dir, geometry, pool_slots, arena, device, config, 
     slots = arena_slots(arena, rows.stride, rows.stride * geometry.total_routed_experts)
     fp4_rows = open_base_rows(checkpoint, pack_dir, tag="fp4") if fp4 else None
     fp4_arena = arena_slots(arena, fp4_rows.stride, fp4_rows.stride * geometry.total_routed_experts) if fp4 else 0
-    # the token is folded into the pass-log read, except in a pool that reads no pass once every expert is installed
-    # (config full_pool_reads off; no FP4 tier, no recorded routing): the generator then reads it itself
-    unread = pool_slots >= geometry.total_routed_experts and not (record or fp4 or config.full_pool_reads)
+    # the token is folded into the pass-log read, except in a pool that reads no pass once every expert is installed:
+    # the generator then reads it itself
+    unread = (pool_slots >= geometry.total_routed_experts
+              and not config.full_pool_reads_passes(fp4=bool(fp4), records=bool(record)))
     return TieredRuntime(geometry, rows, pool_slots=pool_slots, arena_slots=slots, device=device, config=config,
                          heat_path=rows.pack.paths.heat, record_tokens=1 if record else 0,
                          output_words=0 if unread else 1, fp4_source=fp4_rows, fp4_slots=fp4 or None,

@@ -249,6 +249,12 @@ class RuntimeConfig:
         """Whether this configuration may return logits with zeroed expert contributions."""
         return self.replay_mode == "approximate" or self.miss_tolerance > 0
 
+    def full_pool_reads_passes(self, fp4: bool = False, records: bool = False) -> bool:
+        """Whether a runtime whose pool holds every expert still reads its decode passes, its tokens not folded into
+        them (no `output_words`): with `full_pool_reads`, the gate, an FP4 tier (`fp4`) or recorded routing
+        (`records`) the read brings something back."""
+        return self.full_pool_reads or self.gate or fp4 or records
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> RuntimeConfig:
         """Defaults, then `TIERSTORE_<FIELD>` variables (e.g. TIERSTORE_REPLAY_MODE), then `overrides`."""

@@ -194,8 +194,8 @@ class TieredRuntime:
         self._decode_pass: PassReport | None = None  # the last decode step's last pass: prefill evicts its experts last
         # a pool that holds every expert, once all are installed, cannot miss: its decode steps are not read unless the
         # read brings something back (config full_pool_reads: read anyway)
-        self._skips_reads = (not can_miss and not self.config.full_pool_reads and self.fp4 is None and self.gate is None
-                             and self.log.outputs is None and self.log.routing is None)
+        self._skips_reads = (not can_miss and self.log.outputs is None and not self.config.full_pool_reads_passes(
+            fp4=self.fp4 is not None, records=self.log.routing is not None))
         self._experts_total = geometry.total_routed_experts
         self.closed = False
         log.info("device pool: %d slots x %.2f MiB = %.3f GiB (%.1f%% of %d experts) on %s, backend %s; arena %d slots",

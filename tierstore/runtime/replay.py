@@ -249,19 +249,19 @@ def _run_interleaved(geometry, source_factory, steps, runs: dict[str, dict], *, 
 
 def _tiered_readback(config: RuntimeConfig, full: bool) -> str:
     """The tiered run's token readback: folded into the pass-log read, except where a full pool reads nothing
-    (config full_pool_reads off) and its decoder reads the token itself."""
-    return "separate" if full and not config.full_pool_reads else "folded"
+    and its decoder reads the token itself."""
+    return "separate" if full and not config.full_pool_reads_passes() else "folded"
 
 
 def _overhead(geometry, source_factory, steps, *, device, config, graph: bool, warmup: int, dtype) -> dict:
     """`nomiss_overhead` on a full pool that folds its tokens into its reads, with a second full pool that reads no
-    pass beside it (the unread variants) unless `config` has full_pool_reads on."""
+    pass beside it (the unread variants) unless `config` reads a full pool's passes."""
     everything = geometry.total_routed_experts
     with ExitStack() as stack:
         runtime = stack.enter_context(_open(geometry, source_factory, steps, pool_slots=everything, arena_slots=0,
                                             device=device, config=config, preload=True)[0])
         unread = None
-        if not config.full_pool_reads:
+        if not config.full_pool_reads_passes():
             unread = stack.enter_context(_open(geometry, source_factory, steps, pool_slots=everything, arena_slots=0,
                                                device=device, config=config, preload=True, folds=False)[0])
         return nomiss_overhead(runtime, steps, graph=graph, warmup=min(warmup, len(steps) // 2), dtype=dtype,
