@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 measurements of main, in device calls of under 10 minutes each (one step per call; each step's
 # comment below says what it measures; the last ones run are those of 2026-11-30's tenth session: passgather,
-# passgather2, mend12, closing12, mend12b, gatherclock, passgather3, and the eleventh's: pair, pair2, pair3, pair4, pair5, pair6, pair7, pairclock2, closing13, and the twelfth's: choice, choice2, closing14, closing14b, closing14c, fp4pair2, and the thirteenth's: closing15, stagewake, closing15b, closing15c, blocks15, final15, and the fourteenth's: unread16, pairclock16, pairprof16, pairprof16b, pairprof16c, plans16, closing16, final16, closing16b, and the fifteenth's: closing17, closing18, final17, recent17, recent17b (closing19 is prepared for the next session, not run); steps that compare against an older tree need
+# passgather2, mend12, closing12, mend12b, gatherclock, passgather3, and the eleventh's: pair, pair2, pair3, pair4, pair5, pair6, pair7, pairclock2, closing13, and the twelfth's: choice, choice2, closing14, closing14b, closing14c, fp4pair2, and the thirteenth's: closing15, stagewake, closing15b, closing15c, blocks15, final15, and the fourteenth's: unread16, pairclock16, pairprof16, pairprof16b, pairprof16c, plans16, closing16, final16, closing16b, and the fifteenth's: closing17, closing18, final17, recent17, recent17b, and the sixteenth's: closing19; steps that compare against an older tree need
 # its tarball in .baseline carried too (hostpath, hostpath2, qwen3ab, located*, closing11, planvariant); staged /
 # stagedx's code was reverted: run them from a5beae6 / 973424c; stage_pass_log's was removed after closing15c, whose
 # steps closing15b / closing15c are in h200_session.sh at d518448 / c7e9d20: run them from there).
@@ -1364,7 +1364,7 @@ case "$step" in
     ;;
   closing19)  # closing17's method at the fifteenth session's last code (gather_keeps_recent off by default): both
     # presets at 100 / 50 / 25 / 10 %, the resident runs, the default and single passes interleaved, 600 steady steps,
-    # two rounds. Prepared in the fifteenth session, not run. Stage limits 4 x 140 s.
+    # two rounds. Prepared in the fifteenth session, run in the sixteenth at 9fd1975. Stage limits 4 x 140 s.
     compare_rounds closing19 140 pass_pair=0 2 1,0.5,0.25,0.1 interleave 620
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
