@@ -9,7 +9,7 @@ from the measured steps of its cell, phase and (previous kind, kind), and the st
 same cell's measured single-pass run (`tiered_flipped`, `--compare-config pass_pair=0`), with the pairs chosen.
 
 Policies: `library` is `tierstore.runtime.pair_choice.PairChoice("timed")` (every eligible step a sample, windows
-of 5, the median decides, one exploring step every 16 / 32). The others take a sample only from a step that follows
+of 5, the median decides, exploring steps 16, 32, then 64 apart while the choice holds). The others take a sample only from a step that follows
 a step of its own kind, try a kind in runs of two and explore every 16 / 32 / 64 eligible steps (by the gap, 1.1x /
 1.25x); they differ in the estimate that decides: `median5`, `mean8` (the window's mean, samples over 3x its median
 left out), `ewma25` / `ewma10` (running means, each sample weighing 0.25 / 0.10, capped at 2x the mean),

@@ -11,7 +11,7 @@ from test_runtime_fixtures import ToyMoE, arena_runtime, memory_source, toy_geom
 
 from tierstore.errors import ConfigError
 from tierstore.runtime import RuntimeConfig, TieredRuntime
-from tierstore.runtime.pair_choice import (EXPLORE_EVERY, EXPLORE_EVERY_WIDE, PAIR_RETRY_STEPS, TIMED_WINDOW,
+from tierstore.runtime.pair_choice import (EXPLORE_EVERY, EXPLORE_EVERY_MAX, PAIR_RETRY_STEPS, TIMED_WINDOW,
                                            PairChoice)
 
 
@@ -32,19 +32,36 @@ def test_the_timed_choice_alternates_until_both_kinds_have_three_times():
     assert choice.faster() is True  # a tie keeps the pair
 
 
-@pytest.mark.parametrize("pair_s,single_s,every", [(0.97e-3, 1.0e-3, EXPLORE_EVERY), (1.05e-3, 1.0e-3, EXPLORE_EVERY),
-                                                     (0.8e-3, 1.0e-3, EXPLORE_EVERY_WIDE),
-                                                     (1.3e-3, 1.0e-3, EXPLORE_EVERY_WIDE)])
-def test_the_timed_choice_runs_the_faster_kind_and_explores_the_other(pair_s, single_s, every):
-    """One exploring step in every EXPLORE_EVERY, or every EXPLORE_EVERY_WIDE where the other kind is over 1.1x
-    slower."""
+@pytest.mark.parametrize("pair_s,single_s", [(0.97e-3, 1.0e-3), (1.05e-3, 1.0e-3), (0.8e-3, 1.0e-3), (1.3e-3, 1.0e-3)])
+def test_the_timed_choice_runs_the_faster_kind_and_explores_the_other_less_and_less(pair_s, single_s):
+    """The other kind runs EXPLORE_EVERY eligible steps after the preference formed, then at twice the distance
+    after each exploring step that left it as it was, up to EXPLORE_EVERY_MAX."""
     choice = PairChoice("timed")
-    kinds = _run(choice, 6 + 4 * every, lambda paired: pair_s if paired else single_s)
+    kinds = _run(choice, 6 + 16 * EXPLORE_EVERY, lambda paired: pair_s if paired else single_s)
     faster = pair_s < single_s
-    settled = kinds[6:]
-    assert settled.count(not faster) == 4
+    exploring = [index for index, kind in enumerate(kinds) if index >= 6 and kind is not faster]
+    distances = [b - a for a, b in zip([5] + exploring, exploring)]  # the preference formed at the 6th step
+    assert distances == [EXPLORE_EVERY, 2 * EXPLORE_EVERY] + [EXPLORE_EVERY_MAX] * (len(distances) - 2)
+    assert len(distances) >= 4
     assert choice.faster() is faster
     assert choice.medians_ms() == pytest.approx((1e3 * pair_s, 1e3 * single_s))
+
+
+def test_an_exploring_step_that_turns_the_choice_starts_the_distances_over():
+    """Singles faster until the pairs' exploring steps get fast: once the pairs' median is the lower, singles are
+    explored EXPLORE_EVERY steps on, not EXPLORE_EVERY_MAX."""
+    choice = PairChoice("timed")
+    pair_s = [1.3e-3]
+    kinds = _run(choice, 6 + EXPLORE_EVERY + 2 * EXPLORE_EVERY + 3 * EXPLORE_EVERY_MAX,
+                 lambda paired: pair_s[0] if paired else 1.0e-3)
+    assert choice.faster() is False and choice._explore_every == EXPLORE_EVERY_MAX
+    pair_s[0] = 0.8e-3
+    turned = []
+    while choice.faster() is False:  # three fast exploring pairs turn the median of five
+        turned += _run(choice, 1, lambda paired: pair_s[0] if paired else 1.0e-3)
+    assert turned.count(True) == 3
+    after = _run(choice, EXPLORE_EVERY, lambda paired: pair_s[0] if paired else 1.0e-3)
+    assert after == [True] * (EXPLORE_EVERY - 1) + [False]
 
 
 def test_the_timed_choice_turns_when_the_regime_changes():
@@ -53,7 +70,7 @@ def test_the_timed_choice_turns_when_the_regime_changes():
     _run(choice, 40, lambda paired: 0.8e-3 if paired else 1.0e-3)
     assert choice.faster() is True
     kinds = _run(choice, 5 * EXPLORE_EVERY, lambda paired: 1.3e-3 if paired else 1.0e-3)
-    assert choice.faster() is False and kinds[-EXPLORE_EVERY_WIDE:].count(True) <= 1
+    assert choice.faster() is False and kinds[-2 * EXPLORE_EVERY:].count(True) <= 1
 
 
 def test_staging_is_asked_for_only_before_a_step_to_pair():
@@ -67,12 +84,13 @@ def test_staging_is_asked_for_only_before_a_step_to_pair():
         choice.done(1.05e-3 if paired else 1e-3)
         assert choice.take(True) == predicted
         choice.done(1.05e-3 if predicted else 1e-3)
-    staged_before = []
-    for _ in range(2 * EXPLORE_EVERY):
-        paired = choice.take(True)
+    staged_before, kinds = [], []
+    for _ in range(EXPLORE_EVERY + 2 * EXPLORE_EVERY_MAX):
+        kinds.append(choice.take(True))
         staged_before.append(choice.stages_next())
-        choice.done(1.05e-3 if paired else 1e-3)
-    assert sum(staged_before) == 2  # one exploring pair in every EXPLORE_EVERY
+        choice.done(1.05e-3 if kinds[-1] else 1e-3)
+    assert staged_before[:-1] == kinds[1:]  # each read named the next step's kind
+    assert sum(kinds) == 3  # the exploring pairs, EXPLORE_EVERY, then 2 x and 4 x that apart
     choice = PairChoice("always")
     assert choice.take(True) and choice.stages_next()
     choice.done(0.002, gathered=1, missed=2)

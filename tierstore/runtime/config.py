@@ -107,9 +107,10 @@ class RuntimeConfig:
       on the H200 4 and 8 blocks beat 2, 16, 64 and two per SM (docs/runtime.md, "The pass pair").
       `pass_pair_choice` ("timed", the default; "always"): which decode steps likely to miss launch their pair:
       those where the runtime's recent pairs took less wall time than its recent single passes (the two kinds
-      alternate until each has three times, then the slower one runs every 16th such step to stay measured, every
-      32nd while it is over 1.1x slower; `runtime/pair_choice.py`), or every one but the 8 steps after a pair
-      whose first pass gathered fewer experts than it missed (spares short, rows not in the arena).
+      alternate until each has three times, then the slower one runs now and then to stay measured: 16 such steps
+      after the choice formed or turned, then twice as far apart after each run that did not turn it, up to 64;
+      `runtime/pair_choice.py`), or every one but the 8 steps after a pair whose first pass gathered fewer experts
+      than it missed (spares short, rows not in the arena).
       `pass_pair_copies` ("kernel", the default; "engine"): who moves the rows on CUDA: the copy kernel above, or
       the copy engine, driven by the host while the pair runs (each layer's plan in pinned memory, the rows issued
       on a copy stream, a flag written after them that the replay waits for); on a CPU both run the references.

@@ -9,9 +9,8 @@ from statistics import median
 PAIR_CHOICES = ("timed", "always")  # pass_pair_choice
 PAIR_RETRY_STEPS = 8  # `always`: single-pass decode steps after a pair that gathered fewer experts than it missed
 TIMED_WINDOW = 5  # step times kept per kind (the median of these decides)
-EXPLORE_EVERY = 16  # timed: every this many-th eligible step runs the slower kind, to keep its time current
-EXPLORE_EVERY_WIDE = 32  # ... when the slower kind's median is more than WIDE_GAP x the faster's
-WIDE_GAP = 1.10
+EXPLORE_EVERY = 16  # timed: eligible steps from a new preference to the first step that runs the other kind
+EXPLORE_EVERY_MAX = 64  # ... doubling after each such step that left the preference as it was, up to this
 
 
 class PairChoice:
@@ -21,10 +20,13 @@ class PairChoice:
     pairs every eligible step but the `PAIR_RETRY_STEPS` decode steps after a pair whose first pass gathered fewer
     experts than it missed (spares short, rows not in the arena), which run single (the back-off). `timed`
     alternates pairs and single passes over the first eligible steps, then runs the kind whose last `TIMED_WINDOW`
-    eligible steps have the lower median wall time, and every `EXPLORE_EVERY`-th eligible step the other kind
-    (every `EXPLORE_EVERY_WIDE`-th while it is more than `WIDE_GAP` x slower), so that a change of regime
-    (coverage, routing, load) turns the choice; a pair that fell short is a slow sample there, not a back-off (on
-    the H200 an isolated short pair at 50 % coverage sent 8 steps that pairs ran faster to single passes).
+    eligible steps have the lower median wall time, and now and then one step of the other kind, so that a change
+    of regime (coverage, routing, load) turns the choice: `EXPLORE_EVERY` eligible steps after the preference was
+    formed or turned, then at twice the distance after each exploring step that did not turn it, up to
+    `EXPLORE_EVERY_MAX` (a kind that keeps losing costs less to keep measured; at 10 % coverage on the H200, pairs
+    lost by 6-8 % and their exploring steps cost 1-2 %). A pair that fell short is a slow sample there, not a
+    back-off (on the H200 an isolated short pair at 50 % coverage sent 8 steps that pairs ran faster to single
+    passes).
 
     A pair needs spares staged while the pass before it ran: `stages_next` tells that pass's read whether the next
     step is to be a pair (staging takes victims from the plan a single pass's fetch would use). Call `take` at a
@@ -38,6 +40,9 @@ class PairChoice:
                                                   False: deque(maxlen=TIMED_WINDOW)}
         self._medians: dict[bool, float | None] = {True: None, False: None}  # of `_seconds`, kept by `done`
         self._eligible = 0  # eligible steps seen outside the back-off
+        self._preferred: bool | None = None  # `faster()` after the last sample
+        self._explore_every = EXPLORE_EVERY  # timed: eligible steps from the last exploring step to the next
+        self._explore_at = 0  # timed: the first eligible step (by `_eligible`) to run the other kind
         self.backoff_left = 0  # decode steps the back-off still runs single
         self._timing: bool | None = None  # the kind the step under way is a sample of (None: not a sample)
 
@@ -54,6 +59,9 @@ class PairChoice:
         pair = self.choice == "always" or self._timed_kind(self._eligible)
         if pair and not staged:
             return False
+        if self.choice == "timed" and self._preferred is not None and pair != self._preferred:  # exploring
+            self._explore_every = min(2 * self._explore_every, EXPLORE_EVERY_MAX)  # back to EXPLORE_EVERY if it turns
+            self._explore_at = self._eligible + self._explore_every
         self._timing = pair
         return pair
 
@@ -70,6 +78,10 @@ class PairChoice:
         if self._timing is not None:
             self._seconds[self._timing].append(seconds)
             self._medians[self._timing] = median(self._seconds[self._timing])
+            preferred = self.faster()
+            if preferred is not None and preferred != self._preferred:  # formed or turned: explore the other soon
+                self._preferred, self._explore_every = preferred, EXPLORE_EVERY
+                self._explore_at = self._eligible + EXPLORE_EVERY
             self._timing = None
         if self.choice == "always" and gathered is not None and missed is not None and gathered < missed:
             self.backoff_left = PAIR_RETRY_STEPS
@@ -95,6 +107,4 @@ class PairChoice:
         preferred = self.faster()
         if preferred is None or min(pairs, singles) < 3:  # learning: alternate, the pair first
             return pairs <= singles
-        fast, slow = self._medians[preferred], self._medians[not preferred]
-        every = EXPLORE_EVERY_WIDE if slow > WIDE_GAP * fast else EXPLORE_EVERY
-        return (not preferred) if index % every == 0 else preferred
+        return (not preferred) if index >= self._explore_at else preferred
