@@ -34,7 +34,10 @@
 namespace {
 constexpr int kPlanThreads = 1024;  // one thread per expert (E <= 1024) and per spare of the window
 constexpr int kCopyThreads = 256;
-constexpr int kUnroll = 8;
+#ifndef TS_COPY_UNROLL
+#define TS_COPY_UNROLL 8  // loads in flight per thread; benchmarks/h2d_gather.py builds other values to compare
+#endif
+constexpr int kUnroll = TS_COPY_UNROLL;
 
 // Exclusive rank of `flag` among the block's threads in thread order, and the block's count (in *total).
 __device__ int block_rank(bool flag, int* warp_totals, int* total) {
