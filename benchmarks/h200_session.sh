@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 measurements of main, in device calls of under 10 minutes each (one step per call; each step's
 # comment below says what it measures; the last ones run are those of 2026-11-30's tenth session: passgather,
-# passgather2, mend12, closing12, mend12b, gatherclock, passgather3, and the eleventh's: pair, pair2, pair3, pair4, pair5, pair6, pair7, pairclock2, closing13, and the twelfth's: choice, choice2, closing14, closing14b, closing14c, fp4pair2, and the thirteenth's: closing15, stagewake, closing15b, closing15c, blocks15, final15, and the fourteenth's: unread16, pairclock16, pairprof16, pairprof16b, pairprof16c, plans16, closing16, final16, closing16b, and the fifteenth's: closing17, closing18, final17, recent17, recent17b, and the sixteenth's: closing19, final19, final19b, and the seventeenth's: copies20; steps that compare against an older tree need
+# passgather2, mend12, closing12, mend12b, gatherclock, passgather3, and the eleventh's: pair, pair2, pair3, pair4, pair5, pair6, pair7, pairclock2, closing13, and the twelfth's: choice, choice2, closing14, closing14b, closing14c, fp4pair2, and the thirteenth's: closing15, stagewake, closing15b, closing15c, blocks15, final15, and the fourteenth's: unread16, pairclock16, pairprof16, pairprof16b, pairprof16c, plans16, closing16, final16, closing16b, and the fifteenth's: closing17, closing18, final17, recent17, recent17b, and the sixteenth's: closing19, final19, final19b, and the seventeenth's: copies20, spares20; steps that compare against an older tree need
 # its tarball in .baseline carried too (hostpath, hostpath2, qwen3ab, located*, closing11, planvariant); staged /
 # stagedx's code was reverted: run them from a5beae6 / 973424c; stage_pass_log's was removed after closing15c, whose
 # steps closing15b / closing15c are in h200_session.sh at d518448 / c7e9d20: run them from there).
@@ -15,7 +15,7 @@
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`), except
 # under $work/baseline/, where the runs of an older tree write (their --commit names that tree).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11|hostcut2|located|located2|located3|syncwake|closing11|planvariant|pinning|passgather|passgather2|mend12|closing12|mend12b|gatherclock|passgather3|pair|pair2|pair3|pair4|pair5|pair6|pair7|pairclock2|closing13|choice|choice2|closing14|closing14b|closing14c|fp4pair2|closing15|stagewake|blocks15|final15|unread16|pairclock16|pairprof16|pairprof16b|pairprof16c|plans16|closing16|final16|closing16b|closing17|closing18|final17|recent17|recent17b|closing19|final19|final19b|copies20}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11|hostcut2|located|located2|located3|syncwake|closing11|planvariant|pinning|passgather|passgather2|mend12|closing12|mend12b|gatherclock|passgather3|pair|pair2|pair3|pair4|pair5|pair6|pair7|pairclock2|closing13|choice|choice2|closing14|closing14b|closing14c|fp4pair2|closing15|stagewake|blocks15|final15|unread16|pairclock16|pairprof16|pairprof16b|pairprof16c|plans16|closing16|final16|closing16b|closing17|closing18|final17|recent17|recent17b|closing19|final19|final19b|copies20|spares20}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -93,12 +93,12 @@ timeline_ab() {  # timeline_ab SHA: the event clock (miss_step_timeline.py --no-
   done
 }
 
-pair_compare() {  # pair_compare NAME LIMIT CONFIG PRESET LAYERS COVERAGES STEPS: replay.py with every step likely to
-  # miss launched as a pair on both sides (--config pass_pair_choice=always), the default against --compare-config
-  # CONFIG, interleaved step by step with the resident runs; STEPS steps of which 20 warm-up
+pair_compare() {  # pair_compare NAME LIMIT CONFIG PRESET LAYERS COVERAGES STEPS [BASE]: replay.py, the runtime with
+  # --config BASE (default pass_pair_choice=always: every step likely to miss launched as a pair) against
+  # --compare-config CONFIG, interleaved step by step with the resident runs; STEPS steps of which 20 warm-up
   stage "replay-$1-$4" "$2" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$4" --layers "$5" \
     --steps "$7" --warmup 20 --coverages "$6" --arena-gb 4 --arena-preload --dtype bfloat16 \
-    --config pass_pair_choice=always --compare-config "$3" --interleave --commit "$commit" \
+    --config "${8:-pass_pair_choice=always}" --compare-config "$3" --interleave --commit "$commit" \
     --out "$work/replay_$4_$1.json"
 }
 
@@ -1406,6 +1406,19 @@ case "$step" in
     pair_compare copies20-b16 100 pass_pair_copy_blocks=16 qwen3-30b-a3b 16 0.25,0.1 320
     pair_compare copies20-engine 100 pass_pair_copies=engine qwen3-30b-a3b 16 0.25,0.1 320
     pair_compare copies20-b16 100 pass_pair_copy_blocks=16 ds-v2-lite 8 0.5,0.25,0.1 320
+    ;;
+  spares20)  # config gather_spares_per_miss (4 by default since this step's tree; 2 before) and the pair's copy grid
+    # (copies20: 16 blocks beat 4 in every cell), at the timed choice (the default), interleaved, 300 steady steps:
+    # 4 against 2 spares a miss with 16 blocks (qwen3-30b-a3b); 16 against 4 blocks at 4 a miss (both presets); 16
+    # blocks against single passes (both presets: tiered / floor); 32 against 16 blocks (qwen3-30b-a3b 50 / 10 %).
+    # Stage limits 3 x 90 + 2 x 70 + 60 s.
+    pair_compare spares20-depth2 90 gather_spares_per_miss=2 qwen3-30b-a3b 16 0.5,0.25,0.1 320 pass_pair_copy_blocks=16
+    for cell in "qwen3-30b-a3b 16 90" "ds-v2-lite 8 70"; do
+      set -- $cell
+      pair_compare spares20-blocks4 "$3" pass_pair_copy_blocks=4 "$1" "$2" 0.5,0.25,0.1 320 pass_pair_copy_blocks=16
+      pair_compare spares20-single "$3" pass_pair=0 "$1" "$2" 0.5,0.25,0.1 320 pass_pair_copy_blocks=16
+    done
+    pair_compare spares20-blocks32 60 pass_pair_copy_blocks=32 qwen3-30b-a3b 16 0.5,0.1 320 pass_pair_copy_blocks=16
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -128,6 +128,11 @@ class RuntimeConfig:
       H200 (interleaved) the guard's step took 1.057x-1.062x the time at qwen3-30b-a3b 25 %; without it 50 % was
       1.4-1.5 % slower there, ds-v2-lite within -1.5 % to +0.6 % (docs/runtime.md, "The pair's spares and the pass
       before").
+      `gather_spares_per_miss` (default 4; with `gather_in_pass` or `pass_pair`): the victims staged for the next
+      pass, as a multiple of the most experts a recent pass missed or gathered (plus 16 and the free slots). They are
+      planned while the pass before runs, from the head of the eviction order that pass takes its own victims from,
+      so the next pass skips those first: with 2 (the setting until the seventeenth session) a pair after a pair ran
+      short whenever a step replaced much of a small pool (every second pair at 10 % coverage). A policy choice only.
 
     Kernels:
 
@@ -183,6 +188,7 @@ class RuntimeConfig:
     pass_pair_copies: str = "kernel"
     pass_pair_plans: str = "stream"
     gather_keeps_recent: bool = False
+    gather_spares_per_miss: int = 4
     pass_pair_choice: str = "timed"
     cuda_w2: bool | str = "auto"
     full_pool_reads: bool = False
@@ -190,7 +196,7 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if self.replay_mode not in REPLAY_MODES:
             raise ConfigError(f"replay_mode must be one of {', '.join(REPLAY_MODES)}, got {self.replay_mode!r}")
-        for name in ("fp_max", "tokens_per_step", "pass_pair_copy_blocks"):
+        for name in ("fp_max", "tokens_per_step", "pass_pair_copy_blocks", "gather_spares_per_miss"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         for name in ("fp_thresh", "miss_tolerance", "kpi_every"):

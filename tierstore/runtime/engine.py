@@ -565,8 +565,7 @@ class TieredRuntime:
         """While a decode pass runs, before its read: the spares of the pass after it (gather_in_pass), from the
         victim plan just made, the free slots this pass may take left out (the device checks each victim when it
         uses it: see `PassGather`)."""
-        slots, victims = self.pool.ahead_spares(self.pool.num_free + 2 * self._recent_missing + 16,
-                                                self._gather.armed_free)
+        slots, victims = self.pool.ahead_spares(self.pool.num_free + self._spares_ahead(), self._gather.armed_free)
         self._gather.stage(slots, victims)
 
     def _settle_gathered(self) -> None:
@@ -656,14 +655,21 @@ class TieredRuntime:
                                        self._recent_missing * 7 // 8)
         return self.last_pass
 
+    def _spares_ahead(self) -> int:
+        """Victims to stage for the pass after the one running (beside the free slots): `gather_spares_per_miss`
+        times the most experts a recent pass missed or gathered for itself (decaying), and a margin. The pass
+        running takes its own victims from the head of the same eviction order, and the next one skips those, so
+        two a miss run short when a step replaces much of a small pool (config gather_spares_per_miss)."""
+        return self.config.gather_spares_per_miss * self._recent_missing + 16
+
     def _victim_plan_size(self) -> int:
         """How many candidates `plan_victims` notes: the last pass's routed experts (the plan's filter may drop
-        that many) plus twice the most experts a recent pass missed or gathered for itself (decaying) and a margin;
-        a plan that falls short only sends that fetch down the general path (or arms fewer spares)."""
+        that many) plus the spares staged ahead (`_spares_ahead`); a plan that falls short only sends that fetch
+        down the general path (or arms fewer spares)."""
         last = self.last_pass
         if last is None:
             return 2 * working_set_slots(self.geometry, self.config.tokens_per_step, 1.0)
-        return len(last.routed_ids) + 2 * self._recent_missing + 16
+        return len(last.routed_ids) + self._spares_ahead()
 
     def _fetch_for_step(self, report: PassReport, partial: bool) -> int:
         if self._gather is not None:  # the pass's own mappings first; the replay is not armed (copies in flight)
