@@ -106,8 +106,8 @@ def main() -> None:
 
     def pass_rows(blocks, unroll):  # the pair's side-stream copy: one launch per layer, the grid fixed
         for layer, event in enumerate(events):
-            pass_kernels[unroll].launch((blocks,), (THREADS,), 0, stream.cuda_stream, "ppq",
-                                        [pass_counts[layer:].data_ptr(), pass_desc[layer].data_ptr(), nbytes])
+            pass_kernels[unroll].launch((blocks,), (THREADS,), 0, stream.cuda_stream, "ppqp",
+                                        [pass_counts[layer:].data_ptr(), pass_desc[layer].data_ptr(), nbytes, 0])
             event.record(stream)
 
     variants = {"per_row": per_row}

@@ -222,7 +222,8 @@ def main() -> None:
                               f"; steady bytes {t['steady']['fetched_bytes']} vs {f['fetched_bytes']})", flush=True)
                     for name, run in runs.items():
                         if run.get("steady_pair_steps"):
-                            print(f"  {name}: steady steps launched as a pass pair {run['steady_pair_steps']}, "
+                            print(f"  {name}: steady steps launched as a pass pair {run['steady_pair_steps']} "
+                                  f"({run.get('steady_wide_pairs', 0)} with the wide copy grid), "
                                   f"recent medians pair {run['pair_step_ms']:.3f} ms, single "
                                   f"{run['single_step_ms']:.3f} ms (0: not timed)", flush=True)
                         for kind, k in run["steady"]["breakdown"].get("by_kind", {}).items():

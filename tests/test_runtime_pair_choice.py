@@ -54,7 +54,7 @@ def test_an_exploring_step_that_turns_the_choice_starts_the_distances_over():
     pair_s = [1.3e-3]
     kinds = _run(choice, 6 + EXPLORE_EVERY + 2 * EXPLORE_EVERY + 3 * EXPLORE_EVERY_MAX,
                  lambda paired: pair_s[0] if paired else 1.0e-3)
-    assert choice.faster() is False and choice._explore_every == EXPLORE_EVERY_MAX
+    assert choice.faster() is False and choice.timed.explore_every == EXPLORE_EVERY_MAX
     pair_s[0] = 0.8e-3
     turned = []
     while choice.faster() is False:  # three fast exploring pairs turn the median of five
@@ -156,7 +156,7 @@ def test_the_runtime_with_the_timed_choice_runs_both_kinds_and_stays_exact(monke
     stages = []
     monkeypatch.setattr(small, "_stage_spares", lambda: (stages.append(len(kinds)), stage()))  # the step it ran in
     monkeypatch.setattr(choice, "done", lambda seconds, *shortfall: done(
-        seconds + (1.0 if choice._timing else 0.0), *shortfall))  # every timed pair 1 s slower
+        seconds + (1.0 if choice.timed.sample else 0.0), *shortfall))  # every timed pair 1 s slower
     kinds = []
     with resident, small:
         for step in range(40):

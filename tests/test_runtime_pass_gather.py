@@ -336,6 +336,30 @@ def test_cuda_plan_and_copy_equal_the_reference(cuda, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("active", [1, 3, 16, 40], ids=lambda a: f"active{a}")
+def test_cuda_copy_with_fewer_working_blocks_lands_every_row(cuda, active):
+    """The pair's copy grid (config pass_pair_wide_blocks): a grid of 16 blocks of which the device word says how
+    many work (past the grid: all of it) copies each described row exactly and nothing else."""
+    from tierstore.kernels.cuda.pass_gather import PassGatherCuda
+
+    gen = torch.Generator().manual_seed(active)
+    row_bytes = 3 * 4096 + 48  # not a multiple of a block's run of words
+    arena = torch.randint(0, 256, (12, row_bytes), dtype=torch.uint8, generator=gen).pin_memory()
+    slots = torch.full((10, row_bytes), 0xA5, dtype=torch.uint8, device="cuda")  # poisoned
+    sources, targets = torch.randperm(12, generator=gen)[:5].tolist(), torch.randperm(10, generator=gen)[:5].tolist()
+    desc = torch.tensor([[arena[s].data_ptr(), slots[t].data_ptr()] for s, t in zip(sources, targets)],
+                        dtype=torch.int64, device="cuda")
+    rows = torch.tensor([5], dtype=torch.int32, device="cuda")
+    PassGatherCuda().copy_rows(desc, rows, row_bytes, blocks=16,
+                               active=torch.tensor([active], dtype=torch.int32, device="cuda"))
+    torch.cuda.synchronize()
+    expected = torch.full_like(slots, 0xA5)
+    for s, t in zip(sources, targets):
+        expected[t] = arena[s].cuda()
+    assert torch.equal(slots, expected)
+
+
+@pytest.mark.gpu
 def test_cuda_refuses_the_torch_backend(cuda):
     g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
     with pytest.raises(ConfigError, match="needs the triton backend"):

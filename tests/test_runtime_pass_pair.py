@@ -195,6 +195,32 @@ def test_after_a_pair_that_gathered_less_than_it_missed_single_passes_run_for_a_
     assert any(paired and not short for paired, short in kinds)
 
 
+@pytest.mark.parametrize("wide", [16, 0])
+def test_the_copy_grid_is_timed_between_the_two_widths(wide):
+    """Config pass_pair_wide_blocks: the pairs alternate the wide and the narrow grid while the choice learns (the
+    wide first), each counted; without a wide grid none is."""
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=3)
+    small, _ = _pair_runtime(g, 32, "all", pass_pair_wide_blocks=wide)
+    chosen = []
+    with small:
+        for step in range(24):
+            x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)) * 3
+            before = small.stats()
+            _pair_step(small, model, x)
+            after = small.stats()
+            if after.pair_steps > before.pair_steps:
+                chosen.append(after.wide_pairs - before.wide_pairs)
+        stats, kpi = small.stats(), small.kpi_line(24)
+    assert len(chosen) >= 6
+    if wide:
+        assert chosen[:6] == [1, 0, 1, 0, 1, 0]  # learning: alternate, the wide grid first
+        assert 0 < stats.wide_pairs == sum(chosen) < stats.pair_steps
+        assert f"({stats.wide_pairs} with the wide copy grid)" in kpi
+    else:
+        assert stats.wide_pairs == 0 and small._grid_choice is None
+
+
 def test_the_knob_refuses_what_it_cannot_serve():
     assert RuntimeConfig().pass_pair == "auto"
     assert [RuntimeConfig.from_env({"TIERSTORE_PASS_PAIR": raw}).pass_pair for raw in ("auto", "0", "on")] == [
@@ -203,6 +229,10 @@ def test_the_knob_refuses_what_it_cannot_serve():
         RuntimeConfig(pass_pair="sometimes")
     with pytest.raises(ConfigError, match="pass_pair_copy_blocks must be an integer >= 1"):
         RuntimeConfig(pass_pair_copy_blocks=0)
+    with pytest.raises(ConfigError, match="pass_pair_wide_blocks must be an integer >= 0"):
+        RuntimeConfig(pass_pair_wide_blocks=-1)
+    with pytest.raises(ConfigError, match="gather_spares_per_miss must be an integer >= 1"):
+        RuntimeConfig(gather_spares_per_miss=0)
     with pytest.raises(ConfigError, match="pass_pair_copies must be one of kernel, engine"):
         RuntimeConfig(pass_pair_copies="dma")
     with pytest.raises(ConfigError, match="pass_pair_plans must be one of stream, inline"):

@@ -136,16 +136,20 @@ __device__ __forceinline__ void copy_words(const uint4* src, uint4* dst, long lo
   }
 }
 
-// Grid: a fixed number of blocks (a few per SM), whatever the plan gave: every block copies its share of each row
-// (runs of kCopyThreads words, every gridDim.x-th), so one row or ten keep every block reading; a plan of no rows
-// exits at once.
+// Grid: a fixed number of blocks, whatever the plan gave: every working block copies its share of each row (runs of
+// kCopyThreads words, every blocks-th), so one row or ten keep every block reading; a plan of no rows exits at once.
+// `active` (null: the whole grid): how many of the grid's blocks work, 1 to gridDim.x, a device word the host sets
+// between launches of a captured graph (the pass pair's copy grid, config pass_pair_wide_blocks); the rest exit.
 extern "C" __global__ void __launch_bounds__(kCopyThreads) gather_pass_rows(
-    const int* __restrict__ rows, const unsigned long long* __restrict__ desc, long long row_bytes) {
+    const int* __restrict__ rows, const unsigned long long* __restrict__ desc, long long row_bytes,
+    const int* __restrict__ active) {
+  const int blocks = active == nullptr ? static_cast<int>(gridDim.x) : max(1, min(*active, static_cast<int>(gridDim.x)));
+  if (static_cast<int>(blockIdx.x) >= blocks) return;
   const int count = *rows;
   for (int r = 0; r < count; ++r) {
     copy_words(reinterpret_cast<const uint4*>(desc[2 * r]), reinterpret_cast<uint4*>(desc[2 * r + 1]), row_bytes / 16,
                static_cast<long long>(blockIdx.x) * kCopyThreads + threadIdx.x,
-               static_cast<long long>(gridDim.x) * kCopyThreads);
+               static_cast<long long>(blocks) * kCopyThreads);
   }
 }
 

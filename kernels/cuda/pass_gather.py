@@ -93,12 +93,13 @@ class PassGatherCuda:
                           done.data_ptr() if done is not None else 0, layer, num_experts, num_layers,
                           slots.data_ptr(), slots.shape[1]])
 
-    def copy_rows(self, desc: torch.Tensor, rows: torch.Tensor, row_bytes: int, blocks: int | None = None) -> None:
-        """Copy the `rows[0]` rows `desc` describes, on the current stream, over `blocks` blocks (default: a few
-        per SM)."""
+    def copy_rows(self, desc: torch.Tensor, rows: torch.Tensor, row_bytes: int, blocks: int | None = None,
+                  active: torch.Tensor | None = None) -> None:
+        """Copy the `rows[0]` rows `desc` describes, on the current stream, over a grid of `blocks` blocks (default:
+        a few per SM) of which `active[0]` work (int32, one device word read when the kernel runs; None: all)."""
         stream = torch.cuda.current_stream().cuda_stream
-        self.gather.launch((blocks or self.copy_blocks,), (COPY_THREADS,), 0, stream, "ppq",
-                           [rows.data_ptr(), desc.data_ptr(), row_bytes])
+        self.gather.launch((blocks or self.copy_blocks,), (COPY_THREADS,), 0, stream, "ppqp",
+                           [rows.data_ptr(), desc.data_ptr(), row_bytes, active.data_ptr() if active is not None else 0])
 
 
 def plan_pass_gather_ref(layer: int, seen: torch.Tensor, prev_seen: torch.Tensor, w2_table: torch.Tensor,

@@ -103,8 +103,11 @@ class RuntimeConfig:
       benchmark; not yet the vLLM adapter, which turns it off). On the H200 it was faster than single passes at
       50 % coverage on average (1.05x-1.07x), even with them at 25 % and 1-3 % slower at 10 % (docs/runtime.md, "The
       timed choice").
-      `pass_pair_copy_blocks` (default 4) is the side stream's copy grid, which shares the SMs with both passes:
-      on the H200 4 and 8 blocks beat 2, 16, 64 and two per SM (docs/runtime.md, "The pass pair").
+      `pass_pair_copy_blocks` (default 4) is the side stream's copy grid, which shares the SMs with both passes,
+      and `pass_pair_wide_blocks` (default 16; 0: none) a wider one for pairs whose copies are most of the step:
+      with both, each pair's copies work over one of the two, picked by their recent pair times (a timed choice as
+      `pass_pair_choice`'s, kernel copies). On the H200 (seventeenth session) 16 blocks beat 4 at 25 % and 10 %
+      coverage (by 5-10 %) and lost by 9 % at qwen3-30b-a3b 50 % (docs/runtime.md, "The pair's copy grid").
       `pass_pair_choice` ("timed", the default; "always"): which decode steps likely to miss launch their pair:
       those where the runtime's recent pairs took less wall time than its recent single passes (the two kinds
       alternate until each has three times, then the slower one runs now and then to stay measured: 16 such steps
@@ -185,6 +188,7 @@ class RuntimeConfig:
     gather_in_pass: bool = False
     pass_pair: bool | str = "auto"
     pass_pair_copy_blocks: int = 4
+    pass_pair_wide_blocks: int = 16
     pass_pair_copies: str = "kernel"
     pass_pair_plans: str = "stream"
     gather_keeps_recent: bool = False
@@ -199,7 +203,7 @@ class RuntimeConfig:
         for name in ("fp_max", "tokens_per_step", "pass_pair_copy_blocks", "gather_spares_per_miss"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("fp_thresh", "miss_tolerance", "kpi_every"):
+        for name in ("fp_thresh", "miss_tolerance", "kpi_every", "pass_pair_wide_blocks"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if self.copy_streams not in (1, 2) or type(self.copy_streams) is not int:

@@ -37,7 +37,7 @@ from tierstore.runtime.fp4_tier import Fp4Stats, Fp4Tier
 from tierstore.runtime.gate import ConfidenceGate
 from tierstore.runtime.gate_stats import GateRecorder, GateStats
 from tierstore.runtime.gated_step import run_gated
-from tierstore.runtime.pair_choice import PairChoice
+from tierstore.runtime.pair_choice import PairChoice, TimedChoice
 from tierstore.runtime.pass_gather import PassGather, gather_capacity
 from tierstore.runtime.passlog import UNREAD_PASS, PassLog, PassReport
 from tierstore.runtime.pools import DevicePool
@@ -151,7 +151,8 @@ class TieredRuntime:
                 self._gather = PassGather(self.pool, self.arena, self.log, spares, paired=paired,
                                           copy_blocks=self.config.pass_pair_copy_blocks,
                                           copies=self.config.pass_pair_copies, plans=self.config.pass_pair_plans,
-                                          keeps_recent=self.config.gather_keeps_recent)
+                                          keeps_recent=self.config.gather_keeps_recent,
+                                          wide_blocks=self.config.pass_pair_wide_blocks)
             except ConfigError as error:
                 if not (paired and self.config.pass_pair == "auto"):
                     raise
@@ -186,6 +187,9 @@ class TieredRuntime:
         self._recent_missing = 0
         # pass_pair: which decode steps likely to miss launch their pair (the back-off, the timed choice)
         self._pair_choice = PairChoice(self.config.pass_pair_choice)
+        # pass_pair with a wide copy grid (config pass_pair_wide_blocks): the pairs' grid, timed (True: wide)
+        self._grid_choice = (TimedChoice() if self.pairs and self.config.pass_pair_wide_blocks
+                             and self.config.pass_pair_copies == "kernel" else None)
         self._pairs_offered = False  # a decode step was given a pair: reads stage spares for a next one to pair
         self._untouched = None  # (last pass report, time) of the last step, not yet told to the pool's policy
         # a pool that holds every expert never evicts: its policy's order is never asked for, so steps do not tell it
@@ -429,6 +433,7 @@ class TieredRuntime:
         started = time.perf_counter()
         self._scan = prefill
         step_routed: set = set()  # every pass's routed keys, kept only when the gate fires
+        wide_pair = False  # a pair launched with the wide copy grid (config pass_pair_wide_blocks)
         try:
             # the safe point: the FP4 manager mutates only while nobody holds the tier's lock
             with self.fp4.lock if self.fp4 is not None else NO_LOCK:
@@ -446,6 +451,10 @@ class TieredRuntime:
                         forward = self._with_armed_gather(forward)
                     elif self._pair_choice.take(forward_pair is not None and self._recent_missing > 0,
                                                 self._gather.has_staged()):
+                        if self._grid_choice is not None:
+                            wide_pair = self._grid_choice.next_kind()
+                            self._grid_choice.start(wide_pair)
+                            self._gather.use_wide_copies(wide_pair)
                         first_forward = self._with_armed_gather(self._with_served_copies(forward_pair))
                         if gated:
                             first_forward = self._with_signal(first_forward, logits_of or (lambda r: r))
@@ -478,6 +487,8 @@ class TieredRuntime:
             if self._gather is not None:
                 self._recover_gathered()
             self._pair_choice.failed()
+            if self._grid_choice is not None:
+                self._grid_choice.failed()
             self.settle()
             self._stats.failed += 1
             raise
@@ -503,6 +514,9 @@ class TieredRuntime:
                              outcome.residue_pairs)
         if self.pairs and not prefill:  # its time; with `always` a pair that gathered fewer than it missed backs off
             self._pair_choice.done(seconds, *(pair_first[2], pair_first[1]) if pair_first else ())
+            if self._grid_choice is not None:  # a pair's time is a sample of its grid
+                self._grid_choice.done(seconds) if pair_first else self._grid_choice.clear()
+            self._stats.wide_pairs += bool(pair_first) and wide_pair
         self._log_kpi()
         return result, outcome
 

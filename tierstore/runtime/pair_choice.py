@@ -1,5 +1,6 @@
 """Which decode steps launch a pass pair (config `pass_pair`): the back-off after a pair that fell short, and the
-choice between a pair and a single pass by their measured step times (`pass_pair_choice`)."""
+choice between a pair and a single pass by their measured step times (`pass_pair_choice`); `TimedChoice`, the timed
+choice between two kinds of step, also picks the pair's copy grid (config `pass_pair_wide_blocks`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,82 @@ from statistics import median
 PAIR_CHOICES = ("timed", "always")  # pass_pair_choice
 PAIR_RETRY_STEPS = 8  # `always`: single-pass decode steps after a pair that gathered fewer experts than it missed
 TIMED_WINDOW = 5  # step times kept per kind (the median of these decides)
-EXPLORE_EVERY = 16  # timed: eligible steps from a new preference to the first step that runs the other kind
+EXPLORE_EVERY = 16  # timed: offered steps from a new preference to the first step that runs the other kind
 EXPLORE_EVERY_MAX = 64  # ... doubling after each such step that left the preference as it was, up to this
+
+
+class TimedChoice:
+    """Two kinds of step (True, False) chosen by their wall times. Over the first offered steps it alternates, True
+    first, until each kind has 3 times; then it runs the kind whose last `TIMED_WINDOW` samples have the lower
+    median, and now and then one step of the other kind, so that a change of regime turns the choice:
+    `EXPLORE_EVERY` offered steps after the preference was formed or turned, then at twice the distance after each
+    exploring step that did not turn it, up to `EXPLORE_EVERY_MAX` (a kind that keeps losing costs less to keep
+    measured).
+
+    Per offered step: `next_kind` (counts it, returns its kind), then `start(kind)` when it runs as that kind and is
+    to be timed, and `done(seconds)` after it (or `failed()`; `clear()` forgets a step that was not started)."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[bool, deque[float]] = {True: deque(maxlen=TIMED_WINDOW),
+                                                  False: deque(maxlen=TIMED_WINDOW)}
+        self._medians: dict[bool, float | None] = {True: None, False: None}  # of `_seconds`, kept by `done`
+        self._offered = 0  # steps offered so far
+        self._preferred: bool | None = None  # `faster()` after the last sample
+        self.explore_every = EXPLORE_EVERY  # offered steps from the last exploring step to the next
+        self._explore_at = 0  # the first offered step (by `_offered`) to run the other kind
+        self.sample: bool | None = None  # the kind the step under way is a sample of (None: not a sample)
+
+    def next_kind(self) -> bool:
+        """One more offered step: its kind."""
+        self._offered += 1
+        return self._kind_at(self._offered)
+
+    def upcoming(self) -> bool:
+        """The kind of the next offered step (the step under way counted as the sample it is)."""
+        return self._kind_at(self._offered + 1, pending=self.sample)
+
+    def start(self, kind: bool) -> None:
+        """The offered step runs as `kind` and is timed."""
+        if self._preferred is not None and kind != self._preferred:  # exploring
+            self.explore_every = min(2 * self.explore_every, EXPLORE_EVERY_MAX)  # back to EXPLORE_EVERY if it turns
+            self._explore_at = self._offered + self.explore_every
+        self.sample = kind
+
+    def clear(self) -> None:
+        """No step of this choice is under way."""
+        self.sample = None
+
+    failed = clear  # the step under way raised: it is no sample
+
+    def done(self, seconds: float) -> None:
+        """After a started step: its wall time."""
+        if self.sample is None:
+            return
+        self._seconds[self.sample].append(seconds)
+        self._medians[self.sample] = median(self._seconds[self.sample])
+        preferred = self.faster()
+        if preferred is not None and preferred != self._preferred:  # formed or turned: explore the other soon
+            self._preferred, self.explore_every = preferred, EXPLORE_EVERY
+            self._explore_at = self._offered + EXPLORE_EVERY
+        self.sample = None
+
+    def medians_ms(self) -> tuple[float, float]:
+        """The median wall time in ms of the recent samples of True and of False (0.0 for a kind not yet timed)."""
+        return tuple(1e3 * self._medians[kind] if self._medians[kind] is not None else 0.0 for kind in (True, False))
+
+    def faster(self) -> bool | None:
+        """The kind now preferred, None while either has fewer than 3 times."""
+        if len(self._seconds[True]) < 3 or len(self._seconds[False]) < 3:
+            return None
+        return self._medians[True] <= self._medians[False]
+
+    def _kind_at(self, index: int, pending: bool | None = None) -> bool:
+        """The kind of the `index`-th offered step (`pending`: a sample not yet timed)."""
+        trues, falses = (len(self._seconds[kind]) + (pending is kind) for kind in (True, False))
+        preferred = self.faster()
+        if preferred is None or min(trues, falses) < 3:  # learning: alternate, True first
+            return trues <= falses
+        return (not preferred) if index >= self._explore_at else preferred
 
 
 class PairChoice:
@@ -18,15 +93,11 @@ class PairChoice:
 
     A step is *eligible* when the runtime could launch a pair (the caller gave one, a recent pass missed). `always`
     pairs every eligible step but the `PAIR_RETRY_STEPS` decode steps after a pair whose first pass gathered fewer
-    experts than it missed (spares short, rows not in the arena), which run single (the back-off). `timed`
-    alternates pairs and single passes over the first eligible steps, then runs the kind whose last `TIMED_WINDOW`
-    eligible steps have the lower median wall time, and now and then one step of the other kind, so that a change
-    of regime (coverage, routing, load) turns the choice: `EXPLORE_EVERY` eligible steps after the preference was
-    formed or turned, then at twice the distance after each exploring step that did not turn it, up to
-    `EXPLORE_EVERY_MAX` (a kind that keeps losing costs less to keep measured; at 10 % coverage on the H200, pairs
-    lost by 6-8 % and their exploring steps cost 1-2 %). A pair that fell short is a slow sample there, not a
-    back-off (on the H200 an isolated short pair at 50 % coverage sent 8 steps that pairs ran faster to single
-    passes).
+    experts than it missed (spares short, rows not in the arena), which run single (the back-off). `timed` chooses
+    among the eligible steps with a `TimedChoice` (True: the pair; on the H200 at 10 % coverage before the
+    seventeenth session, pairs lost by 6-8 % and their exploring steps cost 1-2 %). A pair that fell short is a slow
+    sample there, not a back-off (on the H200 an isolated short pair at 50 % coverage sent 8 steps that pairs ran
+    faster to single passes).
 
     A pair needs spares staged while the pass before it ran: `stages_next` tells that pass's read whether the next
     step is to be a pair (staging takes victims from the plan a single pass's fetch would use). Call `take` at a
@@ -36,33 +107,23 @@ class PairChoice:
         if choice not in PAIR_CHOICES:
             raise ValueError(f"pass_pair_choice must be one of {', '.join(PAIR_CHOICES)}, got {choice!r}")
         self.choice = choice
-        self._seconds: dict[bool, deque[float]] = {True: deque(maxlen=TIMED_WINDOW),
-                                                  False: deque(maxlen=TIMED_WINDOW)}
-        self._medians: dict[bool, float | None] = {True: None, False: None}  # of `_seconds`, kept by `done`
-        self._eligible = 0  # eligible steps seen outside the back-off
-        self._preferred: bool | None = None  # `faster()` after the last sample
-        self._explore_every = EXPLORE_EVERY  # timed: eligible steps from the last exploring step to the next
-        self._explore_at = 0  # timed: the first eligible step (by `_eligible`) to run the other kind
+        self.timed = TimedChoice()  # over eligible steps outside the back-off; with `always` it only keeps times
         self.backoff_left = 0  # decode steps the back-off still runs single
-        self._timing: bool | None = None  # the kind the step under way is a sample of (None: not a sample)
 
     def take(self, eligible: bool, staged: bool = True) -> bool:
         """Whether this decode step launches its pair (`staged`: spares were staged for it; a pair chosen without
         them runs single, untimed)."""
-        self._timing = None
+        self.timed.clear()
         if self.backoff_left:
             self.backoff_left -= 1
             return False
         if not eligible:
             return False
-        self._eligible += 1
-        pair = self.choice == "always" or self._timed_kind(self._eligible)
+        timed_kind = self.timed.next_kind()
+        pair = self.choice == "always" or timed_kind
         if pair and not staged:
             return False
-        if self.choice == "timed" and self._preferred is not None and pair != self._preferred:  # exploring
-            self._explore_every = min(2 * self._explore_every, EXPLORE_EVERY_MAX)  # back to EXPLORE_EVERY if it turns
-            self._explore_at = self._eligible + self._explore_every
-        self._timing = pair
+        self.timed.start(pair)
         return pair
 
     def stages_next(self) -> bool:
@@ -70,41 +131,24 @@ class PairChoice:
         as the sample it is)."""
         if self.backoff_left:
             return False
-        return self.choice == "always" or self._timed_kind(self._eligible + 1, pending=self._timing)
+        return self.choice == "always" or self.timed.upcoming()
 
     def done(self, seconds: float, gathered: int | None = None, missed: int | None = None) -> None:
         """After a step that `take` was asked about: its wall time, and for a pair the experts its first pass
         gathered and missed (with `always`, fewer gathered than missed starts the back-off)."""
-        if self._timing is not None:
-            self._seconds[self._timing].append(seconds)
-            self._medians[self._timing] = median(self._seconds[self._timing])
-            preferred = self.faster()
-            if preferred is not None and preferred != self._preferred:  # formed or turned: explore the other soon
-                self._preferred, self._explore_every = preferred, EXPLORE_EVERY
-                self._explore_at = self._eligible + EXPLORE_EVERY
-            self._timing = None
+        self.timed.done(seconds)
         if self.choice == "always" and gathered is not None and missed is not None and gathered < missed:
             self.backoff_left = PAIR_RETRY_STEPS
 
     def failed(self) -> None:
         """The step under way raised: it is no sample."""
-        self._timing = None
+        self.timed.failed()
 
     def medians_ms(self) -> tuple[float, float]:
         """The median wall time in ms of the recent eligible steps run as a pair and as a single pass (0.0 for a
         kind not yet timed)."""
-        return tuple(1e3 * self._medians[kind] if self._medians[kind] is not None else 0.0 for kind in (True, False))
+        return self.timed.medians_ms()
 
     def faster(self) -> bool | None:
         """The kind the timed choice now prefers (True: the pair), None while either has fewer than 3 times."""
-        if len(self._seconds[True]) < 3 or len(self._seconds[False]) < 3:
-            return None
-        return self._medians[True] <= self._medians[False]
-
-    def _timed_kind(self, index: int, pending: bool | None = None) -> bool:
-        """The timed choice's kind for the `index`-th eligible step (`pending`: a sample not yet timed)."""
-        pairs, singles = (len(self._seconds[kind]) + (pending is kind) for kind in (True, False))
-        preferred = self.faster()
-        if preferred is None or min(pairs, singles) < 3:  # learning: alternate, the pair first
-            return pairs <= singles
-        return (not preferred) if index >= self._explore_at else preferred
+        return self.timed.faster()

@@ -35,6 +35,9 @@ waits for each layer's count (`serve`), issues its rows on a copy stream and the
 the replay waits for the flag (a stream wait on a device word, `StreamValues`); a plan of no rows sets its flag
 itself, so a pair nobody serves (a capture's warm-up, unarmed) runs through. `serve` writes every flag it has not
 written when it stops, so a failure on the host never leaves the replay waiting.
+With kernel copies the pair's copy grid has `max(copy_blocks, wide_blocks)` blocks, of which a device word says how
+many work: `copy_blocks` or `wide_blocks` (config `pass_pair_copy_blocks`, `pass_pair_wide_blocks`), set between
+launches by `use_wide_copies` (the runtime's timed choice of the grid), so one captured pair serves both.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def gather_capacity(num_slots: int, num_layers: int, experts_per_layer: int) -> 
 class PassGather:
     def __init__(self, pool: DevicePool, arena: Arena, log: PassLog, capacity: int, paired: bool = False,
                  copy_blocks: int | None = None, copies: str = "kernel", plans: str = "stream",
-                 keeps_recent: bool = False):
+                 keeps_recent: bool = False, wide_blocks: int = 0):
         knob = "pass_pair" if paired else "gather_in_pass"
         if log.gathered is None or (log.gathered.numel() - 1) // 3 != capacity:
             raise ValueError(f"the pass log needs gather_capacity={capacity}")
@@ -74,6 +77,7 @@ class PassGather:
             raise ConfigError(f"{knob}: {error}") from None
         self.pool, self.arena, self.log, self.capacity, self.paired = pool, arena, log, capacity, paired
         self.copy_blocks = copy_blocks  # the paired copies' grid (None: the kernels' default, a few per SM)
+        self.wide_blocks = wide_blocks  # the paired copies' wide grid (0: none): `use_wide_copies`
         self.device = pool.device
         self.row_bytes = arena.source.row_bytes
         self.buffers = GatherBuffers.allocate(capacity, pool.num_layers * pool.num_experts, pool.num_experts,
@@ -92,6 +96,7 @@ class PassGather:
         self._addresses_synced = -1  # the arena version the device's addresses hold
         self._no_fp4 = torch.full_like(pool.table, -1)  # [L, E] the FP4 table of a runtime without an FP4 pool
         self._kernels = None
+        self._copy_grid, self._working_blocks = copy_blocks, None  # CUDA pairs with a wide grid: the word, [1] int32
         self._plans = None  # the plans' own stream (CUDA, paired, kernel copies, plans "stream")
         self.engine = paired and copies == "engine" and cuda  # the host issues the pair's copies (CUDA only)
         if paired:  # each layer's rows described apart: a layer's copy may still run while later layers plan
@@ -114,6 +119,11 @@ class PassGather:
                 self._side = torch.cuda.Stream(self.device, priority=-1)
                 self._planned = [torch.cuda.Event() for _ in range(pool.num_layers)]
                 self._copied = [torch.cuda.Event() for _ in range(pool.num_layers)]
+                if wide_blocks and copy_blocks is not None:  # one grid for both widths, the working blocks a word
+                    self._copy_grid = max(copy_blocks, wide_blocks)
+                    self._grid_words = torch.tensor([copy_blocks, wide_blocks], dtype=torch.int32).pin_memory()
+                    self._working_blocks = torch.full((1,), copy_blocks, dtype=torch.int32, device=self.device)
+                    self._wide = False
             # kernel copies, plans on a stream of their own (config pass_pair_plans "stream"): each after its layer's
             # experts (`_layer_done`), in layer order, off the first pass's path
             self._plans = (torch.cuda.Stream(self.device, priority=-1)
@@ -218,8 +228,19 @@ class PassGather:
         self._planned[layer].record(plans)
         self._side.wait_event(self._planned[layer])
         with torch.cuda.stream(self._side):
-            self._kernels.copy_rows(desc, rows, self.row_bytes, self.copy_blocks)
+            self._kernels.copy_rows(desc, rows, self.row_bytes, self._copy_grid, self._working_blocks)
             self._copied[layer].record(self._side)
+
+    def use_wide_copies(self, wide: bool) -> None:
+        """Before a pair is launched (kernel copies on CUDA with a wide grid; otherwise nothing): its copies work
+        over `wide_blocks` blocks, or `copy_blocks`. The word is written on the compute stream when it changes, so
+        the pair's copies, ordered after that stream's work, read it."""
+        if self._working_blocks is None or wide == self._wide:
+            return
+        self._wide = wide
+        word = self._grid_words[1 if wide else 0:]
+        self._h2d.copy(self._working_blocks.data_ptr(), word.data_ptr(), 4,
+                       torch.cuda.current_stream(self._stream_index))
 
     def join_plans(self) -> None:
         """Pass pair, between its passes (CUDA, plans on their own stream; capturable): the replay waits for the

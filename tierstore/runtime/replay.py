@@ -210,7 +210,8 @@ def _report(runtime: TieredRuntime, out: dict, preload: bool, preloaded_rows: in
             "cuda_w2_kernels": cuda_kernels, "readback": readback, "tokens": out["tokens"],
             "steady_early_fetched_rows": out["steady_early_fetched_rows"],
             "steady_located_rows": out["steady_located_rows"], "steady_gathered_rows": out["steady_gathered_rows"],
-            "steady_pair_steps": out["steady_pair_steps"], "pair_step_ms": out["pair_step_ms"],
+            "steady_pair_steps": out["steady_pair_steps"], "steady_wide_pairs": out["steady_wide_pairs"],
+            "pair_step_ms": out["pair_step_ms"],
             "single_step_ms": out["single_step_ms"],
             "cold": out["cold"].as_dict(), "steady": out["steady"].as_dict()}
 

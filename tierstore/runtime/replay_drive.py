@@ -256,14 +256,15 @@ class Driver:
         self.steps_marks = [runtime.counters()]
         # rows fetched while their pass ran (early_fetch), by the located path and by their own pass (gather_in_pass),
         # and the steps launched as a pass pair, before the steady window
-        self.at_warmup = (0, 0, 0, 0)
+        self.at_warmup = (0, 0, 0, 0, 0)
 
     def step(self, i: int) -> None:
         runtime, ids, device = self.runtime, self.routes[i], self.device
         if i == self.warmup:
             self.marks.append(_counters(runtime))
             stats = runtime.stats()
-            self.at_warmup = (stats.early_fetched_rows, stats.located_rows, stats.gathered_rows, stats.pair_steps)
+            self.at_warmup = (stats.early_fetched_rows, stats.located_rows, stats.gathered_rows, stats.pair_steps,
+                              stats.wide_pairs)
         if self.step_logits is not None:
             self.step_logits.copy_(self.logits[i])  # queued before the clock starts, like a decoder's own logits
         started = time.perf_counter()
@@ -301,12 +302,12 @@ class Driver:
         row_bytes = runtime.source.row_bytes
         final = runtime.stats()
         at = self.at_warmup
-        steady_early, steady_located, steady_gathered, steady_pairs = (
+        steady_early, steady_located, steady_gathered, steady_pairs, steady_wide = (
             (final.early_fetched_rows - at[0], final.located_rows - at[1], final.gathered_rows - at[2],
-             final.pair_steps - at[3]) if len(self.routes) > warmup else (0, 0, 0, 0))
+             final.pair_steps - at[3], final.wide_pairs - at[4]) if len(self.routes) > warmup else (0, 0, 0, 0, 0))
         return {"graph": self.graphs is not None, "tokens": self.tokens, "steady_early_fetched_rows": steady_early,
                 "steady_located_rows": steady_located, "steady_gathered_rows": steady_gathered,
-                "steady_pair_steps": steady_pairs, "pair_step_ms": final.pair_step_ms,
+                "steady_pair_steps": steady_pairs, "steady_wide_pairs": steady_wide, "pair_step_ms": final.pair_step_ms,
                 "single_step_ms": final.single_step_ms,
                 "cold": _window(times[:warmup], marks[0], marks[1], row_bytes,
                                 _per_step(times[:warmup], self.steps_marks[:warmup + 1])),

@@ -42,6 +42,8 @@ class RuntimeStats:
     # decode steps of a pool holding every expert that were not read (nothing could miss; config full_pool_reads):
     # counted in `steps`, not in the step times, which are the read steps' (the host does not wait for the others)
     unread_steps: int = 0
+    # of pair_steps, those whose copies worked over the wide grid (config pass_pair_wide_blocks; its timed choice)
+    wide_pairs: int = 0
 
     @property
     def replay_rate(self) -> float:
@@ -71,6 +73,7 @@ class StatsRecorder:
         self.fetch_seconds = 0.0
         self.prefill_hot_evictions = 0
         self.pairs = 0  # steps launched as a pass pair
+        self.wide_pairs = 0  # of those, with the wide copy grid
         self.unread = 0  # steps not read (`add_unread_step`)
         self.arena_seconds = self.install_seconds = 0.0  # the parts of fetch_seconds in the arena and the pool
         self.read_seconds = 0.0  # pass-log reads (their sync waits for the forward and any copies in flight)
@@ -127,6 +130,7 @@ class StatsRecorder:
             early_fetched_rows=self.early_fetched_rows, located_rows=self.located_rows, gathered_rows=self.gathered_rows,
             pair_steps=self.pairs, prefill_hot_evictions=self.prefill_hot_evictions,
             pair_step_ms=pair_medians_ms[0], single_step_ms=pair_medians_ms[1], unread_steps=self.unread,
+            wide_pairs=self.wide_pairs,
         )
 
     def kpi_line(self, last: int, arena_hits: int, arena_misses: int, copy_seconds: float,
@@ -158,6 +162,8 @@ class StatsRecorder:
             line += f" | {stats.gathered_rows} rows gathered by their pass"
         if stats.pair_steps:
             line += f" | {stats.pair_steps} steps launched as a pass pair"
+            if stats.wide_pairs:
+                line += f" ({stats.wide_pairs} with the wide copy grid)"
             if stats.pair_step_ms and stats.single_step_ms:
                 line += f" (recent medians: pair {stats.pair_step_ms:.2f} ms, single {stats.single_step_ms:.2f} ms)"
         if stats.unread_steps:
