@@ -1436,6 +1436,13 @@ case "$step" in
     pair_compare grid20-single 70 pass_pair=0 ds-v2-lite 8 1,0.5,0.25,0.1 320 pass_pair=auto
     pair_compare grid20-narrow 90 pass_pair_wide_blocks=0 qwen3-30b-a3b 16 0.5,0.25,0.1 320 pass_pair=auto
     ;;
+  closing20)  # grid20's code: two more rounds of the default against single passes at the coverages that miss
+    # (both presets, 50 / 25 / 10 %), interleaved, 400 steady steps. Stage limits 4 x 100 s.
+    for round in 1 2; do
+      pair_compare "closing20-$round" 100 pass_pair=0 qwen3-30b-a3b 16 0.5,0.25,0.1 420 pass_pair=auto
+      pair_compare "closing20-$round" 100 pass_pair=0 ds-v2-lite 8 0.5,0.25,0.1 420 pass_pair=auto
+    done
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
