@@ -143,7 +143,8 @@ __device__ __forceinline__ void copy_words(const uint4* src, uint4* dst, long lo
 extern "C" __global__ void __launch_bounds__(kCopyThreads) gather_pass_rows(
     const int* __restrict__ rows, const unsigned long long* __restrict__ desc, long long row_bytes,
     const int* __restrict__ active) {
-  const int blocks = active == nullptr ? static_cast<int>(gridDim.x) : max(1, min(*active, static_cast<int>(gridDim.x)));
+  const int grid = static_cast<int>(gridDim.x);
+  const int blocks = active == nullptr ? grid : max(1, min(*active, grid));
   if (static_cast<int>(blockIdx.x) >= blocks) return;
   const int count = *rows;
   for (int r = 0; r < count; ++r) {

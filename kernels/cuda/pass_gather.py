@@ -98,8 +98,9 @@ class PassGatherCuda:
         """Copy the `rows[0]` rows `desc` describes, on the current stream, over a grid of `blocks` blocks (default:
         a few per SM) of which `active[0]` work (int32, one device word read when the kernel runs; None: all)."""
         stream = torch.cuda.current_stream().cuda_stream
+        working = active.data_ptr() if active is not None else 0
         self.gather.launch((blocks or self.copy_blocks,), (COPY_THREADS,), 0, stream, "ppqp",
-                           [rows.data_ptr(), desc.data_ptr(), row_bytes, active.data_ptr() if active is not None else 0])
+                           [rows.data_ptr(), desc.data_ptr(), row_bytes, working])
 
 
 def plan_pass_gather_ref(layer: int, seen: torch.Tensor, prev_seen: torch.Tensor, w2_table: torch.Tensor,

@@ -106,8 +106,9 @@ class RuntimeConfig:
       `pass_pair_copy_blocks` (default 4) is the side stream's copy grid, which shares the SMs with both passes,
       and `pass_pair_wide_blocks` (default 16; 0: none) a wider one for pairs whose copies are most of the step:
       with both, each pair's copies work over one of the two, picked by their recent pair times (a timed choice as
-      `pass_pair_choice`'s, kernel copies). On the H200 (seventeenth session) 16 blocks beat 4 at 25 % and 10 %
-      coverage (by 5-10 %) and lost by 9 % at qwen3-30b-a3b 50 % (docs/runtime.md, "The pair's copy grid").
+      `pass_pair_choice`'s, kernel copies). On the H200 (seventeenth session) 16 blocks beat 4 at 25 % and at
+      qwen3-30b-a3b 10 % (by 6-10 %; even at ds-v2-lite 10 %) and lost by 9 % at qwen3-30b-a3b 50 % (docs/runtime.md,
+      "The pair's spares staged deeper and its copy grid timed").
       `pass_pair_choice` ("timed", the default; "always"): which decode steps likely to miss launch their pair:
       those where the runtime's recent pairs took less wall time than its recent single passes (the two kinds
       alternate until each has three times, then the slower one runs now and then to stay measured: 16 such steps
@@ -136,6 +137,8 @@ class RuntimeConfig:
       planned while the pass before runs, from the head of the eviction order that pass takes its own victims from,
       so the next pass skips those first: with 2 (the setting until the seventeenth session) a pair after a pair ran
       short whenever a step replaced much of a small pool (every second pair at 10 % coverage). A policy choice only.
+      On the H200, 4 against 2 (pairs with 16 blocks): 0.909x / 0.974x / 0.983x the step time at qwen3-30b-a3b 10 /
+      25 / 50 % (same section).
 
     Kernels:
 
