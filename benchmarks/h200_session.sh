@@ -93,6 +93,16 @@ timeline_ab() {  # timeline_ab SHA: the event clock (miss_step_timeline.py --no-
   done
 }
 
+main_job_both_pools() {  # main_job_both_pools LIMIT: the main job on the quality checkpoint, `tierstore generate
+  # --verify-resident` of 48 tokens at a 25 % pool and at a full pool (stages generate-quality, generate-quality-full)
+  local frac name
+  for frac in 0.25 1.0; do
+    name=generate-quality; [ "$frac" = 1.0 ] && name=generate-quality-full
+    stage "$name" "$1" tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac "$frac" --verify-resident
+  done
+}
+
 pair_compare() {  # pair_compare NAME LIMIT CONFIG PRESET LAYERS COVERAGES STEPS [BASE]: replay.py, the runtime with
   # --config BASE (default pass_pair_choice=always: every step likely to miss launched as a pair) against
   # --compare-config CONFIG, interleaved step by step with the resident runs; STEPS steps of which 20 warm-up
@@ -1321,10 +1331,7 @@ case "$step" in
     # plans on their own stream) and at a full pool (its steps unread once every expert is installed). Stage limits
     # 200 + 2 x 80 s.
     stage tests 200 python3 -m pytest tests/test_runtime_pass_gather.py tests/test_fp4_gpu.py -m gpu -q
-    stage generate-quality 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
-      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
-    stage generate-quality-full 80 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
-      --max-new-tokens 48 --gpu-pool-frac 1.0 --verify-resident
+    main_job_both_pools 80
     ;;
   closing16b)  # two more rounds of closing16 at 50 / 25 %, where it missed the target at ds-v2-lite 50 % and
     # qwen3-30b-a3b 25 % (the same method, the same runtime). Stage limits 4 x 100 s.
@@ -1346,10 +1353,7 @@ case "$step" in
     # rounds of closing17 at 50 / 25 % (replay files named closing17b). Stage limits 120 + 2 x 50 + 4 x 90 s.
     stage tests 120 python3 -m pytest tests/test_runtime_gpu.py tests/test_runtime_unread.py \
       tests/test_runtime_pass_pair.py tests/test_runtime_pass_gather.py -m gpu -q
-    stage generate-quality 50 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
-      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
-    stage generate-quality-full 50 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
-      --max-new-tokens 48 --gpu-pool-frac 1.0 --verify-resident
+    main_job_both_pools 50
     compare_rounds closing17b 90 pass_pair=0 2 0.5,0.25 interleave 620
     ;;
   recent17)  # config gather_keeps_recent: the pass gather's and the pair's GPU tests, then the default (a pair's
@@ -1382,10 +1386,7 @@ case "$step" in
     # two rounds. Stage limits 120 + 2 x 50 + 4 x 140 s.
     stage tests 120 python3 -m pytest tests/test_runtime_gpu.py tests/test_runtime_unread.py \
       tests/test_runtime_pass_pair.py tests/test_runtime_pass_gather.py tests/test_runtime_pair_choice.py -m gpu -q
-    stage generate-quality 50 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
-      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
-    stage generate-quality-full 50 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
-      --max-new-tokens 48 --gpu-pool-frac 1.0 --verify-resident
+    main_job_both_pools 50
     compare_rounds final19 140 pass_pair=0 2 1,0.5,0.25,0.1 interleave 620
     ;;
   final19b)  # final19's code: two more rounds of its replays at the coverages that miss (50 / 25 / 10 %), for the
@@ -1428,10 +1429,7 @@ case "$step" in
     # interleaved, 300 steady steps. Stage limits 130 + 2 x 45 + 110 + 70 + 90 s.
     stage tests 130 python3 -m pytest tests/test_runtime_pass_pair.py tests/test_runtime_pass_gather.py \
       tests/test_runtime_pair_choice.py tests/test_runtime_gpu.py tests/test_runtime_unread.py -m gpu -q
-    stage generate-quality 45 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
-      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
-    stage generate-quality-full 45 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
-      --max-new-tokens 48 --gpu-pool-frac 1.0 --verify-resident
+    main_job_both_pools 45
     pair_compare grid20-single 110 pass_pair=0 qwen3-30b-a3b 16 1,0.5,0.25,0.1 320 pass_pair=auto
     pair_compare grid20-single 70 pass_pair=0 ds-v2-lite 8 1,0.5,0.25,0.1 320 pass_pair=auto
     pair_compare grid20-narrow 90 pass_pair_wide_blocks=0 qwen3-30b-a3b 16 0.5,0.25,0.1 320 pass_pair=auto
