@@ -514,8 +514,10 @@ class TieredRuntime:
                              outcome.residue_pairs)
         if self.pairs and not prefill:  # its time; with `always` a pair that gathered fewer than it missed backs off
             self._pair_choice.done(seconds, *(pair_first[2], pair_first[1]) if pair_first else ())
-            if self._grid_choice is not None:  # a pair's time is a sample of its grid
-                self._grid_choice.done(seconds) if pair_first else self._grid_choice.clear()
+            if self._grid_choice is not None and pair_first:  # a pair's time is a sample of its grid
+                self._grid_choice.done(seconds)
+            elif self._grid_choice is not None:
+                self._grid_choice.clear()
             self._stats.wide_pairs += bool(pair_first) and wide_pair
         self._log_kpi()
         return result, outcome

@@ -77,7 +77,6 @@ class PassGather:
             raise ConfigError(f"{knob}: {error}") from None
         self.pool, self.arena, self.log, self.capacity, self.paired = pool, arena, log, capacity, paired
         self.copy_blocks = copy_blocks  # the paired copies' grid (None: the kernels' default, a few per SM)
-        self.wide_blocks = wide_blocks  # the paired copies' wide grid (0: none): `use_wide_copies`
         self.device = pool.device
         self.row_bytes = arena.source.row_bytes
         self.buffers = GatherBuffers.allocate(capacity, pool.num_layers * pool.num_experts, pool.num_experts,
