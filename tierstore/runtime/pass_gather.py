@@ -76,7 +76,6 @@ class PassGather:
         except ValueError as error:
             raise ConfigError(f"{knob}: {error}") from None
         self.pool, self.arena, self.log, self.capacity, self.paired = pool, arena, log, capacity, paired
-        self.copy_blocks = copy_blocks  # the paired copies' grid (None: the kernels' default, a few per SM)
         self.device = pool.device
         self.row_bytes = arena.source.row_bytes
         self.buffers = GatherBuffers.allocate(capacity, pool.num_layers * pool.num_experts, pool.num_experts,
@@ -95,7 +94,9 @@ class PassGather:
         self._addresses_synced = -1  # the arena version the device's addresses hold
         self._no_fp4 = torch.full_like(pool.table, -1)  # [L, E] the FP4 table of a runtime without an FP4 pool
         self._kernels = None
-        self._copy_grid, self._working_blocks = copy_blocks, None  # CUDA pairs with a wide grid: the word, [1] int32
+        # the paired copies' grid (None: the kernels' default, a few per SM) and, CUDA pairs with a wide grid, the
+        # device word of its working blocks ([1] int32)
+        self._copy_grid, self._working_blocks = copy_blocks, None
         self._plans = None  # the plans' own stream (CUDA, paired, kernel copies, plans "stream")
         self.engine = paired and copies == "engine" and cuda  # the host issues the pair's copies (CUDA only)
         if paired:  # each layer's rows described apart: a layer's copy may still run while later layers plan
@@ -232,14 +233,12 @@ class PassGather:
 
     def use_wide_copies(self, wide: bool) -> None:
         """Before a pair is launched (kernel copies on CUDA with a wide grid; otherwise nothing): its copies work
-        over `wide_blocks` blocks, or `copy_blocks`. The word is written on the compute stream when it changes, so
-        the pair's copies, ordered after that stream's work, read it."""
+        over `wide_blocks` blocks, or `copy_blocks`. The word is written on the compute stream when it changes
+        (`_write`, from a pinned constant), so the pair's copies, ordered after that stream's work, read it."""
         if self._working_blocks is None or wide == self._wide:
             return
         self._wide = wide
-        word = self._grid_words[1 if wide else 0:]
-        self._h2d.copy(self._working_blocks.data_ptr(), word.data_ptr(), 4,
-                       torch.cuda.current_stream(self._stream_index))
+        self._write(self._working_blocks, self._grid_words[1 if wide else 0:], 1)
 
     def join_plans(self) -> None:
         """Pass pair, between its passes (CUDA, plans on their own stream; capturable): the replay waits for the
