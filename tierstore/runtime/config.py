@@ -102,7 +102,10 @@ class RuntimeConfig:
       asynchronous and a pair costs two. The caller launches the pairs (`tierstore generate`, the replay
       benchmark; not yet the vLLM adapter, which turns it off). On the H200 it was faster than single passes at
       50 % coverage on average (1.05x-1.07x), even with them at 25 % and 1-3 % slower at 10 % (docs/runtime.md, "The
-      timed choice").
+      timed choice"); since the seventeenth session's deeper spares and timed copy grid the default is 0.83x-0.92x
+      / 0.85x-0.99x / 0.94x-1.02x the single passes' step at 50 / 25 / 10 % on the synthetic trace, and 1.13x at
+      50 % on the recorded trace, where misses are rare (docs/runtime.md, "The pair's spares staged deeper and its
+      copy grid timed").
       `pass_pair_copy_blocks` (default 4) is the side stream's copy grid, which shares the SMs with both passes,
       and `pass_pair_wide_blocks` (default 16; 0: none) a wider one for pairs whose copies are most of the step:
       with both, each pair's copies work over one of the two, picked by their recent pair times (a timed choice as
