@@ -25,6 +25,11 @@ host time before that), taken as the same instant: the device is idle when a ste
 microseconds after the host records it. (The runs of h200_session.sh timeline2 to timeline4 and hostcut took host
 marks from the step's start, so their host marks and `end` carry the prologue.)
 
+With `--recorded TRACE.npz` the steps come from a recorded trace (`runtime.replay.map_trace`, layers by
+`--trace-layers`, the trace's top-k) instead of the skewed one: there most steps miss nothing, and the no-miss rows
+are where a pool that can miss spends more than a full one. `--full-pool-reads` (config full_pool_reads) makes a
+full pool read every pass, so coverage 1 gives the same clock on a pool that cannot miss.
+
     python3 benchmarks/miss_step_timeline.py --preset ds-v2-lite --layers 8 --coverage 0.5 --json out.json
 """
 from __future__ import annotations
@@ -284,6 +289,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--no-profiler", action="store_true", help="the event clock only")
     parser.add_argument("--gather-in-pass", action="store_true", help="config gather_in_pass (the pass's own fetch)")
+    parser.add_argument("--recorded", type=Path, help="a recorded trace (.npz) instead of the skewed one")
+    parser.add_argument("--trace-layers", default="first", help="layer mapping of --recorded: first or tile")
+    parser.add_argument("--full-pool-reads", action="store_true", help="config full_pool_reads (a full pool reads)")
     parser.add_argument("--commit", default="")
     args = parser.parse_args()
 
@@ -295,18 +303,28 @@ def main() -> None:
 
     from tierstore.geometry import get_preset
     from tierstore.runtime import RuntimeConfig, TieredRuntime
-    from tierstore.runtime.replay import ensure_synthetic_pack, open_synthetic_rows, preload_arena
+    from tierstore.runtime.replay import ensure_synthetic_pack, map_trace, open_synthetic_rows, preload_arena, trace_steps
     from tierstore.runtime.replay_drive import drive
+    from tierstore.sim import load_trace
 
     g = get_preset(args.preset).with_layers(args.layers)
+    wanted = args.warm_steps + 2 * args.steps
+    if args.recorded:
+        trace = load_trace(args.recorded)
+        g, ids, _ = map_trace(trace, g, layers=args.trace_layers)
+        steps = trace_steps(ids, trace.step, g.num_moe_layers, None)
+        if len(steps) < wanted:
+            sys.exit(f"{args.recorded} has {len(steps)} steps; --warm-steps + 2 x --steps needs {wanted}")
+        steps = steps[:wanted]
+    else:
+        steps = skewed_steps(g, wanted)
     spec = ensure_synthetic_pack(g, args.pack_dir)
-    steps = skewed_steps(g, args.warm_steps + 2 * args.steps)
     warm, timed, profiled = steps[:args.warm_steps], steps[args.warm_steps:-args.steps], steps[-args.steps:]
     slots = round(args.coverage * g.total_routed_experts)
     with TieredRuntime(g, open_synthetic_rows(spec, args.pack_dir), pool_slots=slots,
                        arena_slots=int(4 * 2**30) // spec.stride, device="cuda",
                        config=RuntimeConfig(kpi_every=0, force_pool=True, gather_in_pass=args.gather_in_pass,
-                                            pass_pair=False),  # the single pass's miss step (pairs: pair_clock.py)
+                                            pass_pair=False, full_pool_reads=args.full_pool_reads),  # the single pass's miss step (pairs: pair_clock.py)
                        output_words=1) as rt:
         preload_arena(rt)
         if args.coverage >= 1.0:
@@ -327,6 +345,8 @@ def main() -> None:
     report = {"provenance": {"commit": args.commit, "torch": torch.__version__, "device": torch.cuda.get_device_name()},
               "preset": args.preset, "layers": args.layers, "coverage": args.coverage, "pool_slots": slots,
               "gather_in_pass": args.gather_in_pass, "gathered_mb_per_step": gathered_mb,
+              "recorded": str(args.recorded) if args.recorded else None, "trace_layers": args.trace_layers,
+              "full_pool_reads": args.full_pool_reads,
               "unprofiled_step_ms": unprofiled, "profiled_step_ms": profiled_ms,
               "events": {"summary": summarize(event_steps), "timelines": event_steps},
               "summary": summarize(timelines), "timelines": timelines}
