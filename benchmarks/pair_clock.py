@@ -169,7 +169,7 @@ def main() -> None:
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             marks.clear()
             started = time.perf_counter()
-            run, pair = graphs.bind(ids)
+            run, pair, _ = graphs.bind(ids)
             marks["bound"] = time.perf_counter()
 
             def timed_pair():
@@ -202,7 +202,7 @@ def main() -> None:
                 for ids in routes[args.steps:]:
                     pair_step(ids, held=False)
                 for ids in routes[args.steps:args.steps + 8]:  # single passes of the same graphs' kind, for scale
-                    run, _ = graphs.bind(ids)
+                    run, *_ = graphs.bind(ids)
                     torch.cuda.synchronize()
                     with torch.profiler.record_function(SINGLE):
                         run()
@@ -218,7 +218,7 @@ def main() -> None:
 
         single_launch = []
         for _ in range(30):  # the single-pass graph's launch alone, the device idle before each
-            run, _ = graphs.bind(routes[-1])
+            run, *_ = graphs.bind(routes[-1])
             torch.cuda.synchronize()
             started = time.perf_counter()
             run()

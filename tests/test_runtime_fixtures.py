@@ -114,17 +114,19 @@ def graph_replayer(forward):
 def cuda_decode_steps(rt, model: ToyMoE, geometry: MoEGeometry, graph: bool, steps: int = 24) -> list[torch.Tensor]:
     """`steps` single-token decode steps of `model` through `rt` on CUDA (seeded inputs), eager or each forward
     captured as a graph (`graph_replayer`; its warm-up call is not armed, so it gathers nothing); with config
-    pass_pair the step's pass pair too. Returns each step's output."""
+    pass_pair the step's pass pair too, with config unwaited_first_pass its first pass. Returns each step's output."""
     x = torch.zeros(1, geometry.hidden, device="cuda")
     forward = lambda: model.forward(rt, x)  # noqa: E731
     pair = rt.pass_pair(forward, lambda: None) if rt.pairs else None
+    first = rt.first_pass(forward) if rt.first_passes else None
     if graph:
-        forward = graph_replayer(forward)
         pair = graph_replayer(pair) if pair is not None else None
+        first = graph_replayer(first) if first is not None else None
+        forward = graph_replayer(forward)
     outputs = []
     for step in range(steps):
         x.copy_(torch.randn(1, geometry.hidden, generator=torch.Generator().manual_seed(step)).cuda() * 3)
-        got, _ = rt.step(forward, lambda: None, forward_pair=pair)
+        got, _ = rt.step(forward, lambda: None, forward_pair=pair, forward_first=first)
         outputs.append(got.clone())
     return outputs
 

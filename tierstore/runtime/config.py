@@ -68,6 +68,13 @@ class RuntimeConfig:
       while the later layers' rows are still copied; off: the replay waits for the whole fetch first.
       Same bytes either way (the same slots and kernels), only when each layer may start. A pool that
       holds every expert never waits per layer (it is filled once, before any step).
+    - `unwaited_first_pass` (default on; a pool that can miss, not with `early_fetch`): a decode step's first pass,
+      when the caller gives one (`TieredRuntime.first_pass`, captured as its own CUDA graph: `tierstore generate`,
+      the replay benchmark), and a pass pair read the pool without the per-layer waits, after one device wait for
+      the installs still in flight (usually none: a step's replay waited for its fetch's rows); replays and
+      prefill keep the waits. Same slots and bytes: the result is unchanged. On the H200 the waits cost a no-miss
+      pass ~40 us (its graph's launch ~20 us of it) at 50 % coverage on the recorded trace (docs/runtime.md,
+      "A first pass without the layer waits").
     - `copy_streams` (1 or 2, default 1; with `layer_waits`): a fetch's row copies alternate between this
       many copy streams, so one copy's set-up overlaps another's transfer (each MoE layer then waits on one
       event per stream).
@@ -189,6 +196,7 @@ class RuntimeConfig:
     force_fp4_pool: bool = False
     gate_dump: str = ""
     layer_waits: bool = True
+    unwaited_first_pass: bool = True
     copy_streams: int = 1
     early_fetch: bool = False
     gather_in_pass: bool = False

@@ -127,6 +127,11 @@ class TieredRuntime:
         if self._early and self.device.type == "cuda" and not self.pool.layer_waits:
             raise ConfigError("early_fetch needs layer_waits: the copies it starts during a pass must be waited for "
                               "per layer by the replay")
+        # config unwaited_first_pass: a decode step's first pass (`first_pass`, the caller's forward_first) and a pass
+        # pair read the pool without its per-layer waits, after one device wait for the installs still in flight;
+        # replays and prefill keep them. Not with early_fetch, whose copies start during the pass
+        self.first_passes = (self.config.unwaited_first_pass and slots < geometry.total_routed_experts
+                             and not self._early)
         # gather_in_pass: decode passes map and copy their own missing arena rows (`PassGather`); pass_pair: the
         # first pass of a pair does, while the pair's replay waits for them (`pass_pair`)
         self.backend = _resolve_backend(backend, self.device)
@@ -406,26 +411,44 @@ class TieredRuntime:
             raise ConfigError("pass_pair is off (or this pool holds every expert): a step has no pass pair")
 
         def run():
-            try:
-                self._pair_half = 1
-                forward()
-                self._gather.join_plans()
-                rewind()
-                self._pair_half = 2
+            with self.pool.unwaited() if self.first_passes else nullcontext():
+                try:
+                    self._pair_half = 1
+                    forward()
+                    self._gather.join_plans()
+                    rewind()
+                    self._pair_half = 2
+                    return forward()
+                finally:
+                    self._pair_half = 0
+        return run
+
+    def first_pass(self, forward: Callable[[], object]) -> Callable[[], object]:
+        """Config `unwaited_first_pass`: `forward` reading the pool without its per-layer waits for a fetch's copies
+        (capture it as a CUDA graph where `forward` is captured), to give to `step` as `forward_first`: a decode step
+        launches it as its first pass, after one device wait for any install still in flight (none, usually);
+        replays launch `forward`. Returns what `forward()` returns."""
+        if not self.first_passes:
+            raise ConfigError("unwaited_first_pass is off (or this pool holds every expert, or early_fetch is on): "
+                              "a step has no first pass of its own")
+
+        def run():
+            with self.pool.unwaited():
                 return forward()
-            finally:
-                self._pair_half = 0
         return run
 
     def step(self, forward: Callable[[], torch.Tensor], rewind: Callable[[], None], prefill: bool = False,
              logits_of: Callable[[object], torch.Tensor] | None = None,
-             forward_pair: Callable[[], torch.Tensor] | None = None):
+             forward_pair: Callable[[], torch.Tensor] | None = None,
+             forward_first: Callable[[], torch.Tensor] | None = None):
         """One step to its fixed point: (result of the last forward, StepOutcome). `prefill`: each MoE
         layer fetches its routed set before it runs (arena scan discipline). With the gate armed, a
         decode step (not `prefill`) whose logits (`logits_of(result)`, default the result itself)
         fire is re-run with its routed experts forced to FP4 (`outcome.gate` tells how). `forward_pair`
         (config `pass_pair`: `pass_pair(forward, rewind)`, or its captured graph): a decode step launches it
         instead of `forward` first when a recent pass missed and spares are staged (one replay counted).
+        `forward_first` (config `unwaited_first_pass`: `first_pass(forward)`, or its captured graph): a decode step
+        that launches no pair launches it as its first pass, replays launch `forward`.
         A decode step of a pool that holds every expert, all installed, is not read (config `full_pool_reads`):
         it returns `forward()`'s result at once, without a sync, with `UNREAD_OUTCOME`."""
         if self._skips_reads and not prefill and self.pool.num_mapped == self._experts_total:
@@ -438,17 +461,20 @@ class TieredRuntime:
             # the safe point: the FP4 manager mutates only while nobody holds the tier's lock
             with self.fp4.lock if self.fp4 is not None else NO_LOCK:
                 gated = self.gate is not None and not prefill
+                opening = forward_first if self.first_passes and not prefill else None  # the first pass, unwaited
                 if gated:
                     forward = self._with_signal(forward, logits_of or (lambda r: r))
+                    opening = self._with_signal(opening, logits_of or (lambda r: r)) if opening is not None else None
                 during_pass = None
                 if self._early and not prefill:
                     forward, during_pass = self._with_cleared_layers(forward), self._fetch_during_pass
-                first_forward = None
+                first_forward, first_replays = None, 0
                 if self._gather is not None:
                     if prefill:  # its layers fetch for themselves: no spares
                         self._gather.drop_staged()
                     elif not self.pairs:
                         forward = self._with_armed_gather(forward)
+                        opening = self._with_armed_gather(opening) if opening is not None else None
                     elif self._pair_choice.take(forward_pair is not None and self._recent_missing > 0,
                                                 self._gather.has_staged()):
                         if self._grid_choice is not None:
@@ -456,15 +482,19 @@ class TieredRuntime:
                             self._grid_choice.start(wide_pair)
                             self._gather.use_wide_copies(wide_pair)
                         first_forward = self._with_armed_gather(self._with_served_copies(forward_pair))
+                        first_replays = 1
                         if gated:
                             first_forward = self._with_signal(first_forward, logits_of or (lambda r: r))
                     else:  # a single pass: it gathers nothing
                         self._gather.drop_staged()
                     self._pairs_offered = self._pairs_offered or forward_pair is not None
+                first_forward = first_forward or opening
+                if first_forward is not None and self.first_passes:  # launched without the per-layer waits
+                    first_forward = self._after_installs(first_forward)
                 forward = self._clocked(forward)
                 first_forward = self._clocked(first_forward) if first_forward is not None else None
                 read_pass, pair_first = self._read_pass, []
-                if first_forward is not None:  # what the pair's first pass missed is in the first read's log
+                if first_replays:  # what the pair's first pass missed is in the first read's log
 
                     def read_pass():
                         report = self._read_pass()
@@ -472,7 +502,7 @@ class TieredRuntime:
                             pair_first.extend((*self.log.host_first_missing(), self._last_gathered))
                         return report
                 first = run_step(forward, rewind, read_pass, self._fetch_for_step, self.config, during_pass,
-                                 first_forward=first_forward)
+                                 first_forward=first_forward, first_replays=first_replays)
                 if pair_first:
                     first = first[0], dataclasses.replace(first[1], first_pass_missing_pairs=pair_first[0])
                     self._stats.pairs += 1
@@ -564,6 +594,14 @@ class TieredRuntime:
         e.g. after a host fetch: it gathers nothing)."""
         def run():
             self._gather.arm_staged()
+            return forward()
+        return run
+
+    def _after_installs(self, forward: Callable[[], object]):
+        """`forward`, which reads the pool without its per-layer waits (`first_pass`, a pass pair), after one device
+        wait for the installs whose copies may still run (`DevicePool.before_unwaited_launch`)."""
+        def run():
+            self.pool.before_unwaited_launch()
             return forward()
         return run
 

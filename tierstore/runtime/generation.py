@@ -7,7 +7,9 @@ every pass is a graph replay; elsewhere, or when capture fails, the step runs ea
 
 With config `pass_pair` a decode step may launch its pass and the replay together
 (`TieredRuntime.pass_pair`): between them the cache's write position steps back by the one token the
-first pass wrote (`_step_back`, a device op, so the pair is captured as one CUDA graph like the step).
+first pass wrote (`_step_back`, a device op, so the pair is captured as one CUDA graph like the step). With config
+`unwaited_first_pass` a decode step's first pass is a third graph, the step without the pool's per-layer waits
+(`TieredRuntime.first_pass`); its replays run the step's graph.
 
 With a runtime made with `output_words >= 1` and no confidence gate, the decode step's argmax is
 computed inside the step and published into the pass log (`TieredRuntime.publish`): the pass-log
@@ -55,6 +57,8 @@ class TieredGenerator:
         self._graph_logits = None
         self._pair_graph = None  # config pass_pair: the captured pass pair, and its logits
         self._pair_logits = None
+        self._first_graph = None  # config unwaited_first_pass: the captured first pass, and its logits
+        self._first_logits = None
         # the gate may return a result other than the last pass's, whose published token would then not match
         self._fold = runtime.log.outputs is not None and getattr(runtime, "gate", None) is None
 
@@ -85,21 +89,35 @@ class TieredGenerator:
     def _decode_pair_eager(self) -> torch.Tensor:
         return self.runtime.pass_pair(self._decode_eager, self._step_back)()
 
+    def _decode_first_eager(self) -> torch.Tensor:
+        return self.runtime.first_pass(self._decode_eager)()
+
     def _capture(self, position: int) -> None:
-        launches = [self._decode_eager] + ([self._decode_pair_eager] if self.runtime.pairs else [])  # a pair: unarmed
+        pairs, firsts = self.runtime.pairs, self.runtime.first_passes
+        launches = ([self._decode_eager] + ([self._decode_pair_eager] if pairs else [])  # a pair: unarmed
+                    + ([self._decode_first_eager] if firsts else []))
         captured = capture_graphs(launches, self.device, "the decode step", lambda: self._rewind(position))
         if captured is None:
             self.use_cuda_graph = False
             return
         self._graph, self._graph_logits = captured[0]
-        if len(captured) > 1:
-            self._pair_graph, self._pair_logits = captured[1]
+        others = iter(captured[1:])
+        if pairs:
+            self._pair_graph, self._pair_logits = next(others)
+        if firsts:
+            self._first_graph, self._first_logits = next(others)
 
     def _decode_pass(self) -> torch.Tensor:
         if self._graph is not None:
             self._graph.replay()
             return self._graph_logits
         return self._decode_eager()
+
+    def _decode_first(self) -> torch.Tensor:
+        if self._first_graph is not None:
+            self._first_graph.replay()
+            return self._first_logits
+        return self._decode_first_eager()
 
     def _decode_pair(self) -> torch.Tensor:
         if self._pair_graph is not None:
@@ -168,7 +186,8 @@ class TieredGenerator:
                 self._capture(position)
             self._rewind(position)
             logits, outcome = self.runtime.step(self._decode_pass, lambda p=position: self._rewind(p),
-                                                forward_pair=self._decode_pair if self.runtime.pairs else None)
+                                                forward_pair=self._decode_pair if self.runtime.pairs else None,
+                                                forward_first=self._decode_first if self.runtime.first_passes else None)
             published = int(outcome.last_pass.outputs[0]) if self._fold else None
             result.fired.append(outcome.gate is not None)
             result.all_fp4.append(outcome.all_fp4)

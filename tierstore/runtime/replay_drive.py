@@ -159,12 +159,15 @@ def forward_fn(runtime: TieredRuntime, x: torch.Tensor, weights: torch.Tensor, n
 
 class Graphs:
     """One captured CUDA graph of `forward` per routing shape, over a static routing buffer; with `pair`
-    (config pass_pair: `pair(forward) -> runtime.pass_pair(forward, rewind)`), a second graph of the pass pair
-    over the same buffer."""
+    (config pass_pair: `pair(forward) -> runtime.pass_pair(forward, rewind)`), a graph of the pass pair over the same
+    buffer, with `first` (config unwaited_first_pass: `first(forward) -> runtime.first_pass(forward)`) one of the
+    first pass."""
 
-    def __init__(self, forward: Callable, device: torch.device, pair: Callable[[Callable], Callable] | None = None):
-        self.forward, self.device, self.pair = forward, device, pair
-        self._graphs: dict[tuple, tuple[torch.Tensor, tuple, tuple | None]] = {}  # shape -> (static, single, pair)
+    def __init__(self, forward: Callable, device: torch.device, pair: Callable[[Callable], Callable] | None = None,
+                 first: Callable[[Callable], Callable] | None = None):
+        self.forward, self.device, self.pair, self.first = forward, device, pair, first
+        # shape -> (static, single, pair, first)
+        self._graphs: dict[tuple, tuple[torch.Tensor, tuple, tuple | None, tuple | None]] = {}
 
     def capture(self, example: torch.Tensor) -> bool:
         """Capture for example's shape (after two eager warm-up passes); False when capture fails."""
@@ -172,21 +175,24 @@ class Graphs:
         if key in self._graphs:
             return True
         static = example.clone()
-        launches = [lambda: self.forward(static)]
-        if self.pair is not None:
-            launches.append(self.pair(lambda: self.forward(static)))
-        captured = capture_graphs(launches, self.device, "the replay forward")
+        forward = lambda: self.forward(static)  # noqa: E731
+        makers = [make for make in (self.pair, self.first) if make is not None]
+        captured = capture_graphs([forward] + [make(forward) for make in makers], self.device, "the replay forward")
         if captured is None:
             return False
-        self._graphs[key] = (static, captured[0], captured[1] if self.pair is not None else None)
+        others = iter(captured[1:])
+        pair = next(others) if self.pair is not None else None
+        first = next(others) if self.first is not None else None
+        self._graphs[key] = (static, captured[0], pair, first)
         return True
 
-    def bind(self, ids: torch.Tensor) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor] | None]:
-        """The forward and the pass pair (None without `pair`) of this step: copies its routing into the static
-        buffer now, replays on call."""
-        static, single, pair = self._graphs[tuple(ids.shape)]
+    def bind(self, ids: torch.Tensor) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor] | None,
+                                              Callable[[], torch.Tensor] | None]:
+        """The forward, the pass pair and the first pass (None without `pair` / `first`) of this step: copies its
+        routing into the static buffer now, replays on call."""
+        static, *graphs = self._graphs[tuple(ids.shape)]
         static.copy_(ids)
-        return _replayer(*single), _replayer(*pair) if pair is not None else None
+        return tuple(_replayer(*graph) if graph is not None else None for graph in graphs)
 
 
 def _replayer(graph: torch.cuda.CUDAGraph, out) -> Callable:
@@ -220,12 +226,13 @@ def step_inputs(runtime: TieredRuntime, dtype) -> tuple[torch.Tensor, torch.Tens
 
 
 def captured_graphs(forward: Callable, device: torch.device, routes: list[torch.Tensor],
-                    pair: Callable[[Callable], Callable] | None = None) -> Graphs | None:
-    """`Graphs` of `forward` (and its pair) captured for every routing shape of `routes`, or None on a CPU device or
-    when a capture fails (the runs then go eager)."""
+                    pair: Callable[[Callable], Callable] | None = None,
+                    first: Callable[[Callable], Callable] | None = None) -> Graphs | None:
+    """`Graphs` of `forward` (and its pair and first pass) captured for every routing shape of `routes`, or None on a
+    CPU device or when a capture fails (the runs then go eager)."""
     if device.type != "cuda":
         return None
-    graphs = Graphs(forward, device, pair)
+    graphs = Graphs(forward, device, pair, first)
     return graphs if all(graphs.capture(r) for r in {tuple(r.shape): r for r in routes}.values()) else None
 
 
@@ -244,8 +251,11 @@ class Driver:
         device = self.device = runtime.device
         self.forward = forward_fn(runtime, *step_inputs(runtime, dtype), naive, publish=readback == "folded")
         self.routes = [torch.as_tensor(np.asarray(r), dtype=torch.int64).to(device) for r in steps]  # before timing
-        self.pair = (lambda f: runtime.pass_pair(f, lambda: None)) if runtime.pairs and not plain and not naive else None
-        self.graphs = captured_graphs(self.forward, device, self.routes, self.pair) if graph and not naive else None
+        tiered = not plain and not naive
+        self.pair = (lambda f: runtime.pass_pair(f, lambda: None)) if runtime.pairs and tiered else None
+        self.first = runtime.first_pass if runtime.first_passes and tiered else None
+        self.graphs = (captured_graphs(self.forward, device, self.routes, self.pair, self.first)
+                       if graph and not naive else None)
         self.read = Readback(device, max((r.shape[0] for r in self.routes), default=1)) if readback == "separate" \
             else None
         # a decoder's logits sit at one address (its graph's output): the gate's captured signal needs that
@@ -269,10 +279,11 @@ class Driver:
             self.step_logits.copy_(self.logits[i])  # queued before the clock starts, like a decoder's own logits
         started = time.perf_counter()
         if self.graphs is not None:
-            run, run_pair = self.graphs.bind(ids)
+            run, run_pair, run_first = self.graphs.bind(ids)
         else:
             run = lambda ids=ids: self.forward(ids)  # noqa: E731
             run_pair = self.pair(run) if self.pair is not None else None
+            run_first = self.first(run) if self.first is not None else None
         if self.plain:
             _, token = run()
             if self.read is None and device.type == "cuda":
@@ -280,9 +291,9 @@ class Driver:
         elif self.step_logits is not None:
             step_logits = self.step_logits
             (_, token), outcome = runtime.step(run, lambda: None, logits_of=lambda _: step_logits,
-                                               forward_pair=run_pair)
+                                               forward_pair=run_pair, forward_first=run_first)
         else:
-            (_, token), outcome = runtime.step(run, lambda: None, forward_pair=run_pair)
+            (_, token), outcome = runtime.step(run, lambda: None, forward_pair=run_pair, forward_first=run_first)
         if self.read is not None:
             self.tokens.append(self.read(token))
         elif self.readback == "folded":

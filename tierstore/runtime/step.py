@@ -52,7 +52,7 @@ class StepOutcome:
 def run_step(forward: Callable[[], T], rewind: Callable[[], None], read_pass: Callable[[], PassReport],
              fetch: Callable[[PassReport, bool], int], config: RuntimeConfig,
              during_pass: Callable[[], None] | None = None,
-             first_forward: Callable[[], T] | None = None) -> tuple[T, StepOutcome]:
+             first_forward: Callable[[], T] | None = None, first_replays: int = 0) -> tuple[T, StepOutcome]:
     """Run one step to its fixed point. `fetch(report, partial)` makes the pass's missing experts
     (`report.missing_keys`) resident without evicting any it routed (`report.routed_ids`; partial: as many as
     fit) and returns how many it installed. `during_pass`,
@@ -63,13 +63,14 @@ def run_step(forward: Callable[[], T], rewind: Callable[[], None], read_pass: Ca
     and experts routed only by an earlier, degraded pass are not needed by the replay (protecting
     them too would make a pool that holds one step's working set fail on stale routes).
 
-    `first_forward`, when given, is launched instead of the first `forward()`: a pass pair (a pass and its
-    replay in one launch, `TieredRuntime.pass_pair`), counted as one replay.
+    `first_forward`, when given, is launched instead of the first `forward()`, counted as `first_replays`
+    replays: a pass pair (a pass and its replay in one launch, `TieredRuntime.pass_pair`) counts one, a first
+    pass without the pool's per-layer waits (`TieredRuntime.first_pass`) none.
 
     Returns (result of the last forward, outcome); `outcome.last_pass.routed_keys` are the keys the
     last pass routed. A pass without misses builds no key objects.
     """
-    replays, first, residue, tolerated = int(first_forward is not None), None, 0, False
+    replays, first, residue, tolerated = first_replays, None, 0, False
     approximate = config.replay_mode == "approximate"
     launch = first_forward or forward
     while True:
