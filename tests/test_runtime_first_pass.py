@@ -4,9 +4,9 @@ The caller gives the step `runtime.first_pass(forward)` (captured as its own gra
 first pass of a decode step runs it, replays run `forward`, which waits per layer for a fetch's rows. Before the
 unwaited launch the compute stream waits once for any install still in flight. CPU: which launch runs when, the
 replay count, prefill, refusals, every step equal to the all-resident run. GPU: rows held back on the copy stream
-behind a device sleep, installed by a fetch right before each step, so its first pass reads them while they may still
-be on the bus; with the wait before the launch every step equals the all-resident run bit for bit, and the negative
-control (that wait removed) differs, so the test can fail."""
+behind a device sleep after the install's table copy, installed by a fetch right before each step, so its first pass
+maps them while they may still be on the bus; with the wait before the launch every step equals the all-resident run
+bit for bit, and the negative control (that wait removed) differs, so the test can fail."""
 
 from __future__ import annotations
 
@@ -129,14 +129,26 @@ def cuda_case():
 
 
 def _hold_rows(pool) -> None:
-    """Delay every install's row copies (not its table copy) by a device sleep on the copy stream."""
-    issue = pool._issue
+    """Delay the row copies an install issues after its table copy (its first layer's rows go before the table) by a
+    device sleep on the copy stream: a pass launched right after the install, not waiting, maps those rows' slots and
+    reads their stale bytes (holding the first layer's too would keep the old table, whose misses a replay fixes)."""
+    issue, copy_table, take_buffers = pool._issue, pool._copy_table, pool._take_install_buffers
+    table_sent = [False]
+
+    def taken():  # an install starts
+        table_sent[0] = False
+        return take_buffers()
+
+    def table(staged, stream):
+        table_sent[0] = True
+        copy_table(staged, stream)
 
     def held(runs, stream):
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(HOLD_CYCLES)
+        if table_sent[0]:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(HOLD_CYCLES)
         issue(runs, stream)
-    pool._issue = held
+    pool._issue, pool._copy_table, pool._take_install_buffers = held, table, taken
 
 
 def _prefetched_steps(rt, model, g, routed, graph: bool) -> list[torch.Tensor]:

@@ -1,5 +1,6 @@
 """Which decode steps launch a pass pair (`runtime/pair_choice.py`, config `pass_pair_choice`): the timed choice
-learns by alternating, then runs the kind whose recent steps were faster and explores the other; `always`'s back-off
+learns by alternating, then runs the kind whose recent steps were faster and explores the other, weighing each kind's
+times with and without a first-pass miss by how often recent first passes missed; `always`'s back-off
 after a pair that fell short; failed and backed-off steps are not timed. And the runtime with the timed choice: every
 step equal to the all-resident run, both kinds run, the medians in its stats and KPI line."""
 
@@ -11,8 +12,8 @@ from test_runtime_fixtures import ToyMoE, arena_runtime, memory_source, toy_geom
 
 from tierstore.errors import ConfigError
 from tierstore.runtime import RuntimeConfig, TieredRuntime
-from tierstore.runtime.pair_choice import (EXPLORE_EVERY, EXPLORE_EVERY_MAX, PAIR_RETRY_STEPS, TIMED_WINDOW,
-                                           PairChoice)
+from tierstore.runtime.pair_choice import (EXPLORE_EVERY, EXPLORE_EVERY_MAX, MISS_WINDOW, PAIR_RETRY_STEPS,
+                                           TIMED_WINDOW, ExpectedTimeChoice, PairChoice, TimedChoice)
 
 
 def _run(choice: PairChoice, steps: int, seconds_of, eligible: bool = True) -> list[bool]:
@@ -23,6 +24,54 @@ def _run(choice: PairChoice, steps: int, seconds_of, eligible: bool = True) -> l
         choice.done(seconds_of(paired))
         kinds.append(paired)
     return kinds
+
+
+PAIR_MS, SINGLE_HIT_MS, SINGLE_MISS_MS = 0.76, 0.39, 0.98  # the recorded trace at qwen3-30b-a3b 50 % (H200)
+
+
+def _outcome_run(choice: TimedChoice, steps: int, misses: bool) -> list[bool]:
+    """`steps` offered steps whose first pass missed (`misses`) or not, timed like the recorded trace's."""
+    kinds = []
+    for _ in range(steps):
+        paired = choice.next_kind()
+        choice.start(paired)
+        ms = PAIR_MS if paired else SINGLE_MISS_MS if misses else SINGLE_HIT_MS
+        if isinstance(choice, ExpectedTimeChoice):
+            choice.done(ms / 1e3, first_missed=misses)
+        else:
+            choice.done(ms / 1e3)
+        kinds.append(paired)
+    return kinds
+
+
+def test_pairs_win_while_first_passes_miss_and_lose_once_they_stop():
+    choice, by_medians = ExpectedTimeChoice(), TimedChoice()  # the second: the kinds' own medians alone
+    for timed in (choice, by_medians):
+        _outcome_run(timed, 12, misses=True)  # a burst of misses (a pool warming up): a pair beats a miss + replay
+        assert timed.faster() is True
+    steps = MISS_WINDOW + 2 * EXPLORE_EVERY
+    kinds = _outcome_run(choice, steps, misses=False)  # isolated misses after it: eligible steps no longer miss
+    assert choice.faster() is False  # a pair's second pass is now wasted
+    assert sum(kinds[-EXPLORE_EVERY:]) <= 1  # single passes, but for an exploring pair
+    # the medians alone keep pairing much longer: the singles' last five times are the burst's misses
+    assert sum(_outcome_run(by_medians, steps, misses=False)) > sum(kinds) + EXPLORE_EVERY
+
+
+def test_the_expected_time_weighs_each_outcome_by_the_recent_share_of_misses():
+    choice = ExpectedTimeChoice()
+    for kind, missed, ms in [(True, True, 0.8), (False, True, 1.0), (True, False, 0.7), (False, False, 0.4),
+                             (True, True, 0.8), (False, False, 0.4), (True, False, 0.7), (False, False, 0.4)]:
+        choice.start(kind)
+        choice.done(ms / 1e3, first_missed=missed)
+    p = 3 / 8  # three of the eight offered steps missed
+    want = ((1 - p) * 0.7 + p * 0.8, (1 - p) * 0.4 + p * 1.0)
+    assert choice.expected_ms() == pytest.approx(want)
+    assert choice.faster() is False
+    lone = ExpectedTimeChoice()  # one outcome only: its median
+    for ms in (0.5, 0.9, 0.6):
+        lone.start(True)
+        lone.done(ms / 1e3, first_missed=False)
+    assert lone.expected_ms() == pytest.approx((0.6, 0.0))
 
 
 def test_the_timed_choice_alternates_until_both_kinds_have_three_times():
@@ -155,8 +204,8 @@ def test_the_runtime_with_the_timed_choice_runs_both_kinds_and_stays_exact(monke
     done, stage = choice.done, small._stage_spares
     stages = []
     monkeypatch.setattr(small, "_stage_spares", lambda: (stages.append(len(kinds)), stage()))  # the step it ran in
-    monkeypatch.setattr(choice, "done", lambda seconds, *shortfall: done(
-        seconds + (1.0 if choice.timed.sample else 0.0), *shortfall))  # every timed pair 1 s slower
+    monkeypatch.setattr(choice, "done", lambda seconds, *shortfall, **outcome: done(
+        seconds + (1.0 if choice.timed.sample else 0.0), *shortfall, **outcome))  # every timed pair 1 s slower
     kinds = []
     with resident, small:
         for step in range(40):

@@ -543,7 +543,8 @@ class TieredRuntime:
         self._stats.add_step(outcome.replays, outcome.first_pass_missing_pairs, seconds, outcome.tolerated,
                              outcome.residue_pairs)
         if self.pairs and not prefill:  # its time; with `always` a pair that gathered fewer than it missed backs off
-            self._pair_choice.done(seconds, *(pair_first[2], pair_first[1]) if pair_first else ())
+            self._pair_choice.done(seconds, *(pair_first[2], pair_first[1]) if pair_first else (),
+                                   first_missed=outcome.first_pass_missing_pairs > 0)
             if self._grid_choice is not None and pair_first:  # a pair's time is a sample of its grid
                 self._grid_choice.done(seconds)
             elif self._grid_choice is not None:
@@ -693,8 +694,10 @@ class TieredRuntime:
             self.pool.apply_hits()
         if self._plans_victims and not self._scan:
             self.pool.plan_victims(self._victim_plan_size())
-        if self._gather is not None and not self._scan and (
-                not self.pairs or self._pairs_offered and self._pair_choice.stages_next()):
+        # a pair's spares only where the next step may pair: a recent pass missed, the choice pairs it (staging costs
+        # the host ~0.15 ms on the H200, which after isolated misses delayed the next read)
+        pair_next = self._pairs_offered and self._recent_missing and self._pair_choice.stages_next()
+        if self._gather is not None and not self._scan and (not self.pairs or pair_next):
             self._stage_spares()
         started = time.perf_counter()
         self._stats.prep_seconds += started - preparing

@@ -10,6 +10,7 @@ from statistics import median
 PAIR_CHOICES = ("timed", "always")  # pass_pair_choice
 PAIR_RETRY_STEPS = 8  # `always`: single-pass decode steps after a pair that gathered fewer experts than it missed
 TIMED_WINDOW = 5  # step times kept per kind (the median of these decides)
+MISS_WINDOW = 8  # pair choice: offered steps over which the share whose first pass missed is counted
 EXPLORE_EVERY = 16  # timed: offered steps from a new preference to the first step that runs the other kind
 EXPLORE_EVERY_MAX = 64  # ... doubling after each such step that left the preference as it was, up to this
 
@@ -61,8 +62,19 @@ class TimedChoice:
         """After a started step: its wall time."""
         if self.sample is None:
             return
-        self._seconds[self.sample].append(seconds)
-        self._medians[self.sample] = median(self._seconds[self.sample])
+        self._record(self.sample, seconds)
+        self._decide()
+
+    def _record(self, kind: bool, seconds: float) -> None:
+        self._seconds[kind].append(seconds)
+        self._medians[kind] = median(self._seconds[kind])
+
+    def _score(self, kind: bool) -> float:
+        """What `faster` compares (the lower wins): the median of the kind's recent times."""
+        return self._medians[kind]
+
+    def _decide(self) -> None:
+        """After a sample: form or turn the preference."""
         preferred = self.faster()
         if preferred is not None and preferred != self._preferred:  # formed or turned: explore the other soon
             self._preferred, self.explore_every = preferred, EXPLORE_EVERY
@@ -77,7 +89,7 @@ class TimedChoice:
         """The kind now preferred, None while either has fewer than 3 times."""
         if len(self._seconds[True]) < 3 or len(self._seconds[False]) < 3:
             return None
-        return self._medians[True] <= self._medians[False]
+        return self._score(True) <= self._score(False)
 
     def _kind_at(self, index: int, pending: bool | None = None) -> bool:
         """The kind of the `index`-th offered step (`pending`: a sample not yet timed)."""
@@ -88,13 +100,54 @@ class TimedChoice:
         return (not preferred) if index >= self._explore_at else preferred
 
 
+class ExpectedTimeChoice(TimedChoice):
+    """The timed choice between a pass pair (True) and a single pass (False) by expected wall time. Each kind's recent
+    times are kept apart by whether the step's first pass missed; `p`, the share of the last `MISS_WINDOW` offered
+    steps whose first pass missed (whichever kind ran: a pair's first pass tells it too), weighs them:
+
+        expected(kind) = (1 - p) x median(its no-miss times) + p x median(its miss times)
+
+    (a kind with times of one outcome only: their median). A pair whose first pass missed nothing wasted a pass; a
+    single pass that missed pays a fetch and a replay: which costs less depends on p. The kinds' own medians alone
+    follow their last few samples: after a burst of misses (a pool warming up) they kept pairing the steps after
+    isolated misses, which then rarely missed again (the trace recorded from `tierstore generate`, H200, seventeenth
+    session). The schedule (learning, exploring) is `TimedChoice`'s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # kind -> first pass missed -> recent times
+        self._by_outcome = {kind: {missed: deque(maxlen=TIMED_WINDOW) for missed in (False, True)}
+                            for kind in (True, False)}
+        self._missed: deque[bool] = deque(maxlen=MISS_WINDOW)  # offered steps: whether their first pass missed
+
+    def done(self, seconds: float, first_missed: bool = True) -> None:
+        """After a started step: its wall time and whether its first pass missed."""
+        if self.sample is None:
+            return
+        self._by_outcome[self.sample][first_missed].append(seconds)
+        self._missed.append(first_missed)
+        self._record(self.sample, seconds)
+        self._decide()
+
+    def _score(self, kind: bool) -> float:
+        hit, miss = self._by_outcome[kind][False], self._by_outcome[kind][True]
+        if not hit or not miss:
+            return median(hit or miss)
+        p = sum(self._missed) / len(self._missed)
+        return (1 - p) * median(hit) + p * median(miss)
+
+    def expected_ms(self) -> tuple[float, float]:
+        """The expected wall time in ms of a pair and of a single pass (0.0 for a kind not yet timed)."""
+        return tuple(1e3 * self._score(kind) if self._seconds[kind] else 0.0 for kind in (True, False))
+
+
 class PairChoice:
     """For each decode step of a runtime that can launch pairs: pair or single.
 
     A step is *eligible* when the runtime could launch a pair (the caller gave one, a recent pass missed). `always`
     pairs every eligible step but the `PAIR_RETRY_STEPS` decode steps after a pair whose first pass gathered fewer
     experts than it missed (spares short, rows not in the arena), which run single (the back-off). `timed` chooses
-    among the eligible steps with a `TimedChoice` (True: the pair; on the H200 at 10 % coverage before the
+    among the eligible steps with an `ExpectedTimeChoice` (True: the pair; on the H200 at 10 % coverage before the
     seventeenth session, pairs lost by 6-8 % and their exploring steps cost 1-2 %). A pair that fell short is a slow
     sample there, not a back-off (on the H200 an isolated short pair at 50 % coverage sent 8 steps that pairs ran
     faster to single passes).
@@ -107,7 +160,7 @@ class PairChoice:
         if choice not in PAIR_CHOICES:
             raise ValueError(f"pass_pair_choice must be one of {', '.join(PAIR_CHOICES)}, got {choice!r}")
         self.choice = choice
-        self.timed = TimedChoice()  # over eligible steps outside the back-off; with `always` it only keeps times
+        self.timed = ExpectedTimeChoice()  # over eligible steps outside the back-off; `always`: it only keeps times
         self.backoff_left = 0  # decode steps the back-off still runs single
 
     def take(self, eligible: bool, staged: bool = True) -> bool:
@@ -133,10 +186,12 @@ class PairChoice:
             return False
         return self.choice == "always" or self.timed.upcoming()
 
-    def done(self, seconds: float, gathered: int | None = None, missed: int | None = None) -> None:
-        """After a step that `take` was asked about: its wall time, and for a pair the experts its first pass
-        gathered and missed (with `always`, fewer gathered than missed starts the back-off)."""
-        self.timed.done(seconds)
+    def done(self, seconds: float, gathered: int | None = None, missed: int | None = None,
+             first_missed: bool = True) -> None:
+        """After a step that `take` was asked about: its wall time, for a pair the experts its first pass gathered
+        and missed (with `always`, fewer gathered than missed starts the back-off), and whether its first pass
+        missed (`ExpectedTimeChoice`)."""
+        self.timed.done(seconds, first_missed)
         if self.choice == "always" and gathered is not None and missed is not None and gathered < missed:
             self.backoff_left = PAIR_RETRY_STEPS
 
