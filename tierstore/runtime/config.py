@@ -120,11 +120,14 @@ class RuntimeConfig:
       qwen3-30b-a3b 10 % (by 6-10 %; even at ds-v2-lite 10 %) and lost by 9 % at qwen3-30b-a3b 50 % (docs/runtime.md,
       "The pair's spares staged deeper and its copy grid timed").
       `pass_pair_choice` ("timed", the default; "always"): which decode steps likely to miss launch their pair:
-      those where the runtime's recent pairs took less wall time than its recent single passes (the two kinds
-      alternate until each has three times, then the slower one runs now and then to stay measured: 16 such steps
-      after the choice formed or turned, then twice as far apart after each run that did not turn it, up to 64;
-      `runtime/pair_choice.py`), or every one but the 8 steps after a pair whose first pass gathered fewer experts
-      than it missed (spares short, rows not in the arena).
+      those where a pair's expected wall time is below a single pass's: each kind's recent times with and without a
+      first-pass miss, weighed by the share of the last 8 such steps whose first pass missed (whichever kind ran;
+      since the eighteenth session: the kinds' plain medians kept pairing steps after isolated misses, which then
+      rarely missed). The two kinds alternate until each has three times, then the slower one runs now and then to
+      stay measured: 16 such steps after the choice formed or turned, then twice as far apart after each run that did
+      not turn it, up to 64; `runtime/pair_choice.py`. Or every one but the 8 steps after a pair whose first pass
+      gathered fewer experts than it missed (spares short, rows not in the arena). The next pass's spares are
+      staged only after a recent miss.
       `pass_pair_copies` ("kernel", the default; "engine"): who moves the rows on CUDA: the copy kernel above, or
       the copy engine, driven by the host while the pair runs (each layer's plan in pinned memory, the rows issued
       on a copy stream, a flag written after them that the replay waits for); on a CPU both run the references.
