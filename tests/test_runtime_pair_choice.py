@@ -57,6 +57,23 @@ def test_pairs_win_while_first_passes_miss_and_lose_once_they_stop():
     assert sum(_outcome_run(by_medians, steps, misses=False)) > sum(kinds) + EXPLORE_EVERY
 
 
+def test_single_passes_outside_the_choice_give_the_no_miss_time_and_turn_it_soon():
+    choice = PairChoice("timed")
+    for _ in range(12):  # a burst of misses: every step eligible, pairs win
+        paired = choice.take(True)
+        choice.done((PAIR_MS if paired else SINGLE_MISS_MS) / 1e3, *((1, 1) if paired else ()), first_missed=True)
+    assert choice.faster() is True
+    kinds = []
+    for _ in range(6):  # then isolated misses: 9 steps no pair could replace, then one eligible that misses not
+        for _ in range(9):
+            assert not choice.take(False)
+            choice.done(SINGLE_HIT_MS / 1e3, first_missed=False)
+        paired = choice.take(True)
+        choice.done((PAIR_MS if paired else SINGLE_HIT_MS) / 1e3, *((0, 0) if paired else ()), first_missed=False)
+        kinds.append(paired)
+    assert choice.faster() is False and kinds[-2:] == [False, False], kinds  # within a few eligible steps
+
+
 def test_the_expected_time_weighs_each_outcome_by_the_recent_share_of_misses():
     choice = ExpectedTimeChoice()
     for kind, missed, ms in [(True, True, 0.8), (False, True, 1.0), (True, False, 0.7), (False, False, 0.4),

@@ -129,6 +129,13 @@ class ExpectedTimeChoice(TimedChoice):
         self._record(self.sample, seconds)
         self._decide()
 
+    def observe(self, kind: bool, seconds: float, first_missed: bool) -> None:
+        """A step of `kind` that was not offered (a single pass no pair could replace): its time joins the kind's
+        times of its outcome, not the schedule or `p`. Without it the single passes' no-miss times came only from
+        exploring steps after a burst of misses, and the pair looked faster than a single pass that no longer
+        missed."""
+        self._by_outcome[kind][first_missed].append(seconds)
+
     def _score(self, kind: bool) -> float:
         hit, miss = self._by_outcome[kind][False], self._by_outcome[kind][True]
         if not hit or not miss:
@@ -190,7 +197,9 @@ class PairChoice:
              first_missed: bool = True) -> None:
         """After a step that `take` was asked about: its wall time, for a pair the experts its first pass gathered
         and missed (with `always`, fewer gathered than missed starts the back-off), and whether its first pass
-        missed (`ExpectedTimeChoice`)."""
+        missed (`ExpectedTimeChoice`; a step that ran single without being a sample is observed as a single pass)."""
+        if self.timed.sample is None and gathered is None:
+            self.timed.observe(False, seconds, first_missed)
         self.timed.done(seconds, first_missed)
         if self.choice == "always" and gathered is not None and missed is not None and gathered < missed:
             self.backoff_left = PAIR_RETRY_STEPS
