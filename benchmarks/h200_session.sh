@@ -112,6 +112,19 @@ pair_compare() {  # pair_compare NAME LIMIT CONFIG PRESET LAYERS COVERAGES STEPS
     --out "$work/replay_$4_$1.json"
 }
 
+recorded_compare() {  # recorded_compare NAME CONFIG: replay.py on the trace recorded by `tierstore generate`, both
+  # presets (ds-v2-lite 8 layers, qwen3-30b-a3b 16 layers tiled) at 50 / 25 / 10 %, the default against
+  # --compare-config CONFIG, interleaved, 220 steady steps; stages replay-NAME-recorded-PRESET, limits 75 + 95 s
+  local cell
+  for cell in "ds-v2-lite 8 first 75" "qwen3-30b-a3b 16 tile 95"; do
+    set -- "$1" "$2" $cell
+    stage "replay-$1-recorded-$3" "$6" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$3" --layers "$4" \
+      --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 --no-synthetic \
+      --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers "$5" --trace-top-k trace \
+      --compare-config "$2" --interleave --commit "$commit" --out "$work/replay_$3_$1_recorded.json"
+  done
+}
+
 fetch_ab() {  # fetch_ab NAME LIMIT ARGS...: benchmarks/fetch_overhead.py on CUDA, the old tree e8b7b7f (unpacked from
   # the carried .baseline/e8b7b7f.tar.gz: the device's .git lacks recent commits) against this one, 300 steps per worker
   local name="$1" limit="$2"
@@ -1483,14 +1496,7 @@ case "$step" in
       tests/test_runtime_pass_pair.py tests/test_runtime_pass_gather.py tests/test_runtime_gpu.py \
       tests/test_runtime_unread.py -m gpu -q
     main_job_both_pools 45
-    for cell in "ds-v2-lite 8 first 75" "qwen3-30b-a3b 16 tile 95"; do
-      set -- $cell
-      stage "replay-first21-recorded-$1" "$4" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$1" \
-        --layers "$2" --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-        --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers "$3" \
-        --trace-top-k trace --compare-config unwaited_first_pass=0 --interleave --commit "$commit" \
-        --out "$work/replay_$1_first21_recorded.json"
-    done
+    recorded_compare first21 unwaited_first_pass=0
     ;;
   first21b)  # first21's code on the synthetic trace: the default against unwaited_first_pass=0, interleaved, 300
     # steady steps, qwen3-30b-a3b at 100 / 50 / 25 / 10 %, ds-v2-lite at 50 / 25 / 10 %. Stage limits 110 + 70 s.
@@ -1507,28 +1513,14 @@ case "$step" in
       tests/test_runtime_pass_pair.py tests/test_runtime_layer_waits.py -m gpu -q
     stage generate-quality 45 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
-    for cell in "ds-v2-lite 8 first 75" "qwen3-30b-a3b 16 tile 95"; do
-      set -- $cell
-      stage "replay-choice21-recorded-$1" "$4" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$1" \
-        --layers "$2" --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-        --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers "$3" \
-        --trace-top-k trace --compare-config pass_pair=0 --interleave --commit "$commit" \
-        --out "$work/replay_$1_choice21_recorded.json"
-    done
+    recorded_compare choice21 pass_pair=0
     pair_compare choice21 90 pass_pair=0 qwen3-30b-a3b 16 0.5,0.25,0.1 320 pass_pair=auto
     pair_compare choice21 60 pass_pair=0 ds-v2-lite 8 0.5,0.25,0.1 320 pass_pair=auto
     ;;
   choice21b)  # choice21 with the single passes no pair could replace feeding the choice's single no-miss and miss
     # times (ExpectedTimeChoice.observe): the default against single passes on the recorded trace (both presets, 50 /
     # 25 / 10 %, interleaved, 220 steady steps). Stage limits 75 + 95 s.
-    for cell in "ds-v2-lite 8 first 75" "qwen3-30b-a3b 16 tile 95"; do
-      set -- $cell
-      stage "replay-choice21b-recorded-$1" "$4" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$1" \
-        --layers "$2" --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-        --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers "$3" \
-        --trace-top-k trace --compare-config pass_pair=0 --interleave --commit "$commit" \
-        --out "$work/replay_$1_choice21b_recorded.json"
-    done
+    recorded_compare choice21b pass_pair=0
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

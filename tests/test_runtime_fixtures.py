@@ -97,6 +97,19 @@ def runtime_hf_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.
     return model.to(dtype).eval()
 
 
+def cuda_toy_model() -> tuple[MoEGeometry, ToyMoE]:
+    """(geometry, model) of the CUDA runtime tests: `toy_geometry` at hidden 128, inter 64, the routers on the GPU;
+    skips the test without CUDA."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = toy_geometry(hidden=128, inter=64)
+    model = ToyMoE(g)
+    model.routers = model.routers.cuda()
+    return g, model
+
+
 def graph_replayer(forward):
     """`forward` (CUDA) captured into a CUDA graph after one warm-up call on a side stream (compiles the kernels
     outside the capture): a callable that replays the graph and returns the captured output."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runtime_fixtures import ToyMoE, graph_replayer, memory_source, toy_geometry
+from test_runtime_fixtures import ToyMoE, cuda_toy_model, graph_replayer, memory_source, toy_geometry
 
 from tierstore.errors import ConfigError
 from tierstore.runtime import RuntimeConfig, TieredRuntime
@@ -84,11 +84,7 @@ def _resident_outputs(g, model) -> list[torch.Tensor]:
 
 @pytest.fixture
 def case():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    g = toy_geometry(hidden=128, inter=64)
-    model = ToyMoE(g)
-    model.routers = model.routers.cuda()
+    g, model = cuda_toy_model()
     return g, model, _resident_outputs(g, model)
 
 
