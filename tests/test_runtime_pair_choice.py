@@ -74,6 +74,18 @@ def test_single_passes_outside_the_choice_give_the_no_miss_time_and_turn_it_soon
     assert choice.faster() is False and kinds[-2:] == [False, False], kinds  # within a few eligible steps
 
 
+def test_a_kind_without_a_time_for_an_outcome_recent_steps_had_runs_next():
+    choice = ExpectedTimeChoice()
+    _outcome_run(choice, 8, misses=True)  # learned on misses only: pairs preferred, no single no-miss time
+    assert choice.faster() is True and choice.next_kind() is True
+    choice.start(True)
+    choice.done(PAIR_MS / 1e3, first_missed=False)  # a pair whose first pass missed nothing
+    assert choice.next_kind() is False  # a single pass now: its no-miss time is unknown
+    choice.start(False)
+    choice.done(SINGLE_HIT_MS / 1e3, first_missed=False)
+    assert choice.faster() is True and choice.next_kind() is True  # measured: the expected times decide again
+
+
 def test_the_expected_time_weighs_each_outcome_by_the_recent_share_of_misses():
     choice = ExpectedTimeChoice()
     for kind, missed, ms in [(True, True, 0.8), (False, True, 1.0), (True, False, 0.7), (False, False, 0.4),

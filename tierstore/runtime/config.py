@@ -123,9 +123,10 @@ class RuntimeConfig:
       those where a pair's expected wall time is below a single pass's: each kind's recent times with and without a
       first-pass miss, weighed by the share of the last 8 such steps whose first pass missed (whichever kind ran;
       since the eighteenth session: the kinds' plain medians kept pairing steps after isolated misses, which then
-      rarely missed). The two kinds alternate until each has three times, then the slower one runs now and then to
-      stay measured: 16 such steps after the choice formed or turned, then twice as far apart after each run that did
-      not turn it, up to 64; `runtime/pair_choice.py`. Or every one but the 8 steps after a pair whose first pass
+      rarely missed; a kind without a time for an outcome recent steps had runs next). The two kinds alternate until
+      each has three times, then the slower one runs now and then to stay measured: 16 such steps after the choice
+      formed or turned, then twice as far apart after each run that did not turn it, up to 64;
+      `runtime/pair_choice.py`. Or every one but the 8 steps after a pair whose first pass
       gathered fewer experts than it missed (spares short, rows not in the arena). The next pass's spares are
       staged only after a recent miss.
       `pass_pair_copies` ("kernel", the default; "engine"): who moves the rows on CUDA: the copy kernel above, or

@@ -136,6 +136,16 @@ class ExpectedTimeChoice(TimedChoice):
         missed."""
         self._by_outcome[kind][first_missed].append(seconds)
 
+    def _kind_at(self, index: int, pending: bool | None = None) -> bool:
+        """`TimedChoice`'s kind, except that while the preferred kind holds, the other one runs first if it has no
+        time yet for an outcome that recent steps had (its expected time would be a guess: after learning on a
+        cold pool every single pass sampled missed, and the pairs, with no single no-miss time to weigh against,
+        kept running through a burst in which half the steps missed nothing)."""
+        kind = super()._kind_at(index, pending)
+        if self.faster() == kind and any(not self._by_outcome[not kind][missed] for missed in set(self._missed)):
+            return not kind
+        return kind
+
     def _score(self, kind: bool) -> float:
         hit, miss = self._by_outcome[kind][False], self._by_outcome[kind][True]
         if not hit or not miss:
