@@ -113,6 +113,11 @@ def test_compare_pass_pair_runs_pairs_and_matches_the_resident_tokens(tmp_path):
     assert kinds["pair"]["ms"] == pytest.approx(sum(pair_ms) / len(pair_ms))
     assert 0 < kinds["pair"]["forward_ms"] < kinds["pair"]["ms"] and kinds["pair"]["prep_ms"] > 0
     assert sum(result["runs"]["tiered"]["steady"]["per_step"]["pairs"]) == 0  # the default is off on a CPU
+    # each step's first-pass misses, a pair's first pass too: they sum to the window's missing pairs
+    for run in (flipped, result["runs"]["tiered"]):
+        first = run["steady"]["per_step"]["first_missing"]
+        assert sum(first) == run["steady"]["missing_pairs"] > 0 and min(first) >= 0
+    assert any(miss > 0 for miss, flag in zip(steady["per_step"]["first_missing"], flags) if flag)
 
 
 @pytest.mark.parametrize("compare_first", [False, True])

@@ -55,7 +55,8 @@ NO_IDS = np.empty(0, dtype=np.int64)
 NO_LOCK = nullcontext()  # a step's safe point without an FP4 tier (reusable: it holds nothing)
 UNREAD_OUTCOME = StepOutcome(0, 0, 0, False, UNREAD_PASS)  # a decode step of a complete full pool (`_unread_step`)
 COUNTERS = ("steps", "replays", "fetched_bytes", "fetch_s", "arena_hit_rows", "arena_miss_rows", "arena_s",
-            "install_s", "copy_s", "copy_wait_s", "read_s", "forward_s", "prep_s", "pairs")  # TieredRuntime.counters()
+            "install_s", "copy_s", "copy_wait_s", "read_s", "forward_s", "prep_s", "pairs",
+            "first_missing")  # TieredRuntime.counters(); first_missing: pairs the steps' first passes missed
 
 
 
@@ -783,7 +784,7 @@ class TieredRuntime:
         pool.collect()
         return (s.steps, s.replays, s.fetched_bytes, s.fetch_seconds, *self.arena.row_counts(), s.arena_seconds,
                 s.install_seconds, pool.copy_seconds, pool.wait_seconds, s.read_seconds, s.forward_seconds,
-                s.prep_seconds, s.pairs)
+                s.prep_seconds, s.pairs, s.first_pass_misses)
 
     def kpi_line(self, last: int = 0) -> str:
         self._settle_gathered()  # the last pass's own rows counted (gather_in_pass)

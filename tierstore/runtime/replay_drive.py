@@ -46,7 +46,7 @@ class Window:
     gate_fired: int  # steps the confidence gate fired on (0 without a gate)
     gate_replays: int
     per_step: dict | None = None  # lists, one entry per step: ms, replays, arena_hit_rows, arena_miss_rows, pairs (1:
-    # launched as a pass pair), and PER_STEP_MS: fetch_ms (host time in fetch) = arena_ms + install_ms (+ copy_wait_ms
+    # launched as a pass pair), first_missing (pairs its first pass missed: a pair's too), and PER_STEP_MS: fetch_ms (host time in fetch) = arena_ms + install_ms (+ copy_wait_ms
     # in fetch); copy_ms (the copies' device time); copy_wait_ms (host blocked on copies); read_ms (pass-log reads:
     # each waits for its forward and for copies in flight); forward_ms (host time in the forward calls: on CUDA with
     # graphs their launches); prep_ms (a read's host work before its sync: policy hits, victim plans, spares)
@@ -123,7 +123,7 @@ def _per_step(times: list[float], marks: list[tuple]) -> dict:
     column = dict(zip(COUNTERS, d.T))
     out = {"ms": [round(1e3 * t, 4) for t in times]}
     out.update({name: column[name].astype(int).tolist() for name in ("replays", "arena_hit_rows", "arena_miss_rows",
-                                                                    "pairs")})
+                                                                    "pairs", "first_missing")})
     out.update({name: np.round(1e3 * column[name[:-3] + "_s"], 4).tolist() for name in PER_STEP_MS})
     return out
 
