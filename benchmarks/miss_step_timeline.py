@@ -303,7 +303,8 @@ def main() -> None:
 
     from tierstore.geometry import get_preset
     from tierstore.runtime import RuntimeConfig, TieredRuntime
-    from tierstore.runtime.replay import ensure_synthetic_pack, map_trace, open_synthetic_rows, preload_arena, trace_steps
+    from tierstore.runtime.replay import (ensure_synthetic_pack, map_trace, open_synthetic_rows, preload_arena,
+                                          trace_steps)
     from tierstore.runtime.replay_drive import drive
     from tierstore.sim import load_trace
 
@@ -324,7 +325,8 @@ def main() -> None:
     with TieredRuntime(g, open_synthetic_rows(spec, args.pack_dir), pool_slots=slots,
                        arena_slots=int(4 * 2**30) // spec.stride, device="cuda",
                        config=RuntimeConfig(kpi_every=0, force_pool=True, gather_in_pass=args.gather_in_pass,
-                                            pass_pair=False, full_pool_reads=args.full_pool_reads),  # the single pass's miss step (pairs: pair_clock.py)
+                                            pass_pair=False,  # the single pass's miss step (pairs: pair_clock.py)
+                                            full_pool_reads=args.full_pool_reads),
                        output_words=1) as rt:
         preload_arena(rt)
         if args.coverage >= 1.0:

@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("bench_pair_choice_trace", ROOT / "benchmarks" / "pair_choice_trace.py")
+    path = ROOT / "benchmarks" / "pair_choice_trace.py"
+    spec = importlib.util.spec_from_file_location("bench_pair_choice_trace", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

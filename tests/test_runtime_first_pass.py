@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runtime_fixtures import ToyMoE, cuda_toy_model, graph_replayer, memory_source, toy_geometry
+from test_runtime_fixtures import ToyMoE, arena_runtime, cuda_toy_model, graph_replayer, toy_geometry
 
 from tierstore.errors import ConfigError
 from tierstore.runtime import RuntimeConfig, TieredRuntime
@@ -23,12 +23,9 @@ HOLD_CYCLES = 20_000_000  # ~10 ms at the H200's clock: far longer than a toy fo
 
 
 def _runtime(g, fraction: float, device: str = "cpu", **config) -> TieredRuntime:
-    every = [(layer, expert) for layer in range(g.num_moe_layers) for expert in range(g.num_experts)]
-    rt = TieredRuntime(g, memory_source(g, 0), pool_slots=round(fraction * g.total_routed_experts),
-                       arena_slots=len(every), device=device, backend="triton" if device == "cuda" else "auto",
-                       config=RuntimeConfig(kpi_every=0, **config))
-    rt.arena.fetch(every, scan=True)
-    return rt
+    """A pool of `fraction` of the experts over an arena holding every row."""
+    return arena_runtime(g, round(fraction * g.total_routed_experts), "all", device=device,
+                         backend="triton" if device == "cuda" else "auto", **config)[0]
 
 
 def _inputs(g, step: int, device: str) -> torch.Tensor:
