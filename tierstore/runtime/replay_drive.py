@@ -47,7 +47,8 @@ class Window:
     gate_replays: int
     per_step: dict | None = None  # lists, one entry per step: ms, replays, arena_hit_rows, arena_miss_rows, pairs (1:
     # launched as a pass pair), first_missing (pairs its first pass missed: a pair's too), and PER_STEP_MS: fetch_ms
-    # (host time in fetch) = arena_ms + install_ms (+ copy_wait_ms in fetch); copy_ms (the copies' device time); copy_wait_ms (host blocked on copies); read_ms (pass-log reads:
+    # (host time in fetch) = arena_ms + install_ms (+ copy_wait_ms in fetch); copy_ms (the copies' device time);
+    # copy_wait_ms (host blocked on copies); read_ms (pass-log reads:
     # each waits for its forward and for copies in flight); forward_ms (host time in the forward calls: on CUDA with
     # graphs their launches); prep_ms (a read's host work before its sync: policy hits, victim plans, spares)
 
