@@ -5,10 +5,11 @@ the first pass maps each layer's missing arena rows into armed spares after the 
 CPU: every step equal to the all-resident run bit for bit, with the pool's bytes and tables exact after each, at 1
 and 3 tokens, with an arena holding every row and with one holding a part (the rest goes the host path); the pass
 log keeps the first pass's gathers and counts across the replay's reset; a step given no pair runs single passes
-that gather nothing; a pair failing in its replay leaves the host in step; the knob's refusals. GPU: the runtime
-end to end, eager and with the pair captured as one CUDA graph, with every row copy held back on the side stream
-behind a device sleep (the replay's waits keep it exact; its negative control, the waits removed, reads stale
-rows)."""
+that gather nothing; a pair failing in its replay leaves the host in step; a pair whose first pass missed nothing
+runs no replay (config pass_pair_replay_segment); the knob's refusals. GPU: the runtime end to end, eager and with
+the pair captured as one CUDA graph, with every row copy held back on the side stream behind a device sleep (the
+replay's waits keep it exact; its negative control, the waits removed, reads stale rows); the replay's conditional
+segments in a graph, alone and in the runtime."""
 
 from __future__ import annotations
 
@@ -115,6 +116,55 @@ def test_the_outcome_reports_the_first_pass_misses_of_a_pair():
     # a pair whose first pass gathered had misses in that first pass (its log said so, not the replay's)
     assert any(gathered for _, gathered in firsts)
     assert all(first > 0 for first, gathered in firsts if gathered)
+
+
+@pytest.mark.parametrize("segment", [4, 1, 0])
+def test_a_pair_whose_first_pass_missed_nothing_runs_no_replay(segment):
+    """Config pass_pair_replay_segment (0: off): a pair whose first pass missed nothing returns that pass's result
+    and counts no replay; one that missed runs its replay. Every step equal to the resident run."""
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=3)
+    resident = _resident(g)
+    small, source = _pair_runtime(g, 32, "all", pass_pair_replay_segment=segment)
+    pairs = []  # (the first pass's missing pairs, replays counted, the halves of the pair's forward calls)
+    with resident, small:
+        for step in range(48):  # four inputs again and again (their experts fit the pool), a new one every fifth
+            seed = step % 4 if step % 5 else 100 + step
+            x = torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(seed)) * 3
+            want, _ = resident.step(lambda: model.forward(resident, x), lambda: None)
+            halves = []
+
+            def forward():
+                halves.append(small._pair_half)
+                return model.forward(small, x)
+            before = small.stats().pair_steps
+            got, outcome = small.step(forward, lambda: None, forward_pair=small.pass_pair(forward, lambda: None))
+            assert torch.equal(got, want), f"step {step} differs from the all-resident run"
+            _check_exact(small, source)
+            if small.stats().pair_steps > before:
+                pairs.append((outcome.first_pass_missing_pairs, outcome.replays, [h for h in halves if h]))
+    hits = [pair for pair in pairs if pair[0] == 0]
+    assert hits and len(hits) < len(pairs), "the case needs pairs that missed and pairs that did not"
+    for first, replays, halves in pairs:
+        if segment and not first:
+            assert replays == 0 and halves == [1]
+        else:
+            assert replays >= 1 and halves == [1, 2]
+
+
+def test_copy_into_writes_the_replays_result_over_the_first_passes():
+    from tierstore.runtime.replay_if import copy_into
+
+    first = (torch.zeros(3), [torch.zeros(2, 2)], None)
+    second = (torch.arange(3.0), [torch.ones(2, 2)], None)
+    out = copy_into(first, second)
+    assert out is first and torch.equal(first[0], second[0]) and torch.equal(first[1][0], second[1][0])
+    same = torch.ones(4)
+    assert copy_into(same, same) is same
+    with pytest.raises(ValueError, match="the replay returned 1 values, the first pass 2"):
+        copy_into((torch.zeros(1), torch.zeros(1)), (torch.zeros(1),))
+    with pytest.raises(TypeError, match="returns tensors or tuples of them"):
+        copy_into({"logits": torch.zeros(1)}, {"logits": torch.zeros(1)})
 
 
 def test_a_step_without_a_pair_gathers_nothing_and_stays_exact():
@@ -231,6 +281,9 @@ def test_the_knob_refuses_what_it_cannot_serve():
         RuntimeConfig(pass_pair_copy_blocks=0)
     with pytest.raises(ConfigError, match="pass_pair_wide_blocks must be an integer >= 0"):
         RuntimeConfig(pass_pair_wide_blocks=-1)
+    with pytest.raises(ConfigError, match="pass_pair_replay_segment must be an integer >= 0"):
+        RuntimeConfig(pass_pair_replay_segment=-1)
+    assert RuntimeConfig.from_env({"TIERSTORE_PASS_PAIR_REPLAY_SEGMENT": "0"}).pass_pair_replay_segment == 0
     with pytest.raises(ConfigError, match="gather_spares_per_miss must be an integer >= 1"):
         RuntimeConfig(gather_spares_per_miss=0)
     with pytest.raises(ConfigError, match="pass_pair_copies must be one of kernel, engine"):
@@ -348,12 +401,15 @@ def test_cuda_pairs_equal_the_resident_run(cuda, graph, held_back, copies, plans
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("segment", [1, 0])
 @pytest.mark.parametrize("copies", ["kernel", "engine"])
-def test_cuda_negative_control_without_the_replays_waits_reads_stale_rows(cuda, copies):
+def test_cuda_negative_control_without_the_replays_waits_reads_stale_rows(cuda, copies, segment):
     """The held-back copies with the replay's waits removed but the last layer's (which joins the side stream, as
-    a capture needs): some step differs from the resident run (so the waits keep the held-back test exact)."""
+    a capture needs): some step differs from the resident run (so the waits keep the held-back test exact). With
+    conditional segments of one layer (config pass_pair_replay_segment 1) the waits are the segments'."""
     g, model, want = _cuda_case()
-    small, _ = _pair_runtime(g, 20, "all", device="cuda", backend="triton", pass_pair_copies=copies)
+    small, _ = _pair_runtime(g, 20, "all", device="cuda", backend="triton", pass_pair_copies=copies,
+                             pass_pair_replay_segment=segment)
     with small:
         _held_back(small)
         wait_rows = small._gather.wait_rows
@@ -361,3 +417,74 @@ def test_cuda_negative_control_without_the_replays_waits_reads_stale_rows(cuda, 
         got = cuda_decode_steps(small, model, g, graph=True)
         torch.cuda.synchronize()
     assert any(not torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.gpu
+def test_cuda_conditional_segments_run_only_when_the_first_pass_missed(cuda):
+    """`ConditionalReplay` in a CUDA graph: six layers in segments of four; the segments wait for their last layer's
+    copies; replayed with the count at 0 the output is the first pass's, above 0 the replay's (outputs poisoned)."""
+    from tierstore.runtime.replay_if import ConditionalReplay, conditional_capture_available, copy_into
+
+    if not conditional_capture_available():
+        pytest.skip("this torch captures no conditional graph nodes")
+    missed = torch.zeros(1, dtype=torch.int32, device="cuda")
+    x = torch.zeros(8, device="cuda")
+    waited = []
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first = x * 2
+        replay = ConditionalReplay(missed, 6, 4, waited.append)
+        replay.open()
+        h = x + 1
+        for layer in range(6):
+            replay.layer(layer)
+            h = h * 3 + layer
+        out = copy_into(first, h)
+        replay.close()
+    assert waited == [3, 5]
+    for count in (0, 2, 0, 1):
+        x.copy_(torch.randn(8, generator=torch.Generator().manual_seed(count)).cuda())
+        missed.fill_(count)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = x * 2
+        if count:
+            want = x + 1
+            for layer in range(6):
+                want = want * 3 + layer
+        assert torch.equal(out, want), f"count {count}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("segment", [4, 1, 0])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_cuda_a_pair_that_missed_nothing_runs_no_replay(cuda, graph, segment):
+    """Config pass_pair_replay_segment with the copies held back: every step equal to the resident run; a pair
+    whose first pass missed nothing counts no replay (its conditional segments skipped), one that missed does."""
+    from tierstore.runtime.replay_if import conditional_capture_available
+
+    if graph and segment and not conditional_capture_available():
+        pytest.skip("this torch captures no conditional graph nodes")
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
+    model = ToyMoE(g)
+    model.routers = model.routers.cuda()
+    seeds = [step % 4 if step % 5 else 100 + step for step in range(32)]  # repeated inputs, a new one every fifth
+    with _resident(g, device="cuda", backend="triton") as resident:
+        want = cuda_decode_steps(resident, model, g, graph=False, seeds=seeds)
+    small, source = _pair_runtime(g, 32, "all", device="cuda", backend="triton", pass_pair_replay_segment=segment)
+    outcomes = []
+    with small:
+        _held_back(small)
+        got = cuda_decode_steps(small, model, g, graph, seeds=seeds, outcomes=outcomes)
+        _check_exact(small, source)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step} differs from the all-resident run"
+    pairs = [(outcome.first_pass_missing_pairs, outcome.replays) for paired, outcome in outcomes if paired]
+    hits = [pair for pair in pairs if pair[0] == 0]
+    assert hits and len(hits) < len(pairs), "the case needs pairs that missed and pairs that did not"
+    for first, replays in pairs:
+        if segment and not first:
+            assert replays == 0
+        else:
+            assert replays >= 1

@@ -129,6 +129,13 @@ class RuntimeConfig:
       `runtime/pair_choice.py`. Or every one but the 8 steps after a pair whose first pass
       gathered fewer experts than it missed (spares short, rows not in the arena). The next pass's spares are
       staged only after a recent miss.
+      `pass_pair_replay_segment` (default 4; 0: off): a pair's replay runs only when its first pass missed
+      something; in the pair's CUDA graph it is cut into conditional (IF) nodes of this many MoE layers each, whose
+      predicate the device computes after the first pass, so a pair that missed nothing costs one pass. Each segment
+      waits for the copies of its last layer before it starts (a conditional body cannot wait for a node outside
+      it), where the replay otherwise waits layer by layer. Needs a torch that captures conditional nodes (CUDA
+      12.4+; without, the replay always runs, with a warning); eager, the host reads the count (a sync on CUDA).
+      The result is unchanged: a replay of a pass that missed nothing computes the same bytes.
       `pass_pair_copies` ("kernel", the default; "engine"): who moves the rows on CUDA: the copy kernel above, or
       the copy engine, driven by the host while the pair runs (each layer's plan in pinned memory, the rows issued
       on a copy stream, a flag written after them that the replay waits for); on a CPU both run the references.
@@ -212,6 +219,7 @@ class RuntimeConfig:
     gather_keeps_recent: bool = False
     gather_spares_per_miss: int = 4
     pass_pair_choice: str = "timed"
+    pass_pair_replay_segment: int = 4
     cuda_w2: bool | str = "auto"
     full_pool_reads: bool = False
 
@@ -221,7 +229,7 @@ class RuntimeConfig:
         for name in ("fp_max", "tokens_per_step", "pass_pair_copy_blocks", "gather_spares_per_miss"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("fp_thresh", "miss_tolerance", "kpi_every", "pass_pair_wide_blocks"):
+        for name in ("fp_thresh", "miss_tolerance", "kpi_every", "pass_pair_wide_blocks", "pass_pair_replay_segment"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if self.copy_streams not in (1, 2) or type(self.copy_streams) is not int:

@@ -41,6 +41,7 @@ from tierstore.runtime.pair_choice import PairChoice, TimedChoice
 from tierstore.runtime.pass_gather import PassGather, gather_capacity
 from tierstore.runtime.passlog import UNREAD_PASS, PassLog, PassReport
 from tierstore.runtime.pools import DevicePool
+from tierstore.runtime.replay_if import ConditionalReplay, conditional_capture_available, copy_into
 from tierstore.runtime.rows import check_row_source
 from tierstore.runtime.seen_snapshot import ChainedSnapshot
 from tierstore.runtime.stats import RuntimeStats, StatsRecorder, precision_kpi
@@ -166,6 +167,12 @@ class TieredRuntime:
                 self.log = pass_log(0)
         self.pairs = self._gather is not None and self._gather.paired  # decode steps may launch a pass pair
         self._pair_half = 0  # while a pass pair runs (or is captured): 1 in its first pass, 2 in its replay
+        self._conditional: ConditionalReplay | None = None  # while a pair's skippable replay is captured
+        self._warned_conditional = False
+        # config pass_pair_replay_segment: the last pair launched or captured leaves out its replay when its first
+        # pass missed nothing; the predicates of the captured conditionals, kept with the runtime like its graphs
+        self._pairs_skip_replay = False
+        self._replay_predicates: list[torch.Tensor] = []
         self._last_gathered = 0  # experts the last pass read gathered for itself (`_recent_missing`)
         # (key ids, slots, victims) a read pass mapped for itself, not yet on the host (`_settle_gathered`)
         self._pending_gathered: tuple[list[int], list[int], list[int]] | None = None
@@ -290,7 +297,10 @@ class TieredRuntime:
         """A layer of a pass pair: the first pass gathers the layer's missing rows after its experts saw them
         missing; the replay waits for them before its experts."""
         if self._pair_half == 2:
-            self._gather.wait_rows(layer)
+            if self._conditional is not None:  # the segment's IF node waited for its rows
+                self._conditional.layer(layer)
+            else:
+                self._gather.wait_rows(layer)
         out = self._experts(layer, hidden, topk_ids, topk_weights)
         if self._pair_half == 1:
             self._gather.plan_and_fork(layer, self.experts.fp4_table)
@@ -411,18 +421,58 @@ class TieredRuntime:
         if not self.pairs:
             raise ConfigError("pass_pair is off (or this pool holds every expert): a step has no pass pair")
 
+        segment = self.config.pass_pair_replay_segment
+
         def run():
             with self.pool.unwaited() if self.first_passes else nullcontext():
                 try:
                     self._pair_half = 1
-                    forward()
+                    first = forward()
                     self._gather.join_plans()
+                    self._pairs_skip_replay = bool(segment) and self._replay_skippable()
+                    if self._pairs_skip_replay:
+                        return self._replay_if_missed(first, forward, rewind, segment)
                     rewind()
                     self._pair_half = 2
                     return forward()
                 finally:
-                    self._pair_half = 0
+                    self._pair_half, self._conditional = 0, None
         return run
+
+    def _replay_skippable(self) -> bool:
+        """Config pass_pair_replay_segment: whether this pair's replay can be left out when its first pass missed
+        nothing: eager, always (the host decides); in a CUDA graph capture, where torch captures IF nodes."""
+        if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            return True
+        if conditional_capture_available():
+            return True
+        if not self._warned_conditional:
+            log.warning("pass_pair_replay_segment: this torch captures no conditional graph nodes "
+                        "(CUDAGraph.begin_capture_to_if_node); a pair's replay always runs")
+            self._warned_conditional = True
+        return False
+
+    def _replay_if_missed(self, first, forward: Callable[[], object], rewind: Callable[[], None], segment: int):
+        """A pair's replay run only when its first pass missed: in a capture as conditional segments
+        (`ConditionalReplay`), eagerly by the host's reading of the count. Returns the first pass's result, with the
+        replay's written over it when the replay ran."""
+        missed = self.log.counts[:1]  # [1] the first pass's missing pairs, before the replay's reset moves them
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self._conditional = ConditionalReplay(missed, self.pool.num_layers, segment, self._gather.wait_rows)
+            self._replay_predicates.append(self._conditional.predicate)
+            self._conditional.open()
+            try:
+                rewind()
+                self._pair_half = 2
+                second = forward()
+                return copy_into(first, second)
+            finally:
+                self._conditional.close()
+        if int(missed[0]) == 0:  # a sync on CUDA: eager pairs only
+            return first
+        rewind()
+        self._pair_half = 2
+        return copy_into(first, forward())
 
     def first_pass(self, forward: Callable[[], object]) -> Callable[[], object]:
         """Config `unwaited_first_pass`: `forward` reading the pool without its per-layer waits for a fetch's copies
@@ -505,7 +555,10 @@ class TieredRuntime:
                 first = run_step(forward, rewind, read_pass, self._fetch_for_step, self.config, during_pass,
                                  first_forward=first_forward, first_replays=first_replays)
                 if pair_first:
-                    first = first[0], dataclasses.replace(first[1], first_pass_missing_pairs=pair_first[0])
+                    # a pair whose replay was left out (its first pass missed nothing) ran no replay
+                    replays = first[1].replays - (self._pairs_skip_replay and not pair_first[0])
+                    first = first[0], dataclasses.replace(first[1], first_pass_missing_pairs=pair_first[0],
+                                                          replays=replays)
                     self._stats.pairs += 1
                 result, outcome = first
                 if gated:
