@@ -118,8 +118,10 @@ def graph_replayer(forward):
     with torch.cuda.stream(side):
         forward()
     torch.cuda.current_stream().wait_stream(side)
+    from tierstore.runtime.replay_if import capturing
+
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capturing(graph), torch.cuda.graph(graph):
         out = forward()
     return lambda: (graph.replay(), out)[1]
 

@@ -421,17 +421,19 @@ def test_cuda_negative_control_without_the_replays_waits_reads_stale_rows(cuda, 
 
 @pytest.mark.gpu
 def test_cuda_conditional_segments_run_only_when_the_first_pass_missed(cuda):
-    """`ConditionalReplay` in a CUDA graph: six layers in segments of four; the segments wait for their last layer's
-    copies; replayed with the count at 0 the output is the first pass's, above 0 the replay's (outputs poisoned)."""
-    from tierstore.runtime.replay_if import ConditionalReplay, conditional_capture_available, copy_into
+    """`ConditionalReplay` in a CUDA graph (by torch's IF nodes where it has them, else by the CUDA runtime's): six
+    layers in segments of four; the segments wait for their last layer's copies; replayed with the count at 0 the
+    output is the first pass's, above 0 the replay's (outputs poisoned)."""
+    from tierstore.runtime.replay_if import (ConditionalReplay, capturing, conditional_capture_available, copy_into,
+                                             prepare_runtime_if_nodes)
 
-    if not conditional_capture_available():
-        pytest.skip("this torch captures no conditional graph nodes")
+    assert prepare_runtime_if_nodes(torch.device("cuda")), "neither torch nor the CUDA runtime captures IF nodes"
     missed = torch.zeros(1, dtype=torch.int32, device="cuda")
     x = torch.zeros(8, device="cuda")
     waited = []
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capturing(graph), torch.cuda.graph(graph):
+        assert conditional_capture_available(torch.device("cuda"))
         first = x * 2
         replay = ConditionalReplay(missed, 6, 4, waited.append)
         replay.open()
@@ -462,10 +464,6 @@ def test_cuda_conditional_segments_run_only_when_the_first_pass_missed(cuda):
 def test_cuda_a_pair_that_missed_nothing_runs_no_replay(cuda, graph, segment):
     """Config pass_pair_replay_segment with the copies held back: every step equal to the resident run; a pair
     whose first pass missed nothing counts no replay (its conditional segments skipped), one that missed does."""
-    from tierstore.runtime.replay_if import conditional_capture_available
-
-    if graph and segment and not conditional_capture_available():
-        pytest.skip("this torch captures no conditional graph nodes")
     g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
     model = ToyMoE(g)
     model.routers = model.routers.cuda()

@@ -46,11 +46,13 @@ def nvcc_version() -> str | None:
 
 def nvcc_command(source: Path, output: Path, fmt: str = "fatbin", defines: dict | None = None,
                  arch: str = ARCH) -> list[str]:
-    """fmt: fatbin (SASS + PTX, what `build` loads) or cubin (SASS only, for cuobjdump); defines: -DNAME=value.
-    The source's folder is on the include path (its .cuh headers)."""
-    targets = f"[sm_{arch},compute_{arch}]" if fmt == "fatbin" else f"sm_{arch}"
+    """fmt: fatbin (SASS + PTX, what `build` loads), cubin (SASS only, for cuobjdump) or so (a shared library of
+    host code and its kernels, SASS + PTX, for ctypes: `build_library`); defines: -DNAME=value. The source's folder
+    is on the include path (its .cuh headers)."""
+    targets = f"[sm_{arch},compute_{arch}]" if fmt in ("fatbin", "so") else f"sm_{arch}"
     flags = [f"-D{name}={value}" for name, value in sorted((defines or {}).items())]
-    return [nvcc_path() or "nvcc", f"-{fmt}", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code={targets}",
+    kind = ["-shared", "-Xcompiler", "-fPIC"] if fmt == "so" else [f"-{fmt}"]
+    return [nvcc_path() or "nvcc", *kind, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code={targets}",
             f"-I{Path(source).parent}", *flags, "-o", str(output), str(source)]
 
 
@@ -64,6 +66,16 @@ def source_bytes(source: Path) -> bytes:
 
 def build(source: Path, defines: dict | None = None, fmt: str = "fatbin", cache_dir: Path | None = None) -> bytes:
     """Compile `source` (cached by its bytes, its folder's headers' and the command) and return the image."""
+    return build_path(source, defines, fmt, cache_dir).read_bytes()
+
+
+def build_library(source: Path, cache_dir: Path | None = None) -> ctypes.CDLL:
+    """`source` built as a shared library (cached like `build`) and loaded."""
+    return ctypes.CDLL(str(build_path(source, fmt="so", cache_dir=cache_dir)))
+
+
+def build_path(source: Path, defines: dict | None = None, fmt: str = "fatbin", cache_dir: Path | None = None) -> Path:
+    """`build`'s cached image, compiled first when it is not there."""
     text = source_bytes(source)
     cache_dir = Path(cache_dir or os.environ.get("TIERSTORE_CUDA_CACHE", Path(tempfile.gettempdir()) / "tierstore-cuda"))
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -77,7 +89,7 @@ def build(source: Path, defines: dict | None = None, fmt: str = "fatbin", cache_
         if proc.returncode != 0:
             raise CudaError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         os.replace(tmp, image)
-    return image.read_bytes()
+    return image
 
 
 # Argument kinds of `pack_args`: pointer (uint64), int32, int64, float32.

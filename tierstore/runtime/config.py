@@ -134,7 +134,8 @@ class RuntimeConfig:
       predicate the device computes after the first pass, so a pair that missed nothing costs one pass. Each segment
       waits for the copies of its last layer before it starts (a conditional body cannot wait for a node outside
       it), where the replay otherwise waits layer by layer. Needs a torch that captures conditional nodes (CUDA
-      12.4+; without, the replay always runs, with a warning); eager, the host reads the count (a sync on CUDA).
+      12.4+ and torch's IF-node capture, which the H200's torch 2.11 lacks; without, a captured replay always runs);
+      eager, the host reads the count (a sync on CUDA).
       The result is unchanged: a replay of a pass that missed nothing computes the same bytes.
       `pass_pair_copies` ("kernel", the default; "engine"): who moves the rows on CUDA: the copy kernel above, or
       the copy engine, driven by the host while the pair runs (each layer's plan in pinned memory, the rows issued

@@ -41,7 +41,8 @@ from tierstore.runtime.pair_choice import PairChoice, TimedChoice
 from tierstore.runtime.pass_gather import PassGather, gather_capacity
 from tierstore.runtime.passlog import UNREAD_PASS, PassLog, PassReport
 from tierstore.runtime.pools import DevicePool
-from tierstore.runtime.replay_if import ConditionalReplay, conditional_capture_available, copy_into
+from tierstore.runtime.replay_if import (ConditionalReplay, conditional_capture_available, copy_into,
+                                        prepare_runtime_if_nodes)
 from tierstore.runtime.rows import check_row_source
 from tierstore.runtime.seen_snapshot import ChainedSnapshot
 from tierstore.runtime.stats import RuntimeStats, StatsRecorder, precision_kpi
@@ -166,9 +167,11 @@ class TieredRuntime:
                 log.warning("pass_pair auto: off (%s)", error)
                 self.log = pass_log(0)
         self.pairs = self._gather is not None and self._gather.paired  # decode steps may launch a pass pair
+        if self.pairs and self.device.type == "cuda" and self.config.pass_pair_replay_segment:
+            prepare_runtime_if_nodes(self.device)  # before any capture: IF nodes where torch has none
         self._pair_half = 0  # while a pass pair runs (or is captured): 1 in its first pass, 2 in its replay
         self._conditional: ConditionalReplay | None = None  # while a pair's skippable replay is captured
-        self._warned_conditional = False
+        self._told_conditional = False
         # config pass_pair_replay_segment: the last pair launched or captured leaves out its replay when its first
         # pass missed nothing; the predicates of the captured conditionals, kept with the runtime like its graphs
         self._pairs_skip_replay = False
@@ -444,12 +447,12 @@ class TieredRuntime:
         nothing: eager, always (the host decides); in a CUDA graph capture, where torch captures IF nodes."""
         if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             return True
-        if conditional_capture_available():
+        if conditional_capture_available(self.device):
             return True
-        if not self._warned_conditional:
-            log.warning("pass_pair_replay_segment: this torch captures no conditional graph nodes "
-                        "(CUDAGraph.begin_capture_to_if_node); a pair's replay always runs")
-            self._warned_conditional = True
+        if not self._told_conditional:
+            log.info("pass_pair_replay_segment: this torch captures no conditional graph nodes "
+                     "(CUDAGraph.begin_capture_to_if_node); a captured pair's replay always runs")
+            self._told_conditional = True
         return False
 
     def _replay_if_missed(self, first, forward: Callable[[], object], rewind: Callable[[], None], segment: int):

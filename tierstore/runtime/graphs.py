@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from tierstore.runtime.replay_if import capturing
+
 log = logging.getLogger("tierstore.runtime")
 
 
@@ -28,7 +30,7 @@ def capture_graphs(launches: Sequence[Callable[[], object]], device: torch.devic
         graph = torch.cuda.CUDAGraph()
         prepare()
         try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with capturing(graph), torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 out = launch()
         except RuntimeError as exc:
             log.warning("CUDA graph capture of %s failed, running eagerly: %s", what, exc)

@@ -11,20 +11,89 @@ that covers every layer of the segment), recorded outside it; the replay of a se
 rather than layer by layer. Longer segments cost fewer conditional nodes and wait longer for copies.
 
 Eager (not captured), the same decision is made on the host: on a CPU by reading the count, on CUDA after a sync.
+Where torch cannot capture IF nodes (before 2.12; the H200's torch is 2.11), the CUDA runtime makes them
+(`kernels/cuda/graph_if.cu`) in captures made through `capturing`, as `tierstore generate` and the replay benchmark
+make theirs.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 from collections.abc import Callable
+from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
 
 import torch
 
 
-def conditional_capture_available() -> bool:
-    """Whether this torch can capture IF nodes into a CUDA graph (`CUDAGraph.begin_capture_to_if_node`)."""
+log = logging.getLogger("tierstore.runtime")
+
+_capturing: list[torch.cuda.CUDAGraph] = []  # the graphs this library is capturing (`capturing`), innermost last
+
+
+@contextmanager
+def capturing(graph: torch.cuda.CUDAGraph):
+    """Around a capture of `graph` (`runtime.graphs.capture_graphs`): lets a pass pair captured in it find the
+    graph's memory pool where torch has no `CUDAGraph.get_currently_capturing_graph`."""
+    _capturing.append(graph)
+    try:
+        yield graph
+    finally:
+        _capturing.pop()
+
+
+def _torch_if_nodes() -> bool:
     graph = getattr(torch.cuda, "CUDAGraph", None)
     return all(hasattr(graph, name) for name in ("get_currently_capturing_graph", "begin_capture_to_if_node",
                                                   "end_capture_to_conditional_node"))
+
+
+def _thread_pool_routing() -> bool:
+    return all(hasattr(torch._C, name) for name in ("_cuda_beginAllocateCurrentThreadToPool",
+                                                    "_cuda_endAllocateToPool"))
+
+
+_body_streams: dict[int, torch.cuda.ExternalStream] = {}  # device index -> the stream IF-node bodies capture on
+
+
+def prepare_runtime_if_nodes(device: torch.device) -> bool:
+    """Before any capture on `device`: where torch cannot capture IF nodes, build the CUDA runtime's
+    (`kernels/cuda/graph_if.cu`) and make the stream their bodies capture on. False, logged, when that cannot be
+    done (no nvcc, no thread routing of allocations in this torch)."""
+    if _torch_if_nodes():
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _body_streams:
+        return True
+    if not _thread_pool_routing():
+        log.info("conditional graph nodes unavailable: this torch neither captures them nor routes a thread's "
+                 "allocations to a pool")
+        return False
+    try:
+        lib = _graph_if_library()
+        handle = ctypes.c_void_p()
+        with torch.cuda.device(index):
+            error = lib.tierstore_new_stream(ctypes.byref(handle))
+        if error:
+            raise RuntimeError(f"cudaStreamCreateWithFlags failed (cudaError {error})")
+    except (RuntimeError, OSError) as error:  # no nvcc, or a library that does not load
+        log.info("conditional graph nodes by the CUDA runtime unavailable: %s", error)
+        return False
+    _body_streams[index] = torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", index))
+    return True
+
+
+def conditional_capture_available(device: torch.device) -> bool:
+    """Whether a pass pair captured now on `device` can put its replay in IF nodes: torch captures them
+    (`CUDAGraph.begin_capture_to_if_node`, torch 2.12+), or, in a capture this library makes (`capturing`), the
+    CUDA runtime does once `prepare_runtime_if_nodes` made them ready (torch routing the bodies' allocations to the
+    graph's pool)."""
+    if _torch_if_nodes():
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return bool(_capturing) and index in _body_streams
 
 
 def copy_into(first, second):
@@ -52,12 +121,12 @@ class ConditionalReplay:
     def __init__(self, missed: torch.Tensor, num_layers: int, segment: int, wait_copies: Callable[[int], None]):
         self.num_layers, self.segment, self.wait_copies = num_layers, segment, wait_copies
         self.predicate = torch.gt(missed[0], 0)  # [] bool, on the device, computed in the graph
-        self._graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+        self._nodes = _TorchIfNodes() if _torch_if_nodes() else _RuntimeIfNodes(_capturing[-1], missed.device)
         self._open = False
 
     def _begin(self, first_layer: int) -> None:
         self.wait_copies(min(first_layer + self.segment, self.num_layers) - 1)
-        self._graph.begin_capture_to_if_node(self.predicate)
+        self._nodes.begin(self.predicate)
         self._open = True
 
     def open(self) -> None:
@@ -70,9 +139,67 @@ class ConditionalReplay:
 
     def _end(self) -> None:
         if self._open:
-            self._graph.end_capture_to_conditional_node()
             self._open = False
+            self._nodes.end()
 
     def close(self) -> None:
         """End the last segment (also after a failure inside one, so the capture can end)."""
         self._end()
+
+
+class _TorchIfNodes:
+    """IF nodes by torch's own capture of them."""
+
+    def __init__(self) -> None:
+        self._graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+
+    def begin(self, predicate: torch.Tensor) -> None:
+        self._graph.begin_capture_to_if_node(predicate)
+
+    def end(self) -> None:
+        self._graph.end_capture_to_conditional_node()
+
+
+@cache
+def _graph_if_library() -> ctypes.CDLL:
+    from tierstore.kernels.cuda import loader
+
+    lib = loader.build_library(Path(loader.__file__).with_name("graph_if.cu"))
+    for name, args in (("tierstore_begin_if", [ctypes.c_void_p] * 3), ("tierstore_end_if", [ctypes.c_void_p]),
+                       ("tierstore_new_stream", [ctypes.c_void_p])):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = args, ctypes.c_int
+    return lib
+
+
+class _RuntimeIfNodes:
+    """IF nodes by the CUDA runtime (`kernels/cuda/graph_if.cu`) for a torch that does not capture them: each body
+    is captured on a stream of its own, this thread's allocations routed meanwhile to the graph's memory pool (the
+    capture's own routing, by its capture id, does not cover another capture's stream), and after it for the rest
+    of the capture."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, device: torch.device):
+        self._lib, self._pool = _graph_if_library(), graph.pool()
+        self._device = device.index if device.index is not None else torch.cuda.current_device()
+        self._body = _body_streams[self._device]
+        self._in_body = None
+
+    def _route(self) -> None:
+        torch._C._cuda_endAllocateToPool(self._device, self._pool)
+        torch._C._cuda_beginAllocateCurrentThreadToPool(self._device, self._pool)
+
+    def begin(self, predicate: torch.Tensor) -> None:
+        parent = torch.cuda.current_stream(self._device)
+        error = self._lib.tierstore_begin_if(parent.cuda_stream, predicate.data_ptr(), self._body.cuda_stream)
+        if error:
+            raise RuntimeError(f"a conditional graph node could not be captured (cudaError {error})")
+        self._route()
+        self._in_body = torch.cuda.stream(self._body)
+        self._in_body.__enter__()
+
+    def end(self) -> None:
+        self._in_body.__exit__(None, None, None)
+        self._in_body = None
+        error = self._lib.tierstore_end_if(self._body.cuda_stream)
+        self._route()
+        if error:
+            raise RuntimeError(f"a conditional graph node's body could not be ended (cudaError {error})")
