@@ -120,8 +120,8 @@ def graph_replayer(forward):
     torch.cuda.current_stream().wait_stream(side)
     from tierstore.runtime.replay_if import capturing
 
-    graph = torch.cuda.CUDAGraph()
-    with capturing(graph), torch.cuda.graph(graph):
+    graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+    with capturing(pool), torch.cuda.graph(graph, pool=pool):
         out = forward()
     return lambda: (graph.replay(), out)[1]
 

@@ -425,14 +425,14 @@ def test_cuda_conditional_segments_run_only_when_the_first_pass_missed(cuda):
     layers in segments of four; the segments wait for their last layer's copies; replayed with the count at 0 the
     output is the first pass's, above 0 the replay's (outputs poisoned)."""
     from tierstore.runtime.replay_if import (ConditionalReplay, capturing, conditional_capture_available, copy_into,
-                                             prepare_runtime_if_nodes)
+                                             prepare_if_nodes)
 
-    assert prepare_runtime_if_nodes(torch.device("cuda")), "neither torch nor the CUDA runtime captures IF nodes"
+    assert prepare_if_nodes(torch.device("cuda")), "neither torch nor the CUDA runtime captures IF nodes"
     missed = torch.zeros(1, dtype=torch.int32, device="cuda")
     x = torch.zeros(8, device="cuda")
     waited = []
-    graph = torch.cuda.CUDAGraph()
-    with capturing(graph), torch.cuda.graph(graph):
+    graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+    with capturing(pool), torch.cuda.graph(graph, pool=pool):
         assert conditional_capture_available(torch.device("cuda"))
         first = x * 2
         replay = ConditionalReplay(missed, 6, 4, waited.append)

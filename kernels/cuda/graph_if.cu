@@ -7,7 +7,8 @@
 // parent's capture continues after the IF node, and `body_stream` (not capturing) starts capturing into the
 // node's body graph. tierstore_end_if(body_stream) ends that capture. tierstore_new_stream(&stream): a stream of
 // the current device for the bodies, made before any capture (a stream from torch's pool may be one that joined
-// the capture, and a capturing stream cannot begin another). Each returns 0 or the cudaError_t.
+// the capture, and a capturing stream cannot begin another). tierstore_load_if(): loads the kernel's module
+// (lazy loading would otherwise do it at the first launch, inside a capture). Each returns 0 or the cudaError_t.
 // The caller routes the body's allocations to the graph's memory pool (the runtime does it through torch).
 
 #include <cuda_runtime.h>
@@ -75,4 +76,9 @@ extern "C" int tierstore_end_if(void* body_stream) {
 
 extern "C" int tierstore_new_stream(void** stream) {
   return cudaStreamCreateWithFlags(reinterpret_cast<cudaStream_t*>(stream), cudaStreamNonBlocking);
+}
+
+extern "C" int tierstore_load_if() {
+  cudaFuncAttributes attributes;
+  return cudaFuncGetAttributes(&attributes, set_if);
 }

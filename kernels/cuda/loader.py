@@ -74,7 +74,8 @@ def build_library(source: Path, cache_dir: Path | None = None) -> ctypes.CDLL:
     return ctypes.CDLL(str(build_path(source, fmt="so", cache_dir=cache_dir)))
 
 
-def build_path(source: Path, defines: dict | None = None, fmt: str = "fatbin", cache_dir: Path | None = None) -> Path:
+def build_path(source: Path, defines: dict | None = None, fmt: str = "fatbin",
+               cache_dir: Path | None = None) -> Path:
     """`build`'s cached image, compiled first when it is not there."""
     text = source_bytes(source)
     cache_dir = Path(cache_dir or os.environ.get("TIERSTORE_CUDA_CACHE", Path(tempfile.gettempdir()) / "tierstore-cuda"))

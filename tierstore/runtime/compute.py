@@ -17,6 +17,7 @@ after the pass log recorded the routing).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -224,6 +225,9 @@ class TritonExperts:
         self.misses = MissLog(log.counts, log.entries)
         self.num_experts = pool.num_experts
         self._workspaces: dict = {}
+        # while a pass pair's conditional replay is captured: the stream the layers' side work forks to there (the
+        # workspaces' own joined the capture outside the conditional bodies, so it cannot join one)
+        self.body_side_stream = None
 
     @property
     def fp4_table(self) -> torch.Tensor:
@@ -253,6 +257,8 @@ class TritonExperts:
         # with config cuda_w2: decode-sized batches run the CUDA kernels (`cuda_w2_block_tokens`), larger ones (prefill)
         # keep the Triton stages
         workspace, cuda_w2 = self._workspace(ids.shape[0], ids.shape[1], hidden.dtype)
+        if self.body_side_stream is not None and workspace.side_stream is not None:
+            workspace = dataclasses.replace(workspace, side_stream=self.body_side_stream)
         if cuda_w2 is not None and hidden.dtype != torch.bfloat16:
             raise ConfigError(f"{KNOB} needs bfloat16 hidden states, got {hidden.dtype}; turn the knob off")
         return moe_mm(hidden.contiguous(), ids, topk_weights.to(torch.float32).contiguous(), self.w2_pool,

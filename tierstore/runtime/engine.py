@@ -41,8 +41,8 @@ from tierstore.runtime.pair_choice import PairChoice, TimedChoice
 from tierstore.runtime.pass_gather import PassGather, gather_capacity
 from tierstore.runtime.passlog import UNREAD_PASS, PassLog, PassReport
 from tierstore.runtime.pools import DevicePool
-from tierstore.runtime.replay_if import (ConditionalReplay, conditional_capture_available, copy_into,
-                                        prepare_runtime_if_nodes)
+from tierstore.runtime.replay_if import (ConditionalReplay, body_side_stream, conditional_capture_available,
+                                        copy_into, prepare_if_nodes)
 from tierstore.runtime.rows import check_row_source
 from tierstore.runtime.seen_snapshot import ChainedSnapshot
 from tierstore.runtime.stats import RuntimeStats, StatsRecorder, precision_kpi
@@ -168,7 +168,7 @@ class TieredRuntime:
                 self.log = pass_log(0)
         self.pairs = self._gather is not None and self._gather.paired  # decode steps may launch a pass pair
         if self.pairs and self.device.type == "cuda" and self.config.pass_pair_replay_segment:
-            prepare_runtime_if_nodes(self.device)  # before any capture: IF nodes where torch has none
+            prepare_if_nodes(self.device)  # before any capture: its streams, and IF nodes where torch has none
         self._pair_half = 0  # while a pass pair runs (or is captured): 1 in its first pass, 2 in its replay
         self._conditional: ConditionalReplay | None = None  # while a pair's skippable replay is captured
         self._told_conditional = False
@@ -463,6 +463,7 @@ class TieredRuntime:
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             self._conditional = ConditionalReplay(missed, self.pool.num_layers, segment, self._gather.wait_rows)
             self._replay_predicates.append(self._conditional.predicate)
+            self.experts.body_side_stream = body_side_stream(self.device)
             self._conditional.open()
             try:
                 rewind()
@@ -471,6 +472,7 @@ class TieredRuntime:
                 return copy_into(first, second)
             finally:
                 self._conditional.close()
+                self.experts.body_side_stream = None
         if int(missed[0]) == 0:  # a sync on CUDA: eager pairs only
             return first
         rewind()

@@ -27,10 +27,10 @@ def capture_graphs(launches: Sequence[Callable[[], object]], device: torch.devic
     torch.cuda.current_stream(device).wait_stream(side)
     captured = []
     for launch in launches:
-        graph = torch.cuda.CUDAGraph()
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
         prepare()
         try:
-            with capturing(graph), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with capturing(pool), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 out = launch()
         except RuntimeError as exc:
             log.warning("CUDA graph capture of %s failed, running eagerly: %s", what, exc)

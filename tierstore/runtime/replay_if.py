@@ -30,16 +30,18 @@ import torch
 
 log = logging.getLogger("tierstore.runtime")
 
-_capturing: list[torch.cuda.CUDAGraph] = []  # the graphs this library is capturing (`capturing`), innermost last
+_capturing: list[tuple] = []  # the memory pools of the captures this library makes (`capturing`), innermost last
 
 
 @contextmanager
-def capturing(graph: torch.cuda.CUDAGraph):
-    """Around a capture of `graph` (`runtime.graphs.capture_graphs`): lets a pass pair captured in it find the
-    graph's memory pool where torch has no `CUDAGraph.get_currently_capturing_graph`."""
-    _capturing.append(graph)
+def capturing(pool: tuple):
+    """Around a capture into memory pool `pool` (`torch.cuda.graph(graph, pool=pool)`, from
+    `torch.cuda.graph_pool_handle()`; `runtime.graphs.capture_graphs`): lets a pass pair captured in it route its
+    conditional bodies' allocations there where torch does not capture IF nodes (its `CUDAGraph.pool()` answers
+    only after the capture)."""
+    _capturing.append(pool)
     try:
-        yield graph
+        yield pool
     finally:
         _capturing.pop()
 
@@ -52,20 +54,33 @@ def _torch_if_nodes() -> bool:
 
 def _thread_pool_routing() -> bool:
     return all(hasattr(torch._C, name) for name in ("_cuda_beginAllocateCurrentThreadToPool",
-                                                    "_cuda_endAllocateToPool"))
+                                                    "_cuda_endAllocateToPool", "_cuda_releasePool"))
 
 
-_body_streams: dict[int, torch.cuda.ExternalStream] = {}  # device index -> the stream IF-node bodies capture on
+# device index -> (the stream IF-node bodies capture on, None with torch's IF nodes; the stream the MoE layers' side
+# work forks to inside them), made before any capture
+_body_streams: dict[int, tuple[torch.cuda.Stream | None, torch.cuda.Stream]] = {}
 
 
-def prepare_runtime_if_nodes(device: torch.device) -> bool:
-    """Before any capture on `device`: where torch cannot capture IF nodes, build the CUDA runtime's
-    (`kernels/cuda/graph_if.cu`) and make the stream their bodies capture on. False, logged, when that cannot be
-    done (no nvcc, no thread routing of allocations in this torch)."""
-    if _torch_if_nodes():
-        return True
+def _new_stream(lib: ctypes.CDLL, index: int) -> torch.cuda.ExternalStream:
+    handle = ctypes.c_void_p()
+    with torch.cuda.device(index):
+        error = lib.tierstore_new_stream(ctypes.byref(handle))
+    if error:
+        raise RuntimeError(f"cudaStreamCreateWithFlags failed (cudaError {error})")
+    return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", index))
+
+
+def prepare_if_nodes(device: torch.device) -> bool:
+    """Before any capture on `device`: the streams a pair's conditional replay captures on (a stream that joined
+    the capture outside a body, as the MoE layers' side stream does in the first pass, cannot join a body's), and
+    where torch cannot capture IF nodes, the CUDA runtime's (`kernels/cuda/graph_if.cu`) built and loaded. False,
+    logged, when that cannot be done (no nvcc, no thread routing of allocations in this torch)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _body_streams:
+        return True
+    if _torch_if_nodes():
+        _body_streams[index] = (None, torch.cuda.Stream(device))
         return True
     if not _thread_pool_routing():
         log.info("conditional graph nodes unavailable: this torch neither captures them nor routes a thread's "
@@ -73,27 +88,30 @@ def prepare_runtime_if_nodes(device: torch.device) -> bool:
         return False
     try:
         lib = _graph_if_library()
-        handle = ctypes.c_void_p()
-        with torch.cuda.device(index):
-            error = lib.tierstore_new_stream(ctypes.byref(handle))
+        error = lib.tierstore_load_if()
         if error:
-            raise RuntimeError(f"cudaStreamCreateWithFlags failed (cudaError {error})")
+            raise RuntimeError(f"the conditional kernel did not load (cudaError {error})")
+        _body_streams[index] = (_new_stream(lib, index), _new_stream(lib, index))
     except (RuntimeError, OSError) as error:  # no nvcc, or a library that does not load
         log.info("conditional graph nodes by the CUDA runtime unavailable: %s", error)
         return False
-    _body_streams[index] = torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", index))
     return True
+
+
+def body_side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream side work inside a conditional body forks to (after `prepare_if_nodes`)."""
+    return _body_streams[device.index if device.index is not None else torch.cuda.current_device()][1]
 
 
 def conditional_capture_available(device: torch.device) -> bool:
     """Whether a pass pair captured now on `device` can put its replay in IF nodes: torch captures them
     (`CUDAGraph.begin_capture_to_if_node`, torch 2.12+), or, in a capture this library makes (`capturing`), the
-    CUDA runtime does once `prepare_runtime_if_nodes` made them ready (torch routing the bodies' allocations to the
+    CUDA runtime does once `prepare_if_nodes` made them ready (torch routing the bodies' allocations to the
     graph's pool)."""
-    if _torch_if_nodes():
-        return True
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return bool(_capturing) and index in _body_streams
+    if index not in _body_streams:
+        return False
+    return _torch_if_nodes() or bool(_capturing)
 
 
 def copy_into(first, second):
@@ -166,7 +184,7 @@ def _graph_if_library() -> ctypes.CDLL:
 
     lib = loader.build_library(Path(loader.__file__).with_name("graph_if.cu"))
     for name, args in (("tierstore_begin_if", [ctypes.c_void_p] * 3), ("tierstore_end_if", [ctypes.c_void_p]),
-                       ("tierstore_new_stream", [ctypes.c_void_p])):
+                       ("tierstore_new_stream", [ctypes.c_void_p]), ("tierstore_load_if", [])):
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, ctypes.c_int
     return lib
 
@@ -177,15 +195,18 @@ class _RuntimeIfNodes:
     capture's own routing, by its capture id, does not cover another capture's stream), and after it for the rest
     of the capture."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, device: torch.device):
-        self._lib, self._pool = _graph_if_library(), graph.pool()
+    def __init__(self, pool: tuple, device: torch.device):
+        self._lib, self._pool = _graph_if_library(), pool
         self._device = device.index if device.index is not None else torch.cuda.current_device()
-        self._body = _body_streams[self._device]
+        self._body = _body_streams[self._device][0]
         self._in_body = None
 
     def _route(self) -> None:
+        """This thread's allocations to the pool, in place of the routing before (one routing per pool; the begin
+        takes a reference on the pool, which the capture already holds: given back at once)."""
         torch._C._cuda_endAllocateToPool(self._device, self._pool)
         torch._C._cuda_beginAllocateCurrentThreadToPool(self._device, self._pool)
+        torch._C._cuda_releasePool(self._device, self._pool)
 
     def begin(self, predicate: torch.Tensor) -> None:
         parent = torch.cuda.current_stream(self._device)
