@@ -283,7 +283,10 @@ def test_the_knob_refuses_what_it_cannot_serve():
         RuntimeConfig(pass_pair_wide_blocks=-1)
     with pytest.raises(ConfigError, match="pass_pair_replay_segment must be an integer >= 0"):
         RuntimeConfig(pass_pair_replay_segment=-1)
-    assert RuntimeConfig.from_env({"TIERSTORE_PASS_PAIR_REPLAY_SEGMENT": "0"}).pass_pair_replay_segment == 0
+    assert RuntimeConfig().pass_pair_replay_segment == 0
+    assert RuntimeConfig.from_env({"TIERSTORE_PASS_PAIR_REPLAY_SEGMENT": "4"}).pass_pair_replay_segment == 4
+    with pytest.raises(ConfigError, match="pass_pair_replay_segment with pass_pair_copies engine"):
+        RuntimeConfig(pass_pair_replay_segment=4, pass_pair_copies="engine")
     with pytest.raises(ConfigError, match="gather_spares_per_miss must be an integer >= 1"):
         RuntimeConfig(gather_spares_per_miss=0)
     with pytest.raises(ConfigError, match="pass_pair_copies must be one of kernel, engine"):
@@ -401,8 +404,7 @@ def test_cuda_pairs_equal_the_resident_run(cuda, graph, held_back, copies, plans
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("segment", [1, 0])
-@pytest.mark.parametrize("copies", ["kernel", "engine"])
+@pytest.mark.parametrize("copies, segment", [("kernel", 0), ("kernel", 1), ("engine", 0)])
 def test_cuda_negative_control_without_the_replays_waits_reads_stale_rows(cuda, copies, segment):
     """The held-back copies with the replay's waits removed but the last layer's (which joins the side stream, as
     a capture needs): some step differs from the resident run (so the waits keep the held-back test exact). With

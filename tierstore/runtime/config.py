@@ -129,14 +129,18 @@ class RuntimeConfig:
       `runtime/pair_choice.py`. Or every one but the 8 steps after a pair whose first pass
       gathered fewer experts than it missed (spares short, rows not in the arena). The next pass's spares are
       staged only after a recent miss.
-      `pass_pair_replay_segment` (default 4; 0: off): a pair's replay runs only when its first pass missed
-      something; in the pair's CUDA graph it is cut into conditional (IF) nodes of this many MoE layers each, whose
-      predicate the device computes after the first pass, so a pair that missed nothing costs one pass. Each segment
-      waits for the copies of its last layer before it starts (a conditional body cannot wait for a node outside
-      it), where the replay otherwise waits layer by layer. Needs a torch that captures conditional nodes (CUDA
-      12.4+ and torch's IF-node capture, which the H200's torch 2.11 lacks; without, a captured replay always runs);
-      eager, the host reads the count (a sync on CUDA).
-      The result is unchanged: a replay of a pass that missed nothing computes the same bytes.
+      `pass_pair_replay_segment` (default 0: off; kernel copies): a pair's replay runs only when its first pass
+      missed something; in the pair's CUDA graph it is cut into conditional (IF) nodes of this many MoE layers
+      each, whose predicate the device computes after the first pass, so a pair that missed nothing costs one pass.
+      Each segment waits for the copies of all its layers before it starts (a conditional body cannot wait for a
+      node outside it), where the replay otherwise waits layer by layer. Torch captures IF nodes from 2.12; for an
+      older torch (the H200's 2.11) the CUDA runtime makes them (`kernels/cuda/graph_if.cu`, nvcc) in the captures
+      tierstore makes; without either, a captured replay always runs. Eager, the host reads the count (a sync on
+      CUDA). The result is unchanged. Off by default: on the H200 (nineteenth session, segments of 4) a skipped pair
+      cost 0.30-0.65 ms against 0.23-0.37 ms for a single pass that missed nothing (its staging of the next pair's
+      spares is host work the shorter step no longer hides), a pair that missed 5-10 % more than before (the
+      segments' waits and nodes), so the step was 0.997x-1.057x the replay-always one on the recorded trace and
+      0.84x-1.08x on the synthetic one (docs/runtime.md, "A pair's replay only when its first pass missed").
       `pass_pair_copies` ("kernel", the default; "engine"): who moves the rows on CUDA: the copy kernel above, or
       the copy engine, driven by the host while the pair runs (each layer's plan in pinned memory, the rows issued
       on a copy stream, a flag written after them that the replay waits for); on a CPU both run the references.
@@ -220,7 +224,7 @@ class RuntimeConfig:
     gather_keeps_recent: bool = False
     gather_spares_per_miss: int = 4
     pass_pair_choice: str = "timed"
-    pass_pair_replay_segment: int = 4
+    pass_pair_replay_segment: int = 0
     cuda_w2: bool | str = "auto"
     full_pool_reads: bool = False
 
@@ -244,6 +248,9 @@ class RuntimeConfig:
         if self.pass_pair_choice not in PAIR_CHOICES:
             raise ConfigError(f"pass_pair_choice must be one of {', '.join(PAIR_CHOICES)}, "
                               f"got {self.pass_pair_choice!r}")
+        if self.pass_pair_replay_segment and self.pass_pair_copies == "engine":
+            raise ConfigError("pass_pair_replay_segment with pass_pair_copies engine failed its GPU test (a held-back "
+                              "row read stale, nineteenth session): use kernel copies")
         object.__setattr__(self, "pass_pair", _switch_setting("pass_pair", self.pass_pair))
         if self.pass_pair is True and (self.gather_in_pass or self.early_fetch):
             other = "gather_in_pass" if self.gather_in_pass else "early_fetch"

@@ -5,10 +5,9 @@ of the graph whose predicate the device computes after the first pass: whether i
 first pass missed nothing then costs that pass, its plans and the segments' empty conditionals, not a second pass.
 
 Why segments and not one IF node: a node inside a conditional body can depend on nothing outside it, and the
-replay's layer `l` has to wait for the rows the first pass copied for `l` on the side stream. Each segment's IF
-node therefore depends on the copies of the segment's last layer (the copies run in layer order on one stream, so
-that covers every layer of the segment), recorded outside it; the replay of a segment starts when they have landed
-rather than layer by layer. Longer segments cost fewer conditional nodes and wait longer for copies.
+replay's layer `l` has to wait for the rows the first pass copied for `l`. Each segment's IF node therefore depends
+on the copies of every layer of the segment, made outside it; the replay of a segment starts when they have all
+landed rather than layer by layer. Longer segments cost fewer conditional nodes and wait longer for copies.
 
 Eager (not captured), the same decision is made on the host: on a CPU by reading the count, on CUDA after a sync.
 Where torch cannot capture IF nodes (before 2.12; the H200's torch is 2.11), the CUDA runtime makes them
@@ -143,7 +142,8 @@ class ConditionalReplay:
         self._open = False
 
     def _begin(self, first_layer: int) -> None:
-        self.wait_copies(min(first_layer + self.segment, self.num_layers) - 1)
+        for layer in range(first_layer, min(first_layer + self.segment, self.num_layers)):  # each layer's rows
+            self.wait_copies(layer)
         self._nodes.begin(self.predicate)
         self._open = True
 
