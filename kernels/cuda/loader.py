@@ -3,7 +3,8 @@
 No torch CUDA extension build: `nvcc -fatbin` (seconds), `cuModuleLoadData` on the context torch already
 made current, `cuLaunchKernel` on the caller's stream (capture-safe: a launch on a capturing stream is
 recorded into the graph like any other). The fatbin holds sm_90a SASS and compute_90a PTX, so a driver
-that cannot load the SASS can still JIT the PTX.
+that cannot load the SASS can still JIT the PTX. Host code that needs the CUDA runtime (the conditional graph nodes of
+`graph_if.cu`) is built as a shared library instead (`build_library`, `nvcc -shared`) and called through ctypes.
 """
 
 from __future__ import annotations

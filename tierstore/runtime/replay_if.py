@@ -132,8 +132,8 @@ def copy_into(first, second):
 class ConditionalReplay:
     """The segments of one replay being captured: `open()` before the replay (after the first pass and its plans),
     `layer(l)` before each of its MoE layers' experts, `close()` after it. `wait_copies(l)` makes the current stream
-    wait for the rows copied for layers up to `l`; `missed` is the device's int32 count of the first pass's
-    missing pairs ([1]), read before the replay's pass-log reset."""
+    wait for the rows copied for layer `l`; `missed` is the device's int32 count of the first pass's missing pairs
+    ([1]), read before the replay's pass-log reset."""
 
     def __init__(self, missed: torch.Tensor, num_layers: int, segment: int, wait_copies: Callable[[int], None]):
         self.num_layers, self.segment, self.wait_copies = num_layers, segment, wait_copies
