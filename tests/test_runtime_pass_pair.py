@@ -13,6 +13,8 @@ segments in a graph, alone and in the runtime."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_runtime_fixtures import ToyMoE, arena_runtime, cuda_decode_steps, memory_source, toy_geometry
@@ -165,6 +167,21 @@ def test_copy_into_writes_the_replays_result_over_the_first_passes():
         copy_into((torch.zeros(1), torch.zeros(1)), (torch.zeros(1),))
     with pytest.raises(TypeError, match="returns tensors or tuples of them"):
         copy_into({"logits": torch.zeros(1)}, {"logits": torch.zeros(1)})
+
+
+def test_the_conditional_node_library_builds_with_its_entry_points(tmp_path):
+    """`kernels/cuda/graph_if.cu` as a shared library (nvcc; no GPU needed to build or load it): what replay_if
+    calls is exported, and the build is cached by its source."""
+    from tierstore.kernels.cuda import loader
+
+    if loader.nvcc_path() is None:
+        pytest.skip("needs nvcc")
+    source = Path(loader.__file__).with_name("graph_if.cu")
+    path = loader.build_path(source, fmt="so", cache_dir=tmp_path)
+    assert path.suffix == ".so" and loader.build_path(source, fmt="so", cache_dir=tmp_path) == path
+    lib = loader.build_library(source, cache_dir=tmp_path)
+    for name in ("tierstore_begin_if", "tierstore_end_if", "tierstore_new_stream", "tierstore_load_if"):
+        assert hasattr(lib, name), name
 
 
 def test_a_step_without_a_pair_gathers_nothing_and_stays_exact():
