@@ -112,17 +112,38 @@ pair_compare() {  # pair_compare NAME LIMIT CONFIG PRESET LAYERS COVERAGES STEPS
     --out "$work/replay_$4_$1.json"
 }
 
-recorded_compare() {  # recorded_compare NAME CONFIG: replay.py on the trace recorded by `tierstore generate`, both
-  # presets (ds-v2-lite 8 layers, qwen3-30b-a3b 16 layers tiled) at 50 / 25 / 10 %, the default against
-  # --compare-config CONFIG, interleaved, 220 steady steps; stages replay-NAME-recorded-PRESET, limits 75 + 95 s
-  local cell
+recorded_compare() {  # recorded_compare NAME CONFIG [BASE]: replay.py on the trace recorded by `tierstore generate`,
+  # both presets (ds-v2-lite 8 layers, qwen3-30b-a3b 16 layers tiled) at 50 / 25 / 10 %, the default (or --config BASE)
+  # against --compare-config CONFIG, interleaved, 220 steady steps; stages replay-NAME-recorded-PRESET, limits 75 + 95 s
+  local cell base=()
+  [ -n "${3:-}" ] && base=(--config "$3")
   for cell in "ds-v2-lite 8 first 75" "qwen3-30b-a3b 16 tile 95"; do
-    set -- "$1" "$2" $cell
-    stage "replay-$1-recorded-$3" "$6" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$3" --layers "$4" \
+    set -- "$1" "$2" "${3:-}" $cell
+    stage "replay-$1-recorded-$4" "$7" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$4" --layers "$5" \
       --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 --no-synthetic \
-      --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers "$5" --trace-top-k trace \
-      --compare-config "$2" --interleave --commit "$commit" --out "$work/replay_$3_$1_recorded.json"
+      --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers "$6" --trace-top-k trace \
+      ${base[@]+"${base[@]}"} --compare-config "$2" --interleave --commit "$commit" \
+      --out "$work/replay_$4_$1_recorded.json"
   done
+}
+
+replay_segment_stages() {  # replay_segment_stages NAME: what this torch has for conditional graph nodes; the GPU tests
+  # of the pair (the conditional segments alone and in the runtime among them; stopping at the first failure), the
+  # first pass, the choice and the layer waits; the main job at a 25 % pool (its default: segments of 4 at skip22*'s
+  # commits); then pass_pair_replay_segment=4 against
+  # 0 on the recorded trace (both presets, 50 / 25 / 10 %, 220 steady steps) and on the synthetic one (both presets,
+  # 50 / 25 / 10 %, 300 steady steps), interleaved. Stage limits 60 + 150 + 45 + 75 + 95 + 90 + 60 s.
+  stage conditional 60 python3 -c "import logging, torch; logging.basicConfig(level=logging.INFO); \
+from tierstore.runtime import replay_if as r; \
+print(torch.__version__, torch.version.cuda, 'torch IF nodes:', r._torch_if_nodes(), 'thread pool routing:', \
+r._thread_pool_routing(), 'IF nodes ready:', r.prepare_if_nodes(torch.device('cuda')))"
+  stage tests 150 python3 -m pytest tests/test_runtime_pass_pair.py tests/test_runtime_first_pass.py \
+    tests/test_runtime_pair_choice.py tests/test_runtime_layer_waits.py -m gpu -q -x
+  stage generate-quality 45 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+    --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+  recorded_compare "$1" pass_pair_replay_segment=0 pass_pair_replay_segment=4
+  pair_compare "$1" 90 pass_pair_replay_segment=0 qwen3-30b-a3b 16 0.5,0.25,0.1 320 pass_pair_replay_segment=4
+  pair_compare "$1" 60 pass_pair_replay_segment=0 ds-v2-lite 8 0.5,0.25,0.1 320 pass_pair_replay_segment=4
 }
 
 fetch_ab() {  # fetch_ab NAME LIMIT ARGS...: benchmarks/fetch_overhead.py on CUDA, the old tree e8b7b7f (unpacked from
@@ -1534,52 +1555,13 @@ case "$step" in
     recorded_compare head22 pass_pair=0
     recorded_compare head22g gather_in_pass=1
     ;;
-  skip22)  # config pass_pair_replay_segment (4 by default since this step's tree): a pair's replay in conditional
-    # graph nodes of 4 MoE layers, run only when its first pass missed. Whether this torch captures IF nodes; the GPU
-    # tests of the pair (the conditional segments alone and in the runtime among them), the first pass, the choice
-    # and the layer waits; the main job at a 25 % pool (the pair's replay of the quality model in IF nodes); then the
-    # default against pass_pair_replay_segment=0 on the recorded trace (both presets, 50 / 25 / 10 %, 220 steady
-    # steps) and on the synthetic one (both presets, 50 / 25 / 10 %, 300 steady steps), interleaved.
-    # Stage limits 20 + 150 + 45 + 75 + 95 + 90 + 60 s.
-    stage conditional 20 python3 -c "import torch; from tierstore.runtime.replay_if import \
-conditional_capture_available as c; print(torch.__version__, torch.version.cuda, 'IF nodes:', c())"
-    stage tests 150 python3 -m pytest tests/test_runtime_pass_pair.py tests/test_runtime_first_pass.py \
-      tests/test_runtime_pair_choice.py tests/test_runtime_layer_waits.py -m gpu -q
-    stage generate-quality 45 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
-      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
-    recorded_compare skip22 pass_pair_replay_segment=0
-    pair_compare skip22 90 pass_pair_replay_segment=0 qwen3-30b-a3b 16 0.5,0.25,0.1 320 pass_pair=auto
-    pair_compare skip22 60 pass_pair_replay_segment=0 ds-v2-lite 8 0.5,0.25,0.1 320 pass_pair=auto
-    ;;
-  skip22b)  # skip22 with the IF nodes made by the CUDA runtime (kernels/cuda/graph_if.cu) where torch cannot capture
-    # them (skip22 found the H200's torch 2.11 without CUDAGraph.begin_capture_to_if_node: its captured replays all
-    # ran): what this torch has, the same GPU tests, the main job and comparisons as skip22.
-    stage conditional 60 python3 -c "import logging, torch; logging.basicConfig(level=logging.INFO); \
-from tierstore.runtime import replay_if as r; \
-print(torch.__version__, torch.version.cuda, 'torch IF nodes:', r._torch_if_nodes(), 'thread pool routing:', \
-r._thread_pool_routing(), 'runtime IF nodes:', r.prepare_if_nodes(torch.device('cuda')))"
-    stage tests 150 python3 -m pytest tests/test_runtime_pass_pair.py tests/test_runtime_first_pass.py \
-      tests/test_runtime_pair_choice.py tests/test_runtime_layer_waits.py -m gpu -q
-    stage generate-quality 45 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
-      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
-    recorded_compare skip22b pass_pair_replay_segment=0
-    pair_compare skip22b 90 pass_pair_replay_segment=0 qwen3-30b-a3b 16 0.5,0.25,0.1 320 pass_pair=auto
-    pair_compare skip22b 60 pass_pair_replay_segment=0 ds-v2-lite 8 0.5,0.25,0.1 320 pass_pair=auto
-    ;;
-  skip22c)  # skip22b after its capture failed (torch 2.11's CUDAGraph.pool() answers only after a capture: the pool
-    # is now given to the capture; the MoE layers' side stream inside a body is one of its own): the same stages.
-    # Stage limits 60 + 150 + 45 + 75 + 95 + 90 + 60 s (the device call's own limit stops it first).
-    stage conditional 60 python3 -c "import logging, torch; logging.basicConfig(level=logging.INFO); \
-from tierstore.runtime import replay_if as r; \
-print(torch.__version__, torch.version.cuda, 'torch IF nodes:', r._torch_if_nodes(), 'thread pool routing:', \
-r._thread_pool_routing(), 'IF nodes ready:', r.prepare_if_nodes(torch.device('cuda')))"
-    stage tests 150 python3 -m pytest tests/test_runtime_pass_pair.py tests/test_runtime_first_pass.py \
-      tests/test_runtime_pair_choice.py tests/test_runtime_layer_waits.py -m gpu -q -x
-    stage generate-quality 45 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
-      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
-    recorded_compare skip22c pass_pair_replay_segment=0
-    pair_compare skip22c 90 pass_pair_replay_segment=0 qwen3-30b-a3b 16 0.5,0.25,0.1 320 pass_pair=auto
-    pair_compare skip22c 60 pass_pair_replay_segment=0 ds-v2-lite 8 0.5,0.25,0.1 320 pass_pair=auto
+  skip22|skip22b|skip22c)  # config pass_pair_replay_segment: a pair's replay in conditional graph nodes of 4 MoE
+    # layers, run only when its first pass missed (at these steps' commits the default; off since d011bc4).
+    # skip22 (9400b58) found the H200's torch 2.11 without CUDAGraph.begin_capture_to_if_node (its captured replays
+    # all ran); skip22b (1bcc0d4) had the CUDA runtime make the IF nodes (kernels/cuda/graph_if.cu) and failed to
+    # capture (torch 2.11's CUDAGraph.pool() answers only after a capture); skip22c (437e4bc) gave the capture its pool
+    # and ran the MoE layers' side work inside a body on a stream of its own. Stages: replay_segment_stages.
+    replay_segment_stages "$step"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
