@@ -130,9 +130,9 @@ recorded_compare() {  # recorded_compare NAME CONFIG [BASE]: replay.py on the tr
 replay_segment_stages() {  # replay_segment_stages NAME: what this torch has for conditional graph nodes; the GPU tests
   # of the pair (the conditional segments alone and in the runtime among them; stopping at the first failure), the
   # first pass, the choice and the layer waits; the main job at a 25 % pool (its default: segments of 4 at skip22*'s
-  # commits); then pass_pair_replay_segment=4 against
-  # 0 on the recorded trace (both presets, 50 / 25 / 10 %, 220 steady steps) and on the synthetic one (both presets,
-  # 50 / 25 / 10 %, 300 steady steps), interleaved. Stage limits 60 + 150 + 45 + 75 + 95 + 90 + 60 s.
+  # commits); then pass_pair_replay_segment=4 against 0 on the recorded trace (both presets, 50 / 25 / 10 %, 220
+  # steady steps) and on the synthetic one (both presets, 50 / 25 / 10 %, 300 steady steps), interleaved. Stage
+  # limits 60 + 150 + 45 + 75 + 95 + 90 + 60 s.
   stage conditional 60 python3 -c "import logging, torch; logging.basicConfig(level=logging.INFO); \
 from tierstore.runtime import replay_if as r; \
 print(torch.__version__, torch.version.cuda, 'torch IF nodes:', r._torch_if_nodes(), 'thread pool routing:', \
