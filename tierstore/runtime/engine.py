@@ -444,14 +444,16 @@ class TieredRuntime:
 
     def _replay_skippable(self) -> bool:
         """Config pass_pair_replay_segment: whether this pair's replay can be left out when its first pass missed
-        nothing: eager, always (the host decides); in a CUDA graph capture, where torch captures IF nodes."""
+        nothing: eager, always (the host decides); in a CUDA graph capture, where IF nodes can be captured (by torch,
+        or by the CUDA runtime in a capture tierstore makes: `replay_if.conditional_capture_available`)."""
         if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             return True
         if conditional_capture_available(self.device):
             return True
         if not self._told_conditional:
-            log.info("pass_pair_replay_segment: this torch captures no conditional graph nodes "
-                     "(CUDAGraph.begin_capture_to_if_node); a captured pair's replay always runs")
+            log.info("pass_pair_replay_segment: no conditional graph nodes in this capture (torch captures none "
+                     "before 2.12; the CUDA runtime's need nvcc and a capture made by tierstore); a captured pair's "
+                     "replay always runs")
             self._told_conditional = True
         return False
 
