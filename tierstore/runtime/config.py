@@ -138,7 +138,7 @@ class RuntimeConfig:
       tierstore makes; without either, a captured replay always runs. Eager, the host reads the count (a sync on
       CUDA). The result is unchanged. Off by default: on the H200 (nineteenth session, segments of 4) a skipped pair
       cost 0.30-0.65 ms against 0.23-0.37 ms for a single pass that missed nothing (its staging of the next pair's
-      spares is host work the shorter step no longer hides), a pair that missed 5-10 % more than before (the
+      spares is host work the shorter step no longer hides), a pair that missed 1-10 % more than before (the
       segments' waits and nodes), so the step was 0.997x-1.057x the replay-always one on the recorded trace and
       0.84x-1.08x on the synthetic one (docs/runtime.md, "A pair's replay only when its first pass missed").
       `pass_pair_copies` ("kernel", the default; "engine"): who moves the rows on CUDA: the copy kernel above, or

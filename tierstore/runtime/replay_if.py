@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-
 log = logging.getLogger("tierstore.runtime")
 
 _capturing: list[tuple] = []  # the memory pools of the captures this library makes (`capturing`), innermost last
@@ -43,6 +42,10 @@ def capturing(pool: tuple):
         yield pool
     finally:
         _capturing.pop()
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _torch_if_nodes() -> bool:
@@ -75,7 +78,7 @@ def prepare_if_nodes(device: torch.device) -> bool:
     the capture outside a body, as the MoE layers' side stream does in the first pass, cannot join a body's), and
     where torch cannot capture IF nodes, the CUDA runtime's (`kernels/cuda/graph_if.cu`) built and loaded. False,
     logged, when that cannot be done (no nvcc, no thread routing of allocations in this torch)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     if index in _body_streams:
         return True
     if _torch_if_nodes():
@@ -99,7 +102,7 @@ def prepare_if_nodes(device: torch.device) -> bool:
 
 def body_side_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream side work inside a conditional body forks to (after `prepare_if_nodes`)."""
-    return _body_streams[device.index if device.index is not None else torch.cuda.current_device()][1]
+    return _body_streams[_index(device)][1]
 
 
 def conditional_capture_available(device: torch.device) -> bool:
@@ -107,8 +110,7 @@ def conditional_capture_available(device: torch.device) -> bool:
     (`CUDAGraph.begin_capture_to_if_node`, torch 2.12+), or, in a capture this library makes (`capturing`), the
     CUDA runtime does once `prepare_if_nodes` made them ready (torch routing the bodies' allocations to the
     graph's pool)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _body_streams:
+    if _index(device) not in _body_streams:
         return False
     return _torch_if_nodes() or bool(_capturing)
 
@@ -197,7 +199,7 @@ class _RuntimeIfNodes:
 
     def __init__(self, pool: tuple, device: torch.device):
         self._lib, self._pool = _graph_if_library(), pool
-        self._device = device.index if device.index is not None else torch.cuda.current_device()
+        self._device = _index(device)
         self._body = _body_streams[self._device][0]
         self._in_body = None
 
