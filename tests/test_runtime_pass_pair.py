@@ -441,8 +441,8 @@ def test_cuda_negative_control_without_the_replays_waits_reads_stale_rows(cuda, 
 @pytest.mark.gpu
 def test_cuda_conditional_segments_run_only_when_the_first_pass_missed(cuda):
     """`ConditionalReplay` in a CUDA graph (by torch's IF nodes where it has them, else by the CUDA runtime's): six
-    layers in segments of four; the segments wait for their last layer's copies; replayed with the count at 0 the
-    output is the first pass's, above 0 the replay's (outputs poisoned)."""
+    layers in segments of four; each segment waits for every one of its layers' copies before it opens; replayed
+    with the count at 0 the output is the first pass's, above 0 the replay's (outputs poisoned)."""
     from tierstore.runtime.replay_if import (ConditionalReplay, capturing, conditional_capture_available, copy_into,
                                              prepare_if_nodes)
 
@@ -456,13 +456,14 @@ def test_cuda_conditional_segments_run_only_when_the_first_pass_missed(cuda):
         first = x * 2
         replay = ConditionalReplay(missed, 6, 4, waited.append)
         replay.open()
+        opened = list(waited)
         h = x + 1
         for layer in range(6):
             replay.layer(layer)
             h = h * 3 + layer
         out = copy_into(first, h)
         replay.close()
-    assert waited == [3, 5]
+    assert opened == [0, 1, 2, 3] and waited == [0, 1, 2, 3, 4, 5]
     for count in (0, 2, 0, 1):
         x.copy_(torch.randn(8, generator=torch.Generator().manual_seed(count)).cuda())
         missed.fill_(count)
