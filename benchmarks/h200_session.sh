@@ -1563,6 +1563,23 @@ case "$step" in
     # and ran the MoE layers' side work inside a body on a stream of its own. Stages: replay_segment_stages.
     replay_segment_stages "$step"
     ;;
+  stream23)  # config stream_arena: a decode pass computes an expert without a slot from its pinned arena row (the
+    # W2_STREAM builds of the single-token kernels), no replay; the rows it streamed installed after the read, unwaited.
+    # The GPU tests of the stream kernels and the runtime, the route, the CUDA whole op and the runtime's GPU tests
+    # (the route and the combine changed for every run); the main job at a 25 % pool; then stream_arena=1 against
+    # the default on the recorded trace (both presets, 50 / 25 / 10 %, 220 steady steps), interleaved. Stage limits
+    # 170 + 45 + 75 + 95 s.
+    stage tests 170 python3 -m pytest tests/test_runtime_stream_arena.py tests/test_route_kernel.py \
+      tests/test_runtime_cuda_w2.py tests/test_runtime_gpu.py tests/test_cuda_w2_pair_order.py -m gpu -q
+    stage generate-quality 45 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    recorded_compare "$step" stream_arena=1
+    ;;
+  stream23b)  # stream23's code on the synthetic trace: stream_arena=1 against the default, interleaved, 300 steady
+    # steps, both presets at 50 / 25 / 10 %. Stage limits 90 + 60 s.
+    pair_compare stream23 90 stream_arena=1 qwen3-30b-a3b 16 0.5,0.25,0.1 320 pass_pair=auto
+    pair_compare stream23 60 stream_arena=1 ds-v2-lite 8 0.5,0.25,0.1 320 pass_pair=auto
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 

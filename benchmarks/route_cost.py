@@ -48,8 +48,8 @@ def _route_launch(name: str, ids, w2, f4, misses, ws):
 
     experts = w2.table.shape[1]
     args = (ids, ids.numel(), w2.table, f4.table, 0, experts, ws.block_expert, ws.block_fill, ws.block_pairs,
-            ws.num_blocks, misses.counts, misses.entries, misses.entries.shape[0])
-    common = dict(EP=triton.next_power_of_2(experts), BT=ws.block_tokens, num_warps=4)
+            ws.num_blocks, misses.counts, misses.entries, misses.entries.shape[0], w2.slots)
+    common = dict(EP=triton.next_power_of_2(experts), BT=ws.block_tokens, STREAM=False, num_warps=4)
     chunk, histogram = ROUTES[name]
     return route_kernel[(1,)](*args, CHUNK=chunk, HISTOGRAM=histogram, **common)
 

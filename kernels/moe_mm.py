@@ -27,17 +27,27 @@ _COMBINE_BH = 256
 
 @dataclass(frozen=True)
 class TierPool:
-    """One tier on the device: slot bytes uint8 [S, slot_bytes] and its table int32 [layers, E] (-1 = absent)."""
+    """One tier on the device: slot bytes uint8 [S, slot_bytes] and its table int32 [layers, E] (-1 = absent).
+
+    stream_at (W2 tier, optional): int64 [layers * E], each expert's row in pinned host memory as an offset from
+    `slots`' address (0: none), read by ops that stream (`cuda_w2.streams(workspace)`: the W2_STREAM builds) for
+    pairs without a slot; `tierstore.runtime.stream_rows` keeps it."""
 
     slots: torch.Tensor
     table: torch.Tensor
     layout: SlotLayout
+    stream_at: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.slots.dtype != torch.uint8 or self.slots.dim() != 2 or self.slots.shape[1] != self.layout.slot_bytes:
             raise ValueError(f"slots must be uint8 [S, {self.layout.slot_bytes}], got {self.slots.dtype} {tuple(self.slots.shape)}")
         if self.table.dtype != torch.int32 or self.table.dim() != 2:
             raise ValueError(f"table must be int32 [layers, E], got {self.table.dtype} {tuple(self.table.shape)}")
+        at = self.stream_at
+        if at is not None and (at.dtype != torch.int64 or at.shape != (self.table.numel(),)
+                               or at.device != self.table.device):
+            raise ValueError(f"stream_at must be int64 [{self.table.numel()}] on {self.table.device}, got "
+                             f"{at.dtype} {tuple(at.shape)} on {at.device}")
 
     @classmethod
     def empty(cls, layout: SlotLayout, num_slots: int, layers: int, experts: int, device) -> TierPool:
@@ -215,23 +225,40 @@ def _check(hidden, topk_ids, w2: TierPool, fp4: TierPool, workspace: MoeWorkspac
         raise ValueError("hidden and topk_ids must be contiguous")
 
 
-def moe_route(topk_ids: torch.Tensor, w2: TierPool, fp4: TierPool, layer: int, misses: MissLog, workspace: MoeWorkspace) -> None:
-    """Stage 1: tiers, expert blocks and the miss log for this layer's routed pairs."""
+def moe_route(topk_ids: torch.Tensor, w2: TierPool, fp4: TierPool, layer: int, misses: MissLog, workspace: MoeWorkspace,
+              stream: bool = False) -> None:
+    """Stage 1: tiers, expert blocks and the miss log for this layer's routed pairs. `stream`: experts with a
+    `w2.stream_at` row are computed (blocks, no missing pair) and still logged (the route's STREAM)."""
     num_experts = w2.table.shape[1]
     route_kernel[(1,)](
         topk_ids, topk_ids.numel(), w2.table, fp4.table, layer, num_experts,
         workspace.block_expert, workspace.block_fill, workspace.block_pairs, workspace.num_blocks,
-        misses.counts, misses.entries, misses.entries.shape[0],
+        misses.counts, misses.entries, misses.entries.shape[0], _stream_words(w2, stream),
         EP=triton.next_power_of_2(num_experts), CHUNK=_ROUTE_CHUNK, BT=workspace.block_tokens,
-        HISTOGRAM=_ROUTE_HISTOGRAM, num_warps=4,
+        HISTOGRAM=_ROUTE_HISTOGRAM, STREAM=stream, num_warps=4,
     )
 
 
-def moe_route_ref(topk_ids: torch.Tensor, w2: TierPool, fp4: TierPool, layer: int, block_tokens: int) -> dict:
+def _stream_words(w2: TierPool, stream: bool) -> torch.Tensor:
+    """The route's and the combine's stream_at argument: the tier's table when streaming, else any int64 tensor
+    (unread)."""
+    if stream and w2.stream_at is None:
+        raise ValueError("streaming reads the W2 tier's stream_at table: the tier has none")
+    return w2.stream_at if stream else w2.slots
+
+
+def moe_route_ref(topk_ids: torch.Tensor, w2: TierPool, fp4: TierPool, layer: int, block_tokens: int,
+                  stream: bool = False) -> dict:
     """What `moe_route` writes, in plain Python: blocks [(expert, [pairs])] of up to block_tokens pairs of one resident
-    expert (experts ascending, pairs ascending), the missing pairs' count and the missing experts (ascending)."""
+    expert (experts ascending, pairs ascending), the missing pairs' count and the missing experts (ascending).
+    `stream`: an expert in neither pool with a `w2.stream_at` row gets blocks, adds no missing pair and is listed
+    among the missing experts (those logged)."""
     ids = topk_ids.reshape(-1).tolist()
-    resident = ((w2.table[layer] >= 0) | (fp4.table[layer] >= 0)).tolist()
+    pooled = ((w2.table[layer] >= 0) | (fp4.table[layer] >= 0)).tolist()
+    experts = w2.table.shape[1]
+    streamed = ((w2.stream_at[layer * experts:(layer + 1) * experts] != 0).tolist() if stream
+                else [False] * experts)
+    resident = [p or s for p, s in zip(pooled, streamed)]
     by_expert: dict[int, list[int]] = {}
     for pair, expert in enumerate(ids):
         if 0 <= expert < len(resident):
@@ -241,8 +268,8 @@ def moe_route_ref(topk_ids: torch.Tensor, w2: TierPool, fp4: TierPool, layer: in
         pairs = by_expert[expert]
         if resident[expert]:
             blocks += [(expert, pairs[i: i + block_tokens]) for i in range(0, len(pairs), block_tokens)]
-        else:
-            missing_pairs += len(pairs)
+        if not pooled[expert]:
+            missing_pairs += 0 if streamed[expert] else len(pairs)
             missing_experts.append(expert)
     return dict(blocks=blocks, missing_pairs=missing_pairs, missing_experts=missing_experts)
 
@@ -269,13 +296,14 @@ def moe_down(top_k: int, w2: TierPool, fp4: TierPool, layer: int, workspace: Moe
           False, None, False)
 
 
-def moe_combine(topk_ids, topk_weights, w2: TierPool, fp4: TierPool, layer: int, workspace: MoeWorkspace, out) -> None:
-    """Stage 4: out[t] = sum_j w[t, j] * y[t * k + j] over resident pairs, j in order."""
+def moe_combine(topk_ids, topk_weights, w2: TierPool, fp4: TierPool, layer: int, workspace: MoeWorkspace, out,
+                stream: bool = False) -> None:
+    """Stage 4: out[t] = sum_j w[t, j] * y[t * k + j] over resident pairs (`stream`: and streamed ones), j in order."""
     num_tokens, top_k = topk_ids.shape
     h = out.shape[1]
     combine_kernel[(num_tokens, triton.cdiv(h, _COMBINE_BH))](
         workspace.y, workspace.y.stride(0), topk_ids, topk_weights, w2.table, fp4.table, layer * w2.table.shape[1],
-        out, out.stride(0), h, TOP_K=top_k, BH=_COMBINE_BH, num_warps=4,
+        out, out.stride(0), h, _stream_words(w2, stream), TOP_K=top_k, BH=_COMBINE_BH, STREAM=stream, num_warps=4,
     )
 
 
@@ -289,28 +317,32 @@ def moe_mm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     layers without FP4-resident experts, see its docstring) between the same route and combine; ops with a
     `route_free` method (W2MoeCuda, TierMoeCuda) are also given topk_ids=. When `cuda_w2.route_free(workspace)` says
     its kernels read the router's ids rather than the route output (pair-order builds), the route runs beside them on
-    the workspace's side stream (CUDA only).
+    the workspace's side stream (CUDA only). When `cuda_w2.streams(workspace)` (W2MoeCuda(stream=True) on a
+    block_tokens 1 workspace), pairs whose expert has no slot but a `w2.stream_at` row are computed from that row
+    and combined, logged by the route but not counted as missing pairs.
     """
     _check(hidden, topk_ids, w2, fp4, workspace)
     if out is None:
         out = torch.empty_like(hidden)
     top_k = topk_ids.shape[1]
     ids = {"topk_ids": topk_ids} if hasattr(cuda_w2, "route_free") else {}  # the library's ops take them
+    stream = bool(ids) and getattr(cuda_w2, "streams", None) is not None and cuda_w2.streams(workspace)
     if ids and workspace.side_stream is not None and cuda_w2.route_free(workspace):
         _route_beside(lambda: cuda_w2(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit, **ids), topk_ids, w2,
-                      fp4, layer, misses, workspace)
+                      fp4, layer, misses, workspace, stream)
     else:
-        moe_route(topk_ids, w2, fp4, layer, misses, workspace)
+        moe_route(topk_ids, w2, fp4, layer, misses, workspace, stream)
         if cuda_w2 is None:
             moe_gate_up(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit)
             moe_down(top_k, w2, fp4, layer, workspace)
         else:
             cuda_w2(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit, **ids)
-    moe_combine(topk_ids, topk_weights, w2, fp4, layer, workspace, out)
+    moe_combine(topk_ids, topk_weights, w2, fp4, layer, workspace, out, stream)
     return out
 
 
-def _route_beside(stages, topk_ids, w2, fp4, layer: int, misses: MissLog, workspace: MoeWorkspace) -> None:
+def _route_beside(stages, topk_ids, w2, fp4, layer: int, misses: MissLog, workspace: MoeWorkspace,
+                  stream: bool = False) -> None:
     """`stages()` (kernels that read the router's ids, not the route output) on the current stream while the route
     runs on the workspace's side stream, forked from the current stream before and joined into it after: two
     branches of a captured graph, the miss log and the route output complete before anything after this call."""
@@ -319,7 +351,7 @@ def _route_beside(stages, topk_ids, w2, fp4, layer: int, misses: MissLog, worksp
     fork.record(main)
     side.wait_event(fork)
     with torch.cuda.stream(side):
-        moe_route(topk_ids, w2, fp4, layer, misses, workspace)
+        moe_route(topk_ids, w2, fp4, layer, misses, workspace, stream)
     stages()
     join.record(side)
     main.wait_event(join)

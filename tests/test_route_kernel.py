@@ -5,6 +5,8 @@ interpreter without a GPU; on a GPU (marker gpu) the same checks run on the devi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -33,7 +35,7 @@ def _ids(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
     return torch.stack(rows).to(torch.int32).contiguous().to(DEVICE)
 
 
-def _route(ids, w2, f4, block_tokens, chunk, histogram, misses):
+def _route(ids, w2, f4, block_tokens, chunk, histogram, misses, stream=False):
     experts = w2.table.shape[1]
     ws = MoeWorkspace.allocate(ids.shape[0], ids.shape[1], experts, 512, 512, torch.float32, DEVICE,
                                block_tokens=block_tokens)
@@ -41,8 +43,8 @@ def _route(ids, w2, f4, block_tokens, chunk, histogram, misses):
         t.fill_(POISON)
     route_kernel[(1,)](ids, ids.numel(), w2.table, f4.table, 1, experts, ws.block_expert, ws.block_fill,
                        ws.block_pairs, ws.num_blocks, misses.counts, misses.entries, misses.entries.shape[0],
-                       EP=triton.next_power_of_2(experts), CHUNK=chunk, BT=block_tokens, HISTOGRAM=histogram,
-                       num_warps=4)
+                       w2.stream_at if stream else w2.slots, EP=triton.next_power_of_2(experts), CHUNK=chunk,
+                       BT=block_tokens, HISTOGRAM=histogram, STREAM=stream, num_warps=4)
     return ws
 
 
@@ -94,3 +96,41 @@ def test_moe_route_uses_the_kernel_with_its_defaults():
     moe_route(ids, w2, f4, 1, misses, ws)
     ref = moe_route_ref(ids, w2, f4, 1, 1)
     assert route_blocks(ws) == ref["blocks"] and misses.counts.tolist()[0] == ref["missing_pairs"]
+
+
+def _streaming(w2, streamed: list[int], layer: int = 1):
+    """`w2` with a stream_at table giving `streamed` experts of `layer` an (arbitrary, nonzero) arena row."""
+    experts = w2.table.shape[1]
+    at = torch.zeros(w2.table.numel(), dtype=torch.int64, device=DEVICE)
+    for e in streamed:
+        at[layer * experts + e] = 4096 * (e + 1)
+    return dataclasses.replace(w2, stream_at=at)
+
+
+@pytest.mark.parametrize("histogram", [False, True])
+@pytest.mark.parametrize("tokens,top_k,experts,block_tokens", [(1, 8, 64, 1), (3, 6, 64, 1), (20, 4, 16, 16)])
+def test_streamed_experts_get_blocks_and_are_logged_but_add_no_missing_pair(tokens, top_k, experts, block_tokens,
+                                                                            histogram):
+    absent = [0, 1, 2, 3, 5, 8, experts - 1]
+    w2, f4 = _pools(experts, absent, [])
+    w2 = _streaming(w2, [1, 3, 8])  # streamed; 0, 2, 5 and the last stay missing
+    ids = torch.tensor([[(t * top_k + j) % experts for j in range(top_k)] for t in range(tokens)], dtype=torch.int32,
+                       device=DEVICE)
+    misses = MissLog.allocate(16, DEVICE)
+    misses.entries.fill_(POISON)
+    ws = _route(ids, w2, f4, block_tokens, 32, histogram, misses, stream=True)
+    ref = moe_route_ref(ids, w2, f4, 1, block_tokens, stream=True)
+    routed = set(ids.reshape(-1).tolist())
+    assert {1, 3} <= routed and {e for e, _ in ref["blocks"]} >= {1, 3}  # the reference streams them
+    assert route_blocks(ws) == ref["blocks"]
+    truly_missing = [e for e in (0, 2, 5, experts - 1) if e in routed]
+    assert ref["missing_pairs"] == sum(int((ids == e).sum()) for e in truly_missing)
+    assert misses.counts.tolist() == [ref["missing_pairs"], len(ref["missing_experts"])]
+    assert ref["missing_experts"] == sorted(e for e in absent if e in routed)  # streamed ones are logged too
+    logged = misses.entries[:len(ref["missing_experts"])].tolist()
+    assert logged == [[1, e] for e in ref["missing_experts"]]
+
+    plain = MissLog.allocate(16, DEVICE)  # the same tier routed without STREAM: streamed experts are plain misses
+    ws = _route(ids, w2, f4, block_tokens, 32, histogram, plain)
+    assert route_blocks(ws) == moe_route_ref(ids, w2, f4, 1, block_tokens)["blocks"]
+    assert plain.counts.tolist() == [sum(int((ids == e).sum()) for e in absent), len(ref["missing_experts"])]

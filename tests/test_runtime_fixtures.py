@@ -127,12 +127,14 @@ def graph_replayer(forward):
 
 
 def cuda_decode_steps(rt, model: ToyMoE, geometry: MoEGeometry, graph: bool, steps: int = 24,
-                      seeds: list[int] | None = None, outcomes: list | None = None) -> list[torch.Tensor]:
+                      seeds: list[int] | None = None, outcomes: list | None = None,
+                      dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """`steps` single-token decode steps of `model` through `rt` on CUDA (inputs seeded by the step, or by `seeds`),
     eager or each forward captured as a graph (`graph_replayer`; its warm-up call is not armed, so it gathers
     nothing); with config pass_pair the step's pass pair too, with config unwaited_first_pass its first pass.
-    Returns each step's output; `outcomes` gets (launched a pair, outcome) of each step."""
-    x = torch.zeros(1, geometry.hidden, device="cuda")
+    Returns each step's output; `outcomes` gets (launched a pair, outcome) of each step. `dtype`: the inputs' (the
+    model's routers must match it)."""
+    x = torch.zeros(1, geometry.hidden, device="cuda", dtype=dtype)
     forward = lambda: model.forward(rt, x)  # noqa: E731
     pair = rt.pass_pair(forward, lambda: None) if rt.pairs else None
     first = rt.first_pass(forward) if rt.first_passes else None
@@ -142,7 +144,7 @@ def cuda_decode_steps(rt, model: ToyMoE, geometry: MoEGeometry, graph: bool, ste
         forward = graph_replayer(forward)
     outputs = []
     for step, seed in enumerate(seeds if seeds is not None else range(steps)):
-        x.copy_(torch.randn(1, geometry.hidden, generator=torch.Generator().manual_seed(seed)).cuda() * 3)
+        x.copy_((torch.randn(1, geometry.hidden, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype).cuda())
         pairs = rt.stats().pair_steps if outcomes is not None else 0
         got, outcome = rt.step(forward, lambda: None, forward_pair=pair, forward_first=first)
         outputs.append(got.clone())

@@ -4,7 +4,10 @@ One program. Pairs (p = token * top_k + j) of a resident expert are placed, in i
 into blocks of BT pairs that all use that expert; experts appear in increasing id. A pair
 whose expert is in neither pool gets no block; it adds one to `miss_counts[0]`, and each such
 expert adds one to `miss_counts[1]` and appends (layer, expert) to `miss_list` while it has room
-(entries past `miss_capacity` are counted, not written). The pairs per expert are integer counts (a comparison
+(entries past `miss_capacity` are counted, not written). STREAM (the CUDA stream builds' route, W2_STREAM): an
+expert in neither pool whose `stream_at` word is nonzero is streamed, computed from its arena row: its pairs get
+blocks and add nothing to `miss_counts[0]`, while the expert is still counted and logged like a missing one (the
+host installs it after the pass). The pairs per expert are integer counts (a comparison
 sum or `tl.histogram`), exact in any order, and everything else is plain loads/stores, so the block lists are
 deterministic. Plain-Python reference: `moe_route_ref` (kernels/moe_mm.py).
 """
@@ -18,8 +21,8 @@ def route_kernel(
     topk_ids_ptr, num_pairs,
     w2_table_ptr, f4_table_ptr, layer, num_experts,
     block_expert_ptr, block_fill_ptr, block_pairs_ptr, num_blocks_ptr,
-    miss_counts_ptr, miss_list_ptr, miss_capacity,
-    EP: tl.constexpr, CHUNK: tl.constexpr, BT: tl.constexpr, HISTOGRAM: tl.constexpr,
+    miss_counts_ptr, miss_list_ptr, miss_capacity, stream_at_ptr,
+    EP: tl.constexpr, CHUNK: tl.constexpr, BT: tl.constexpr, HISTOGRAM: tl.constexpr, STREAM: tl.constexpr,
 ):
     """Per expert (EP lanes): pairs routed to it, residency, first block, missing; per pair (CHUNK lanes at a
     time): its expert's numbers looked up with `tl.gather` and its rank among the earlier pairs of that expert.
@@ -31,21 +34,26 @@ def route_kernel(
     # the tables do not depend on the ids: their loads go out first, beside the first chunk's
     in_w2 = tl.load(w2_table_ptr + table_row + experts, mask=real, other=-1) >= 0
     in_f4 = tl.load(f4_table_ptr + table_row + experts, mask=real, other=-1) >= 0
+    if STREAM:
+        streamed = tl.load(stream_at_ptr + table_row + experts, mask=real, other=0) != 0
+    else:
+        streamed = experts < 0  # [EP] all false
 
     counts = tl.zeros([EP], tl.int32)  # [EP] pairs routed to each expert id below EP
     for c0 in range(0, num_pairs, CHUNK):
         ids = tl.load(topk_ids_ptr + c0 + lanes, mask=c0 + lanes < num_pairs, other=-1)  # [CHUNK]
         counts += _count(ids, experts, EP, HISTOGRAM)
 
-    resident = (in_w2 | in_f4).to(tl.int32)  # [EP]
+    pooled = in_w2 | in_f4  # [EP]
+    resident = (pooled | streamed).to(tl.int32)  # [EP] computed in this pass
     blocks = resident * ((counts + BT - 1) // BT)
     block_start = tl.cumsum(blocks, axis=0) - blocks
     tl.store(num_blocks_ptr, tl.sum(blocks, axis=0))
 
-    missing = ((counts > 0) & (resident == 0)).to(tl.int32)
+    missing = ((counts > 0) & (pooled == 0)).to(tl.int32)  # [EP] logged: missing or streamed
     num_missing = tl.sum(missing, axis=0)
     if num_missing > 0:  # the usual decode step has none: no atomics, no round trip for `first`
-        tl.atomic_add(miss_counts_ptr, tl.sum(missing * counts, axis=0))
+        tl.atomic_add(miss_counts_ptr, tl.sum(missing * (1 - resident) * counts, axis=0))
         first = tl.atomic_add(miss_counts_ptr + 1, num_missing)
         entry = first + tl.cumsum(missing, axis=0) - missing
         logged = (missing == 1) & (entry < miss_capacity)

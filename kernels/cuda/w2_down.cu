@@ -122,7 +122,11 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
     const int* __restrict__ w2_table, const int* __restrict__ f4_table, int table_row,  // [layers * E]
     const int* __restrict__ block_expert, const int* __restrict__ block_pairs,         // route, BT = 1
     const int* __restrict__ num_blocks,
-    float* __restrict__ y, long long stride_y, int inter) {                             // y float32 [P, H]
+    float* __restrict__ y, long long stride_y, int inter                                // y float32 [P, H]
+#if W2_STREAM
+    , const long long* __restrict__ stream_at  // [layers * E] arena row - slots (bytes), 0: not in the arena
+#endif
+    ) {
   extern __shared__ uint4 smem[];
   uint32_t* xp = reinterpret_cast<uint32_t*>(smem);  // [I / 2] activation pairs
   const auto [b, row_tile] = block_tile<W2_ROUTE_MAJOR != 0>();  // w2_fragments.cuh
@@ -156,7 +160,13 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
   const uint8_t* lo_at = slots + (words_off + 16 * (n0 * row_vecs));
   const uint8_t* sl_at = slots + (scales_off + kScaleVecBytes * (n0 * scale_vecs));
   asm volatile("" ::"l"(lo_at), "l"(sl_at));
+#if W2_STREAM
+  // Streamed pair (W2_STREAM, as in w2_gate_up.cu): no W2 slot, the expert's row read in the pinned arena.
+  const long long streamed = w2_slot >= 0 ? 0 : stream_at[table_row + expert];
+  if (fp4 | ((w2_slot < 0) & (streamed == 0))) {
+#else
   if (fp4 | (w2_slot < 0)) {
+#endif
 #if W2_PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");  // y rows are written only once the preceding grid is done
 #endif
@@ -166,7 +176,11 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
     }
     return;
   }
+#if W2_STREAM
+  const long long slot_at = w2_slot >= 0 ? static_cast<long long>(w2_slot) * slot_bytes : streamed;
+#else
   const long long slot_at = static_cast<long long>(w2_slot) * slot_bytes;
+#endif
   const uint4* lo = reinterpret_cast<const uint4*>(lo_at + slot_at);
   const ScaleVec* sl = reinterpret_cast<const ScaleVec*>(sl_at + slot_at);
 #else

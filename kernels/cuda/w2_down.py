@@ -35,10 +35,10 @@ def rows_per_block(groups: int) -> int:
 
 
 def build_defines(ahead: int, groups: int, early: bool = False, route_major: bool = False, pdl: bool = False,
-                  wps: int = 32, mad: bool = False, pair_order: bool = False) -> dict:
-    """nvcc defines of a build (the v3 / v5 / pair-order ones and W2_WPS only when not the default: the default's
-    command is the one before they existed)."""
-    defines = w2_gate_up.build_defines(ahead, early, route_major, pdl, mad, pair_order) | {"W2_GROUPS": groups}
+                  wps: int = 32, mad: bool = False, pair_order: bool = False, stream: bool = False) -> dict:
+    """nvcc defines of a build (the v3 / v5 / pair-order / stream ones and W2_WPS only when not the default: the
+    default's command is the one before they existed)."""
+    defines = w2_gate_up.build_defines(ahead, early, route_major, pdl, mad, pair_order, stream) | {"W2_GROUPS": groups}
     return defines | {"W2_WPS": 16} if wps == 16 else defines
 
 
@@ -153,20 +153,21 @@ class W2DownCuda:
     pairs_grid: P route blocks in the grid instead of max_blocks (w2_gate_up.route_blocks_grid); wps: the w2 matrix's
     words per bit slot this build reads (32, or 16 for an inter not a multiple of 512: `wps_of`); mad: the v5 decode
     (W2_DECODE_MAD, as in `W2GateUpCuda`; same bytes); pair_order: W2_PAIR_ORDER, one block per routed pair read
-    from the topk_ids each call passes (as in `W2GateUpCuda`; same bytes).
+    from the topk_ids each call passes (as in `W2GateUpCuda`; same bytes); stream: W2_STREAM, arena rows read over
+    the bus for pairs without a slot (as in `W2GateUpCuda`; same bytes).
     """
 
     def __init__(self, ahead: int = 2, groups: int = 1, device: int | None = None, early: bool = False,
                  route_major: bool = False, pdl: bool = False, pairs_grid: bool = False, wps: int = 32,
-                 mad: bool = False, pair_order: bool = False) -> None:
+                 mad: bool = False, pair_order: bool = False, stream: bool = False) -> None:
         if pdl and not early:
             raise ValueError("pdl needs early (W2_PDL builds on W2_EARLY's FP4 branch)")
         check_wps(wps)
-        defines = build_defines(ahead, groups, early, route_major, pdl, wps, mad, pair_order)
+        defines = build_defines(ahead, groups, early, route_major, pdl, wps, mad, pair_order, stream)
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
         self.ahead, self.groups, self.early, self.route_major, self.pdl = ahead, groups, early, route_major, pdl
-        self.pairs_grid, self.wps, self.mad, self.pair_order = pairs_grid, wps, mad, pair_order
+        self.pairs_grid, self.wps, self.mad, self.pair_order, self.stream = pairs_grid, wps, mad, pair_order, stream
         self.kernel = loader.load(loader.build(SOURCE, defines), KERNEL, self.device)
 
     def __call__(self, w2, fp4, layer: int, ws, out=None, topk_ids=None):
@@ -179,11 +180,13 @@ class W2DownCuda:
         smem = 2 * act_k(w2.layout)  # activation pairs: K / 2 x 4 bytes
         self.kernel.allow_shared(smem)
         stream = torch.cuda.current_stream().cuda_stream
-        args = launch_args(w2, fp4, layer, ws, out, topk_ids if self.pair_order else None)
+        args = (launch_args(w2, fp4, layer, ws, out, topk_ids if self.pair_order else None)
+                + w2_gate_up.stream_args(w2, self.stream))
+        kinds = ARG_KINDS + "p" * self.stream
         if self.pdl:
-            launch_dependent(self.kernel, grid, (THREADS,), smem, stream, ARG_KINDS, args)
+            launch_dependent(self.kernel, grid, (THREADS,), smem, stream, kinds, args)
         else:
-            self.kernel.launch(grid, (THREADS,), smem, stream, ARG_KINDS, args)
+            self.kernel.launch(grid, (THREADS,), smem, stream, kinds, args)
         return out
 
     def attributes(self) -> dict:

@@ -35,6 +35,16 @@
 #error "W2_PAIR_ORDER needs W2_EARLY"
 #endif
 
+// W2_STREAM 1 (w2_gate_up.cu, w2_down.cu; with W2_PAIR_ORDER): a pair whose expert has no W2 slot but a row in the
+// pinned host arena (the last argument, `stream_at`, nonzero) is computed from that row over the bus, the same bytes
+// as a slot (tierstore/runtime/stream_rows.py). 0 (default): such a pair is skipped (a miss), the SASS of before.
+#ifndef W2_STREAM
+#define W2_STREAM 0
+#endif
+#if W2_STREAM && !W2_PAIR_ORDER
+#error "W2_STREAM needs W2_PAIR_ORDER"
+#endif
+
 namespace {
 
 constexpr int kWps = 32;                     // words per bit slot

@@ -100,7 +100,11 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_gate_up_mma(
     const int* __restrict__ block_expert, const int* __restrict__ block_pairs,         // route, BT = 1
     const int* __restrict__ num_blocks, int top_k,
     __nv_bfloat16* __restrict__ act, long long stride_act, int inter, int hidden,       // act bf16 [P, I]
-    float limit, int has_limit) {
+    float limit, int has_limit
+#if W2_STREAM
+    , const long long* __restrict__ stream_at  // [layers * E] arena row - slots (bytes), 0: not in the arena
+#endif
+    ) {
   extern __shared__ uint4 smem[];
   uint32_t* xp = reinterpret_cast<uint32_t*>(smem);  // [H / 2] activation pairs
 #if W2_PDL
@@ -131,8 +135,16 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_gate_up_mma(
   const uint8_t* gs_at = slots + (scales_off + 16 * (n * scale_vecs));
   const uint8_t* us_at = gs_at + 16 * (inter * scale_vecs);
   asm volatile("" ::"l"(gate_at), "l"(up_at), "l"(gs_at), "l"(us_at));
+#if W2_STREAM
+  // Streamed pair (W2_STREAM): an expert without a W2 slot is read where its row lies in the pinned arena, over the
+  // bus (one more dependent load, for such pairs only); the same bytes as a slot, hence the same result.
+  const long long streamed = w2_slot >= 0 ? 0 : stream_at[table_row + expert];
+  if ((f4_slot >= 0) | ((w2_slot < 0) & (streamed == 0))) return;
+  const long long slot_at = w2_slot >= 0 ? static_cast<long long>(w2_slot) * slot_bytes : streamed;
+#else
   if ((f4_slot >= 0) | (w2_slot < 0)) return;
   const long long slot_at = static_cast<long long>(w2_slot) * slot_bytes;
+#endif
   const uint4* gate = reinterpret_cast<const uint4*>(gate_at + slot_at);
   const uint4* up = reinterpret_cast<const uint4*>(up_at + slot_at);
   const uint4* gs = reinterpret_cast<const uint4*>(gs_at + slot_at);

@@ -46,6 +46,21 @@ def slot_args(pool, tables, layer: int, matrix: str) -> list:
             *(tier.table.data_ptr() for tier in tables), layer * pool.table.shape[1]]
 
 
+def stream_args(w2, stream: bool) -> list:
+    """A stream build's (W2_STREAM) last argument: the pool's `stream_at` table ([layers * E] int64, each expert's
+    arena row address minus the slots' address, 0 where it has no row; `tierstore.runtime.stream_rows`); nothing for
+    another build."""
+    if not stream:
+        return []
+    at = w2.stream_at
+    if at is None:
+        raise ValueError("a stream build (stream=True) reads the W2 tier's stream_at table: the tier has none")
+    if at.dtype != torch.int64 or at.numel() != w2.table.numel() or not at.is_contiguous() or at.device != w2.table.device:
+        raise ValueError(f"stream_at must be contiguous int64 [{w2.table.numel()}] on {w2.table.device}, got "
+                         f"{at.dtype} {tuple(at.shape)} on {at.device}")
+    return [at.data_ptr()]
+
+
 def limit_args(swiglu_limit: float | None) -> list:
     """The gate_up kernels' last two arguments: limit, has_limit."""
     return [0.0 if swiglu_limit is None else float(swiglu_limit), int(swiglu_limit is not None)]
@@ -102,14 +117,16 @@ def check_hidden_out(hidden, out, ws, hidden_size: int) -> None:
 
 
 def build_defines(ahead: int, early: bool = False, route_major: bool = False, pdl: bool = False,
-                  mad: bool = False, pair_order: bool = False) -> dict:
-    """nvcc defines of a build: the v3 / v5 / pair-order defines only when on, so the default's command (and cached
-    image) is the same as before they existed. Shared with w2_down.py."""
+                  mad: bool = False, pair_order: bool = False, stream: bool = False) -> dict:
+    """nvcc defines of a build: the v3 / v5 / pair-order / stream defines only when on, so the default's command (and
+    cached image) is the same as before they existed. Shared with w2_down.py."""
     if pair_order and not early:
         raise ValueError("pair_order needs early (W2_PAIR_ORDER builds on W2_EARLY's prologue)")
+    if stream and not pair_order:
+        raise ValueError("stream needs pair_order (W2_STREAM builds on W2_PAIR_ORDER's prologue)")
     defines = {"W2_AHEAD": ahead}
     for name, on in (("W2_EARLY", early), ("W2_ROUTE_MAJOR", route_major), ("W2_PDL", pdl), ("W2_DECODE_MAD", mad),
-                     ("W2_PAIR_ORDER", pair_order)):
+                     ("W2_PAIR_ORDER", pair_order), ("W2_STREAM", stream)):
         if on:
             defines[name] = 1
     return defines
@@ -146,20 +163,25 @@ class W2GateUpCuda:
     warp; same bytes out. mad (v5): W2_DECODE_MAD, slot pairs 0..4 decoded by a multiply-add on the FMA pipe instead
     of a rotate-add on the integer ALU (w2_fragments.cuh `w2_pair`); same bytes out. pair_order (needs early):
     W2_PAIR_ORDER, one block per routed pair in pair order, its expert read from the router's topk_ids (passed to
-    each call) instead of the route output, so the routing kernel may run beside it; same bytes out.
+    each call) instead of the route output, so the routing kernel may run beside it; same bytes out. stream (needs
+    pair_order): W2_STREAM, a pair whose expert has no W2 slot but an arena row (the tier's `stream_at`) is computed
+    from that row in pinned host memory, over the bus; the same bytes as from a slot.
     """
 
     def __init__(self, ahead: int = 1, device: int | None = None, early: bool = False, route_major: bool = False,
                  pdl: bool = False, pairs_grid: bool = False, stages: int = 0, mad: bool = False,
-                 pair_order: bool = False) -> None:
+                 pair_order: bool = False, stream: bool = False) -> None:
         if stages == 1 or stages < 0:
             raise ValueError(f"stages is 0 (the register ring) or at least 2, got {stages}")
-        defines = build_defines(ahead, early, route_major, pdl, mad, pair_order)
+        if stream and stages:
+            raise ValueError("stream reads the arena with plain loads: it has no staged (cp.async) build")
+        defines = build_defines(ahead, early, route_major, pdl, mad, pair_order, stream)
         defines |= {"W2_STAGES": stages} if stages else {}
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
         self.ahead, self.early, self.route_major, self.pdl = ahead, early, route_major, pdl
         self.pairs_grid, self.stages, self.mad, self.pair_order = pairs_grid, stages, mad, pair_order
+        self.stream = stream
         image = loader.build(SOURCE, defines)
         self.kernel = loader.load(image, KERNEL, self.device)
         if stages:
@@ -178,9 +200,10 @@ class W2GateUpCuda:
         grid = (route_blocks_grid(ws, self.pairs_grid, self.pair_order), w2.layout.inter // ROWS_PER_BLOCK)
         smem = self.shared_bytes(w2.layout.hidden)
         self.kernel.allow_shared(smem)
-        self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream, ARG_KINDS,
-                           launch_args(hidden, top_k, w2, fp4, layer, ws, out, swiglu_limit,
-                                       topk_ids if self.pair_order else None))
+        args = launch_args(hidden, top_k, w2, fp4, layer, ws, out, swiglu_limit,
+                           topk_ids if self.pair_order else None) + stream_args(w2, self.stream)
+        self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream,
+                           ARG_KINDS + "p" * self.stream, args)
         return out
 
     def attributes(self) -> dict:

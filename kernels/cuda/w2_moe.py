@@ -77,16 +77,21 @@ class W2MoeCuda:
     multi-token down's other options (None: DOWN_MULTI); gate_single / down_single: the single-token kernels' v3 / v5
     options (W2GateUpCuda / W2DownCuda; None: SINGLE; {}: the kernels before v3; `pair_order` in both or neither);
     wps: the w2 matrix's words per bit slot both down kernels read (`w2_down.wps_of(layout)` of the pools this op
-    serves)."""
+    serves); stream: the single-token kernels' W2_STREAM builds (pair order needed), which compute a pair without a
+    slot from its arena row (`w2.stream_at`; `streams`)."""
 
     def __init__(self, gate_ahead: int = 2, down_ahead: int = 2, down_groups: int = 1, device: int | None = None,
                  gate_multi: dict | None = None, gate_single: dict | None = None, down_single: dict | None = None,
-                 gate_multi_wide: dict | None = None, wps: int = 32, down_multi: dict | None = None):
+                 gate_multi_wide: dict | None = None, wps: int = 32, down_multi: dict | None = None,
+                 stream: bool = False):
         gate_single = SINGLE if gate_single is None else gate_single
         down_single = SINGLE if down_single is None else down_single
         if gate_single.get("pair_order", False) != down_single.get("pair_order", False):
             raise ValueError("gate_single and down_single take pair_order together (the route runs beside both or "
                              "before both)")
+        if stream:
+            gate_single, down_single = gate_single | {"stream": True}, down_single | {"stream": True}
+        self.stream = stream
         self.gate_up = W2GateUpCuda(ahead=gate_ahead, device=device, **gate_single)
         self.down = W2DownCuda(ahead=down_ahead, groups=down_groups, device=device, wps=wps, **down_single)
         self.gate_up_multi = W2GateUpMultiCuda(ahead=gate_ahead, device=device,
@@ -100,6 +105,11 @@ class W2MoeCuda:
         """Whether this op's kernels for `ws` read the router's topk ids instead of the route output (the single-token
         kernels built with pair_order), so that `moe_mm` may run the route beside them."""
         return ws.block_tokens == 1 and self.gate_up.pair_order and self.down.pair_order
+
+    def streams(self, ws) -> bool:
+        """Whether this op's kernels for `ws` compute streamed pairs (the single-token stream builds), so that the
+        route and the combine must treat them as computed (`moe_mm`)."""
+        return self.stream and ws.block_tokens == 1
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, swiglu_limit: float | None = None,
                  topk_ids=None) -> None:

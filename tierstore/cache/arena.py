@@ -275,6 +275,10 @@ class Arena:
         never change it. Valid until `version` changes."""
         return self._address_of_id
 
+    def row_at(self, address: int) -> torch.Tensor:
+        """The row (uint8 [row_bytes], a view of its slot) at a host address that `address_table` gives."""
+        return self._rows[(address - self.memory.data_ptr()) // self.stride]
+
     def hit_ids(self, ids: Sequence[int], seconds: float = 0.0) -> None:
         """Record a use of the located rows of `ids` as `fetch` does for hits: each becomes most
         recently used, in order, and counts as a hit row (`seconds`: the lookup's host time)."""

@@ -28,6 +28,7 @@ from tierstore.reference_moe import swiglu
 from tierstore.runtime.pass_gather import PassGather
 from tierstore.runtime.passlog import PassLog
 from tierstore.runtime.pools import DevicePool
+from tierstore.runtime.stream_rows import StreamRows
 
 log = logging.getLogger("tierstore.runtime")
 KNOB = "TIERSTORE_CUDA_W2 (config cuda_w2)"
@@ -87,11 +88,12 @@ def auto_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torc
         return None
 
 
-def load_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torch.device):
+def load_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torch.device, stream: bool = False):
     """The CUDA whole op for config `cuda_w2`, after `check_cuda_w2`: `W2MoeCuda` (the W2 stages), or with an FP4
     pool `TierMoeCuda` (the W2 stages, then the FP4 stages for FP4-resident pairs). nvcc builds cached on disk,
     loaded into torch's context; a failed build or load is a ConfigError. One object serves every layer and batch
-    size: the kernels take the shapes and buffers as launch arguments."""
+    size: the kernels take the shapes and buffers as launch arguments. `stream` (config stream_arena, no FP4 pool):
+    the single-token kernels' stream builds."""
     check_cuda_w2(layout, fp4_layout, device, "triton")
     from tierstore.kernels.cuda import w2_down
     from tierstore.kernels.cuda.loader import CudaError
@@ -99,7 +101,7 @@ def load_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torc
     from tierstore.kernels.cuda.w2_moe import W2MoeCuda
 
     try:
-        kernels = W2MoeCuda(device=device.index, wps=w2_down.wps_of(layout))
+        kernels = W2MoeCuda(device=device.index, wps=w2_down.wps_of(layout), stream=stream)
         if fp4_layout is not None:
             kernels = TierMoeCuda(w2=kernels, device=device.index, fp4_wps=w2_down.wps_of(fp4_layout))
     except (CudaError, OSError) as error:
@@ -133,13 +135,30 @@ def cuda_w2_block_tokens(pairs: int, experts: int, fp4: bool = False) -> int | N
     return 16 if 2 * pairs >= experts else 1
 
 
+def streaming_cuda_w2(layout: SlotLayout, device: torch.device, cuda_w2: bool | str):
+    """Config stream_arena on the triton backend: the CUDA whole op with the stream builds; ConfigError naming what is
+    missing (the knob `cuda_w2` off, or a condition of `cuda_w2_unavailable`)."""
+    if cuda_w2 is False:
+        raise ConfigError(f"stream_arena needs the CUDA kernels, which {KNOB} turns off; turn it on (or auto)")
+    reason = cuda_w2_unavailable(layout, None, device, "triton")
+    if reason is not None:
+        raise ConfigError(f"stream_arena needs the CUDA kernels ({KNOB}): {reason}")
+    return load_cuda_w2(layout, None, device, stream=True)
+
+
 class TorchExperts:
+    """`stream` (config stream_arena): an expert without a slot whose row `stream.row` gives is computed from that row
+    and logged without counting its pairs as missing, as the CUDA stream kernels do."""
+
     def __init__(self, pool: DevicePool, layout: SlotLayout, log: PassLog, swiglu_limit: float | None,
                  fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None, cuda_w2: bool | str = False,
-                 gather: PassGather | None = None):
+                 gather: PassGather | None = None, stream: StreamRows | None = None):
         if cuda_w2 is True:  # raises: the knob needs the triton backend (after naming any other unmet condition)
             check_cuda_w2(layout, fp4_layout if fp4_pool is not None else None, pool.device, "torch")
+        if stream is not None and pool.device.type == "cuda":
+            raise ConfigError("stream_arena on CUDA needs the triton backend (the CUDA stream kernels)")
         self.pool, self.layout, self.log, self.swiglu_limit, self.gather = pool, layout, log, swiglu_limit, gather
+        self.stream = stream
         self.tiers = [(pool, layout)] + ([(fp4_pool, fp4_layout)] if fp4_pool is not None else [])
         self._decoded: dict[tuple[int, int], tuple[int, torch.Tensor, torch.Tensor]] = {}  # (tier, slot) -> (gen, w13, w2)
 
@@ -176,14 +195,21 @@ class TorchExperts:
         if self.gather is not None:
             self.gather.layer(layer, self.fp4_table)
         tiers, slots = self._slots(layer, ids)  # [T, k], slot -1 = miss
-        missing = slots < 0
-        self._log_misses(layer, ids[missing])
+        absent = slots < 0
+        streamed = self._streamed(layer, ids, absent)  # [T, k] absent pairs computed from arena rows
+        missing = absent & ~streamed
+        self._log_misses(layer, ids[absent], int(missing.sum()))
         pair_out = torch.zeros(tokens, top_k, x.shape[1], dtype=torch.float32, device=x.device)  # [T, k, H]
         stride = max(pool.num_slots for pool, _ in self.tiers)
         tier_slot = tiers * stride + slots  # [T, k], one id per (tier, slot)
-        for both in tier_slot[~missing].unique().tolist():
+        for both in tier_slot[~absent].unique().tolist():
             rows, cols = (tier_slot == both).nonzero(as_tuple=True)
             w13, w2 = self._weights(*divmod(both, stride))
+            pair_out[rows, cols] = swiglu(x[rows] @ w13.T, self.swiglu_limit) @ w2.T  # [n, H]
+        for expert in ids[streamed].unique().tolist():
+            rows, cols = (ids == expert).nonzero(as_tuple=True)
+            raw = self.stream.row(layer * self.pool.num_experts + expert)
+            w13, w2 = unpack_matrix_ref(raw, self.layout, "w13"), unpack_matrix_ref(raw, self.layout, "w2")
             pair_out[rows, cols] = swiglu(x[rows] @ w13.T, self.swiglu_limit) @ w2.T  # [n, H]
         weights = topk_weights.to(torch.float32).masked_fill(missing, 0.0)  # [T, k]
         out = torch.zeros_like(x)  # [T, H]
@@ -191,33 +217,49 @@ class TorchExperts:
             out += weights[:, j:j + 1] * pair_out[:, j]
         return out.to(hidden.dtype)
 
-    def _log_misses(self, layer: int, missing_ids: torch.Tensor) -> None:
-        if missing_ids.numel() == 0:
+    def _streamed(self, layer: int, ids: torch.Tensor, absent: torch.Tensor) -> torch.Tensor:
+        """bool [T, k]: the absent pairs whose expert has an arena row to stream from (none without `stream`)."""
+        if self.stream is None or not absent.any():
+            return torch.zeros_like(absent)
+        has_row = self.stream.at.view(self.pool.num_layers, -1)[layer] != 0  # [E]
+        return absent & has_row[ids]
+
+    def _log_misses(self, layer: int, absent_ids: torch.Tensor, missing_pairs: int) -> None:
+        """The route's log: each absent expert (missing or streamed) listed, `missing_pairs` counted."""
+        if absent_ids.numel() == 0:
             return
-        experts = missing_ids.unique()  # sorted
+        experts = absent_ids.unique()  # sorted
         first = int(self.log.counts[1])
         room = max(0, min(experts.numel(), self.log.entries.shape[0] - first))
         self.log.entries[first:first + room, 0] = layer
         self.log.entries[first:first + room, 1] = experts[:room].to(torch.int32)
-        self.log.counts[0] += missing_ids.numel()
+        self.log.counts[0] += missing_pairs
         self.log.counts[1] += experts.numel()
 
 
 class TritonExperts:
+    """`stream` (config stream_arena, no FP4 pool): the CUDA op's stream builds, reading `stream.at`; decode batches of
+    its single-token kernels compute experts without a slot from their arena rows."""
+
     def __init__(self, pool: DevicePool, layout: SlotLayout, log: PassLog, swiglu_limit: float | None,
                  fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None, cuda_w2: bool | str = False,
-                 gather: PassGather | None = None):
+                 gather: PassGather | None = None, stream: StreamRows | None = None):
         from tierstore.kernels.moe_mm import MissLog, TierPool, fp4_tier
 
         # config cuda_w2: the CUDA C++ gate_up + down, built here once (boot), or None (Triton stages); `auto` falls back
         # to the Triton stages where a condition is unmet (also per call: hidden states other than bfloat16)
         tier4 = fp4_layout if fp4_pool is not None else None
-        self._cuda_w2_required = cuda_w2 is True
-        self.cuda_w2 = (auto_cuda_w2(layout, tier4, pool.device) if cuda_w2 == "auto"
-                        else load_cuda_w2(layout, tier4, pool.device) if cuda_w2 else None)
+        self._cuda_w2_required = cuda_w2 is True or stream is not None
+        if stream is not None:
+            if fp4_pool is not None:
+                raise ConfigError("stream_arena streams W2 rows only: it does not run beside an FP4 pool")
+            self.cuda_w2 = streaming_cuda_w2(layout, pool.device, cuda_w2)
+        else:
+            self.cuda_w2 = (auto_cuda_w2(layout, tier4, pool.device) if cuda_w2 == "auto"
+                            else load_cuda_w2(layout, tier4, pool.device) if cuda_w2 else None)
         self._fp4 = fp4_pool is not None
         self.log, self.swiglu_limit, self.gather = log, swiglu_limit, gather
-        self.w2_pool = TierPool(pool.slots, pool.table, layout)
+        self.w2_pool = TierPool(pool.slots, pool.table, layout, stream_at=stream.at if stream is not None else None)
         if fp4_pool is None:  # the kernels always take an FP4 tier: an empty one
             self.fp4_pool = fp4_tier(layout.hidden, layout.inter, 1, pool.num_layers, pool.num_experts, pool.device)
         else:

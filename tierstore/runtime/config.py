@@ -141,6 +141,16 @@ class RuntimeConfig:
       spares is host work the shorter step no longer hides), a pair that missed 1-10 % more than before (the
       segments' waits and nodes), so the step was 0.997x-1.057x the replay-always one on the recorded trace and
       0.84x-1.08x on the synthetic one (docs/runtime.md, "A pair's replay only when its first pass missed").
+      `stream_arena` (default false): a decode pass computes an expert without a pool slot straight from its row in
+      the pinned arena, read over the bus by the CUDA kernels (their W2_STREAM builds; `runtime/stream_rows.py`),
+      instead of missing it: the same bytes as from a slot, so the same logits, and no replay. Such experts are
+      logged, not counted as missing; after the step's read they are installed into the pool (victims outside the
+      pass's routed set) with nothing launched later waiting for the copies: a later pass reads the new slot once
+      its table entry lands, the arena row before. Needs the triton backend on CUDA with the CUDA kernels (config
+      `cuda_w2`), an arena that holds every routed expert (it then never evicts, so a row the kernels may read never
+      moves), no FP4 tier, and none of `gather_in_pass`, `early_fetch` and `pass_pair` true (`auto` is then off).
+      Decode batches of the single-token kernels stream; larger batches (prefill) miss as before. The CPU runtime
+      (torch backend) streams the same way (`TorchExperts`), for tests.
       `pass_pair_copies` ("kernel", the default; "engine"): who moves the rows on CUDA: the copy kernel above, or
       the copy engine, driven by the host while the pair runs (each layer's plan in pinned memory, the rows issued
       on a copy stream, a flag written after them that the replay waits for); on a CPU both run the references.
@@ -225,6 +235,7 @@ class RuntimeConfig:
     gather_spares_per_miss: int = 4
     pass_pair_choice: str = "timed"
     pass_pair_replay_segment: int = 0
+    stream_arena: bool = False
     cuda_w2: bool | str = "auto"
     full_pool_reads: bool = False
 
@@ -251,7 +262,13 @@ class RuntimeConfig:
         if self.pass_pair_replay_segment and self.pass_pair_copies == "engine":
             raise ConfigError("pass_pair_replay_segment with pass_pair_copies engine failed its GPU test (a held-back "
                               "row read stale, nineteenth session): use kernel copies")
+        if self.stream_arena and (self.gather_in_pass or self.early_fetch):
+            other = "gather_in_pass" if self.gather_in_pass else "early_fetch"
+            raise ConfigError(f"stream_arena and {other} both serve misses during a pass; turn one of them off")
         object.__setattr__(self, "pass_pair", _switch_setting("pass_pair", self.pass_pair))
+        if self.stream_arena and self.pass_pair is True:
+            raise ConfigError("stream_arena computes missing experts in the pass, so a pass pair has nothing to "
+                              "replay: set pass_pair to auto or false")
         if self.pass_pair is True and (self.gather_in_pass or self.early_fetch):
             other = "gather_in_pass" if self.gather_in_pass else "early_fetch"
             raise ConfigError(f"pass_pair and {other} both fetch while a pass runs; turn one of them off")

@@ -46,6 +46,7 @@ from tierstore.runtime.replay_if import (ConditionalReplay, body_side_stream, co
 from tierstore.runtime.rows import check_row_source
 from tierstore.runtime.seen_snapshot import ChainedSnapshot
 from tierstore.runtime.stats import RuntimeStats, StatsRecorder, precision_kpi
+from tierstore.runtime.stream_rows import StreamRows, check_arena
 from tierstore.runtime.step import StepOutcome, run_step
 from tierstore.runtime.token_chunks import token_chunks
 
@@ -58,7 +59,8 @@ NO_LOCK = nullcontext()  # a step's safe point without an FP4 tier (reusable: it
 UNREAD_OUTCOME = StepOutcome(0, 0, 0, False, UNREAD_PASS)  # a decode step of a complete full pool (`_unread_step`)
 COUNTERS = ("steps", "replays", "fetched_bytes", "fetch_s", "arena_hit_rows", "arena_miss_rows", "arena_s",
             "install_s", "copy_s", "copy_wait_s", "read_s", "forward_s", "prep_s", "pairs",
-            "first_missing")  # TieredRuntime.counters(); first_missing: pairs the steps' first passes missed
+            "first_missing", "streamed")  # TieredRuntime.counters(); first_missing: pairs the steps' first passes
+# missed; streamed: experts last passes computed from their arena rows (config stream_arena)
 
 
 
@@ -125,6 +127,14 @@ class TieredRuntime:
                                and self.pool.policy.filtered_order)
         self.arena = Arena(source, arena_slots, heat_path=heat_path, pin=self.device.type == "cuda")
         self.source = source
+        # config stream_arena: a decode pass computes a missing expert from its arena row (`StreamRows`, published
+        # before each step) instead of missing it; the rows it streamed are installed after its read, unwaited
+        self._stream_rows = None
+        if self.config.stream_arena and slots < geometry.total_routed_experts:
+            check_arena(arena_slots, geometry.total_routed_experts)
+            if fp4_source is not None:
+                raise ConfigError("stream_arena streams W2 rows only: it does not run beside an FP4 tier; turn one off")
+            self._stream_rows = StreamRows(self.pool.slots, *shape)
         # early_fetch: a pool that can miss reads each finished layer's routing while the pass runs (`moe`, `step`)
         self._early = self.config.early_fetch and slots < geometry.total_routed_experts
         if self._early and self.device.type == "cuda" and not self.pool.layer_waits:
@@ -187,7 +197,7 @@ class TieredRuntime:
         try:  # a refused compute (e.g. config cuda_w2 beside an FP4 pool) must not leave the FP4 manager running
             self.experts = experts_class(self.pool, self.layout, self.log, geometry.swiglu_limit, fp4_pool, fp4_layout,
                                          cuda_w2=self.config.cuda_w2,
-                                         gather=self._gather if not self.pairs else None)
+                                         gather=self._gather if not self.pairs else None, stream=self._stream_rows)
         except BaseException:
             if self._fp4_manager is not None:
                 self._fp4_manager.close()
@@ -225,12 +235,13 @@ class TieredRuntime:
 
     def _pairs_wanted(self, can_miss: bool, arena_slots: int) -> bool:
         """Config pass_pair resolved: as given when true or false; auto: on a CUDA device with the triton backend,
-        a pool that can miss, an arena, experts the plan kernel covers, and neither gather_in_pass nor early_fetch."""
+        a pool that can miss, an arena, experts the plan kernel covers, and none of gather_in_pass, early_fetch and
+        stream_arena."""
         config = self.config
         if config.pass_pair != "auto":
             return config.pass_pair
         return (can_miss and self.device.type == "cuda" and self.backend == "triton" and arena_slots > 0
-                and not config.gather_in_pass and not config.early_fetch
+                and not config.gather_in_pass and not config.early_fetch and not config.stream_arena
                 and self.geometry.num_experts <= PLAN_THREADS)
 
     def _setup_precision_tier(self, source: RowSource | None, slots: int | None, arena_slots: int) -> None:
@@ -512,6 +523,8 @@ class TieredRuntime:
         if self._skips_reads and not prefill and self.pool.num_mapped == self._experts_total:
             return self._unread_step(forward)
         started = time.perf_counter()
+        if self._stream_rows is not None:
+            self._stream_rows.refresh(self.arena)  # rows the arena gained since the last step (rare)
         self._scan = prefill
         step_routed: set = set()  # every pass's routed keys, kept only when the gate fires
         wide_pair = False  # a pair launched with the wide copy grid (config pass_pair_wide_blocks)
@@ -568,6 +581,8 @@ class TieredRuntime:
                                                           replays=replays)
                     self._stats.pairs += 1
                 result, outcome = first
+                if self._stream_rows is not None and not prefill:
+                    self._install_streamed(outcome.last_pass)
                 if gated:
                     result, outcome = self._gated(first, forward, rewind, logits_of, step_routed, during_pass)
                 if self.fp4 is not None:  # read under the lock: the manager cannot change residency here
@@ -827,6 +842,37 @@ class TieredRuntime:
                               located=True)
         return len(ids)
 
+    def _install_streamed(self, report: PassReport) -> None:
+        """Config stream_arena, after a decode step's last read: the experts its last pass streamed from the arena
+        (logged, not missing: a pass that missed had them fetched before its replay) installed for later passes, as
+        many as free slots and victims outside the pass's routed set allow, with nothing launched later waiting for
+        the copies (`DevicePool.install_located(..., streamed=True)`)."""
+        if report.missing_pairs or not report.missing_ids:
+            return
+        self._stats.streamed_steps += 1
+        self._stats.streamed_experts += len(report.missing_ids)
+        started = time.perf_counter()
+        ids = self.pool.unmapped_ids(sorted(set(report.missing_ids)))
+        addresses = self.arena.locate(ids)
+        if not ids or addresses is None:
+            return
+        lacking = len(ids) - self.pool.num_free
+        victims: list[int] = []
+        if lacking > 0:
+            planned = self.pool.planned_victims(self.log.host_routed_counts(), lacking) if self._plans_victims else None
+            victims = planned[0] if planned is not None else self.pool.evictable_ids(report.routed_id_set, lacking)
+        fits = len(victims) + self.pool.num_free
+        if fits < len(ids):  # not all fit: the first ones (layer order), over every free slot and victim
+            ids, addresses = ids[:fits], addresses[:fits]
+        victim_slots = self.pool.mirror.reshape(-1)[victims].tolist()
+        installing = time.perf_counter()
+        row_bytes = self.source.row_bytes
+        self.pool.install_located(ids, addresses, row_bytes, victims, victim_slots, streamed=True)
+        done = time.perf_counter()
+        self.arena.hit_ids(ids, installing - started)
+        self._stats.add_fetch(len(ids), len(ids) * row_bytes, done - started, installing - started, done - installing,
+                              located=True)
+
     # -- observability ------------------------------------------------------------------------
     def stats(self) -> RuntimeStats:
         """Counters so far (copies still in flight are counted once done)."""
@@ -844,7 +890,7 @@ class TieredRuntime:
         pool.collect()
         return (s.steps, s.replays, s.fetched_bytes, s.fetch_seconds, *self.arena.row_counts(), s.arena_seconds,
                 s.install_seconds, pool.copy_seconds, pool.wait_seconds, s.read_seconds, s.forward_seconds,
-                s.prep_seconds, s.pairs, s.first_pass_misses)
+                s.prep_seconds, s.pairs, s.first_pass_misses, s.streamed_experts)
 
     def kpi_line(self, last: int = 0) -> str:
         self._settle_gathered()  # the last pass's own rows counted (gather_in_pass)

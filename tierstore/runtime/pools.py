@@ -84,6 +84,7 @@ class _InstallBuffers:
         self.staged = [torch.empty(num_layers, num_experts, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self.staged_ids = [t.numpy().reshape(-1) for t in self.staged]  # [L * E] views by key id
         self.marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if timed else None
+        self.streamed = False  # issued by `install_located(..., streamed=True)`: no launch waits for its copies
 
 
 class DevicePool:
@@ -263,10 +264,12 @@ class DevicePool:
 
     def before_unwaited_launch(self) -> None:
         """Before launching work made inside `unwaited()`: the compute stream waits on the device for the last
-        install whose copies may still run (and with it every earlier one); nothing when all are done."""
+        install whose copies may still run (and with it every earlier one), streamed installs left out (nothing
+        waits for them); nothing when all are done."""
         self.collect()
-        if self._in_flight:
-            torch.cuda.current_stream(self._device_index).wait_event(self._in_flight[-1].marks[1])
+        waited = [buffers for buffers in self._in_flight if not buffers.streamed]
+        if waited:
+            torch.cuda.current_stream(self._device_index).wait_event(waited[-1].marks[1])
 
     # -- mutation -------------------------------------------------------------------------------
     def install(self, keys: Sequence[Key], rows: Sequence[torch.Tensor], exclude: Iterable[Key],
@@ -348,21 +351,30 @@ class DevicePool:
         return None
 
     def install_located(self, ids: list[int], addresses: list[int], nbytes: int, victims: list[int],
-                        victim_slots: list[int]) -> None:
+                        victim_slots: list[int], streamed: bool = False) -> None:
         """`install` for the runtime's fetch right after a pass-log read (`installs_located`; nothing launched on
         the compute stream since its sync, so the copies do not wait for it): key ids `ids` (ascending, distinct,
         not resident), their rows at host `addresses` (`nbytes` <= slot_bytes each, pinned, untouched until
         `wait()`), and (`victims`, `victim_slots`) for the free slots lacking (from `planned_victims`, exactly
-        that many). The first layer's rows are on the bus before the host state changes."""
+        that many). The first layer's rows are on the bus before the host state changes.
+
+        `streamed` (config `stream_arena`: rows the last pass streamed from the arena, installed for later passes):
+        nothing launched later waits for these copies. The victims are unmapped on the compute stream first (a
+        later launch no longer reads their slots: it streams them, or misses), the copy stream waits for that, then
+        the rows and, after them, the final table; a pass that reads the new mapping while the copies run finds the
+        rows landed, and one that reads the old finds the expert streamed: the same bytes either way."""
         if len(victims) != len(ids) - min(len(ids), self.num_free) or len(victim_slots) != len(victims):
             raise ValueError(f"{len(ids)} rows over {self.num_free} free slots need "
                              f"{max(0, len(ids) - self.num_free)} victims, got {len(victims)}")
         if not ids:
             return
         buffers = self._take_install_buffers()
+        buffers.streamed = streamed and self._stream is not None
         slots = self._free[len(self._free) - (len(ids) - len(victims)):][::-1] + victim_slots  # pop() order
         copy = self._stream
-        if copy is None:  # CPU: the same copies at once, then the table
+        if buffers.streamed:
+            self._issue_streamed(self._located_runs(ids, slots, addresses, nbytes), ids, slots, victims, buffers)
+        elif copy is None:  # CPU: the same copies at once, then the table
             started = time.perf_counter()
             for _, layer_runs in self._located_runs(ids, slots, addresses, nbytes):
                 self._issue(layer_runs, None)
@@ -375,6 +387,24 @@ class DevicePool:
             end.record(copy)
             self._in_flight.append(buffers)
         self._map(ids, slots, victims, victim_slots)
+
+    def _issue_streamed(self, runs_by_layer, ids: list[int], slots: list[int], victims: list[int],
+                        buffers: _InstallBuffers) -> None:
+        """`install_located(..., streamed=True)` on CUDA: victims unmapped on the compute stream, then on the copy
+        stream (after that) every layer's runs and the final table; no layer event is recorded."""
+        unmapped, final = self._stage_table(buffers, ids, slots, victims)
+        compute, copy = torch.cuda.current_stream(self._device_index), self._stream
+        if unmapped is not None:
+            self._copy_table(unmapped, compute)
+        self._compute_mark.record(compute)
+        copy.wait_event(self._compute_mark)
+        start, end = buffers.marks
+        start.record(copy)
+        for _, runs in runs_by_layer:
+            self._issue(runs, copy)
+        self._copy_table(final, copy)
+        end.record(copy)
+        self._in_flight.append(buffers)
 
     def _located_runs(self, ids: list[int], slots: list[int], addresses: list[int], nbytes: int):
         """(layer, [(first slot, host address, bytes)]) per layer of `ids` (ascending), lazily: a row continues
@@ -538,6 +568,7 @@ class DevicePool:
         self._next_install = (self._next_install + 1) % len(self._installs)
         if buffers in self._in_flight:
             self._wait_until(buffers)
+        buffers.streamed = False
         return buffers
 
     def _write_device(self, buffers: _InstallBuffers, rows, slots: list[int], ids: list[int], victims: list[int],

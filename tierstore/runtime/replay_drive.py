@@ -46,7 +46,8 @@ class Window:
     gate_fired: int  # steps the confidence gate fired on (0 without a gate)
     gate_replays: int
     per_step: dict | None = None  # lists, one entry per step: ms, replays, arena_hit_rows, arena_miss_rows, pairs (1:
-    # launched as a pass pair), first_missing (pairs its first pass missed: a pair's too), and PER_STEP_MS: fetch_ms
+    # launched as a pass pair), first_missing (pairs its first pass missed: a pair's too), streamed (experts its last
+    # pass computed from arena rows: config stream_arena), and PER_STEP_MS: fetch_ms
     # (host time in fetch) = arena_ms + install_ms (+ copy_wait_ms in fetch); copy_ms (the copies' device time);
     # copy_wait_ms (host blocked on copies); read_ms (pass-log reads:
     # each waits for its forward and for copies in flight); forward_ms (host time in the forward calls: on CUDA with
@@ -124,7 +125,7 @@ def _per_step(times: list[float], marks: list[tuple]) -> dict:
     column = dict(zip(COUNTERS, d.T))
     out = {"ms": [round(1e3 * t, 4) for t in times]}
     out.update({name: column[name].astype(int).tolist() for name in ("replays", "arena_hit_rows", "arena_miss_rows",
-                                                                    "pairs", "first_missing")})
+                                                                    "pairs", "first_missing", "streamed")})
     out.update({name: np.round(1e3 * column[name[:-3] + "_s"], 4).tolist() for name in PER_STEP_MS})
     return out
 

@@ -44,6 +44,10 @@ class RuntimeStats:
     unread_steps: int = 0
     # of pair_steps, those whose copies worked over the wide grid (config pass_pair_wide_blocks; its timed choice)
     wide_pairs: int = 0
+    # config stream_arena: steps whose last pass computed experts from their arena rows instead of missing them, and
+    # those experts (installed after the step as far as the pool allowed: counted in fetched_rows)
+    streamed_steps: int = 0
+    streamed_experts: int = 0
 
     @property
     def replay_rate(self) -> float:
@@ -74,6 +78,7 @@ class StatsRecorder:
         self.prefill_hot_evictions = 0
         self.pairs = 0  # steps launched as a pass pair
         self.wide_pairs = 0  # of those, with the wide copy grid
+        self.streamed_steps = self.streamed_experts = 0  # config stream_arena
         self.unread = 0  # steps not read (`add_unread_step`)
         self.arena_seconds = self.install_seconds = 0.0  # the parts of fetch_seconds in the arena and the pool
         self.read_seconds = 0.0  # pass-log reads (their sync waits for the forward and any copies in flight)
@@ -130,7 +135,7 @@ class StatsRecorder:
             early_fetched_rows=self.early_fetched_rows, located_rows=self.located_rows, gathered_rows=self.gathered_rows,
             pair_steps=self.pairs, prefill_hot_evictions=self.prefill_hot_evictions,
             pair_step_ms=pair_medians_ms[0], single_step_ms=pair_medians_ms[1], unread_steps=self.unread,
-            wide_pairs=self.wide_pairs,
+            wide_pairs=self.wide_pairs, streamed_steps=self.streamed_steps, streamed_experts=self.streamed_experts,
         )
 
     def kpi_line(self, last: int, arena_hits: int, arena_misses: int, copy_seconds: float,
@@ -166,6 +171,9 @@ class StatsRecorder:
                 line += f" ({stats.wide_pairs} with the wide copy grid)"
             if stats.pair_step_ms and stats.single_step_ms:
                 line += f" (recent medians: pair {stats.pair_step_ms:.2f} ms, single {stats.single_step_ms:.2f} ms)"
+        if stats.streamed_steps:
+            line += (f" | {stats.streamed_steps} steps streamed {stats.streamed_experts} experts from the arena "
+                     "(no replay)")
         if stats.unread_steps:
             line += (f" | {stats.unread_steps} steps not read (every expert resident, nothing can miss; step times "
                      "are the read steps')")

@@ -1,0 +1,243 @@
+"""Config `stream_arena`: a decode pass computes an expert without a pool slot from its pinned arena row instead of
+missing it (no replay), and the rows it streamed are installed after the step's read, with nothing waiting for them.
+
+CPU (the torch backend streams the same way): every step equal to the all-resident run bit for bit with no replay,
+the pool's bytes and tables exact after each step, experts streamed and then installed (a repeated input then hits);
+an arena not filled yet misses what it lacks (fetched and replayed) and streams what it gained since; the combine's
+STREAM in Triton's interpreter; the knob's refusals. GPU (marker gpu, nvcc): the CUDA stream builds against the
+resident kernels on the same bytes (outputs poisoned, equal bit for bit, at the down kernels' 32- and 16-word tile
+widths), and the runtime end to end, eager and in CUDA graphs, equal to its all-resident run with no replay."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_runtime_fixtures import ToyMoE, arena_runtime, cuda_decode_steps, memory_source, toy_geometry
+
+from tierstore.errors import ConfigError
+from tierstore.runtime import RuntimeConfig, TieredRuntime
+
+LAYERS, EXPERTS = 4, 16
+
+
+def _resident(g, device: str = "cpu", backend: str = "auto") -> TieredRuntime:
+    rt = TieredRuntime(g, memory_source(g, seed=7), pool_slots=g.total_routed_experts, device=device,
+                       backend=backend, config=RuntimeConfig(kpi_every=0))
+    rt.preload()
+    return rt
+
+
+def _check_exact(rt: TieredRuntime, source) -> None:
+    rt.pool.wait()
+    rt.pool.check_coherent()
+    for slot, (layer, expert) in enumerate(rt.pool.owner.tolist()):
+        if layer >= 0:
+            assert torch.equal(rt.pool.slots[slot].cpu(), source.rows[layer, expert]), f"slot {slot} bytes"
+
+
+def _x(seed: int, g) -> torch.Tensor:
+    return torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_streamed_steps_equal_the_resident_run_and_never_replay():
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=3)
+    resident = _resident(g)
+    small, source = arena_runtime(g, 12, "all", stream_arena=True)
+    repeats = []  # the logged experts of a step that repeats the step before's input
+    with resident, small:
+        for step in range(48):
+            x = _x(step // 2, g)  # every input twice in a row
+            want, _ = resident.step(lambda: model.forward(resident, x), lambda: None)
+            got, outcome = small.step(lambda: model.forward(small, x), lambda: None)
+            assert torch.equal(got, want), f"step {step} differs from the all-resident run"
+            assert outcome.replays == 0 and outcome.first_pass_missing_pairs == 0
+            _check_exact(small, source)
+            if step % 2:
+                repeats.append(outcome.last_pass.missing_ids)
+        stats = small.stats()
+        line = small.kpi_line()
+    assert stats.streamed_steps > 0 and stats.streamed_experts >= stats.streamed_steps
+    assert stats.fetched_rows > 0 and stats.replays == 0
+    assert all(not ids for ids in repeats), "what a step streamed is installed: the same input again hits"
+    assert f"{stats.streamed_steps} steps streamed {stats.streamed_experts} experts" in line
+
+
+def test_an_arena_filling_up_misses_what_it_lacks_and_streams_what_it_gained():
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=3)
+    resident = _resident(g)
+    source = memory_source(g, seed=7)
+    small = TieredRuntime(g, source, pool_slots=12, arena_slots=g.total_routed_experts,
+                          config=RuntimeConfig(kpi_every=0, stream_arena=True))
+    outcomes = []
+    with resident, small:
+        for step in range(40):
+            x = _x(step % 10, g)  # ten inputs: the arena has their rows after the first round
+            want, _ = resident.step(lambda: model.forward(resident, x), lambda: None)
+            got, outcome = small.step(lambda: model.forward(small, x), lambda: None)
+            assert torch.equal(got, want), f"step {step} differs from the all-resident run"
+            _check_exact(small, source)
+            outcomes.append(outcome)
+        stats = small.stats()
+    assert outcomes[0].replays >= 1  # an empty arena: the first step misses, reads the pack and replays
+    assert all(o.replays == 0 for o in outcomes[10:]), "rows the arena gained are streamed"
+    assert stats.streamed_steps > 0
+
+
+def test_a_full_pool_streams_nothing_and_prefill_still_fetches():
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=3)
+    resident = _resident(g)
+    small, _ = arena_runtime(g, 12, "all", tokens=8, stream_arena=True, force_pool=True)
+    with resident, small:
+        x = torch.randn(8, g.hidden, generator=torch.Generator().manual_seed(5))
+        want, _ = resident.step(lambda: model.forward(resident, x), lambda: None, prefill=True)
+        got, outcome = small.step(lambda: model.forward(small, x), lambda: None, prefill=True)
+        assert torch.equal(got, want) and outcome.first_pass_missing_pairs == 0
+        assert small.stats().streamed_steps == 0  # prefill fetches each layer's routed set before the layer
+    full, _ = arena_runtime(g, g.total_routed_experts, "all", stream_arena=True)
+    with full:
+        assert full._stream_rows is None  # a pool that holds every expert never misses: nothing to stream
+
+
+def test_the_knob_refuses_what_it_cannot_serve():
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    with pytest.raises(ConfigError, match="arena must hold every routed expert and never evict: it has 40 slots "
+                                          "for 64 experts"):
+        arena_runtime(g, 12, 40, stream_arena=True)
+    for other in ("gather_in_pass", "early_fetch"):
+        with pytest.raises(ConfigError, match=f"stream_arena and {other} both serve misses"):
+            RuntimeConfig(stream_arena=True, **{other: True})
+    with pytest.raises(ConfigError, match="set pass_pair to auto or false"):
+        RuntimeConfig(stream_arena=True, pass_pair=True)
+    assert RuntimeConfig.from_env({"TIERSTORE_STREAM_ARENA": "1"}).stream_arena is True
+    assert RuntimeConfig().stream_arena is False
+
+
+def test_the_knob_refuses_an_fp4_tier():
+    from fp4_fixtures import tier_rows
+
+    from tierstore.runtime import MemoryRowSource
+
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    w2_rows, fp4_rows = tier_rows(g)
+    with pytest.raises(ConfigError, match="stream_arena streams W2 rows only"):
+        TieredRuntime(g, MemoryRowSource(w2_rows), pool_slots=12, arena_slots=g.total_routed_experts,
+                      fp4_source=MemoryRowSource(fp4_rows), fp4_slots=4,
+                      config=RuntimeConfig(kpi_every=0, stream_arena=True))
+
+
+def test_the_combine_adds_streamed_pairs_only_with_stream():
+    """Triton's interpreter on CPU (the GPU where there is one): a pair of an expert in neither pool contributes
+    its y row when STREAM and its stream_at word is nonzero, else nothing."""
+    from tierstore.kernels import MoeWorkspace, fp4_tier, moe_combine, w2_tier
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    w2, f4 = w2_tier(512, 512, 1, 1, 4, device), fp4_tier(512, 512, 1, 1, 4, device)
+    w2.table[0, 0] = 0  # expert 0 resident, 1 streamed, 2 missing
+    at = torch.zeros(4, dtype=torch.int64, device=device)
+    at[1] = 4096
+    w2 = dataclasses.replace(w2, stream_at=at)
+    ids = torch.tensor([[0, 1, 2]], dtype=torch.int32, device=device)
+    weights = torch.tensor([[0.5, 0.25, 2.0]], dtype=torch.float32, device=device)
+    ws = MoeWorkspace.allocate(1, 3, 4, 512, 512, torch.float32, device)
+    ws.y.copy_(torch.arange(3, dtype=torch.float32, device=device)[:, None] + 1)  # pair p: p + 1 everywhere
+    out = torch.full((1, 512), float("nan"), dtype=torch.float32, device=device)
+    moe_combine(ids, weights, w2, f4, 0, ws, out, stream=True)
+    assert torch.equal(out, torch.full_like(out, 0.5 * 1 + 0.25 * 2))
+    moe_combine(ids, weights, w2, f4, 0, ws, out)
+    assert torch.equal(out, torch.full_like(out, 0.5))
+
+
+# -- GPU -----------------------------------------------------------------------------------------------------------
+
+STREAM_FITS = dict(layers=2, experts=16, top_k=2, hidden=512)  # the CUDA kernels' shape rules
+
+
+@pytest.fixture
+def cuda():
+    from tierstore.kernels.cuda import loader
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9 or loader.nvcc_path() is None:
+        pytest.skip("needs a Hopper GPU and nvcc")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inter", [512, 768])
+def test_cuda_stream_builds_equal_the_resident_kernels_on_the_same_bytes(cuda, inter):
+    """moe_mm with W2MoeCuda(stream=True) over a pool where half the routed experts have no slot but an arena row in
+    pinned memory, against W2MoeCuda() with every expert in a slot: the same output bit for bit (poisoned first), no
+    missing pair, the streamed experts logged."""
+    from test_runtime_fixtures import random_slot_rows
+
+    from tierstore.kernels import MissLog, MoeWorkspace, TierPool, fp4_tier, moe_mm
+    from tierstore.kernels.cuda import w2_down
+    from tierstore.kernels.cuda.w2_moe import W2MoeCuda
+    from tierstore.kernels.layout import w2_slot_layout
+
+    g = toy_geometry(**STREAM_FITS, inter=inter)
+    layout = w2_slot_layout(g.hidden, g.expert_inter)
+    rows = random_slot_rows(g, seed=11)  # [L, E, slot_bytes] uint8
+    experts = g.num_experts
+    slots = rows.reshape(-1, layout.slot_bytes).cuda()  # slot s = key id s
+    table = torch.arange(g.num_moe_layers * experts, dtype=torch.int32).view(g.num_moe_layers, experts).cuda()
+    resident = TierPool(slots, table, layout)
+    arena = rows.reshape(-1, layout.slot_bytes).pin_memory()  # the same rows in pinned host memory
+    streamed = [1, 2, 5, 8, 9, 14]
+    part_table = table.clone()
+    at = torch.zeros(table.numel(), dtype=torch.int64)
+    for layer in range(g.num_moe_layers):
+        for e in streamed:
+            key = layer * experts + e
+            part_table[layer, e] = -1
+            at[key] = arena[key].data_ptr() - slots.data_ptr()
+    part = TierPool(slots, part_table, layout, stream_at=at.cuda())
+    fp4 = fp4_tier(g.hidden, g.expert_inter, 1, g.num_moe_layers, experts, "cuda")
+    wps = w2_down.wps_of(layout)
+    plain, streaming = W2MoeCuda(wps=wps), W2MoeCuda(wps=wps, stream=True)
+    gen = torch.Generator().manual_seed(inter)
+    for trial in range(4):
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:g.top_k] for _ in range(1)]).to(torch.int32).cuda()
+        x = (torch.randn(1, g.hidden, generator=gen) * 2).to(torch.bfloat16).cuda()
+        w = torch.rand(1, g.top_k, generator=gen).cuda()
+        outs = []
+        for pool, op in ((resident, plain), (part, streaming)):
+            ws = MoeWorkspace.allocate(1, g.top_k, experts, g.hidden, g.expert_inter, torch.bfloat16, "cuda",
+                                       block_tokens=1)
+            ws.act.fill_(float("nan"))
+            ws.y.fill_(float("nan"))
+            misses = MissLog.allocate(16, "cuda")
+            out = torch.full((1, g.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+            moe_mm(x, ids, w, pool, fp4, trial % 2, misses, ws, out=out, cuda_w2=op)
+            torch.cuda.synchronize()
+            outs.append((out, misses.counts.tolist()))
+        (want, want_counts), (got, got_counts) = outs
+        assert want_counts == [0, 0]
+        routed_streamed = sorted(set(ids.reshape(-1).tolist()) & set(streamed))
+        assert got_counts == [0, len(routed_streamed)]
+        assert not torch.isnan(got).any() and torch.equal(got, want), f"trial {trial}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_cuda_runtime_streams_and_equals_its_resident_run(cuda, graph):
+    g = toy_geometry(**STREAM_FITS, inter=512)
+    model = ToyMoE(g, seed=5)
+    model.routers = model.routers.to(torch.bfloat16).cuda()  # the CUDA kernels take bfloat16 hidden states
+    resident = _resident(g, device="cuda", backend="triton")
+    small, source = arena_runtime(g, 8, "all", device="cuda", backend="triton", stream_arena=True, force_pool=True)
+    assert small._stream_rows is not None and not small.pairs
+    with resident, small:
+        seeds = [s // 2 for s in range(40)]
+        want = cuda_decode_steps(resident, model, g, graph, seeds=seeds, dtype=torch.bfloat16)
+        outcomes = []
+        got = cuda_decode_steps(small, model, g, graph, seeds=seeds, outcomes=outcomes, dtype=torch.bfloat16)
+        for step, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"step {step} differs from the all-resident run"
+        assert all(outcome.replays == 0 for _, outcome in outcomes)
+        stats = small.stats()
+        assert stats.streamed_steps > 0 and stats.fetched_rows > 0
+        _check_exact(small, source)
