@@ -1580,6 +1580,16 @@ case "$step" in
     pair_compare stream23 90 stream_arena=1 qwen3-30b-a3b 16 0.5,0.25,0.1 320 pass_pair=auto
     pair_compare stream23 60 stream_arena=1 ds-v2-lite 8 0.5,0.25,0.1 320 pass_pair=auto
     ;;
+  stream23c)  # the stream builds with W2_STREAM_PREFETCH (a streamed pair's rows asked into L2 by bulk prefetches, the
+    # runtime's default since stream23): the GPU tests of the stream kernels and the runtime; the kernels alone
+    # (stream_kernels.py: 0 / 1 / 2 / 4 streamed experts per layer, with and without the prefetch, against the
+    # resident layer and the copy engine); then stream_arena=1 against the default on the recorded trace, interleaved.
+    # Stage limits 120 + 150 + 75 + 95 s.
+    stage tests 120 python3 -m pytest tests/test_runtime_stream_arena.py tests/test_route_kernel.py -m gpu -q
+    stage stream-kernels 150 python3 benchmarks/stream_kernels.py --presets ds-v2-lite,qwen3-30b-a3b \
+      --streamed 0,1,2,4 --commit "$commit" --json "$work/stream_kernels.json"
+    recorded_compare "$step" stream_arena=1
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 

@@ -6,7 +6,7 @@ the pool's bytes and tables exact after each step, experts streamed and then ins
 an arena not filled yet misses what it lacks (fetched and replayed) and streams what it gained since; the combine's
 STREAM in Triton's interpreter; the knob's refusals. GPU (marker gpu, nvcc): the CUDA stream builds against the
 resident kernels on the same bytes (outputs poisoned, equal bit for bit, at the down kernels' 32- and 16-word tile
-widths), and the runtime end to end, eager and in CUDA graphs, equal to its all-resident run with no replay."""
+widths, with and without the L2 prefetch), and the runtime end to end, eager and in CUDA graphs, equal to its all-resident run with no replay."""
 
 from __future__ import annotations
 
@@ -166,8 +166,9 @@ def cuda():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("inter", [512, 768])
-def test_cuda_stream_builds_equal_the_resident_kernels_on_the_same_bytes(cuda, inter):
+def test_cuda_stream_builds_equal_the_resident_kernels_on_the_same_bytes(cuda, inter, prefetch):
     """moe_mm with W2MoeCuda(stream=True) over a pool where half the routed experts have no slot but an arena row in
     pinned memory, against W2MoeCuda() with every expert in a slot: the same output bit for bit (poisoned first), no
     missing pair, the streamed experts logged."""
@@ -197,7 +198,7 @@ def test_cuda_stream_builds_equal_the_resident_kernels_on_the_same_bytes(cuda, i
     part = TierPool(slots, part_table, layout, stream_at=at.cuda())
     fp4 = fp4_tier(g.hidden, g.expert_inter, 1, g.num_moe_layers, experts, "cuda")
     wps = w2_down.wps_of(layout)
-    plain, streaming = W2MoeCuda(wps=wps), W2MoeCuda(wps=wps, stream=True)
+    plain, streaming = W2MoeCuda(wps=wps), W2MoeCuda(wps=wps, stream=True, stream_prefetch=prefetch)
     gen = torch.Generator().manual_seed(inter)
     for trial in range(4):
         ids = torch.stack([torch.randperm(experts, generator=gen)[:g.top_k] for _ in range(1)]).to(torch.int32).cuda()

@@ -178,6 +178,14 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
   }
 #if W2_STREAM
   const long long slot_at = w2_slot >= 0 ? static_cast<long long>(w2_slot) * slot_bytes : streamed;
+#if W2_STREAM_PREFETCH
+  if (w2_slot < 0) {  // the block's rows and their scales, asked into L2 before the first tile load
+    const long long first = static_cast<long long>(row_tile) * kRowsPerBlock;
+    prefetch_region_l2(slots + slot_at + words_off + 16 * (first * row_vecs), 16 * kRowsPerBlock * row_vecs);
+    prefetch_region_l2(slots + slot_at + scales_off + kScaleVecBytes * (first * scale_vecs),
+                       kScaleVecBytes * kRowsPerBlock * scale_vecs);
+  }
+#endif
 #else
   const long long slot_at = static_cast<long long>(w2_slot) * slot_bytes;
 #endif

@@ -35,10 +35,12 @@ def rows_per_block(groups: int) -> int:
 
 
 def build_defines(ahead: int, groups: int, early: bool = False, route_major: bool = False, pdl: bool = False,
-                  wps: int = 32, mad: bool = False, pair_order: bool = False, stream: bool = False) -> dict:
+                  wps: int = 32, mad: bool = False, pair_order: bool = False, stream: bool = False,
+                  prefetch: bool = False) -> dict:
     """nvcc defines of a build (the v3 / v5 / pair-order / stream ones and W2_WPS only when not the default: the
     default's command is the one before they existed)."""
-    defines = w2_gate_up.build_defines(ahead, early, route_major, pdl, mad, pair_order, stream) | {"W2_GROUPS": groups}
+    defines = (w2_gate_up.build_defines(ahead, early, route_major, pdl, mad, pair_order, stream, prefetch)
+               | {"W2_GROUPS": groups})
     return defines | {"W2_WPS": 16} if wps == 16 else defines
 
 
@@ -154,16 +156,17 @@ class W2DownCuda:
     words per bit slot this build reads (32, or 16 for an inter not a multiple of 512: `wps_of`); mad: the v5 decode
     (W2_DECODE_MAD, as in `W2GateUpCuda`; same bytes); pair_order: W2_PAIR_ORDER, one block per routed pair read
     from the topk_ids each call passes (as in `W2GateUpCuda`; same bytes); stream: W2_STREAM, arena rows read over
-    the bus for pairs without a slot (as in `W2GateUpCuda`; same bytes).
+    the bus for pairs without a slot (as in `W2GateUpCuda`; same bytes); prefetch: W2_STREAM_PREFETCH (as in
+    `W2GateUpCuda`).
     """
 
     def __init__(self, ahead: int = 2, groups: int = 1, device: int | None = None, early: bool = False,
                  route_major: bool = False, pdl: bool = False, pairs_grid: bool = False, wps: int = 32,
-                 mad: bool = False, pair_order: bool = False, stream: bool = False) -> None:
+                 mad: bool = False, pair_order: bool = False, stream: bool = False, prefetch: bool = False) -> None:
         if pdl and not early:
             raise ValueError("pdl needs early (W2_PDL builds on W2_EARLY's FP4 branch)")
         check_wps(wps)
-        defines = build_defines(ahead, groups, early, route_major, pdl, wps, mad, pair_order, stream)
+        defines = build_defines(ahead, groups, early, route_major, pdl, wps, mad, pair_order, stream, prefetch)
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
         self.ahead, self.groups, self.early, self.route_major, self.pdl = ahead, groups, early, route_major, pdl

@@ -44,6 +44,15 @@
 #if W2_STREAM && !W2_PAIR_ORDER
 #error "W2_STREAM needs W2_PAIR_ORDER"
 #endif
+// W2_STREAM_PREFETCH 1 (with W2_STREAM): a streamed pair's block first asks its rows' bytes into L2 with bulk prefetches
+// (`prefetch_region_l2`), so they cross the bus in large requests instead of the tile loads' 64-byte pieces; a hint
+// only, the same bytes out.
+#ifndef W2_STREAM_PREFETCH
+#define W2_STREAM_PREFETCH 0
+#endif
+#if W2_STREAM_PREFETCH && !W2_STREAM
+#error "W2_STREAM_PREFETCH needs W2_STREAM"
+#endif
 
 namespace {
 
@@ -132,6 +141,20 @@ __device__ __forceinline__ BlockTile block_tile() {
   }
   return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y)};
 }
+
+#if W2_STREAM_PREFETCH
+// [at, at + bytes) (widened to 16-byte bounds, inside the arena row's page-aligned slot) asked into L2 by the block's
+// threads, one bulk prefetch of up to kPrefetchChunk bytes each; no wait, no result.
+constexpr unsigned kPrefetchChunk = 1024;
+__device__ __forceinline__ void prefetch_region_l2(const uint8_t* at, long long bytes) {
+  const unsigned long long begin = reinterpret_cast<unsigned long long>(at) & ~15ull;
+  const unsigned long long end = (reinterpret_cast<unsigned long long>(at) + bytes + 15) & ~15ull;
+  for (unsigned long long p = begin + threadIdx.x * kPrefetchChunk; p < end; p += blockDim.x * kPrefetchChunk) {
+    const unsigned size = static_cast<unsigned>(end - p < kPrefetchChunk ? end - p : kPrefetchChunk);
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(size) : "memory");
+  }
+}
+#endif
 
 using Rows = TileRows<uint4>;  // a warp's two A rows for first_loads / k_loop (bf16_mma.cuh)
 

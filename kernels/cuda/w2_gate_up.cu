@@ -141,6 +141,17 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_gate_up_mma(
   const long long streamed = w2_slot >= 0 ? 0 : stream_at[table_row + expert];
   if ((f4_slot >= 0) | ((w2_slot < 0) & (streamed == 0))) return;
   const long long slot_at = w2_slot >= 0 ? static_cast<long long>(w2_slot) * slot_bytes : streamed;
+#if W2_STREAM_PREFETCH
+  if (w2_slot < 0) {  // the block's gate and up rows and their scales, all asked into L2 before the first tile load
+    const long long first = static_cast<long long>(row_tile) * kRowsPerBlock;
+    const uint8_t* words = slots + slot_at + words_off + 16 * (first * row_vecs);
+    const uint8_t* scales = slots + slot_at + scales_off + 16 * (first * scale_vecs);
+    prefetch_region_l2(words, 16 * kRowsPerBlock * row_vecs);
+    prefetch_region_l2(words + 16 * (inter * row_vecs), 16 * kRowsPerBlock * row_vecs);
+    prefetch_region_l2(scales, 16 * kRowsPerBlock * scale_vecs);
+    prefetch_region_l2(scales + 16 * (inter * scale_vecs), 16 * kRowsPerBlock * scale_vecs);
+  }
+#endif
 #else
   if ((f4_slot >= 0) | (w2_slot < 0)) return;
   const long long slot_at = static_cast<long long>(w2_slot) * slot_bytes;

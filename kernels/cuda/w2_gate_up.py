@@ -117,16 +117,18 @@ def check_hidden_out(hidden, out, ws, hidden_size: int) -> None:
 
 
 def build_defines(ahead: int, early: bool = False, route_major: bool = False, pdl: bool = False,
-                  mad: bool = False, pair_order: bool = False, stream: bool = False) -> dict:
+                  mad: bool = False, pair_order: bool = False, stream: bool = False, prefetch: bool = False) -> dict:
     """nvcc defines of a build: the v3 / v5 / pair-order / stream defines only when on, so the default's command (and
     cached image) is the same as before they existed. Shared with w2_down.py."""
     if pair_order and not early:
         raise ValueError("pair_order needs early (W2_PAIR_ORDER builds on W2_EARLY's prologue)")
     if stream and not pair_order:
         raise ValueError("stream needs pair_order (W2_STREAM builds on W2_PAIR_ORDER's prologue)")
+    if prefetch and not stream:
+        raise ValueError("prefetch needs stream (W2_STREAM_PREFETCH prefetches streamed pairs' rows)")
     defines = {"W2_AHEAD": ahead}
     for name, on in (("W2_EARLY", early), ("W2_ROUTE_MAJOR", route_major), ("W2_PDL", pdl), ("W2_DECODE_MAD", mad),
-                     ("W2_PAIR_ORDER", pair_order), ("W2_STREAM", stream)):
+                     ("W2_PAIR_ORDER", pair_order), ("W2_STREAM", stream), ("W2_STREAM_PREFETCH", prefetch)):
         if on:
             defines[name] = 1
     return defines
@@ -165,17 +167,18 @@ class W2GateUpCuda:
     W2_PAIR_ORDER, one block per routed pair in pair order, its expert read from the router's topk_ids (passed to
     each call) instead of the route output, so the routing kernel may run beside it; same bytes out. stream (needs
     pair_order): W2_STREAM, a pair whose expert has no W2 slot but an arena row (the tier's `stream_at`) is computed
-    from that row in pinned host memory, over the bus; the same bytes as from a slot.
+    from that row in pinned host memory, over the bus; the same bytes as from a slot. prefetch (needs stream):
+    W2_STREAM_PREFETCH, a streamed pair's block first asks its rows into L2 with bulk prefetches; same bytes out.
     """
 
     def __init__(self, ahead: int = 1, device: int | None = None, early: bool = False, route_major: bool = False,
                  pdl: bool = False, pairs_grid: bool = False, stages: int = 0, mad: bool = False,
-                 pair_order: bool = False, stream: bool = False) -> None:
+                 pair_order: bool = False, stream: bool = False, prefetch: bool = False) -> None:
         if stages == 1 or stages < 0:
             raise ValueError(f"stages is 0 (the register ring) or at least 2, got {stages}")
         if stream and stages:
             raise ValueError("stream reads the arena with plain loads: it has no staged (cp.async) build")
-        defines = build_defines(ahead, early, route_major, pdl, mad, pair_order, stream)
+        defines = build_defines(ahead, early, route_major, pdl, mad, pair_order, stream, prefetch)
         defines |= {"W2_STAGES": stages} if stages else {}
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()

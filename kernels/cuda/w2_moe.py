@@ -78,19 +78,21 @@ class W2MoeCuda:
     options (W2GateUpCuda / W2DownCuda; None: SINGLE; {}: the kernels before v3; `pair_order` in both or neither);
     wps: the w2 matrix's words per bit slot both down kernels read (`w2_down.wps_of(layout)` of the pools this op
     serves); stream: the single-token kernels' W2_STREAM builds (pair order needed), which compute a pair without a
-    slot from its arena row (`w2.stream_at`; `streams`)."""
+    slot from its arena row (`w2.stream_at`; `streams`); stream_prefetch: their W2_STREAM_PREFETCH (a streamed pair's
+    rows asked into L2 first)."""
 
     def __init__(self, gate_ahead: int = 2, down_ahead: int = 2, down_groups: int = 1, device: int | None = None,
                  gate_multi: dict | None = None, gate_single: dict | None = None, down_single: dict | None = None,
                  gate_multi_wide: dict | None = None, wps: int = 32, down_multi: dict | None = None,
-                 stream: bool = False):
+                 stream: bool = False, stream_prefetch: bool = True):
         gate_single = SINGLE if gate_single is None else gate_single
         down_single = SINGLE if down_single is None else down_single
         if gate_single.get("pair_order", False) != down_single.get("pair_order", False):
             raise ValueError("gate_single and down_single take pair_order together (the route runs beside both or "
                              "before both)")
         if stream:
-            gate_single, down_single = gate_single | {"stream": True}, down_single | {"stream": True}
+            extra = {"stream": True, "prefetch": stream_prefetch}
+            gate_single, down_single = gate_single | extra, down_single | extra
         self.stream = stream
         self.gate_up = W2GateUpCuda(ahead=gate_ahead, device=device, **gate_single)
         self.down = W2DownCuda(ahead=down_ahead, groups=down_groups, device=device, wps=wps, **down_single)
