@@ -40,7 +40,7 @@ DOWN_INTER = 1024  # the down kernel's K: two 512-K tiles, so the ring crosses t
 
 
 def test_arg_kinds_match_the_kernel_signature_and_launch_args():
-    assert signature_kinds(SOURCE.read_text()) == ARG_KINDS
+    assert signature_kinds(SOURCE.read_text()) == ARG_KINDS + "p"  # + stream_at, under W2_STREAM only
     w2 = w2_tier(HIDDEN, INTER, 2, 1, EXPERTS, "cpu")
     f4 = fp4_tier(HIDDEN, INTER, 1, 1, EXPERTS, "cpu")
     ws = MoeWorkspace.allocate(1, TOP_K, EXPERTS, HIDDEN, INTER, torch.bfloat16, "cpu", block_tokens=1)
@@ -64,7 +64,7 @@ def test_pack_args_points_at_each_value():
 
 
 def test_down_arg_kinds_match_the_kernel_signature_and_launch_args():
-    assert signature_kinds(w2_down.SOURCE.read_text(), w2_down.KERNEL) == w2_down.ARG_KINDS
+    assert signature_kinds(w2_down.SOURCE.read_text(), w2_down.KERNEL) == w2_down.ARG_KINDS + "p"  # + stream_at
     w2 = w2_tier(HIDDEN, DOWN_INTER, 2, 1, EXPERTS, "cpu")
     f4 = fp4_tier(HIDDEN, DOWN_INTER, 1, 1, EXPERTS, "cpu")
     ws = MoeWorkspace.allocate(1, TOP_K, EXPERTS, HIDDEN, DOWN_INTER, torch.bfloat16, "cpu", block_tokens=1)
