@@ -858,13 +858,17 @@ class TieredRuntime:
             return
         lacking = len(ids) - self.pool.num_free
         victims: list[int] = []
+        victim_slots: list[int] = []
         if lacking > 0:
             planned = self.pool.planned_victims(self.log.host_routed_counts(), lacking) if self._plans_victims else None
-            victims = planned[0] if planned is not None else self.pool.evictable_ids(report.routed_id_set, lacking)
+            if planned is not None:
+                victims, victim_slots = planned
+            else:
+                victims = self.pool.evictable_ids(report.routed_id_set, lacking)
+                victim_slots = self.pool.mirror.reshape(-1)[victims].tolist()
         fits = len(victims) + self.pool.num_free
         if fits < len(ids):  # not all fit: the first ones (layer order), over every free slot and victim
             ids, addresses = ids[:fits], addresses[:fits]
-        victim_slots = self.pool.mirror.reshape(-1)[victims].tolist()
         installing = time.perf_counter()
         row_bytes = self.source.row_bytes
         self.pool.install_located(ids, addresses, row_bytes, victims, victim_slots, streamed=True)

@@ -45,10 +45,11 @@ class StreamRows:
         if arena.version == self._version:
             return
         addresses = arena.address_table()  # [L * E] host address or None
-        offsets = np.array([0 if a is None else a - self._base for a in addresses], dtype=np.int64)
-        misaligned = [a for a in addresses if a is not None and a % ROW_ALIGN]
-        if misaligned:
-            raise ConfigError(f"stream_arena: arena row at {misaligned[0]:#x} is not {ROW_ALIGN}-byte aligned")
+        rows = np.array([0 if a is None else a for a in addresses], dtype=np.int64)  # [L * E], 0: no row
+        misaligned = rows[rows % ROW_ALIGN != 0]
+        if misaligned.size:
+            raise ConfigError(f"stream_arena: arena row at {int(misaligned[0]):#x} is not {ROW_ALIGN}-byte aligned")
+        offsets = np.where(rows != 0, rows - self._base, 0)
         self.at.copy_(torch.from_numpy(offsets))  # a host copy: done on return, rare (the arena grew)
         if self.device.type == "cpu":
             self._rows = [arena.row_at(a) if a is not None else None for a in addresses]
