@@ -1590,6 +1590,24 @@ case "$step" in
       --streamed 0,1,2,4 --commit "$commit" --json "$work/stream_kernels.json"
     recorded_compare "$step" stream_arena=1
     ;;
+  stream24)  # stream_arena with its installs issued while the next step's first pass runs and only the hotter
+    # streamed experts installed (config stream_install hotter; the floor counts streamed bytes, not their installs):
+    # the GPU tests of the stream kernels and the runtime, the route, the CUDA whole op and the runtime's GPU tests; the
+    # main job at a 25 % pool; then stream_arena=1 (the base run, its own floor) against the default (stream_arena=0)
+    # on the recorded trace, interleaved. Stage limits 170 + 45 + 75 + 95 s.
+    stage tests 170 python3 -m pytest tests/test_runtime_stream_arena.py tests/test_route_kernel.py \
+      tests/test_runtime_cuda_w2.py tests/test_runtime_gpu.py -m gpu -q
+    stage generate-quality 45 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    recorded_compare "$step" stream_arena=0 stream_arena=1
+    ;;
+  stream24b)  # stream24's code: stream_install hotter (base) against all on the recorded trace, then stream_arena=1
+    # (base) against the default on the synthetic trace (both presets at 50 / 25 / 10 %, 300 steady steps), interleaved.
+    # Stage limits 75 + 95 + 90 + 60 s.
+    recorded_compare "$step" stream_install=all stream_arena=1
+    pair_compare "$step" 90 stream_arena=0 qwen3-30b-a3b 16 0.5,0.25,0.1 320 stream_arena=1
+    pair_compare "$step" 60 stream_arena=0 ds-v2-lite 8 0.5,0.25,0.1 320 stream_arena=1
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 

@@ -205,3 +205,18 @@ def test_replay_cli_config_and_compare_config_parse_fields_like_the_environment(
                                                                  copy_streams=2)
     with pytest.raises(SystemExit, match="--config: no runtime config field no_such"):
         base("no_such=1")
+
+
+def test_the_floor_of_a_streaming_run_counts_streamed_bytes_not_their_installs(tmp_path):
+    g = toy_geometry()
+    spec = ensure_synthetic_pack(g, tmp_path)
+    steps = trace_steps(skewed_routing(g, 30), None, g.num_moe_layers, None)
+    config = RuntimeConfig(kpi_every=0, force_pool=True, stream_arena=True, stream_install="all")
+    result = run_replay(g, lambda: open_synthetic_rows(spec, tmp_path), steps, pool_slots=12,
+                        arena_slots=g.total_routed_experts, arena_preload=True, device="cpu", warmup=10, config=config)
+    steady = result["runs"]["tiered"]["steady"]
+    assert steady["replay_rate"] == 0.0 and steady["streamed_bytes"] > 0
+    assert 0 < steady["streamed_install_bytes"] <= steady["arena_hit_bytes"]
+    pinned = steady["arena_hit_bytes"] - steady["streamed_install_bytes"] + steady["streamed_bytes"]
+    assert result["floor_pinned_bytes"] == pinned
+    assert result["floor_fetch_ms"] == pytest.approx(1e3 * pinned / (result["h2d_gbps"] * 1e9) / steady["steps"])

@@ -1,12 +1,15 @@
 """Config `stream_arena`: a decode pass computes an expert without a pool slot from its pinned arena row instead of
-missing it (no replay), and the rows it streamed are installed after the step's read, with nothing waiting for them.
+missing it (no replay), and the rows it streamed are installed while the next step's first pass runs, with nothing
+waiting for them.
 
 CPU (the torch backend streams the same way): every step equal to the all-resident run bit for bit with no replay,
-the pool's bytes and tables exact after each step, experts streamed and then installed (a repeated input then hits);
-an arena not filled yet misses what it lacks (fetched and replayed) and streams what it gained since; the combine's
-STREAM in Triton's interpreter; the knob's refusals. GPU (marker gpu, nvcc): the CUDA stream builds against the
-resident kernels on the same bytes (outputs poisoned, equal bit for bit, at the down kernels' 32- and 16-word tile
-widths, with and without the L2 prefetch), and the runtime end to end, eager and in CUDA graphs, equal to its all-resident run with no replay."""
+the pool's bytes and tables exact after each step, experts streamed and then installed (an input's third run in a
+row hits: its second streams again, the install issued only once that second pass is launched); a prefill right
+after a streamed step exact, the install still pending dropped; an arena not filled yet misses what it lacks
+(fetched and replayed) and streams what it gained since; the combine's STREAM in Triton's interpreter; the knob's
+refusals. GPU (marker gpu, nvcc): the CUDA stream builds against the resident kernels on the same bytes (outputs
+poisoned, equal bit for bit, at the down kernels' 32- and 16-word tile widths, with and without the L2 prefetch),
+and the runtime end to end, eager and in CUDA graphs, equal to its all-resident run with no replay."""
 
 from __future__ import annotations
 
@@ -41,28 +44,43 @@ def _x(seed: int, g) -> torch.Tensor:
     return torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def test_streamed_steps_equal_the_resident_run_and_never_replay():
+def _streamed_run(install: str, inputs: list[int]):
+    """Decode steps of inputs `inputs` (seeds) on a 12-slot pool with stream_arena, each checked against the
+    all-resident run (equal, no replay, the pool exact): (each step's streamed experts, stats, KPI line)."""
     g = toy_geometry(layers=LAYERS, experts=EXPERTS)
     model = ToyMoE(g, seed=3)
     resident = _resident(g)
-    small, source = arena_runtime(g, 12, "all", stream_arena=True)
-    repeats = []  # the logged experts of a step that repeats the step before's input
+    small, source = arena_runtime(g, 12, "all", stream_arena=True, stream_install=install)
+    streamed = []
     with resident, small:
-        for step in range(48):
-            x = _x(step // 2, g)  # every input twice in a row
+        for step, seed in enumerate(inputs):
+            x = _x(seed, g)
             want, _ = resident.step(lambda: model.forward(resident, x), lambda: None)
             got, outcome = small.step(lambda: model.forward(small, x), lambda: None)
             assert torch.equal(got, want), f"step {step} differs from the all-resident run"
             assert outcome.replays == 0 and outcome.first_pass_missing_pairs == 0
             _check_exact(small, source)
-            if step % 2:
-                repeats.append(outcome.last_pass.missing_ids)
-        stats = small.stats()
-        line = small.kpi_line()
+            streamed.append(outcome.last_pass.missing_ids)
+        return streamed, small.stats(), small.kpi_line()
+
+
+@pytest.mark.parametrize("install", ["all", "hotter"])
+def test_streamed_steps_equal_the_resident_run_and_never_replay(install):
+    streamed, stats, line = _streamed_run(install, [step // 3 for step in range(48)])  # each input 3 times in a row
     assert stats.streamed_steps > 0 and stats.streamed_experts >= stats.streamed_steps
-    assert stats.fetched_rows > 0 and stats.replays == 0
-    assert all(not ids for ids in repeats), "what a step streamed is installed: the same input again hits"
+    assert 0 < stats.streamed_installs <= stats.fetched_rows and stats.replays == 0
+    if install == "all":  # the second run streams again (its install is issued once its pass is launched)
+        assert all(not ids for ids in streamed[2::3]), "what a step streamed is installed: an input's third run hits"
     assert f"{stats.streamed_steps} steps streamed {stats.streamed_experts} experts" in line
+    assert f"{stats.streamed_installs} rows installed after them" in line
+
+
+def test_hotter_installs_a_recurring_input_and_fewer_rows_than_all():
+    inputs = [0 if step % 2 == 0 else 100 + step for step in range(64)]  # input 0 every other step, fresh ones between
+    hotter, hot_stats, _ = _streamed_run("hotter", inputs)
+    _, all_stats, _ = _streamed_run("all", inputs)
+    assert all(not ids for ids in hotter[-16::2]), "the recurring input's experts are the hottest: they stay installed"
+    assert hot_stats.streamed_installs < all_stats.streamed_installs / 2
 
 
 def test_an_arena_filling_up_misses_what_it_lacks_and_streams_what_it_gained():
@@ -85,6 +103,36 @@ def test_an_arena_filling_up_misses_what_it_lacks_and_streams_what_it_gained():
     assert outcomes[0].replays >= 1  # an empty arena: the first step misses, reads the pack and replays
     assert all(o.replays == 0 for o in outcomes[10:]), "rows the arena gained are streamed"
     assert stats.streamed_steps > 0
+
+
+def test_a_prefill_after_a_streamed_step_stays_exact_and_drops_the_pending_install():
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=3)
+    resident = _resident(g)
+    small, source = arena_runtime(g, 12, "all", tokens=8, stream_arena=True, force_pool=True)
+    with resident, small:
+        for step in range(6):  # decode steps until one streamed (an install pending), then a prefill
+            x = _x(step, g)
+            resident.step(lambda: model.forward(resident, x), lambda: None)
+            small.step(lambda: model.forward(small, x), lambda: None)
+            pending = small._decode_pending
+            if pending is not None and pending.missing_ids and not pending.missing_pairs:
+                break
+        else:
+            pytest.fail("no decode step streamed: the test needs a smaller pool")
+        mapped = small.pool.mirror.copy()
+        x = torch.randn(8, g.hidden, generator=torch.Generator().manual_seed(11))
+        want, _ = resident.step(lambda: model.forward(resident, x), lambda: None, prefill=True)
+        got, _ = small.step(lambda: model.forward(small, x), lambda: None, prefill=True)
+        assert torch.equal(got, want)
+        assert small._decode_pending is None
+        _check_exact(small, source)
+        assert (small.pool.mirror != mapped).any()  # the prefill fetched its own routed sets
+        x = _x(0, g)
+        want, _ = resident.step(lambda: model.forward(resident, x), lambda: None)
+        got, outcome = small.step(lambda: model.forward(small, x), lambda: None)
+        assert torch.equal(got, want) and outcome.replays == 0
+        _check_exact(small, source)
 
 
 def test_a_full_pool_streams_nothing_and_prefill_still_fetches():

@@ -13,6 +13,7 @@ from tierstore.runtime.pair_choice import PAIR_CHOICES
 REPLAY_MODES = ("strict", "approximate")
 PAIR_COPIES = ("kernel", "engine")  # pass_pair_copies: who moves a pass pair's rows on CUDA
 PAIR_PLANS = ("stream", "inline")  # pass_pair_plans: where a pass pair's first pass plans its layers' rows on CUDA
+STREAM_INSTALLS = ("hotter", "all")  # stream_install: which experts a pass streamed are installed after it
 GATE_SIGNALS = ("max_prob", "margin")
 DEFAULT_GATE_TAU = {"max_prob": 0.60, "margin": 1.5}
 ENV_PREFIX = "TIERSTORE_"
@@ -150,7 +151,13 @@ class RuntimeConfig:
       `cuda_w2`), an arena that holds every routed expert (it then never evicts, so a row the kernels may read never
       moves), no FP4 tier, and none of `gather_in_pass`, `early_fetch` and `pass_pair` true (`auto` is then off).
       Decode batches of the single-token kernels stream; larger batches (prefill) miss as before. The CPU runtime
-      (torch backend) streams the same way (`TorchExperts`), for tests.
+      (torch backend) streams the same way (`TorchExperts`), for tests. A step's streamed rows are installed while
+      the next decode step's first pass runs (their host work off the step's path), and which are installed is
+      `stream_install`'s: `hotter` (the default) installs a streamed expert into a free slot, or over the coldest
+      resident expert outside the pass's routed set while the streamed one is hotter (each expert's heat: the decode
+      steps that routed it, halved every `stream_heat_halving` decode steps, 0 = never), so a row crosses the bus
+      a second time only where it displaces a colder one; `all` installs every streamed expert over the pool's
+      policy's victims (the twentieth session's rule: each missed row then crosses the bus twice).
       `pass_pair_copies` ("kernel", the default; "engine"): who moves the rows on CUDA: the copy kernel above, or
       the copy engine, driven by the host while the pair runs (each layer's plan in pinned memory, the rows issued
       on a copy stream, a flag written after them that the replay waits for); on a CPU both run the references.
@@ -236,6 +243,8 @@ class RuntimeConfig:
     pass_pair_choice: str = "timed"
     pass_pair_replay_segment: int = 0
     stream_arena: bool = False
+    stream_install: str = "hotter"
+    stream_heat_halving: int = 128
     cuda_w2: bool | str = "auto"
     full_pool_reads: bool = False
 
@@ -245,7 +254,8 @@ class RuntimeConfig:
         for name in ("fp_max", "tokens_per_step", "pass_pair_copy_blocks", "gather_spares_per_miss"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("fp_thresh", "miss_tolerance", "kpi_every", "pass_pair_wide_blocks", "pass_pair_replay_segment"):
+        for name in ("fp_thresh", "miss_tolerance", "kpi_every", "pass_pair_wide_blocks", "pass_pair_replay_segment",
+                     "stream_heat_halving"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if self.copy_streams not in (1, 2) or type(self.copy_streams) is not int:
@@ -262,6 +272,8 @@ class RuntimeConfig:
         if self.pass_pair_replay_segment and self.pass_pair_copies == "engine":
             raise ConfigError("pass_pair_replay_segment with pass_pair_copies engine failed its GPU test (a held-back "
                               "row read stale, nineteenth session): use kernel copies")
+        if self.stream_install not in STREAM_INSTALLS:
+            raise ConfigError(f"stream_install must be one of {', '.join(STREAM_INSTALLS)}, got {self.stream_install!r}")
         if self.stream_arena and (self.gather_in_pass or self.early_fetch):
             other = "gather_in_pass" if self.gather_in_pass else "early_fetch"
             raise ConfigError(f"stream_arena and {other} both serve misses during a pass; turn one of them off")

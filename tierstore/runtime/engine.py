@@ -46,6 +46,7 @@ from tierstore.runtime.replay_if import (ConditionalReplay, body_side_stream, co
 from tierstore.runtime.rows import check_row_source
 from tierstore.runtime.seen_snapshot import ChainedSnapshot
 from tierstore.runtime.stats import RuntimeStats, StatsRecorder, precision_kpi
+from tierstore.runtime.stream_heat import StreamHeat
 from tierstore.runtime.stream_rows import StreamRows, check_arena
 from tierstore.runtime.step import StepOutcome, run_step
 from tierstore.runtime.token_chunks import token_chunks
@@ -135,6 +136,10 @@ class TieredRuntime:
             if fp4_source is not None:
                 raise ConfigError("stream_arena streams W2 rows only: it does not run beside an FP4 tier; turn one off")
             self._stream_rows = StreamRows(self.pool.slots, *shape)
+        # config stream_install hotter: each expert's heat, for which streamed experts take a slot
+        self._stream_heat = (StreamHeat(geometry.total_routed_experts, self.config.stream_heat_halving)
+                             if self._stream_rows is not None and self.config.stream_install == "hotter" else None)
+        self._decode_pending: PassReport | None = None  # the last decode step's last pass, not yet followed up
         # early_fetch: a pool that can miss reads each finished layer's routing while the pass runs (`moe`, `step`)
         self._early = self.config.early_fetch and slots < geometry.total_routed_experts
         if self._early and self.device.type == "cuda" and not self.pool.layer_waits:
@@ -526,6 +531,8 @@ class TieredRuntime:
         if self._stream_rows is not None:
             self._stream_rows.refresh(self.arena)  # rows the arena gained since the last step (rare)
         self._scan = prefill
+        if prefill:  # its layers fetch their routed sets and take victims of their own
+            self._decode_pending = None
         step_routed: set = set()  # every pass's routed keys, kept only when the gate fires
         wide_pair = False  # a pair launched with the wide copy grid (config pass_pair_wide_blocks)
         try:
@@ -582,7 +589,7 @@ class TieredRuntime:
                     self._stats.pairs += 1
                 result, outcome = first
                 if self._stream_rows is not None and not prefill:
-                    self._install_streamed(outcome.last_pass)
+                    self._defer_streamed(outcome.last_pass)
                 if gated:
                     result, outcome = self._gated(first, forward, rewind, logits_of, step_routed, during_pass)
                 if self.fp4 is not None:  # read under the lock: the manager cannot change residency here
@@ -592,6 +599,7 @@ class TieredRuntime:
                 torch.cuda.current_stream(self.device).synchronize()  # its host copies land before the next clear
             if self._gather is not None:
                 self._recover_gathered()
+            self._decode_pending = None
             self._pair_choice.failed()
             if self._grid_choice is not None:
                 self._grid_choice.failed()
@@ -764,6 +772,9 @@ class TieredRuntime:
             self.pool.touch_ids(report.routed_ids, now)
 
     def _read_pass(self) -> PassReport:
+        if self._decode_pending is not None:  # the pass now running on the device hides the host's time
+            report, self._decode_pending = self._decode_pending, None
+            self._follow_streamed(report)
         preparing = time.perf_counter()
         self.settle()
         if self._early_hits:
@@ -842,40 +853,64 @@ class TieredRuntime:
                               located=True)
         return len(ids)
 
-    def _install_streamed(self, report: PassReport) -> None:
-        """Config stream_arena, after a decode step's last read: the experts its last pass streamed from the arena
-        (logged, not missing: a pass that missed had them fetched before its replay) installed for later passes, as
-        many as free slots and victims outside the pass's routed set allow, with nothing launched later waiting for
-        the copies (`DevicePool.install_located(..., streamed=True)`)."""
+    def _defer_streamed(self, report: PassReport) -> None:
+        """Config stream_arena, after a decode step's last read: count the experts its last pass streamed from the
+        arena (logged, not missing: a pass that missed had them fetched before its replay) and leave the report to
+        `_follow_streamed` at the next decode step's first pass-log read, whose pass then runs on the device while
+        the host does that work instead of on this step's path (that pass streams those experts once more)."""
+        if not report.missing_pairs and report.missing_ids:
+            self._stats.streamed_steps += 1
+            self._stats.streamed_experts += len(report.missing_ids)
+        self._decode_pending = report
+
+    def _follow_streamed(self, report: PassReport) -> None:
+        """The experts `report`'s pass streamed installed for later passes (`stream_install`): those the heat admits
+        (hotter), or as many as free slots and the policy's victims outside that pass's routed set allow (all),
+        with nothing launched later waiting for the copies (`DevicePool.install_located(..., streamed=True)`: the
+        victims are unmapped on the compute stream after any pass launched since, so none of them is rewritten
+        while a launched pass may read it)."""
+        started = time.perf_counter()
+        if self._stream_heat is not None:
+            self._stream_heat.observe(report.routed_ids)
         if report.missing_pairs or not report.missing_ids:
             return
-        self._stats.streamed_steps += 1
-        self._stats.streamed_experts += len(report.missing_ids)
-        started = time.perf_counter()
         ids = self.pool.unmapped_ids(sorted(set(report.missing_ids)))
-        addresses = self.arena.locate(ids)
-        if not ids or addresses is None:
+        if not ids:
             return
-        lacking = len(ids) - self.pool.num_free
-        victims: list[int] = []
-        victim_slots: list[int] = []
-        if lacking > 0:
-            planned = self.pool.planned_victims(self.log.host_routed_counts(), lacking) if self._plans_victims else None
-            if planned is not None:
-                victims, victim_slots = planned
-            else:
-                victims = self.pool.evictable_ids(report.routed_id_set, lacking)
-                victim_slots = self.pool.mirror.reshape(-1)[victims].tolist()
-        fits = len(victims) + self.pool.num_free
-        if fits < len(ids):  # not all fit: the first ones (layer order), over every free slot and victim
-            ids, addresses = ids[:fits], addresses[:fits]
+        routed = self.log.host_routed_counts()  # [L * E] of `report`'s pass: no pass was read since
+        if self._stream_heat is not None:
+            ids, victims = self._stream_heat.admit(ids, self.pool.num_free, self.pool.mirror.reshape(-1), routed,
+                                                   self.pool.policy.pinned)
+            victim_slots = self.pool.mirror.reshape(-1)[victims].tolist()
+        else:
+            ids, victims, victim_slots = self._streamed_over_policy(ids, routed, report)
+        addresses = self.arena.locate(ids) if ids else None
+        if addresses is None:
+            return
         installing = time.perf_counter()
         row_bytes = self.source.row_bytes
         self.pool.install_located(ids, addresses, row_bytes, victims, victim_slots, streamed=True)
         done = time.perf_counter()
         self.arena.hit_ids(ids, installing - started)
+        self._stats.streamed_installs += len(ids)
         self._stats.add_fetch(len(ids), len(ids) * row_bytes, done - started, installing - started, done - installing,
                               located=True)
+
+    def _streamed_over_policy(self, ids: list[int], routed: np.ndarray,
+                              report: PassReport) -> tuple[list[int], list[int], list[int]]:
+        """stream_install all: (ids, victims, their slots) for as many of `ids` (ascending) as the free slots and the
+        pool policy's victims outside the pass's routed set take, the first ones in layer order."""
+        lacking = len(ids) - self.pool.num_free
+        victims: list[int] = []
+        victim_slots: list[int] = []
+        if lacking > 0:
+            planned = self.pool.planned_victims(routed, lacking) if self._plans_victims else None
+            if planned is not None:
+                victims, victim_slots = planned
+            else:
+                victims = self.pool.evictable_ids(report.routed_id_set, lacking)
+                victim_slots = self.pool.mirror.reshape(-1)[victims].tolist()
+        return ids[:len(victims) + self.pool.num_free], victims, victim_slots
 
     # -- observability ------------------------------------------------------------------------
     def stats(self) -> RuntimeStats:

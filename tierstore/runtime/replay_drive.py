@@ -45,6 +45,8 @@ class Window:
     arena_miss_bytes: int  # fetched rows read from the row source (the pack on disk)
     gate_fired: int  # steps the confidence gate fired on (0 without a gate)
     gate_replays: int
+    streamed_bytes: int  # rows last passes computed from the arena (config stream_arena): bytes that missed the pool
+    streamed_install_bytes: int  # rows installed after such passes (fetched too: in arena_hit_bytes)
     per_step: dict | None = None  # lists, one entry per step: ms, replays, arena_hit_rows, arena_miss_rows, pairs (1:
     # launched as a pass pair), first_missing (pairs its first pass missed: a pair's too), streamed (experts its last
     # pass computed from arena rows: config stream_arena), and PER_STEP_MS: fetch_ms
@@ -103,11 +105,11 @@ PER_STEP_MS = ("fetch_ms", "arena_ms", "install_ms", "copy_ms", "copy_wait_ms", 
 
 def _counters(runtime: TieredRuntime) -> np.ndarray:
     """[replayed steps, first-pass missing pairs, fetched bytes, fetch ns, copy ns, arena hit rows, arena miss
-    rows, gate fires, gate replays]."""
+    rows, gate fires, gate replays, streamed experts, streamed installs]."""
     s, a, gate = runtime.stats(), runtime.arena.stats(), runtime.gate_stats()
     return np.array([s.replayed_steps, round(s.missing_pairs_per_step * s.steps), s.fetched_bytes,
                      round(s.fetch_seconds * 1e9), round(s.copy_seconds * 1e9), a.hit_rows, a.miss_rows, gate.fired,
-                     gate.replays], dtype=np.int64)
+                     gate.replays, s.streamed_experts, s.streamed_installs], dtype=np.int64)
 
 
 def _window(times: list[float], before: np.ndarray, after: np.ndarray, row_bytes: int,
@@ -116,7 +118,7 @@ def _window(times: list[float], before: np.ndarray, after: np.ndarray, row_bytes
     ms = np.asarray(times) * 1e3 if times else np.zeros(1)
     return Window(len(times), float(sum(times)), float(np.percentile(ms, 50)), float(np.percentile(ms, 99)),
                   int(d[0]), int(d[1]), int(d[2]), d[3] / 1e9, d[4] / 1e9, int(d[5]) * row_bytes, int(d[6]) * row_bytes,
-                  int(d[7]), int(d[8]), per_step)
+                  int(d[7]), int(d[8]), int(d[9]) * row_bytes, int(d[10]) * row_bytes, per_step)
 
 
 def _per_step(times: list[float], marks: list[tuple]) -> dict:

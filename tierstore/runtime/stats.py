@@ -44,10 +44,11 @@ class RuntimeStats:
     unread_steps: int = 0
     # of pair_steps, those whose copies worked over the wide grid (config pass_pair_wide_blocks; its timed choice)
     wide_pairs: int = 0
-    # config stream_arena: steps whose last pass computed experts from their arena rows instead of missing them, and
-    # those experts (installed after the step as far as the pool allowed: counted in fetched_rows)
+    # config stream_arena: steps whose last pass computed experts from their arena rows instead of missing them, those
+    # experts, and the rows installed after such passes (config stream_install; also counted in fetched_rows)
     streamed_steps: int = 0
     streamed_experts: int = 0
+    streamed_installs: int = 0
 
     @property
     def replay_rate(self) -> float:
@@ -78,7 +79,7 @@ class StatsRecorder:
         self.prefill_hot_evictions = 0
         self.pairs = 0  # steps launched as a pass pair
         self.wide_pairs = 0  # of those, with the wide copy grid
-        self.streamed_steps = self.streamed_experts = 0  # config stream_arena
+        self.streamed_steps = self.streamed_experts = self.streamed_installs = 0  # config stream_arena
         self.unread = 0  # steps not read (`add_unread_step`)
         self.arena_seconds = self.install_seconds = 0.0  # the parts of fetch_seconds in the arena and the pool
         self.read_seconds = 0.0  # pass-log reads (their sync waits for the forward and any copies in flight)
@@ -136,6 +137,7 @@ class StatsRecorder:
             pair_steps=self.pairs, prefill_hot_evictions=self.prefill_hot_evictions,
             pair_step_ms=pair_medians_ms[0], single_step_ms=pair_medians_ms[1], unread_steps=self.unread,
             wide_pairs=self.wide_pairs, streamed_steps=self.streamed_steps, streamed_experts=self.streamed_experts,
+            streamed_installs=self.streamed_installs,
         )
 
     def kpi_line(self, last: int, arena_hits: int, arena_misses: int, copy_seconds: float,
@@ -173,7 +175,7 @@ class StatsRecorder:
                 line += f" (recent medians: pair {stats.pair_step_ms:.2f} ms, single {stats.single_step_ms:.2f} ms)"
         if stats.streamed_steps:
             line += (f" | {stats.streamed_steps} steps streamed {stats.streamed_experts} experts from the arena "
-                     "(no replay)")
+                     f"(no replay), {stats.streamed_installs} rows installed after them")
         if stats.unread_steps:
             line += (f" | {stats.unread_steps} steps not read (every expert resident, nothing can miss; step times "
                      "are the read steps')")
