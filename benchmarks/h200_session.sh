@@ -1608,6 +1608,16 @@ case "$step" in
     pair_compare "$step" 90 stream_arena=0 qwen3-30b-a3b 16 0.5,0.25,0.1 320 stream_arena=1
     pair_compare "$step" 60 stream_arena=0 ds-v2-lite 8 0.5,0.25,0.1 320 stream_arena=1
     ;;
+  stream24c)  # stream24 / stream24b again after the plain resident step's sync became its own stream's (before, a
+    # device-wide sync also waited for the unwaited installs another interleaved runtime had in flight, which raised
+    # the floor's resident step: 0.445 ms against 0.209 at ds-v2-lite 10 % in stream24b, beside stream_install all):
+    # stream_arena=1 against the default and hotter against all on the recorded trace, then stream_arena=1 against
+    # the default on the synthetic one. Stage limits 75 + 95 + 75 + 95 + 90 + 60 s.
+    recorded_compare "$step" stream_arena=0 stream_arena=1
+    recorded_compare "${step}all" stream_install=all stream_arena=1
+    pair_compare "$step" 90 stream_arena=0 qwen3-30b-a3b 16 0.5,0.25,0.1 320 stream_arena=1
+    pair_compare "$step" 60 stream_arena=0 ds-v2-lite 8 0.5,0.25,0.1 320 stream_arena=1
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 

@@ -290,8 +290,8 @@ class Driver:
             run_first = self.first(run) if self.first is not None else None
         if self.plain:
             _, token = run()
-            if self.read is None and device.type == "cuda":
-                torch.cuda.synchronize(device)
+            if self.read is None and device.type == "cuda":  # its own stream, as a decoder would: not the copies
+                torch.cuda.current_stream(device).synchronize()  # another interleaved runtime left in flight
         elif self.step_logits is not None:
             step_logits = self.step_logits
             (_, token), outcome = runtime.step(run, lambda: None, logits_of=lambda _: step_logits,
@@ -304,7 +304,7 @@ class Driver:
             self.tokens.append(int(outcome.last_pass.outputs[0]))
         else:
             if not self.plain and not outcome.last_pass.read and device.type == "cuda":
-                torch.cuda.synchronize(device)  # a step that read nothing ends with its forward, as a plain one
+                torch.cuda.current_stream(device).synchronize()  # a step that read nothing ends with its forward
             self.tokens.append(None)
         self.times.append(time.perf_counter() - started)
         self.steps_marks.append(runtime.counters())
