@@ -1618,6 +1618,30 @@ case "$step" in
     pair_compare "$step" 90 stream_arena=0 qwen3-30b-a3b 16 0.5,0.25,0.1 320 stream_arena=1
     pair_compare "$step" 60 stream_arena=0 ds-v2-lite 8 0.5,0.25,0.1 320 stream_arena=1
     ;;
+  stream24d)  # stream24c's code, each run alone (not interleaved: an interleaved runtime's unwaited installs run on into
+    # the next runtime's step, so two streaming configs, or a streaming one and the default, share the bus there; a
+    # decoder has one runtime): stream_arena=1 (base, its own floor) against the default on the recorded trace in
+    # both orders (the compared run after the base run, then before it: --compare-first), then on the synthetic
+    # trace (300 steady steps). Stage limits 75 + 95 + 75 + 95 + 90 + 60 s.
+    for order in after first; do
+      for cell in "ds-v2-lite 8 first 75" "qwen3-30b-a3b 16 tile 95"; do
+        set -- $cell
+        first=()
+        [ "$order" = first ] && first=(--compare-first)
+        stage "replay-$step-recorded-$1-$order" "$4" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$1" \
+          --layers "$2" --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+          --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers "$3" \
+          --trace-top-k trace --config stream_arena=1 --compare-config stream_arena=0 ${first[@]+"${first[@]}"} \
+          --commit "$commit" --out "$work/replay_$1_${step}_recorded_$order.json"
+      done
+    done
+    for cell in "qwen3-30b-a3b 16 90" "ds-v2-lite 8 60"; do
+      set -- $cell
+      stage "replay-$step-$1" "$3" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$1" --layers "$2" \
+        --steps 320 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+        --config stream_arena=1 --compare-config stream_arena=0 --commit "$commit" --out "$work/replay_$1_$step.json"
+    done
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
