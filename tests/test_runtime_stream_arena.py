@@ -162,7 +162,21 @@ def test_the_knob_refuses_what_it_cannot_serve():
     with pytest.raises(ConfigError, match="set pass_pair to auto or false"):
         RuntimeConfig(stream_arena=True, pass_pair=True)
     assert RuntimeConfig.from_env({"TIERSTORE_STREAM_ARENA": "1"}).stream_arena is True
-    assert RuntimeConfig().stream_arena is False
+    assert RuntimeConfig().stream_arena == "auto"
+
+
+def test_auto_streams_only_where_it_can_run():
+    """stream_arena auto: off on a CPU (the torch backend streams only when asked), with an arena short of every
+    expert, and beside gather_in_pass / early_fetch / pass_pair true, where true refuses."""
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    for arena, config in (("all", {}), (40, {}), ("all", {"gather_in_pass": True}), ("all", {"early_fetch": True}),
+                          ("all", {"pass_pair": True})):
+        rt, _ = arena_runtime(g, 12, arena, **config)
+        with rt:
+            assert rt._stream_rows is None, (arena, config)
+    rt, _ = arena_runtime(g, 12, "all", stream_arena=True)
+    with rt:
+        assert rt._stream_rows is not None
 
 
 def test_the_knob_refuses_an_fp4_tier():
@@ -290,3 +304,31 @@ def test_cuda_runtime_streams_and_equals_its_resident_run(cuda, graph):
         stats = small.stats()
         assert stats.streamed_steps > 0 and stats.fetched_rows > 0
         _check_exact(small, source)
+
+
+@pytest.mark.gpu
+def test_cuda_auto_streams_bfloat16_passes_and_misses_at_other_dtypes(cuda):
+    """stream_arena auto on CUDA (the default): on where the CUDA kernels run; a pass of bfloat16 hidden states
+    streams (no replay), one of float32 takes the Triton stages, which miss and replay; both equal the all-resident
+    run."""
+    g = toy_geometry(**STREAM_FITS, inter=512)
+    for dtype in (torch.bfloat16, torch.float32):
+        model = ToyMoE(g, seed=5)
+        model.routers = model.routers.to(dtype).cuda()
+        resident = _resident(g, device="cuda", backend="triton")
+        small, source = arena_runtime(g, 8, "all", device="cuda", backend="triton", force_pool=True)
+        assert small._stream_rows is not None and not small.pairs
+        with resident, small:
+            seeds = [s // 2 for s in range(24)]
+            want = cuda_decode_steps(resident, model, g, False, seeds=seeds, dtype=dtype)
+            outcomes = []
+            got = cuda_decode_steps(small, model, g, False, seeds=seeds, outcomes=outcomes, dtype=dtype)
+            for step, (a, b) in enumerate(zip(got, want)):
+                assert torch.equal(a, b), f"{dtype} step {step} differs from the all-resident run"
+            replays = sum(outcome.replays for _, outcome in outcomes)
+            stats = small.stats()
+            if dtype == torch.bfloat16:
+                assert replays == 0 and stats.streamed_steps > 0
+            else:
+                assert replays > 0 and stats.streamed_steps == 0
+            _check_exact(small, source)

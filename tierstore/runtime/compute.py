@@ -243,13 +243,15 @@ class TritonExperts:
 
     def __init__(self, pool: DevicePool, layout: SlotLayout, log: PassLog, swiglu_limit: float | None,
                  fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None, cuda_w2: bool | str = False,
-                 gather: PassGather | None = None, stream: StreamRows | None = None):
+                 gather: PassGather | None = None, stream: StreamRows | None = None, stream_required: bool = True):
         from tierstore.kernels.moe_mm import MissLog, TierPool, fp4_tier
 
         # config cuda_w2: the CUDA C++ gate_up + down, built here once (boot), or None (Triton stages); `auto` falls back
         # to the Triton stages where a condition is unmet (also per call: hidden states other than bfloat16)
         tier4 = fp4_layout if fp4_pool is not None else None
-        self._cuda_w2_required = cuda_w2 is True or stream is not None
+        # `stream_required` false (config stream_arena auto): hidden states other than bfloat16 take the Triton stages,
+        # which do not stream (their passes miss as without streaming)
+        self._cuda_w2_required = cuda_w2 is True or (stream is not None and stream_required)
         if stream is not None:
             if fp4_pool is not None:
                 raise ConfigError("stream_arena streams W2 rows only: it does not run beside an FP4 pool")

@@ -242,7 +242,7 @@ class RuntimeConfig:
     gather_spares_per_miss: int = 4
     pass_pair_choice: str = "timed"
     pass_pair_replay_segment: int = 0
-    stream_arena: bool = False
+    stream_arena: bool | str = "auto"
     stream_install: str = "hotter"
     stream_heat_halving: int = 128
     cuda_w2: bool | str = "auto"
@@ -274,11 +274,12 @@ class RuntimeConfig:
                               "row read stale, nineteenth session): use kernel copies")
         if self.stream_install not in STREAM_INSTALLS:
             raise ConfigError(f"stream_install must be one of {', '.join(STREAM_INSTALLS)}, got {self.stream_install!r}")
-        if self.stream_arena and (self.gather_in_pass or self.early_fetch):
+        object.__setattr__(self, "stream_arena", _switch_setting("stream_arena", self.stream_arena))
+        if self.stream_arena is True and (self.gather_in_pass or self.early_fetch):
             other = "gather_in_pass" if self.gather_in_pass else "early_fetch"
             raise ConfigError(f"stream_arena and {other} both serve misses during a pass; turn one of them off")
         object.__setattr__(self, "pass_pair", _switch_setting("pass_pair", self.pass_pair))
-        if self.stream_arena and self.pass_pair is True:
+        if self.stream_arena is True and self.pass_pair is True:
             raise ConfigError("stream_arena computes missing experts in the pass, so a pass pair has nothing to "
                               "replay: set pass_pair to auto or false")
         if self.pass_pair is True and (self.gather_in_pass or self.early_fetch):

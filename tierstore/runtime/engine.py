@@ -29,7 +29,7 @@ from tierstore.errors import CapacityError, ConfigError
 from tierstore.geometry import MoEGeometry
 from tierstore.kernels.cuda.pass_gather import PLAN_THREADS
 from tierstore.kernels.layout import fp4_slot_layout, w2_slot_layout
-from tierstore.runtime.compute import TorchExperts, TritonExperts
+from tierstore.runtime.compute import TorchExperts, TritonExperts, cuda_w2_unavailable
 from tierstore.runtime.config import RuntimeConfig
 from tierstore.runtime.fp4_manager import Fp4Manager
 from tierstore.runtime.fp4_sizing import check_fire_floor, fp4_pool_slots
@@ -129,12 +129,11 @@ class TieredRuntime:
         self.arena = Arena(source, arena_slots, heat_path=heat_path, pin=self.device.type == "cuda")
         self.source = source
         # config stream_arena: a decode pass computes a missing expert from its arena row (`StreamRows`, published
-        # before each step) instead of missing it; the rows it streamed are installed after its read, unwaited
+        # before each step) instead of missing it; the rows it streamed are installed at the next step's first read
+        self.backend = _resolve_backend(backend, self.device)
         self._stream_rows = None
-        if self.config.stream_arena and slots < geometry.total_routed_experts:
-            check_arena(arena_slots, geometry.total_routed_experts)
-            if fp4_source is not None:
-                raise ConfigError("stream_arena streams W2 rows only: it does not run beside an FP4 tier; turn one off")
+        self._stream_required = self.config.stream_arena is True
+        if self._streams_wanted(slots, arena_slots, fp4_source is not None):
             self._stream_rows = StreamRows(self.pool.slots, *shape)
         # config stream_install hotter: each expert's heat, for which streamed experts take a slot
         self._stream_heat = (StreamHeat(geometry.total_routed_experts, self.config.stream_heat_halving)
@@ -152,7 +151,6 @@ class TieredRuntime:
                              and not self._early)
         # gather_in_pass: decode passes map and copy their own missing arena rows (`PassGather`); pass_pair: the
         # first pass of a pair does, while the pair's replay waits for them (`pass_pair`)
-        self.backend = _resolve_backend(backend, self.device)
         can_miss = slots < geometry.total_routed_experts
         paired = self._pairs_wanted(can_miss, arena_slots)
         knob = "pass_pair" if paired else "gather_in_pass"
@@ -202,7 +200,9 @@ class TieredRuntime:
         try:  # a refused compute (e.g. config cuda_w2 beside an FP4 pool) must not leave the FP4 manager running
             self.experts = experts_class(self.pool, self.layout, self.log, geometry.swiglu_limit, fp4_pool, fp4_layout,
                                          cuda_w2=self.config.cuda_w2,
-                                         gather=self._gather if not self.pairs else None, stream=self._stream_rows)
+                                         gather=self._gather if not self.pairs else None, stream=self._stream_rows,
+                                         **({"stream_required": self._stream_required} if self.backend == "triton"
+                                            else {}))
         except BaseException:
             if self._fp4_manager is not None:
                 self._fp4_manager.close()
@@ -238,6 +238,25 @@ class TieredRuntime:
                  100 * self.pool.num_slots / geometry.total_routed_experts, geometry.total_routed_experts,
                  self.device, self.backend, arena_slots)
 
+    def _streams_wanted(self, slots: int, arena_slots: int, fp4_tier: bool) -> bool:
+        """Config stream_arena resolved, for a pool of `slots`: never where the pool holds every expert; true: on,
+        ConfigError where it cannot run (an arena short of every expert, an FP4 tier; the compute objects check the
+        kernels); auto: on a CUDA device with the triton backend and the CUDA kernels usable (config cuda_w2 not off,
+        `cuda_w2_unavailable`), an arena of every expert, no FP4 tier and none of gather_in_pass, early_fetch and
+        pass_pair true. Under auto, a pass of hidden states other than bfloat16 takes the Triton stages and misses
+        as without streaming (true refuses it)."""
+        config, total = self.config, self.geometry.total_routed_experts
+        if not config.stream_arena or slots >= total:
+            return False
+        if config.stream_arena is True:
+            check_arena(arena_slots, total)
+            if fp4_tier:
+                raise ConfigError("stream_arena streams W2 rows only: it does not run beside an FP4 tier; turn one off")
+            return True
+        return (self.device.type == "cuda" and self.backend == "triton" and config.cuda_w2 is not False
+                and arena_slots >= total and not fp4_tier and not config.gather_in_pass and not config.early_fetch
+                and config.pass_pair is not True and cuda_w2_unavailable(self.layout, None, self.device, "triton") is None)
+
     def _pairs_wanted(self, can_miss: bool, arena_slots: int) -> bool:
         """Config pass_pair resolved: as given when true or false; auto: on a CUDA device with the triton backend,
         a pool that can miss, an arena, experts the plan kernel covers, and none of gather_in_pass, early_fetch and
@@ -246,7 +265,7 @@ class TieredRuntime:
         if config.pass_pair != "auto":
             return config.pass_pair
         return (can_miss and self.device.type == "cuda" and self.backend == "triton" and arena_slots > 0
-                and not config.gather_in_pass and not config.early_fetch and not config.stream_arena
+                and not config.gather_in_pass and not config.early_fetch and self._stream_rows is None
                 and self.geometry.num_experts <= PLAN_THREADS)
 
     def _setup_precision_tier(self, source: RowSource | None, slots: int | None, arena_slots: int) -> None:
