@@ -1643,12 +1643,11 @@ case "$step" in
     done
     ;;
   stream24e)  # stream_arena auto (the default since this step's commit: on where the CUDA kernels run with an arena of
-    # every expert): the GPU tests of the stream kernels and the runtime (auto on bfloat16 streams, float32 misses),
-    # of the first pass and the layer waits; the main job at a 25 % pool. Stage limits 170 + 45 s.
-    stage tests 170 python3 -m pytest tests/test_runtime_stream_arena.py tests/test_runtime_first_pass.py \
-      tests/test_runtime_layer_waits.py -m gpu -q
+    # every expert): the main job at a 25 % pool, then the GPU tests of the stream runtime (auto on bfloat16 streams,
+    # float32 misses; true, eager and in graphs). Stage limits 45 + 120 s.
     stage generate-quality 45 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    stage tests 120 python3 -m pytest tests/test_runtime_stream_arena.py -m gpu -q -k "runtime"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
