@@ -1647,7 +1647,7 @@ case "$step" in
     # float32 misses; true, eager and in graphs). Stage limits 45 + 120 s.
     stage generate-quality 45 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
-    stage tests 120 python3 -m pytest tests/test_runtime_stream_arena.py -m gpu -q -k "runtime"
+    stage tests 120 python3 -m pytest tests/test_runtime_stream_arena.py -m gpu -q -k "streams_and_equals or auto_streams"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
