@@ -142,22 +142,27 @@ class RuntimeConfig:
       spares is host work the shorter step no longer hides), a pair that missed 1-10 % more than before (the
       segments' waits and nodes), so the step was 0.997x-1.057x the replay-always one on the recorded trace and
       0.84x-1.08x on the synthetic one (docs/runtime.md, "A pair's replay only when its first pass missed").
-      `stream_arena` (default false): a decode pass computes an expert without a pool slot straight from its row in
+      `stream_arena` (default auto): a decode pass computes an expert without a pool slot straight from its row in
       the pinned arena, read over the bus by the CUDA kernels (their W2_STREAM builds; `runtime/stream_rows.py`),
       instead of missing it: the same bytes as from a slot, so the same logits, and no replay. Such experts are
-      logged, not counted as missing; after the step's read they are installed into the pool (victims outside the
-      pass's routed set) with nothing launched later waiting for the copies: a later pass reads the new slot once
-      its table entry lands, the arena row before. Needs the triton backend on CUDA with the CUDA kernels (config
-      `cuda_w2`), an arena that holds every routed expert (it then never evicts, so a row the kernels may read never
-      moves), no FP4 tier, and none of `gather_in_pass`, `early_fetch` and `pass_pair` true (`auto` is then off).
-      Decode batches of the single-token kernels stream; larger batches (prefill) miss as before. The CPU runtime
-      (torch backend) streams the same way (`TorchExperts`), for tests. A step's streamed rows are installed while
-      the next decode step's first pass runs (their host work off the step's path), and which are installed is
-      `stream_install`'s: `hotter` (the default) installs a streamed expert into a free slot, or over the coldest
-      resident expert outside the pass's routed set while the streamed one is hotter (each expert's heat: the decode
-      steps that routed it, halved every `stream_heat_halving` decode steps, 0 = never), so a row crosses the bus
-      a second time only where it displaces a colder one; `all` installs every streamed expert over the pool's
-      policy's victims (the twentieth session's rule: each missed row then crosses the bus twice).
+      logged, not counted as missing, and installed later (below) with nothing launched after waiting for the
+      copies: a later pass reads the new slot once its table entry lands, the arena row before. True needs the
+      triton backend on CUDA with the CUDA kernels (config `cuda_w2`; or the torch backend on a CPU), an arena that
+      holds every routed expert (it then never evicts, so a row the kernels may read never moves), no FP4 tier, and
+      none of `gather_in_pass`, `early_fetch` and `pass_pair` true (`pass_pair` auto is then off); auto is on where
+      all of that holds on CUDA, and there a pass of hidden states other than bfloat16 takes the Triton stages, which
+      miss as without streaming (true refuses it). Decode batches of the single-token kernels stream; larger
+      batches (prefill) miss as before. The CPU runtime (torch backend) streams the same way (`TorchExperts`) when
+      asked (true), for tests. On the H200 (twenty-first session) auto's steps took 0.61x-1.01x the time of steps
+      without streaming on the recorded trace and 0.80x-0.99x on the synthetic one (docs/runtime.md, "Streamed
+      installs under the next pass, only the hotter experts").
+      A step's streamed rows are installed while the next decode step's first pass runs (their host work off the
+      step's path), and which are is `stream_install`'s: `hotter` (the default) installs a streamed expert into a
+      free slot, or over the coldest resident expert outside the pass's routed set while the streamed one is hotter
+      (each expert's heat: the decode steps that routed it, halved every `stream_heat_halving` decode steps, 0 =
+      never), so a row crosses the bus a second time only where it displaces a colder one; `all` installs every
+      streamed expert over the pool's policy's victims (the twentieth session's rule: each missed row then crosses
+      the bus twice).
       `pass_pair_copies` ("kernel", the default; "engine"): who moves the rows on CUDA: the copy kernel above, or
       the copy engine, driven by the host while the pair runs (each layer's plan in pinned memory, the rows issued
       on a copy stream, a flag written after them that the replay waits for); on a CPU both run the references.

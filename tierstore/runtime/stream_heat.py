@@ -4,9 +4,9 @@ With `stream_arena` an expert without a slot costs a pass its row over the bus, 
 same bytes once more. `StreamHeat` keeps each expert's heat (the decode steps that routed it, resident or not,
 halved every `halving` steps so that a change of regime shows) and admits a streamed expert only into a free slot
 or over a colder resident one: a row then crosses the bus a second time only where it is expected to save more
-streaming than the expert it displaces. On the trace recorded from `tierstore generate` this keeps installs to
-~0.2-0.6 rows per step where installing every streamed expert (over LRU victims) moved 2-13 (docs/runtime.md,
-"Installing only the hotter streamed experts").
+streaming than the expert it displaces. On the H200 with the trace recorded from `tierstore generate` this installed
+0.17-0.55 rows per steady step where installing every streamed expert over LRU victims installed 0.17-11.3, and fewer
+rows were streamed (docs/runtime.md, "Streamed installs under the next pass, only the hotter experts").
 """
 
 from __future__ import annotations
