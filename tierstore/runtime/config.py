@@ -157,7 +157,7 @@ class RuntimeConfig:
       without streaming on the recorded trace and 0.80x-0.99x on the synthetic one (docs/runtime.md, "Streamed
       installs under the next pass, only the hotter experts").
       A step's streamed rows are installed while the next decode step's first pass runs (their host work off the
-      step's path), and which are is `stream_install`'s: `hotter` (the default) installs a streamed expert into a
+      step's path), and `stream_install` picks which ones: `hotter` (the default) installs a streamed expert into a
       free slot, or over the coldest resident expert outside the pass's routed set while the streamed one is hotter
       (each expert's heat: the decode steps that routed it, halved every `stream_heat_halving` decode steps, 0 =
       never), so a row crosses the bus a second time only where it displaces a colder one; `all` installs every

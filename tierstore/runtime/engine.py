@@ -132,7 +132,6 @@ class TieredRuntime:
         # before each step) instead of missing it; the rows it streamed are installed at the next step's first read
         self.backend = _resolve_backend(backend, self.device)
         self._stream_rows = None
-        self._stream_required = self.config.stream_arena is True
         if self._streams_wanted(slots, arena_slots, fp4_source is not None):
             self._stream_rows = StreamRows(self.pool.slots, *shape)
         # config stream_install hotter: each expert's heat, for which streamed experts take a slot
@@ -194,15 +193,16 @@ class TieredRuntime:
         self._pending_gathered: tuple[list[int], list[int], list[int]] | None = None
         self.fp4, self.gate, self._fp4_manager, self._gate_budget = None, None, None, None
         self._setup_precision_tier(fp4_source, fp4_slots, fp4_arena_slots)
-        experts_class = TritonExperts if self.backend == "triton" else TorchExperts
+        experts_class, extra = TorchExperts, {}
+        if self.backend == "triton":  # under stream_arena auto a pass that cannot stream takes the Triton stages
+            experts_class, extra = TritonExperts, {"stream_required": self.config.stream_arena is True}
         fp4_pool = self.fp4.pool if self.fp4 is not None else None
         fp4_layout = self.fp4.layout if self.fp4 is not None else None
         try:  # a refused compute (e.g. config cuda_w2 beside an FP4 pool) must not leave the FP4 manager running
             self.experts = experts_class(self.pool, self.layout, self.log, geometry.swiglu_limit, fp4_pool, fp4_layout,
                                          cuda_w2=self.config.cuda_w2,
                                          gather=self._gather if not self.pairs else None, stream=self._stream_rows,
-                                         **({"stream_required": self._stream_required} if self.backend == "triton"
-                                            else {}))
+                                         **extra)
         except BaseException:
             if self._fp4_manager is not None:
                 self._fp4_manager.close()
