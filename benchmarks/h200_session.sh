@@ -1649,6 +1649,29 @@ case "$step" in
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     stage tests 120 python3 -m pytest tests/test_runtime_stream_arena.py -m gpu -q -k "streams_and_equals or auto_streams"
     ;;
+  triton25)  # the Triton stages stream (moe_mm stream=True; stream_arena auto on wherever the triton backend runs on
+    # CUDA with an arena of every expert) and `tierstore generate`'s auto arena holds the whole pack where half the
+    # host's available memory takes it: the kernel and runtime GPU tests, the main job with the new defaults (hidden 256:
+    # the Triton stages stream) and with the old default's quarter arena (no streaming), then ds-v2-lite on the
+    # Triton kernels (cuda_w2=0), streaming against not, recorded and synthetic traces. Limits 20 + 170 + 50 + 50 +
+    # 130 + 110 s.
+    stage psutil 20 python3 -c "import psutil; print(psutil.__version__, psutil.virtual_memory().available)"
+    stage tests 170 bash -c "python3 -m pytest tests/test_kernels_stream.py tests/test_kernels_moe.py -q -x && \
+      python3 -m pytest tests/test_runtime_stream_arena.py tests/test_runtime_cuda_w2.py -m gpu -q -x"
+    stage generate-quality 50 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    stage generate-quality-quarter-arena 50 tierstore generate benchmarks/quality/checkpoint \
+      --prompt "def read_config(path):" --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident --arena-gb 0.0032
+    stage replay-$step-recorded-ds-v2-lite 130 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite \
+      --layers 8 --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first --trace-top-k trace \
+      --config cuda_w2=0 --config stream_arena=1 --compare-config stream_arena=0 --commit "$commit" \
+      --out "$work/replay_ds-v2-lite_${step}_recorded.json"
+    stage replay-$step-ds-v2-lite 110 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --config cuda_w2=0 --config stream_arena=1 --compare-config stream_arena=0 --commit "$commit" \
+      --out "$work/replay_ds-v2-lite_$step.json"
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 

@@ -30,8 +30,9 @@ class TierPool:
     """One tier on the device: slot bytes uint8 [S, slot_bytes] and its table int32 [layers, E] (-1 = absent).
 
     stream_at (W2 tier, optional): int64 [layers * E], each expert's row in pinned host memory as an offset from
-    `slots`' address (0: none), read by ops that stream (`cuda_w2.streams(workspace)`: the W2_STREAM builds) for
-    pairs without a slot; `tierstore.runtime.stream_rows` keeps it."""
+    `slots`' address (0: none), read by passes that stream (`moe_mm`: its Triton stages with `stream`, or a
+    `cuda_w2` whose `streams(workspace)` is true, the W2_STREAM builds) for pairs without a slot;
+    `tierstore.runtime.stream_rows` keeps it."""
 
     slots: torch.Tensor
     table: torch.Tensor
@@ -179,8 +180,9 @@ def _fp4_mode(ws: MoeWorkspace, a: torch.Tensor) -> int:
 
 
 def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: MoeWorkspace, n_out: int, k: int,
-          top_k: int, gated: bool, limit: float | None, rows_are_tokens: bool) -> None:
-    """One GEMM launch: which = "w13" (gate_up, gated) or "w2" (down, with the workspace's down launch)."""
+          top_k: int, gated: bool, limit: float | None, rows_are_tokens: bool, stream: bool = False) -> None:
+    """One GEMM launch: which = "w13" (gate_up, gated) or "w2" (down, with the workspace's down launch); `stream`:
+    blocks of experts without a W2 slot read their `w2.stream_at` rows."""
     down = which == "w2"
     block_n = ws.down_block_n if down else ws.block_n
     num_warps = ws.down_num_warps if down else ws.num_warps
@@ -199,14 +201,14 @@ def _gemm(a, out, w2: TierPool, fp4: TierPool, which: str, table_row: int, ws: M
         m2.words_per_row, m2.blocks_per_row,
         fp4.slots.view(torch.int32), fp4.slots, fp4.layout.slot_bytes, f4_words_off, f4_scales_off,
         m4.words_per_row, m4.blocks_per_row,
-        w2.table, fp4.table, table_row,
+        w2.table, fp4.table, table_row, _stream_words(w2, stream),
         ws.block_expert, ws.block_fill, ws.block_pairs, ws.num_blocks,
         n_out, k, top_k, 0.0 if limit is None else float(limit),
         GATED=gated, HAS_LIMIT=limit is not None, ROWS_ARE_TOKENS=rows_are_tokens,
         W2_WPS=m2.wps, F4_WPS=m4.wps, BN=block_n, BT=ws.block_tokens,
         PRECISION="ieee" if a.dtype == torch.float32 else None,
         PTX_W2=ws.ptx_w2 and a.is_cuda and a.dtype == torch.bfloat16,
-        FP4_MODE=_fp4_mode(ws, a),
+        FP4_MODE=_fp4_mode(ws, a), STREAM=stream,
         num_warps=num_warps,
     )
 
@@ -282,18 +284,20 @@ def route_blocks(workspace: MoeWorkspace) -> list[tuple[int, list[int]]]:
 
 
 def moe_gate_up(hidden: torch.Tensor, top_k: int, w2: TierPool, fp4: TierPool, layer: int, workspace: MoeWorkspace,
-                swiglu_limit: float | None = None) -> None:
-    """Stage 2: workspace.act[pair] = SwiGLU(W13_e hidden[token]) for every placed pair."""
+                swiglu_limit: float | None = None, stream: bool = False) -> None:
+    """Stage 2: workspace.act[pair] = SwiGLU(W13_e hidden[token]) for every placed pair (`stream`: a streamed
+    expert's pairs from its `w2.stream_at` row)."""
     table_row = layer * w2.table.shape[1]
     _gemm(hidden, workspace.act, w2, fp4, "w13", table_row, workspace, w2.layout.inter, hidden.shape[1], top_k,
-          True, swiglu_limit, True)
+          True, swiglu_limit, True, stream)
 
 
-def moe_down(top_k: int, w2: TierPool, fp4: TierPool, layer: int, workspace: MoeWorkspace) -> None:
-    """Stage 3: workspace.y[pair] = W2_e act[pair] (float32) for every placed pair."""
+def moe_down(top_k: int, w2: TierPool, fp4: TierPool, layer: int, workspace: MoeWorkspace,
+             stream: bool = False) -> None:
+    """Stage 3: workspace.y[pair] = W2_e act[pair] (float32) for every placed pair (`stream`: as in moe_gate_up)."""
     table_row = layer * w2.table.shape[1]
     _gemm(workspace.act, workspace.y, w2, fp4, "w2", table_row, workspace, w2.layout.hidden, w2.layout.inter, top_k,
-          False, None, False)
+          False, None, False, stream)
 
 
 def moe_combine(topk_ids, topk_weights, w2: TierPool, fp4: TierPool, layer: int, workspace: MoeWorkspace, out,
@@ -309,7 +313,7 @@ def moe_combine(topk_ids, topk_weights, w2: TierPool, fp4: TierPool, layer: int,
 
 def moe_mm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w2: TierPool, fp4: TierPool,
            layer: int, misses: MissLog, workspace: MoeWorkspace, out: torch.Tensor | None = None,
-           swiglu_limit: float | None = None, cuda_w2=None) -> torch.Tensor:
+           swiglu_limit: float | None = None, cuda_w2=None, stream: bool = False) -> torch.Tensor:
     """hidden [T, H] (bf16 on GPU; fp32/fp16 in the interpreter), topk_ids/topk_weights [T, k] -> out [T, H].
 
     Capture-safe when `out` is given: four launches, no allocation, no host sync. cuda_w2: None (default) or a
@@ -317,24 +321,26 @@ def moe_mm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     layers without FP4-resident experts, see its docstring) between the same route and combine; ops with a
     `route_free` method (W2MoeCuda, TierMoeCuda) are also given topk_ids=. When `cuda_w2.route_free(workspace)` says
     its kernels read the router's ids rather than the route output (pair-order builds), the route runs beside them on
-    the workspace's side stream (CUDA only). When `cuda_w2.streams(workspace)` (W2MoeCuda(stream=True) on a
-    block_tokens 1 workspace), pairs whose expert has no slot but a `w2.stream_at` row are computed from that row
-    and combined, logged by the route but not counted as missing pairs.
+    the workspace's side stream (CUDA only). Streaming: pairs whose expert has no slot but a `w2.stream_at` row are
+    computed from that row and combined, logged by the route but not counted as missing pairs. Without `cuda_w2` the
+    Triton stages stream when `stream` is true; with one, where `cuda_w2.streams(workspace)` (W2MoeCuda(stream=True)
+    on a block_tokens 1 workspace), whatever `stream` says (its kernels read the rows).
     """
     _check(hidden, topk_ids, w2, fp4, workspace)
     if out is None:
         out = torch.empty_like(hidden)
     top_k = topk_ids.shape[1]
     ids = {"topk_ids": topk_ids} if hasattr(cuda_w2, "route_free") else {}  # the library's ops take them
-    stream = bool(ids) and getattr(cuda_w2, "streams", None) is not None and cuda_w2.streams(workspace)
+    if cuda_w2 is not None:
+        stream = getattr(cuda_w2, "streams", None) is not None and cuda_w2.streams(workspace)
     if ids and workspace.side_stream is not None and cuda_w2.route_free(workspace):
         _route_beside(lambda: cuda_w2(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit, **ids), topk_ids, w2,
                       fp4, layer, misses, workspace, stream)
     else:
         moe_route(topk_ids, w2, fp4, layer, misses, workspace, stream)
         if cuda_w2 is None:
-            moe_gate_up(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit)
-            moe_down(top_k, w2, fp4, layer, workspace)
+            moe_gate_up(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit, stream)
+            moe_down(top_k, w2, fp4, layer, workspace, stream)
         else:
             cuda_w2(hidden, top_k, w2, fp4, layer, workspace, swiglu_limit, **ids)
     moe_combine(topk_ids, topk_weights, w2, fp4, layer, workspace, out, stream)

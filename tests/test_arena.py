@@ -9,12 +9,13 @@ import random
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 
 from tierstore.atomic_files import atomic_write_bytes
 from tierstore.cache import heat as heat_module
-from tierstore.cache.arena import Arena, arena_slots
+from tierstore.cache.arena import Arena, arena_slots, available_host_bytes
 from tierstore.cache.heat import parse_heat
 from tierstore.errors import PackFormatError, ReadError
 from tierstore.io.layout import PackSpec
@@ -420,7 +421,11 @@ def test_hit_many_marks_each_published_key_once_in_first_occurrence_order():
 
 def test_arena_sizing():
     stride = 1 << 20
-    assert arena_slots("auto", stride, 400 * stride) == 100
+    pack = 400 * stride
+    assert arena_slots("auto", stride, pack, available=2 * pack) == 400  # the pack fits in half: every row
+    assert arena_slots("auto", stride, pack, available=2 * pack - 1) == 100  # else a quarter of the pack
+    assert arena_slots("auto", stride, 8 * stride, available=0) == 16  # floor of 16 slots
+    assert 0 < available_host_bytes() <= psutil.virtual_memory().total
     assert arena_slots(0.5, stride, 400 * stride) == 512
     assert arena_slots("0.001", stride, 400 * stride) == 16  # floor of 16 slots
     for bad in ("lots", "-1", "nan"):

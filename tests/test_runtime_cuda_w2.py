@@ -107,12 +107,13 @@ class _Calls:
 
         self.fp4_layouts = []
 
-        def build(layout, fp4_layout, device):
+        def build(layout, fp4_layout, device, stream=False):
             self.builds += 1
             self.fp4_layouts.append(fp4_layout)
             return self.kernels
 
-        def moe_mm(hidden, ids, weights, w2, fp4, layer, misses, workspace, swiglu_limit=None, cuda_w2=None):
+        def moe_mm(hidden, ids, weights, w2, fp4, layer, misses, workspace, swiglu_limit=None, cuda_w2=None,
+                   stream=False):
             self.passed.append((workspace.block_tokens, cuda_w2))
             return torch.zeros_like(hidden)
 
@@ -220,7 +221,7 @@ def test_auto_falls_back_to_triton_when_the_build_fails(monkeypatch, caplog):
     calls = _Calls(monkeypatch)
     monkeypatch.setattr(compute, "cuda_w2_unavailable", lambda *a: None)
 
-    def fail(layout, fp4_layout, device):
+    def fail(layout, fp4_layout, device, stream=False):
         raise ConfigError("TIERSTORE_CUDA_W2 (config cuda_w2): the CUDA kernels did not build or load (nvcc failed)")
 
     monkeypatch.setattr(compute, "load_cuda_w2", fail)

@@ -307,28 +307,26 @@ def test_cuda_runtime_streams_and_equals_its_resident_run(cuda, graph):
 
 
 @pytest.mark.gpu
-def test_cuda_auto_streams_bfloat16_passes_and_misses_at_other_dtypes(cuda):
-    """stream_arena auto on CUDA (the default): on where the CUDA kernels run; a pass of bfloat16 hidden states
-    streams (no replay), one of float32 takes the Triton stages, which miss and replay; both equal the all-resident
-    run."""
-    g = toy_geometry(**STREAM_FITS, inter=512)
-    for dtype in (torch.bfloat16, torch.float32):
-        model = ToyMoE(g, seed=5)
-        model.routers = model.routers.to(dtype).cuda()
-        resident = _resident(g, device="cuda", backend="triton")
-        small, source = arena_runtime(g, 8, "all", device="cuda", backend="triton", force_pool=True)
-        assert small._stream_rows is not None and not small.pairs
-        with resident, small:
-            seeds = [s // 2 for s in range(24)]
-            want = cuda_decode_steps(resident, model, g, False, seeds=seeds, dtype=dtype)
-            outcomes = []
-            got = cuda_decode_steps(small, model, g, False, seeds=seeds, outcomes=outcomes, dtype=dtype)
-            for step, (a, b) in enumerate(zip(got, want)):
-                assert torch.equal(a, b), f"{dtype} step {step} differs from the all-resident run"
-            replays = sum(outcome.replays for _, outcome in outcomes)
-            stats = small.stats()
-            if dtype == torch.bfloat16:
-                assert replays == 0 and stats.streamed_steps > 0
-            else:
-                assert replays > 0 and stats.streamed_steps == 0
-            _check_exact(small, source)
+@pytest.mark.parametrize("dtype, hidden", [(torch.bfloat16, 512), (torch.float32, 512), (torch.bfloat16, 256)],
+                         ids=["bf16-cuda-kernels", "float32-triton", "hidden256-triton"])
+def test_cuda_auto_streams_on_every_kernel_path(cuda, dtype, hidden):
+    """stream_arena auto on CUDA (the default): passes stream with no replay whichever kernels run them, the CUDA
+    kernels' stream builds (bfloat16, hidden a multiple of 512) or the Triton stages (float32 hidden states, or a
+    hidden size the CUDA kernels do not take), in CUDA graphs, equal to the all-resident run; the pool exact."""
+    g = toy_geometry(**{**STREAM_FITS, "hidden": hidden}, inter=512)
+    model = ToyMoE(g, seed=5)
+    model.routers = model.routers.to(dtype).cuda()
+    resident = _resident(g, device="cuda", backend="triton")
+    small, source = arena_runtime(g, 8, "all", device="cuda", backend="triton", force_pool=True)
+    assert small._stream_rows is not None and not small.pairs
+    assert (small.experts.cuda_w2 is not None) == (dtype == torch.bfloat16 and hidden % 512 == 0)
+    with resident, small:
+        seeds = [s // 2 for s in range(24)]
+        want = cuda_decode_steps(resident, model, g, True, seeds=seeds, dtype=dtype)
+        outcomes = []
+        got = cuda_decode_steps(small, model, g, True, seeds=seeds, outcomes=outcomes, dtype=dtype)
+        for step, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"step {step} differs from the all-resident run"
+        assert all(outcome.replays == 0 for _, outcome in outcomes)
+        assert small.stats().streamed_steps > 0
+        _check_exact(small, source)

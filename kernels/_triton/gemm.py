@@ -13,6 +13,10 @@ SwiGLU(gate, up) (gate clamped to <= limit, up to [-limit, limit] when HAS_LIMIT
 accumulator is written as fp32. Rows are written only for the block's pairs: no atomics.
 
 BT = 1 does not use tensor cores: one pair per program on CUDA-core / packed bf16x2 FMAs.
+
+STREAM: a block whose expert has no W2 slot (the route's STREAM gave it blocks: it has a row in the pinned arena)
+reads that row where it lies, `stream_at[expert]` bytes from the pool's slots, over the bus: the bytes a slot would
+hold, hence the same result.
 """
 
 import triton
@@ -321,14 +325,26 @@ def _fp4_tile_pairs(
 
 
 @triton.jit
+def _w2_base(w2_table_ptr, stream_at_ptr, key, w2_slot_bytes, STREAM: tl.constexpr):
+    """The expert's W2 bytes as an offset from the pool's slots: its slot's, or (STREAM) for an expert without a slot
+    its row in the pinned arena (`TierPool.stream_at`, the route gave it blocks only when it has one)."""
+    slot = tl.load(w2_table_ptr + key).to(tl.int64)
+    base = slot * w2_slot_bytes
+    if STREAM:
+        base = tl.where(slot >= 0, base, tl.load(stream_at_ptr + key, mask=slot < 0, other=0))
+    return base
+
+
+@triton.jit
 def _fma_one_pair(
-    a_row_ptr, rows, n_mask, K, num_blocks_k, N_OUT, f4_slot, expert, table_row, w2_table_ptr,
+    a_row_ptr, rows, n_mask, K, num_blocks_k, N_OUT, f4_slot, expert, table_row, w2_table_ptr, stream_at_ptr,
     w2_words_ptr, w2_scales_ptr, w2_slot_bytes, w2_words_off, w2_scales_off, w2_words_per_row, w2_blocks_per_row,
     f4_words_ptr, f4_scales_ptr, f4_slot_bytes, f4_words_off, f4_scales_off, f4_words_per_row, f4_blocks_per_row,
     GATED: tl.constexpr, W2_WPS: tl.constexpr, F4_WPS: tl.constexpr, BN: tl.constexpr, PTX_W2: tl.constexpr,
-    FP4_MODE: tl.constexpr = 0,
+    FP4_MODE: tl.constexpr = 0, STREAM: tl.constexpr = False,
 ):
-    """One pair on CUDA-core FMAs (the BT = 1 path): FP4 slot if present, else W2 (inline PTX when PTX_W2).
+    """One pair on CUDA-core FMAs (the BT = 1 path): FP4 slot if present, else W2 (inline PTX when PTX_W2; STREAM:
+    from the arena row of an expert without a W2 slot, `_w2_base`).
 
     FP4_MODE: 0 = nibble decode via float16 bits; 1 = v8 bf16x2 bit construction, plain-Triton twin;
     2 = v8 inline PTX (bf16 on CUDA, the default). All three decode every scale byte exactly.
@@ -352,7 +368,7 @@ def _fma_one_pair(
                 GATED, False, F4_WPS, BN,
             )
     else:
-        base = tl.load(w2_table_ptr + table_row + expert).to(tl.int64) * w2_slot_bytes
+        base = _w2_base(w2_table_ptr, stream_at_ptr, table_row + expert, w2_slot_bytes, STREAM)
         if PTX_W2:
             acc_g, acc_u = _w2_tile_bf16x2(
                 w2_words_ptr + tl.multiple_of((base + w2_words_off) // 4, 4), w2_scales_ptr + base + w2_scales_off,
@@ -372,12 +388,12 @@ def moe_gemm_kernel(
     a_ptr, stride_a, out_ptr, stride_out,
     w2_words_ptr, w2_scales_ptr, w2_slot_bytes, w2_words_off, w2_scales_off, w2_words_per_row, w2_blocks_per_row,
     f4_words_ptr, f4_scales_ptr, f4_slot_bytes, f4_words_off, f4_scales_off, f4_words_per_row, f4_blocks_per_row,
-    w2_table_ptr, f4_table_ptr, table_row,
+    w2_table_ptr, f4_table_ptr, table_row, stream_at_ptr,
     block_expert_ptr, block_fill_ptr, block_pairs_ptr, num_blocks_ptr,
     N_OUT, K, top_k, limit,
     GATED: tl.constexpr, HAS_LIMIT: tl.constexpr, ROWS_ARE_TOKENS: tl.constexpr,
     W2_WPS: tl.constexpr, F4_WPS: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
-    PTX_W2: tl.constexpr, FP4_MODE: tl.constexpr = 0,
+    PTX_W2: tl.constexpr, FP4_MODE: tl.constexpr = 0, STREAM: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     if b >= tl.load(num_blocks_ptr):
@@ -397,10 +413,10 @@ def moe_gemm_kernel(
     if BT == 1:
         a_row_ptr = a_ptr + tl.sum(a_rows, axis=0).to(tl.int64) * stride_a
         acc_g, acc_u = _fma_one_pair(
-            a_row_ptr, rows, n_mask, K, num_blocks_k, N_OUT, f4_slot, expert, table_row, w2_table_ptr,
+            a_row_ptr, rows, n_mask, K, num_blocks_k, N_OUT, f4_slot, expert, table_row, w2_table_ptr, stream_at_ptr,
             w2_words_ptr, w2_scales_ptr, w2_slot_bytes, w2_words_off, w2_scales_off, w2_words_per_row, w2_blocks_per_row,
             f4_words_ptr, f4_scales_ptr, f4_slot_bytes, f4_words_off, f4_scales_off, f4_words_per_row, f4_blocks_per_row,
-            GATED, W2_WPS, F4_WPS, BN, PTX_W2, FP4_MODE,
+            GATED, W2_WPS, F4_WPS, BN, PTX_W2, FP4_MODE, STREAM,
         )
     elif f4_slot >= 0:
         base = f4_slot.to(tl.int64) * f4_slot_bytes
@@ -410,7 +426,7 @@ def moe_gemm_kernel(
             GATED, False, F4_WPS, BN, BT, PRECISION,
         )
     else:
-        base = tl.load(w2_table_ptr + table_row + expert).to(tl.int64) * w2_slot_bytes
+        base = _w2_base(w2_table_ptr, stream_at_ptr, table_row + expert, w2_slot_bytes, STREAM)
         acc_g, acc_u = _tier_tile(
             w2_words_ptr + (base + w2_words_off) // 4, w2_scales_ptr + base + w2_scales_off, rows, n_mask,
             a_ptr, a_rows, stride_a, K, num_blocks_k, w2_words_per_row, w2_blocks_per_row, N_OUT,

@@ -54,10 +54,19 @@ class RowSource(Protocol):
     def read_rows(self, keys: Sequence[Key], dests: Sequence[memoryview]) -> None: ...
 
 
-def arena_slots(size: str | float, stride: int, pack_bytes: int) -> int:
-    """Slots for a size in GiB, or `auto` (a quarter of the pack); at least 16."""
+def available_host_bytes() -> int:
+    """Host memory available to new allocations now: free memory plus what the kernel can reclaim (page cache)."""
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def arena_slots(size: str | float, stride: int, pack_bytes: int, available: int | None = None) -> int:
+    """Slots for a size in GiB, or `auto`: every row of the pack when the pack takes at most half of the host memory
+    `available` (default `available_host_bytes()`), else a quarter of the pack; at least 16."""
     if size == "auto":
-        budget = pack_bytes // 4
+        available = available_host_bytes() if available is None else available
+        budget = pack_bytes if 2 * pack_bytes <= available else pack_bytes // 4
     else:
         try:
             gib = float(size)

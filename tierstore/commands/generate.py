@@ -20,7 +20,9 @@ def register(subparsers) -> None:
     pool = parser.add_mutually_exclusive_group()
     pool.add_argument("--gpu-pool-gb", type=float, help="device pool size in GiB")
     pool.add_argument("--gpu-pool-frac", type=float, help="device pool as a fraction of the routed experts (default 0.25)")
-    parser.add_argument("--arena-gb", default="auto", help="host arena in GiB, or auto (a quarter of the pack)")
+    parser.add_argument("--arena-gb", default="auto",
+                        help="host arena in GiB, or auto (the whole pack when it takes at most half of the host's "
+                        "available memory, else a quarter of it)")
     parser.add_argument("--pack-dir", help="pack directory (default $TIERSTORE_CACHE_DIR/packs)")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: bfloat16 on cuda, float32 on cpu")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from tierstore.atomic_files import cache_dir
-from tierstore.cache.arena import arena_slots
+from tierstore.cache.arena import arena_slots, available_host_bytes
 from tierstore.checkpoint import open_checkpoint
 from tierstore.kernels.layout import w2_slot_layout
 from tierstore.runtime.cli_fp4 import fp4_config, fp4_slots, report_fp4_verification, wants_fp4
@@ -31,9 +31,11 @@ def first_differing_step(got: list[torch.Tensor], want: list[torch.Tensor]) -> i
 
 def _runtime(checkpoint, pack_dir, geometry, pool_slots, arena, device, config, record, fp4=0) -> TieredRuntime:
     rows = open_base_rows(checkpoint, pack_dir)
-    slots = arena_slots(arena, rows.stride, rows.stride * geometry.total_routed_experts)
+    available = available_host_bytes() if arena == "auto" else None  # auto: the FP4 arena sized after the base one's
+    slots = arena_slots(arena, rows.stride, rows.stride * geometry.total_routed_experts, available)
     fp4_rows = open_base_rows(checkpoint, pack_dir, tag="fp4") if fp4 else None
-    fp4_arena = arena_slots(arena, fp4_rows.stride, fp4_rows.stride * geometry.total_routed_experts) if fp4 else 0
+    fp4_arena = arena_slots(arena, fp4_rows.stride, fp4_rows.stride * geometry.total_routed_experts,
+                            available - slots * rows.stride if available is not None else None) if fp4 else 0
     # the token is folded into the pass-log read, except in a pool that reads no pass once every expert is installed:
     # the generator then reads it itself
     unread = (pool_slots >= geometry.total_routed_experts

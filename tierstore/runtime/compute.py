@@ -71,10 +71,10 @@ def cuda_w2_unavailable(layout: SlotLayout, fp4_layout: SlotLayout | None, devic
     return None
 
 
-def auto_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torch.device):
+def auto_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torch.device, stream: bool = False):
     """Config `cuda_w2` "auto": the CUDA whole op where nothing is missing (`cuda_w2_unavailable`) and it builds, else
     None (the Triton stages), the reason logged: INFO where a condition is unmet on a CUDA device, WARNING when the
-    build or load fails."""
+    build or load fails. `stream`: its stream builds (`load_cuda_w2`)."""
     reason = cuda_w2_unavailable(layout, fp4_layout, device, "triton")
     if reason is not None:
         if device.type == "cuda":
@@ -82,7 +82,7 @@ def auto_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torc
         return None
     log.info("config cuda_w2 auto: building or loading the CUDA C++ kernels (nvcc on first use, cached after)")
     try:
-        return load_cuda_w2(layout, fp4_layout, device)
+        return load_cuda_w2(layout, fp4_layout, device, stream=stream)
     except ConfigError as error:
         log.warning("CUDA C++ kernels off (config cuda_w2 auto; the Triton kernels run): %s", error)
         return None
@@ -133,17 +133,6 @@ def cuda_w2_block_tokens(pairs: int, experts: int, fp4: bool = False) -> int | N
     if pairs > CUDA_MULTI_MAX_PAIRS_PER_EXPERT * experts:
         return None
     return 16 if 2 * pairs >= experts else 1
-
-
-def streaming_cuda_w2(layout: SlotLayout, device: torch.device, cuda_w2: bool | str):
-    """Config stream_arena on the triton backend: the CUDA whole op with the stream builds; ConfigError naming what is
-    missing (the knob `cuda_w2` off, or a condition of `cuda_w2_unavailable`)."""
-    if cuda_w2 is False:
-        raise ConfigError(f"stream_arena needs the CUDA kernels, which {KNOB} turns off; turn it on (or auto)")
-    reason = cuda_w2_unavailable(layout, None, device, "triton")
-    if reason is not None:
-        raise ConfigError(f"stream_arena needs the CUDA kernels ({KNOB}): {reason}")
-    return load_cuda_w2(layout, None, device, stream=True)
 
 
 class TorchExperts:
@@ -238,27 +227,24 @@ class TorchExperts:
 
 
 class TritonExperts:
-    """`stream` (config stream_arena, no FP4 pool): the CUDA op's stream builds, reading `stream.at`; decode batches of
-    its single-token kernels compute experts without a slot from their arena rows."""
+    """`stream` (config stream_arena, no FP4 pool): every pass computes an expert without a slot from its arena row,
+    `stream.at` (the Triton stages' STREAM, and with config cuda_w2 the CUDA op's stream builds for the batches its
+    single-token kernels serve; the batches of its multi-token kernels miss such experts as without streaming)."""
 
     def __init__(self, pool: DevicePool, layout: SlotLayout, log: PassLog, swiglu_limit: float | None,
                  fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None, cuda_w2: bool | str = False,
-                 gather: PassGather | None = None, stream: StreamRows | None = None, stream_required: bool = True):
+                 gather: PassGather | None = None, stream: StreamRows | None = None):
         from tierstore.kernels.moe_mm import MissLog, TierPool, fp4_tier
 
         # config cuda_w2: the CUDA C++ gate_up + down, built here once (boot), or None (Triton stages); `auto` falls back
         # to the Triton stages where a condition is unmet (also per call: hidden states other than bfloat16)
         tier4 = fp4_layout if fp4_pool is not None else None
-        # `stream_required` false (config stream_arena auto): hidden states other than bfloat16 take the Triton stages,
-        # which do not stream (their passes miss as without streaming)
-        self._cuda_w2_required = cuda_w2 is True or (stream is not None and stream_required)
-        if stream is not None:
-            if fp4_pool is not None:
-                raise ConfigError("stream_arena streams W2 rows only: it does not run beside an FP4 pool")
-            self.cuda_w2 = streaming_cuda_w2(layout, pool.device, cuda_w2)
-        else:
-            self.cuda_w2 = (auto_cuda_w2(layout, tier4, pool.device) if cuda_w2 == "auto"
-                            else load_cuda_w2(layout, tier4, pool.device) if cuda_w2 else None)
+        self._cuda_w2_required = cuda_w2 is True
+        if stream is not None and fp4_pool is not None:
+            raise ConfigError("stream_arena streams W2 rows only: it does not run beside an FP4 pool")
+        self._streams = stream is not None
+        self.cuda_w2 = (auto_cuda_w2(layout, tier4, pool.device, self._streams) if cuda_w2 == "auto"
+                        else load_cuda_w2(layout, tier4, pool.device, self._streams) if cuda_w2 else None)
         self._fp4 = fp4_pool is not None
         self.log, self.swiglu_limit, self.gather = log, swiglu_limit, gather
         self.w2_pool = TierPool(pool.slots, pool.table, layout, stream_at=stream.at if stream is not None else None)
@@ -306,4 +292,5 @@ class TritonExperts:
         if cuda_w2 is not None and hidden.dtype != torch.bfloat16:
             raise ConfigError(f"{KNOB} needs bfloat16 hidden states, got {hidden.dtype}; turn the knob off")
         return moe_mm(hidden.contiguous(), ids, topk_weights.to(torch.float32).contiguous(), self.w2_pool,
-                      self.fp4_pool, layer, self.misses, workspace, swiglu_limit=self.swiglu_limit, cuda_w2=cuda_w2)
+                      self.fp4_pool, layer, self.misses, workspace, swiglu_limit=self.swiglu_limit, cuda_w2=cuda_w2,
+                      stream=self._streams)

@@ -143,17 +143,17 @@ class RuntimeConfig:
       segments' waits and nodes), so the step was 0.997x-1.057x the replay-always one on the recorded trace and
       0.84x-1.08x on the synthetic one (docs/runtime.md, "A pair's replay only when its first pass missed").
       `stream_arena` (default auto): a decode pass computes an expert without a pool slot straight from its row in
-      the pinned arena, read over the bus by the CUDA kernels (their W2_STREAM builds; `runtime/stream_rows.py`),
-      instead of missing it: the same bytes as from a slot, so the same logits, and no replay. Such experts are
-      logged, not counted as missing, and installed later (below) with nothing launched after waiting for the
-      copies: a later pass reads the new slot once its table entry lands, the arena row before. True needs the
-      triton backend on CUDA with the CUDA kernels (config `cuda_w2`; or the torch backend on a CPU), an arena that
-      holds every routed expert (it then never evicts, so a row the kernels may read never moves), no FP4 tier, and
-      none of `gather_in_pass`, `early_fetch` and `pass_pair` true (`pass_pair` auto is then off); auto is on where
-      all of that holds on CUDA, and there a pass of hidden states other than bfloat16 takes the Triton stages, which
-      miss as without streaming (true refuses it). Decode batches of the single-token kernels stream; larger
-      batches (prefill) miss as before. The CPU runtime (torch backend) streams the same way (`TorchExperts`) when
-      asked (true), for tests. On the H200 (twenty-first session) auto's steps took 0.61x-1.01x the time of steps
+      the pinned arena, read over the bus by the kernels (the Triton stages' STREAM, and where config `cuda_w2` runs
+      the CUDA kernels their W2_STREAM builds; `runtime/stream_rows.py`), instead of missing it: the same bytes as
+      from a slot, so the same logits, and no replay. Such experts are logged, not counted as missing, and installed
+      later (below) with nothing launched after waiting for the copies: a later pass reads the new slot once its
+      table entry lands, the arena row before. True needs the triton backend on CUDA (or the torch backend on a
+      CPU), an arena that holds every routed expert (it then never evicts, so a row the kernels may read never
+      moves), no FP4 tier, and none of `gather_in_pass`, `early_fetch` and `pass_pair` true (`pass_pair` auto is
+      then off); auto is on where all of that holds on CUDA. Passes of every batch size and dtype stream, except
+      the batches of the CUDA multi-token kernels (16 and more pairs per expert's block), which miss as before. The
+      CPU runtime (torch backend) streams the same way (`TorchExperts`) when asked (true), for tests. On the H200
+      (twenty-first session, the CUDA kernels) auto's steps took 0.61x-1.01x the time of steps
       without streaming on the recorded trace and 0.80x-0.99x on the synthetic one (docs/runtime.md, "Streamed
       installs under the next pass, only the hotter experts").
       A step's streamed rows are installed while the next decode step's first pass runs (their host work off the

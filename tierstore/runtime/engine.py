@@ -29,7 +29,7 @@ from tierstore.errors import CapacityError, ConfigError
 from tierstore.geometry import MoEGeometry
 from tierstore.kernels.cuda.pass_gather import PLAN_THREADS
 from tierstore.kernels.layout import fp4_slot_layout, w2_slot_layout
-from tierstore.runtime.compute import TorchExperts, TritonExperts, cuda_w2_unavailable
+from tierstore.runtime.compute import TorchExperts, TritonExperts
 from tierstore.runtime.config import RuntimeConfig
 from tierstore.runtime.fp4_manager import Fp4Manager
 from tierstore.runtime.fp4_sizing import check_fire_floor, fp4_pool_slots
@@ -193,16 +193,13 @@ class TieredRuntime:
         self._pending_gathered: tuple[list[int], list[int], list[int]] | None = None
         self.fp4, self.gate, self._fp4_manager, self._gate_budget = None, None, None, None
         self._setup_precision_tier(fp4_source, fp4_slots, fp4_arena_slots)
-        experts_class, extra = TorchExperts, {}
-        if self.backend == "triton":  # under stream_arena auto a pass that cannot stream takes the Triton stages
-            experts_class, extra = TritonExperts, {"stream_required": self.config.stream_arena is True}
+        experts_class = TritonExperts if self.backend == "triton" else TorchExperts
         fp4_pool = self.fp4.pool if self.fp4 is not None else None
         fp4_layout = self.fp4.layout if self.fp4 is not None else None
         try:  # a refused compute (e.g. config cuda_w2 beside an FP4 pool) must not leave the FP4 manager running
             self.experts = experts_class(self.pool, self.layout, self.log, geometry.swiglu_limit, fp4_pool, fp4_layout,
                                          cuda_w2=self.config.cuda_w2,
-                                         gather=self._gather if not self.pairs else None, stream=self._stream_rows,
-                                         **extra)
+                                         gather=self._gather if not self.pairs else None, stream=self._stream_rows)
         except BaseException:
             if self._fp4_manager is not None:
                 self._fp4_manager.close()
@@ -241,10 +238,9 @@ class TieredRuntime:
     def _streams_wanted(self, slots: int, arena_slots: int, fp4_tier: bool) -> bool:
         """Config stream_arena resolved, for a pool of `slots`: never where the pool holds every expert; true: on,
         ConfigError where it cannot run (an arena short of every expert, an FP4 tier; the compute objects check the
-        kernels); auto: on a CUDA device with the triton backend and the CUDA kernels usable (config cuda_w2 not off,
-        `cuda_w2_unavailable`), an arena of every expert, no FP4 tier and none of gather_in_pass, early_fetch and
-        pass_pair true. Under auto, a pass of hidden states other than bfloat16 takes the Triton stages and misses
-        as without streaming (true refuses it)."""
+        backend); auto: on a CUDA device with the triton backend (its Triton stages stream, and the CUDA kernels' stream
+        builds where config cuda_w2 runs them), an arena of every expert, no FP4 tier and none of gather_in_pass,
+        early_fetch and pass_pair true."""
         config, total = self.config, self.geometry.total_routed_experts
         if not config.stream_arena or slots >= total:
             return False
@@ -253,9 +249,8 @@ class TieredRuntime:
             if fp4_tier:
                 raise ConfigError("stream_arena streams W2 rows only: it does not run beside an FP4 tier; turn one off")
             return True
-        return (self.device.type == "cuda" and self.backend == "triton" and config.cuda_w2 is not False
-                and arena_slots >= total and not fp4_tier and not config.gather_in_pass and not config.early_fetch
-                and config.pass_pair is not True and cuda_w2_unavailable(self.layout, None, self.device, "triton") is None)
+        return (self.device.type == "cuda" and self.backend == "triton" and arena_slots >= total and not fp4_tier
+                and not config.gather_in_pass and not config.early_fetch and config.pass_pair is not True)
 
     def _pairs_wanted(self, can_miss: bool, arena_slots: int) -> bool:
         """Config pass_pair resolved: as given when true or false; auto: on a CUDA device with the triton backend,
