@@ -1672,6 +1672,13 @@ case "$step" in
       --config cuda_w2=0 --config stream_arena=1 --compare-config stream_arena=0 --commit "$commit" \
       --out "$work/replay_ds-v2-lite_$step.json"
     ;;
+  triton25b)  # triton25's GPU tests after the fix of its stream-path assertion (the CUDA op is built at boot and
+    # serves only bfloat16 passes), the pass pair's GPU tests (conditional replay segments included, not run since
+    # they landed), and the runtime's GPU tests. Limits 240 + 240 s.
+    stage tests-stream 240 python3 -m pytest tests/test_runtime_stream_arena.py tests/test_runtime_cuda_w2.py \
+      tests/test_runtime_pass_pair.py -m gpu -q
+    runtime_gpu_tests 240
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
