@@ -1679,6 +1679,17 @@ case "$step" in
       tests/test_runtime_pass_pair.py -m gpu -q
     runtime_gpu_tests 240
     ;;
+  triton25c)  # triton25b's failures mended (tests of the miss path over an arena of every expert now turn streaming
+    # off; pass_pair auto's case list gains stream_arena's), with the first pass's GPU tests, then qwen3-30b-a3b on the
+    # Triton kernels, streaming against not, on the recorded trace. Limits 240 + 170 s.
+    stage tests 240 python3 -m pytest tests/test_runtime_pass_pair.py tests/test_runtime_layer_waits.py \
+      tests/test_runtime_first_pass.py tests/test_runtime_stream_arena.py -m gpu -q
+    stage replay-$step-recorded-qwen3-30b-a3b 170 python3 benchmarks/replay.py --pack-dir /tmp/rp \
+      --presets qwen3-30b-a3b --layers 16 --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 \
+      --arena-preload --dtype bfloat16 --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz \
+      --trace-layers tile --trace-top-k trace --config cuda_w2=0 --config stream_arena=1 \
+      --compare-config stream_arena=0 --commit "$commit" --out "$work/replay_qwen3-30b-a3b_${step}_recorded.json"
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 

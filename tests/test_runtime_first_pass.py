@@ -23,9 +23,10 @@ HOLD_CYCLES = 20_000_000  # ~10 ms at the H200's clock: far longer than a toy fo
 
 
 def _runtime(g, fraction: float, device: str = "cpu", **config) -> TieredRuntime:
-    """A pool of `fraction` of the experts over an arena holding every row."""
+    """A pool of `fraction` of the experts over an arena holding every row (streaming off unless asked: these
+    passes miss)."""
     return arena_runtime(g, round(fraction * g.total_routed_experts), "all", device=device,
-                         backend="triton" if device == "cuda" else "auto", **config)[0]
+                         backend="triton" if device == "cuda" else "auto", **{"stream_arena": False, **config})[0]
 
 
 def _inputs(g, step: int, device: str) -> torch.Tensor:

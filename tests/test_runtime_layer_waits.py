@@ -41,11 +41,13 @@ def test_a_cpu_pool_has_no_layer_events():
 
 
 def _runtime(g, fraction, layer_waits, copy_streams=1, arena_slots=16):
-    """arena_slots "all": an arena preloaded with every row, so the step's fetches go by located rows."""
+    """arena_slots "all": an arena preloaded with every row, so the step's fetches go by located rows (streaming off:
+    these steps miss and replay)."""
     every = [(layer, expert) for layer in range(g.num_moe_layers) for expert in range(g.num_experts)]
     rt = TieredRuntime(g, memory_source(g, 0), pool_slots=round(fraction * g.total_routed_experts),
                        arena_slots=len(every) if arena_slots == "all" else arena_slots, device="cuda", backend="triton",
-                       config=RuntimeConfig(kpi_every=0, layer_waits=layer_waits, copy_streams=copy_streams))
+                       config=RuntimeConfig(kpi_every=0, layer_waits=layer_waits, copy_streams=copy_streams,
+                                            stream_arena=False))
     if arena_slots == "all":
         rt.arena.fetch(every, scan=True)
     return rt

@@ -386,10 +386,13 @@ def test_cuda_refuses_the_torch_backend(cuda):
 @pytest.mark.gpu
 def test_cuda_auto_pairs_where_they_can_run(cuda):
     """pass_pair auto on CUDA: on with the triton backend and an arena; off with the torch backend, without an
-    arena, beside gather_in_pass, and in a pool that holds every expert."""
+    arena, beside gather_in_pass, in a pool that holds every expert, and where stream_arena (auto, on with an arena
+    of every expert) serves the misses."""
     g = toy_geometry(layers=LAYERS, experts=EXPERTS, hidden=128, inter=64)
-    cases = [((20, "all"), {}, True), ((20, "all"), {"backend": "torch"}, False), ((20, 0), {}, False),
-             ((20, "all"), {"gather_in_pass": True}, False), ((g.total_routed_experts, "all"), {}, False)]
+    no_stream = {"stream_arena": False}
+    cases = [((20, "all"), no_stream, True), ((20, 40), {}, True), ((20, "all"), {}, False),
+             ((20, "all"), {"backend": "torch"}, False), ((20, 0), {}, False),
+             ((20, "all"), {"gather_in_pass": True}, False), ((g.total_routed_experts, "all"), no_stream, False)]
     for (slots, arena), kwargs, paired in cases:
         rt, _ = arena_runtime(g, slots, arena, device="cuda", **{"backend": "triton", **kwargs})
         with rt:
