@@ -1,8 +1,9 @@
 """Where each expert's row lies in the pinned arena, for passes that compute missing experts from it (config
 `stream_arena`).
 
-A pass of the stream kernels (`W2MoeCuda(stream=True)`, the route's and the combine's STREAM) computes a pair whose
-expert has no slot in the device pool from the expert's arena row, read over the bus: the same bytes a slot would
+A streaming pass (`moe_mm(..., stream=True)`: the route's, the Triton stages' and the combine's STREAM, or
+`W2MoeCuda(stream=True)`'s builds for the batches it serves) computes a pair whose expert has no slot in the device
+pool from the expert's arena row, read over the bus: the same bytes a slot would
 hold, hence the same result, with no replay. `StreamRows.at` is the table those kernels read, int64 [layers * E]:
 the row's address minus the pool slots' address (so a kernel adds it where it would add a slot's offset), 0 where
 the arena has no row. On a CPU runtime `row(key_id)` gives the row itself to `TorchExperts`.
