@@ -109,6 +109,7 @@ def test_adapter_knobs_map_onto_the_runtime_config(tmp_path):
     assert runtime_config(AdapterSettings()).fp4_pool_gb == "0.0" and not runtime_config(AdapterSettings()).gate
     assert not config.cuda_w2 and settings.cuda_w2 is False
     assert config.pass_pair is False  # the adapter does not launch pass pairs
+    assert config.stream_arena is False  # nor stream from the arena (not run under vLLM on a GPU yet)
     knob = AdapterSettings.from_environ({"VLLM_MOE_W2_CUDA_W2": "1"})
     assert knob.cuda_w2 and runtime_config(knob).cuda_w2  # the expert cache / FP4 runtime gets the knob too
 

@@ -33,14 +33,14 @@ log = logging.getLogger("tierstore.vllm_adapter")
 
 def runtime_config(settings: AdapterSettings):
     """The adapter's knobs as the runtime's `RuntimeConfig` (one decode token per request and step; no pass pairs:
-    the adapter does not launch them yet)."""
+    the adapter does not launch them yet; no streaming from the arena: not run under vLLM on a GPU yet)."""
     from tierstore.runtime import RuntimeConfig
 
     pool = settings.fp4_pool_bytes
     return RuntimeConfig(replay_mode=settings.replay_mode, fp_max=settings.fp_max,
                          miss_tolerance=settings.miss_tolerance, kpi_every=settings.kpi_every, tokens_per_step=1,
                          fp4_pool_gb="auto" if pool == "auto" else repr(pool / GIB), gate=settings.gate,
-                         gate_tau=settings.gate_tau, cuda_w2=settings.cuda_w2, pass_pair=False,
+                         gate_tau=settings.gate_tau, cuda_w2=settings.cuda_w2, pass_pair=False, stream_arena=False,
                          gate_tau_file=str(settings.gate_tau_file) if settings.gate_tau_file is not None else "")
 
 
