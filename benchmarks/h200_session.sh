@@ -1690,6 +1690,27 @@ case "$step" in
       --trace-layers tile --trace-top-k trace --config cuda_w2=0 --config stream_arena=1 \
       --compare-config stream_arena=0 --commit "$commit" --out "$work/replay_qwen3-30b-a3b_${step}_recorded.json"
     ;;
+  triton25d)  # triton25's comparisons again: the main job with the auto arena and with the old quarter arena, twice
+    # in alternated order; ds-v2-lite on the Triton kernels on the recorded trace with the compared run first
+    # (--compare-first); qwen3-30b-a3b on the Triton kernels on the synthetic trace. Limits 4 x 45 + 130 + 150 s.
+    for round in 1 2; do
+      arenas=(auto 0.0032)
+      [ "$round" = 2 ] && arenas=(0.0032 auto)
+      for arena in "${arenas[@]}"; do
+        stage "generate-quality-$arena-$round" 45 tierstore generate benchmarks/quality/checkpoint \
+          --prompt "def read_config(path):" --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident --arena-gb "$arena"
+      done
+    done
+    stage replay-$step-recorded-ds-v2-lite 130 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite \
+      --layers 8 --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first --trace-top-k trace \
+      --config cuda_w2=0 --config stream_arena=1 --compare-config stream_arena=0 --compare-first --commit "$commit" \
+      --out "$work/replay_ds-v2-lite_${step}_recorded.json"
+    stage replay-$step-qwen3-30b-a3b 150 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b \
+      --layers 16 --steps 220 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --config cuda_w2=0 --config stream_arena=1 --compare-config stream_arena=0 --commit "$commit" \
+      --out "$work/replay_qwen3-30b-a3b_$step.json"
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
