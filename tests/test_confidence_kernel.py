@@ -46,6 +46,11 @@ def check(got: torch.Tensor, want: torch.Tensor, signal: str) -> None:
 
 
 def softmax_definition(logits: torch.Tensor, signal: str, reduce_min: bool) -> torch.Tensor:
+    """max_prob as softmax().amax() in float64: torch's own float32 softmax strays from it by up to 1.3e-5 over
+    40961 logits on some CPUs (the kernel by 1e-7), more than RTOL; margin as the gate's host signal."""
+    if signal == "max_prob":
+        signals = torch.softmax(logits.reshape(-1, logits.shape[-1]).double(), dim=-1).amax(dim=-1).float()
+        return signals.min().reshape(1) if reduce_min else signals
     signals = row_signals(logits, signal)
     return signals.min().reshape(1) if reduce_min else signals
 
