@@ -151,8 +151,9 @@ class RuntimeConfig:
       CPU), an arena that holds every routed expert (it then never evicts, so a row the kernels may read never
       moves), no FP4 tier, and none of `gather_in_pass`, `early_fetch` and `pass_pair` true (`pass_pair` auto is
       then off); auto is on where all of that holds on CUDA. Passes of every batch size and dtype stream, except
-      the batches of the CUDA multi-token kernels (16 and more pairs per expert's block), which miss as before. The
-      CPU runtime (torch backend) streams the same way (`TorchExperts`) when asked (true), for tests. On the H200
+      the batches of the CUDA multi-token kernels (route blocks of 16, from experts / 2 routed pairs up), which
+      miss as before. The CPU runtime (torch backend) streams the same way (`TorchExperts`) when asked (true), for
+      tests. On the H200
       (twenty-first session, the CUDA kernels) auto's steps took 0.61x-1.01x the time of steps
       without streaming on the recorded trace and 0.80x-0.99x on the synthetic one (docs/runtime.md, "Streamed
       installs under the next pass, only the hotter experts").
