@@ -1711,6 +1711,18 @@ case "$step" in
       --config cuda_w2=0 --config stream_arena=1 --compare-config stream_arena=0 --commit "$commit" \
       --out "$work/replay_qwen3-30b-a3b_$step.json"
     ;;
+  quiet26)  # twenty-third session: where a streaming step that streams nothing (ds-v2-lite 50 %, the recorded trace,
+    # the CUDA kernels, the default config) spends more than the resident decoder: the event clock and the profiler
+    # (miss_step_timeline.py --recorded) at 50 % and at a full pool that reads every pass. Limits 2 x 100 s.
+    trace=benchmarks/traces/generate-quality-checkpoint.npz
+    for cov in 0.5 1; do
+      reads=()
+      [ "$cov" = 1 ] && reads=(--full-pool-reads)
+      stage "timeline-ds-v2-lite-$cov" 100 python3 benchmarks/miss_step_timeline.py --preset ds-v2-lite --layers 8 \
+        --coverage "$cov" --recorded "$trace" --trace-layers first --pack-dir /tmp/rp "${reads[@]}" \
+        --commit "$commit" --json "$work/timeline-ds-v2-lite-$cov.json"
+    done
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
