@@ -174,15 +174,20 @@ class EventClock:
     def step(self, forward, rewind, **kwargs):
         self._t0, self._passes, self._copies, self._host = time.perf_counter(), [], [], {}
 
-        def timed_forward():
-            before, after = self._events[2 * len(self._passes)], self._events[2 * len(self._passes) + 1]
-            launched = self._since()
-            before.record()
-            result = forward()
-            after.record()
-            self._passes.append((before, after, launched))
-            return result
-        out = self._step(timed_forward, rewind, **kwargs)
+        def timed(launch):
+            def run():
+                before, after = self._events[2 * len(self._passes)], self._events[2 * len(self._passes) + 1]
+                launched = self._since()
+                before.record()
+                result = launch()
+                after.record()
+                self._passes.append((before, after, launched))
+                return result
+            return run
+        # a step's first launch may be its first pass (unwaited_first_pass) or a pair: timed like any pass
+        kwargs = {name: timed(launch) if name in ("forward_first", "forward_pair") and launch is not None else launch
+                  for name, launch in kwargs.items()}
+        out = self._step(timed(forward), rewind, **kwargs)
         wall = self._since()
         self.torch.cuda.synchronize()
         self.timelines.append(self._timeline(wall))
