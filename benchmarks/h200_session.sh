@@ -1723,6 +1723,18 @@ case "$step" in
         --commit "$commit" --json "$work/timeline-ds-v2-lite-$cov.json"
     done
     ;;
+  quiet26b)  # twenty-third session: the host time of the step protocol's functions, per step kind (step_host_profile.py,
+    # wrapped clock then cProfile), ds-v2-lite on the recorded trace at 50 % (the default config: streaming) and at a
+    # full pool that reads every pass. Limits 2 x 100 s.
+    trace=benchmarks/traces/generate-quality-checkpoint.npz
+    for cov in 0.5 1; do
+      reads=()
+      [ "$cov" = 1 ] && reads=(--config full_pool_reads=1)
+      stage "host-ds-v2-lite-$cov" 100 python3 benchmarks/step_host_profile.py --preset ds-v2-lite --layers 8 \
+        --coverage "$cov" --recorded "$trace" --trace-layers first --pack-dir /tmp/rp "${reads[@]}" \
+        --commit "$commit" --json "$work/host-ds-v2-lite-$cov.json"
+    done
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
