@@ -105,6 +105,63 @@ def test_an_arena_filling_up_misses_what_it_lacks_and_streams_what_it_gained():
     assert stats.streamed_steps > 0
 
 
+def test_victims_are_planned_only_while_a_pass_can_miss():
+    """The victim plan (`plan_victims`, while a pass runs) prepares a fetch: it is made while the arena lacks rows,
+    not once every expert has a published row (a decode pass then streams what it lacks), and again for the pass
+    after one that missed all the same (here a row withheld from the streaming table); every step stays exact."""
+    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
+    model = ToyMoE(g, seed=3)
+    resident = _resident(g)
+    source = memory_source(g, seed=7)
+    small = TieredRuntime(g, source, pool_slots=12, arena_slots=g.total_routed_experts,
+                          config=RuntimeConfig(kpi_every=0, stream_arena=True))
+    planned_at: list[int] = []
+    plan = small.pool.plan_victims
+    step = 0
+
+    def counted(count):
+        planned_at.append(step)
+        plan(count)
+    small.pool.plan_victims = counted
+
+    def run(x):
+        want, _ = resident.step(lambda: model.forward(resident, x), lambda: None)
+        got, outcome = small.step(lambda: model.forward(small, x), lambda: None)
+        assert torch.equal(got, want), f"step {step} differs from the all-resident run"
+        _check_exact(small, source)
+        return outcome
+
+    with resident, small:
+        while not small._stream_rows.complete:  # the arena fills from the pack as passes miss
+            assert step < 200, "the arena never held every row"
+            run(torch.randn(1, g.hidden, generator=torch.Generator().manual_seed(step)) * 3)
+            step += 1
+        assert planned_at and planned_at[0] == 0, "passes that can miss plan their victims"
+        filled, planned_at[:] = step, []
+        for _ in range(6):  # every row published: no pass misses, nothing is planned
+            assert run(_x(step, g)).replays == 0
+            step += 1
+        assert planned_at == []
+        x = _x(step, g)
+        # a pass that misses all the same, as a batch the CUDA multi-token kernels serve does: the rows of the
+        # experts without a slot withheld from the streaming table for one step (still "complete")
+        table = small._stream_rows.at
+        kept = table.clone()
+        table[torch.from_numpy(small.pool.mirror.reshape(-1) < 0)] = 0
+        outcome = run(x)
+        assert outcome.replays >= 1 and outcome.first_pass_missing_pairs > 0
+        assert planned_at == [step] * outcome.replays, "no plan for its first pass; its replays plan"
+        table.copy_(kept)
+        step += 1
+        planned_at[:] = []
+        assert run(_x(step, g)).first_pass_missing_pairs == 0
+        assert planned_at == [step], "the step after one whose first pass missed plans"
+        step += 1
+        run(_x(step, g))
+        assert planned_at == [step - 1], "and the one after a step whose first pass missed nothing does not"
+    assert filled > 1
+
+
 def test_a_prefill_after_a_streamed_step_stays_exact_and_drops_the_pending_install():
     g = toy_geometry(layers=LAYERS, experts=EXPERTS)
     model = ToyMoE(g, seed=3)

@@ -213,6 +213,8 @@ class TieredRuntime:
         # experts a recent decode pass missed or gathered for itself, decaying: updated by each read
         # (`_read_pass`), it sizes the victim plan (`_victim_plan_size`) and the spares (`_stage_spares`)
         self._recent_missing = 0
+        # a pass of this step or the last decode step's first pass missed pairs (`_read_pass`: whether to plan a fetch)
+        self._missed_lately = False
         # pass_pair: which decode steps likely to miss launch their pair (the back-off, the timed choice)
         self._pair_choice = PairChoice(self.config.pass_pair_choice)
         # pass_pair with a wide copy grid (config pass_pair_wide_blocks): the pairs' grid, timed (True: wide)
@@ -633,6 +635,7 @@ class TieredRuntime:
             self._untouched = self.last_pass, time.monotonic()
         if not prefill:
             self._decode_pass = self.last_pass
+            self._missed_lately = outcome.first_pass_missing_pairs > 0
         if self.fp4 is not None:
             self.fp4.close_step(step_routed if outcome.gate is not None else self.last_pass.routed_ids)
             self._fp4_snapshot.push(self.log.host_seen())  # the last read's counts: no device work
@@ -791,9 +794,15 @@ class TieredRuntime:
             self._follow_streamed(report)
         preparing = time.perf_counter()
         self.settle()
-        if self._early_hits:
+        # the hits and the victim plan prepare a fetch after this read. A decode pass that streams every expert it
+        # lacks from a published arena row does not miss, so nothing is planned for it (the policy applies the hits
+        # when next asked, e.g. by an install) while passes miss nothing; after a pass that missed all the same (a
+        # batch the CUDA multi-token kernels serve, which do not stream) its replays and the next step's passes plan
+        fetch_possible = (self._scan or self._stream_rows is None or not self._stream_rows.complete
+                          or self._missed_lately)
+        if self._early_hits and fetch_possible:
             self.pool.apply_hits()
-        if self._plans_victims and not self._scan:
+        if self._plans_victims and not self._scan and fetch_possible:
             self.pool.plan_victims(self._victim_plan_size())
         # a pair's spares only where the next step may pair: a recent pass missed, the choice pairs it (staging costs
         # the host ~0.15 ms on the H200, which after isolated misses delayed the next read)
@@ -804,6 +813,7 @@ class TieredRuntime:
         self._stats.prep_seconds += started - preparing
         self.last_pass = self.log.read()
         self._stats.read_seconds += time.perf_counter() - started
+        self._missed_lately = self._missed_lately or self.last_pass.missing_pairs > 0
         if self._gather is not None:
             gathered = self.log.host_gathered()
             self._last_gathered = len(gathered[0])

@@ -40,6 +40,7 @@ class StreamRows:
         self.at = torch.zeros(num_layers * num_experts, dtype=torch.int64, device=self.device)  # [L * E]
         self._rows: list[torch.Tensor | None] = [None] * (num_layers * num_experts)  # CPU: each id's row
         self._version = -1
+        self.complete = False  # every expert has a published row: a decode pass streams what it lacks, never misses
 
     def refresh(self, arena: Arena) -> None:
         """Publish the arena's rows (between passes); nothing when the arena's rows are as last published."""
@@ -55,6 +56,7 @@ class StreamRows:
         if self.device.type == "cpu":
             self._rows = [arena.row_at(a) if a is not None else None for a in addresses]
         self._version = arena.version
+        self.complete = bool(np.all(rows != 0))
 
     def row(self, key_id: int) -> torch.Tensor | None:
         """CPU: the published arena row of `key_id` (uint8 [row_bytes], a view), or None."""
