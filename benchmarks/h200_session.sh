@@ -1735,6 +1735,22 @@ case "$step" in
         --commit "$commit" --json "$work/host-ds-v2-lite-$cov.json"
     done
     ;;
+  quiet26c)  # twenty-third session, after 3cc52d4 (no victim plan or early hits while a streaming pass cannot miss): the
+    # host profile at 50 % again, then ds-v2-lite on the recorded trace, the default config (CUDA kernels, streaming)
+    # against stream_arena=0 in one process, in both orders (stream24d's cells). Limits 100 + 2 x 140 s.
+    trace=benchmarks/traces/generate-quality-checkpoint.npz
+    stage host-ds-v2-lite-0.5 100 python3 benchmarks/step_host_profile.py --preset ds-v2-lite --layers 8 \
+      --coverage 0.5 --recorded "$trace" --trace-layers first --pack-dir /tmp/rp --commit "$commit" \
+      --json "$work/host-ds-v2-lite-0.5.json"
+    for order in after first; do
+      first=()
+      [ "$order" = first ] && first=(--compare-first)
+      stage "replay-$step-$order" 140 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite \
+        --layers 8 --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+        --no-synthetic --trace "$trace" --trace-layers first --trace-top-k trace --compare-config stream_arena=0 \
+        "${first[@]}" --commit "$commit" --out "$work/replay_ds-v2-lite_${step}-recorded-$order.json"
+    done
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
