@@ -1735,7 +1735,8 @@ case "$step" in
         --commit "$commit" --json "$work/host-ds-v2-lite-$cov.json"
     done
     ;;
-  quiet26c)  # twenty-third session, after 3cc52d4 (no victim plan or early hits while a streaming pass cannot miss): the
+  quiet26c|quiet26d)  # twenty-third session, after 3cc52d4 (quiet26c: no victim plan or early hits while a streaming pass
+    # cannot miss) and its mend (quiet26d: the early hits kept, applied behind the pass, not batched into an install): the
     # host profile at 50 % again, then ds-v2-lite on the recorded trace, the default config (CUDA kernels, streaming)
     # against stream_arena=0 in one process, in both orders (stream24d's cells). Limits 100 + 2 x 140 s.
     trace=benchmarks/traces/generate-quality-checkpoint.npz

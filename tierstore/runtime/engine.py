@@ -794,14 +794,14 @@ class TieredRuntime:
             self._follow_streamed(report)
         preparing = time.perf_counter()
         self.settle()
-        # the hits and the victim plan prepare a fetch after this read. A decode pass that streams every expert it
-        # lacks from a published arena row does not miss, so nothing is planned for it (the policy applies the hits
-        # when next asked, e.g. by an install) while passes miss nothing; after a pass that missed all the same (a
-        # batch the CUDA multi-token kernels serve, which do not stream) its replays and the next step's passes plan
-        fetch_possible = (self._scan or self._stream_rows is None or not self._stream_rows.complete
-                          or self._missed_lately)
-        if self._early_hits and fetch_possible:
+        # the hits reach the policy here, hidden behind the pass, not in the next install (a streamed one included)
+        if self._early_hits:
             self.pool.apply_hits()
+        # the victim plan prepares a fetch after this read. A decode pass that streams every expert it lacks from a
+        # published arena row does not miss, so nothing is planned for it while passes miss nothing; after a pass
+        # that missed all the same (a batch the CUDA multi-token kernels serve, which do not stream) its replays and
+        # the next step's passes plan
+        fetch_possible = self._stream_rows is None or not self._stream_rows.complete or self._missed_lately
         if self._plans_victims and not self._scan and fetch_possible:
             self.pool.plan_victims(self._victim_plan_size())
         # a pair's spares only where the next step may pair: a recent pass missed, the choice pairs it (staging costs
