@@ -1751,6 +1751,11 @@ case "$step" in
         --no-synthetic --trace "$trace" --trace-layers first --trace-top-k trace --compare-config stream_arena=0 \
         "${first[@]}" --commit "$commit" --out "$work/replay_ds-v2-lite_${step}-recorded-$order.json"
     done
+    if [ "$step" = quiet26d ]; then  # and the stream GPU tests and the main job at this code (limits 240 + 60 s)
+      stage stream-tests 240 python3 -m pytest tests/test_runtime_stream_arena.py tests/test_kernels_stream.py -m gpu -q
+      stage generate-quality 60 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+        --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    fi
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
