@@ -7,8 +7,8 @@ Two clocks over warm steps:
   steps are split into kinds by what they did (`quiet`: read nothing but its own pass; `install`: installed rows a
   pass streamed; `stream`: its pass streamed rows; `fetch`: fetched and replayed). Medians per kind, microseconds,
   and how many calls a step made. The wrappers nest (a callee's time is inside its caller's).
-- `cprofile`: the same steps again under cProfile, the top functions by their own time (per step, microseconds;
-  cProfile roughly doubles a Python-heavy path, so read it as shares).
+- `cprofile`: as many steps again, each under its own cProfile profile, merged by kind: the top functions by their
+  own time (per step, microseconds; cProfile roughly doubles a Python-heavy path, so read it as shares).
 
 A diagnostic, not a timing: compare a function's time with the pass's device time (the host work before the
 pass-log read is hidden while it is shorter than the pass) and with what the step does after the read's sync (all
@@ -94,6 +94,19 @@ def summarize(steps: list[dict]) -> dict:
     return out
 
 
+def _top_functions(profiles: list[cProfile.Profile], count: int = 40) -> dict:
+    """The functions of merged per-step profiles by their own time: per step, microseconds."""
+    stats = pstats.Stats(profiles[0])
+    for profile in profiles[1:]:
+        stats.add(profile)
+    steps = len(profiles)
+    rows = sorted(((fn, own, total, calls) for fn, (calls, _, own, total, _) in stats.stats.items()),
+                  key=lambda r: -r[1])[:count]
+    return {"steps": steps, "functions": [
+        {"function": f"{Path(fn[0]).name}:{fn[1]} {fn[2]}", "own_us_per_step": own * 1e6 / steps,
+         "total_us_per_step": total * 1e6 / steps, "calls_per_step": calls / steps} for fn, own, total, calls in rows]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="ds-v2-lite")
@@ -155,17 +168,15 @@ def main() -> None:
         clock.detach()
         wrapped = summarize(clock.steps)
         step_ms = statistics.median(driver.times[args.warm_steps:]) * 1e3
-        profile = cProfile.Profile()
-        profile.enable()
-        for i in range(args.warm_steps + args.steps, wanted):
+        by_kind: dict[str, list[cProfile.Profile]] = {}
+        for i in range(args.warm_steps + args.steps, wanted):  # one profile per step, merged by the step's kind
+            before = rt.stats()
+            profile = cProfile.Profile()
+            profile.enable()
             driver.step(i)
-        profile.disable()
-    stats = pstats.Stats(profile)
-    rows = sorted(((fn, own, total, calls) for fn, (calls, _, own, total, _) in stats.stats.items()),
-                  key=lambda r: -r[1])[:40]
-    profiled = [{"function": f"{Path(fn[0]).name}:{fn[1]} {fn[2]}", "own_us_per_step": own * 1e6 / args.steps,
-                 "total_us_per_step": total * 1e6 / args.steps, "calls_per_step": calls / args.steps}
-                for fn, own, total, calls in rows]
+            profile.disable()
+            by_kind.setdefault(step_kind(before, rt.stats()), []).append(profile)
+    profiled = {kind: _top_functions(profiles) for kind, profiles in sorted(by_kind.items())}
     report = {"provenance": {"commit": args.commit, "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu"},
               "preset": args.preset, "layers": args.layers, "coverage": args.coverage, "pool_slots": slots,
               "recorded": str(args.recorded) if args.recorded else None, "config": args.config,
@@ -180,10 +191,11 @@ def main() -> None:
         for label, v in fields.items():
             if label != "steps":
                 print(f"    {label:34s} {v['median_us']:8.1f}  ({v['calls_per_step']:.2f})")
-    print("  cprofile, own time per step (us), top 25:")
-    for row in profiled[:25]:
-        print(f"    {row['own_us_per_step']:8.1f} {row['total_us_per_step']:8.1f} {row['calls_per_step']:6.2f}  "
-              f"{row['function']}")
+    for kind, top in profiled.items():
+        print(f"  cprofile, {kind} ({top['steps']} steps): own / total us per step, calls per step, top 30:")
+        for row in top["functions"][:30]:
+            print(f"    {row['own_us_per_step']:8.1f} {row['total_us_per_step']:8.1f} {row['calls_per_step']:6.2f}  "
+                  f"{row['function']}")
 
 
 if __name__ == "__main__":
