@@ -1757,6 +1757,25 @@ case "$step" in
         --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     fi
     ;;
+  quiet26e)  # twenty-third session, quiet26d's code: the default config (CUDA kernels, streaming) against stream_arena=0
+    # in one process, the rest of stream24d's cells: qwen3-30b-a3b on the recorded trace in both orders, then both
+    # presets on the synthetic trace (300 steady steps). Stage limits 2 x 95 + 90 + 60 s.
+    for order in after first; do
+      first=()
+      [ "$order" = first ] && first=(--compare-first)
+      stage "replay-$step-recorded-qwen3-30b-a3b-$order" 95 python3 benchmarks/replay.py --pack-dir /tmp/rp \
+        --presets qwen3-30b-a3b --layers 16 --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 \
+        --arena-preload --dtype bfloat16 --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz \
+        --trace-layers tile --trace-top-k trace --compare-config stream_arena=0 ${first[@]+"${first[@]}"} \
+        --commit "$commit" --out "$work/replay_qwen3-30b-a3b_${step}-recorded-$order.json"
+    done
+    for cell in "qwen3-30b-a3b 16 90" "ds-v2-lite 8 60"; do
+      set -- $cell
+      stage "replay-$step-$1" "$3" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets "$1" --layers "$2" \
+        --steps 320 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+        --compare-config stream_arena=0 --commit "$commit" --out "$work/replay_$1_$step.json"
+    done
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
