@@ -1776,6 +1776,22 @@ case "$step" in
         --compare-config stream_arena=0 --commit "$commit" --out "$work/replay_$1_$step.json"
     done
     ;;
+  quiet26f)  # twenty-third session, final code: the runtime's GPU tests (pool, layer waits, early fetch, cuda_w2, located
+    # fetch, fetch split) and those of the pass pair, first pass and streaming, then ds-v2-lite on the recorded trace
+    # again in both orders (quiet26d's cells, two more processes). Limits 240 + 240 + 2 x 140 s.
+    runtime_gpu_tests 240
+    stage tests-stream 240 python3 -m pytest tests/test_runtime_pass_pair.py tests/test_runtime_first_pass.py \
+      tests/test_runtime_stream_arena.py -m gpu -q
+    trace=benchmarks/traces/generate-quality-checkpoint.npz
+    for order in after first; do
+      first=()
+      [ "$order" = first ] && first=(--compare-first)
+      stage "replay-$step-$order" 140 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite \
+        --layers 8 --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+        --no-synthetic --trace "$trace" --trace-layers first --trace-top-k trace --compare-config stream_arena=0 \
+        ${first[@]+"${first[@]}"} --commit "$commit" --out "$work/replay_ds-v2-lite_${step}-recorded-$order.json"
+    done
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
