@@ -37,6 +37,20 @@ runtime_gpu_tests() {  # runtime_gpu_tests LIMIT: the GPU tests of the runtime's
     tests/test_runtime_located_fetch.py tests/test_runtime_fetch_split.py -m gpu -q
 }
 
+ds_recorded_orders() {  # ds-v2-lite on the recorded trace at 50 / 25 / 10 %, the default config against stream_arena=0
+  # in one process, the default run first, then the compared one first (twenty-third session; limit 140 s each)
+  local order first
+  for order in after first; do
+    first=()
+    [ "$order" = first ] && first=(--compare-first)
+    stage "replay-$step-$order" 140 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite \
+      --layers 8 --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first --trace-top-k trace \
+      --compare-config stream_arena=0 ${first[@]+"${first[@]}"} --commit "$commit" \
+      --out "$work/replay_ds-v2-lite_${step}-recorded-$order.json"
+  done
+}
+
 compare_rounds() {  # compare_rounds NAME LIMIT CONFIG ROUNDS COVERAGES [alternate|interleave|same [STEPS]]: replay.py
   # --compare-config CONFIG on both presets, ROUNDS rounds, each cell's default and compared runs in one process (the
   # default first; with "alternate", the compared config first in the even rounds: --compare-first; with "interleave",
@@ -1743,14 +1757,7 @@ case "$step" in
     stage host-ds-v2-lite-0.5 100 python3 benchmarks/step_host_profile.py --preset ds-v2-lite --layers 8 \
       --coverage 0.5 --recorded "$trace" --trace-layers first --pack-dir /tmp/rp --commit "$commit" \
       --json "$work/host-ds-v2-lite-0.5.json"
-    for order in after first; do
-      first=()
-      [ "$order" = first ] && first=(--compare-first)
-      stage "replay-$step-$order" 140 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite \
-        --layers 8 --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-        --no-synthetic --trace "$trace" --trace-layers first --trace-top-k trace --compare-config stream_arena=0 \
-        "${first[@]}" --commit "$commit" --out "$work/replay_ds-v2-lite_${step}-recorded-$order.json"
-    done
+    ds_recorded_orders
     if [ "$step" = quiet26d ]; then  # and the stream GPU tests and the main job at this code (limits 240 + 60 s)
       stage stream-tests 240 python3 -m pytest tests/test_runtime_stream_arena.py tests/test_kernels_stream.py -m gpu -q
       stage generate-quality 60 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
@@ -1782,15 +1789,7 @@ case "$step" in
     runtime_gpu_tests 240
     stage tests-stream 240 python3 -m pytest tests/test_runtime_pass_pair.py tests/test_runtime_first_pass.py \
       tests/test_runtime_stream_arena.py -m gpu -q
-    trace=benchmarks/traces/generate-quality-checkpoint.npz
-    for order in after first; do
-      first=()
-      [ "$order" = first ] && first=(--compare-first)
-      stage "replay-$step-$order" 140 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite \
-        --layers 8 --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-        --no-synthetic --trace "$trace" --trace-layers first --trace-top-k trace --compare-config stream_arena=0 \
-        ${first[@]+"${first[@]}"} --commit "$commit" --out "$work/replay_ds-v2-lite_${step}-recorded-$order.json"
-    done
+    ds_recorded_orders
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

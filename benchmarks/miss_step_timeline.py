@@ -304,26 +304,16 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("miss_step_timeline.py needs CUDA")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from replay import skewed_steps
+    from replay import diagnostic_steps
 
     from tierstore.geometry import get_preset
     from tierstore.runtime import RuntimeConfig, TieredRuntime
-    from tierstore.runtime.replay import (ensure_synthetic_pack, map_trace, open_synthetic_rows, preload_arena,
-                                          trace_steps)
+    from tierstore.runtime.replay import ensure_synthetic_pack, open_synthetic_rows, preload_arena
     from tierstore.runtime.replay_drive import drive
-    from tierstore.sim import load_trace
 
-    g = get_preset(args.preset).with_layers(args.layers)
     wanted = args.warm_steps + 2 * args.steps
-    if args.recorded:
-        trace = load_trace(args.recorded)
-        g, ids, _ = map_trace(trace, g, layers=args.trace_layers)
-        steps = trace_steps(ids, trace.step, g.num_moe_layers, None)
-        if len(steps) < wanted:
-            sys.exit(f"{args.recorded} has {len(steps)} steps; --warm-steps + 2 x --steps needs {wanted}")
-        steps = steps[:wanted]
-    else:
-        steps = skewed_steps(g, wanted)
+    g, steps = diagnostic_steps(get_preset(args.preset).with_layers(args.layers), wanted, args.recorded,
+                                args.trace_layers)
     spec = ensure_synthetic_pack(g, args.pack_dir)
     warm, timed, profiled = steps[:args.warm_steps], steps[args.warm_steps:-args.steps], steps[-args.steps:]
     slots = round(args.coverage * g.total_routed_experts)

@@ -25,6 +25,7 @@ import datetime
 import json
 import platform
 import subprocess
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -55,6 +56,20 @@ def skewed_steps(geometry, steps: int, seed: int = 0, alpha: float = 1.1) -> lis
                for l in range(geometry.num_moe_layers)]
         out.append(np.asarray(ids, np.int64)[None])  # [1, L, k]
     return out
+
+
+def diagnostic_steps(geometry, wanted: int, recorded: Path | None, trace_layers: str = "first"):
+    """(geometry, the first `wanted` steps) for a diagnostic run: a recorded trace's (`map_trace`, layers by
+    `trace_layers`, the trace's top-k, so the geometry may change) or the skewed trace's; exits when the recorded
+    trace is shorter."""
+    if recorded is None:
+        return geometry, skewed_steps(geometry, wanted)
+    trace = load_trace(recorded)
+    geometry, ids, _ = map_trace(trace, geometry, layers=trace_layers)
+    steps = trace_steps(ids, trace.step, geometry.num_moe_layers, None)
+    if len(steps) < wanted:
+        sys.exit(f"{recorded} has {len(steps)} steps; the run needs {wanted}")
+    return geometry, steps[:wanted]
 
 
 def provenance(commit: str | None = None) -> dict:

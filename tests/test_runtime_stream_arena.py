@@ -83,13 +83,18 @@ def test_hotter_installs_a_recurring_input_and_fewer_rows_than_all():
     assert hot_stats.streamed_installs < all_stats.streamed_installs / 2
 
 
-def test_an_arena_filling_up_misses_what_it_lacks_and_streams_what_it_gained():
+def _empty_arena_runs():
+    """(geometry, model, all-resident runtime, source, streaming runtime of 12 slots over an empty arena of every
+    expert, which fills from the pack as its passes miss)."""
     g = toy_geometry(layers=LAYERS, experts=EXPERTS)
-    model = ToyMoE(g, seed=3)
-    resident = _resident(g)
     source = memory_source(g, seed=7)
     small = TieredRuntime(g, source, pool_slots=12, arena_slots=g.total_routed_experts,
                           config=RuntimeConfig(kpi_every=0, stream_arena=True))
+    return g, ToyMoE(g, seed=3), _resident(g), source, small
+
+
+def test_an_arena_filling_up_misses_what_it_lacks_and_streams_what_it_gained():
+    g, model, resident, source, small = _empty_arena_runs()
     outcomes = []
     with resident, small:
         for step in range(40):
@@ -109,12 +114,7 @@ def test_victims_are_planned_only_while_a_pass_can_miss():
     """The victim plan (`plan_victims`, while a pass runs) prepares a fetch: it is made while the arena lacks rows,
     not once every expert has a published row (a decode pass then streams what it lacks), and again for the pass
     after one that missed all the same (here a row withheld from the streaming table); every step stays exact."""
-    g = toy_geometry(layers=LAYERS, experts=EXPERTS)
-    model = ToyMoE(g, seed=3)
-    resident = _resident(g)
-    source = memory_source(g, seed=7)
-    small = TieredRuntime(g, source, pool_slots=12, arena_slots=g.total_routed_experts,
-                          config=RuntimeConfig(kpi_every=0, stream_arena=True))
+    g, model, resident, source, small = _empty_arena_runs()
     planned_at: list[int] = []
     plan = small.pool.plan_victims
     step = 0

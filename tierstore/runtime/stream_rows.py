@@ -40,7 +40,8 @@ class StreamRows:
         self.at = torch.zeros(num_layers * num_experts, dtype=torch.int64, device=self.device)  # [L * E]
         self._rows: list[torch.Tensor | None] = [None] * (num_layers * num_experts)  # CPU: each id's row
         self._version = -1
-        self.complete = False  # every expert has a published row: a decode pass streams what it lacks, never misses
+        # every expert has a published row: a streaming pass lacks none (the CUDA multi-token kernels' batches still miss)
+        self.complete = False
 
     def refresh(self, arena: Arena) -> None:
         """Publish the arena's rows (between passes); nothing when the arena's rows are as last published."""
