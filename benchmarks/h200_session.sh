@@ -1785,10 +1785,14 @@ case "$step" in
     ;;
   quiet26f)  # twenty-third session, final code: the runtime's GPU tests (pool, layer waits, early fetch, cuda_w2, located
     # fetch, fetch split) and those of the pass pair, first pass and streaming, then ds-v2-lite on the recorded trace
-    # again in both orders (quiet26d's cells, two more processes). Limits 240 + 240 + 2 x 140 s.
+    # again in both orders (quiet26d's cells, two more processes), after the host profile with the install's parts
+    # wrapped (100 steps per clock). Limits 240 + 240 + 100 + 2 x 140 s.
     runtime_gpu_tests 240
     stage tests-stream 240 python3 -m pytest tests/test_runtime_pass_pair.py tests/test_runtime_first_pass.py \
       tests/test_runtime_stream_arena.py -m gpu -q
+    stage host-ds-v2-lite-0.5 100 python3 benchmarks/step_host_profile.py --preset ds-v2-lite --layers 8 \
+      --coverage 0.5 --recorded benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first \
+      --pack-dir /tmp/rp --steps 100 --warm-steps 30 --commit "$commit" --json "$work/host-ds-v2-lite-0.5.json"
     ds_recorded_orders
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;

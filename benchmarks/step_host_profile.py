@@ -33,7 +33,9 @@ WRAPPED = (("", "step"), ("", "_read_pass"), ("", "_follow_streamed"), ("", "_de
            ("", "_fetch_for_step"), ("", "_log_kpi"), ("log", "read"), ("pool", "plan_victims"),
            ("pool", "install_located"), ("pool", "before_unwaited_launch"), ("pool", "collect"),
            ("pool", "unmapped_ids"), ("arena", "locate"), ("arena", "hit_ids"), ("_stream_heat", "observe"),
-           ("_stream_heat", "admit"), ("_stream_rows", "refresh"), ("_stats", "add_step"), ("_stats", "add_fetch"))
+           ("_stream_heat", "admit"), ("_stream_rows", "refresh"), ("_stats", "add_step"), ("_stats", "add_fetch"),
+           ("pool", "_take_install_buffers"), ("pool", "_issue_streamed"), ("pool", "_stage_table"),
+           ("pool", "_copy_table"), ("pool", "_issue"), ("pool", "_map"))
 
 
 class HostClock:
