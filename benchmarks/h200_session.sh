@@ -1795,6 +1795,19 @@ case "$step" in
       --pack-dir /tmp/rp --steps 100 --warm-steps 30 --commit "$commit" --json "$work/host-ds-v2-lite-0.5.json"
     ds_recorded_orders
     ;;
+  ops27)  # twenty-fourth session: the located install's stream ordering through the driver (StreamOps) and its map
+    # on arrays: the per-call cost of torch's form against the driver's, the runtime's GPU tests and those of the pass
+    # pair, first pass, streaming and StreamOps, the host profile (install parts wrapped) and ds-v2-lite's recorded
+    # cells in both orders. Limits 60 + 200 + 200 + 100 + 2 x 140 s (about 450 s in all seen so far).
+    stage ops-cost 60 python3 benchmarks/stream_ops_cost.py --commit "$commit" --json "$work/ops-cost.json"
+    runtime_gpu_tests 200
+    stage tests-stream 200 python3 -m pytest tests/test_runtime_pass_pair.py tests/test_runtime_first_pass.py \
+      tests/test_runtime_stream_arena.py tests/test_runtime_stream_ops.py -m gpu -q
+    stage host-ds-v2-lite-0.5 100 python3 benchmarks/step_host_profile.py --preset ds-v2-lite --layers 8 \
+      --coverage 0.5 --recorded benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first \
+      --pack-dir /tmp/rp --steps 100 --warm-steps 30 --commit "$commit" --json "$work/host-ds-v2-lite-0.5.json"
+    ds_recorded_orders
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 

@@ -16,11 +16,12 @@ import ctypes
 
 import torch
 
-_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: no context current on this thread yet
+INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: no context current on this thread yet
 
 
 class HostToDevice:
-    """`copy(dst_ptr, src_ptr, nbytes, stream)`: an asynchronous copy on `stream` (a torch CUDA stream)."""
+    """`copy(dst_ptr, src_ptr, nbytes, stream)`: an asynchronous copy on `stream` (a torch CUDA stream, or its raw
+    handle as an int: `StreamOps`)."""
 
     def __init__(self, device: torch.device) -> None:
         from tierstore.kernels.cuda.loader import driver
@@ -32,11 +33,12 @@ class HostToDevice:
         self._memcpy.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         self._memcpy.restype = ctypes.c_int
 
-    def copy(self, dst_ptr: int, src_ptr: int, nbytes: int, stream: torch.cuda.Stream) -> None:
-        status = self._memcpy(dst_ptr, src_ptr, nbytes, stream.cuda_stream)
-        if status == _INVALID_CONTEXT:  # a thread that has not touched CUDA through torch yet
+    def copy(self, dst_ptr: int, src_ptr: int, nbytes: int, stream: torch.cuda.Stream | int) -> None:
+        handle = stream if type(stream) is int else stream.cuda_stream
+        status = self._memcpy(dst_ptr, src_ptr, nbytes, handle)
+        if status == INVALID_CONTEXT:  # a thread that has not touched CUDA through torch yet
             self._driver.ensure_context(self._device)
-            status = self._memcpy(dst_ptr, src_ptr, nbytes, stream.cuda_stream)
+            status = self._memcpy(dst_ptr, src_ptr, nbytes, handle)
         if status:
             name = ctypes.c_char_p()
             self._driver.lib.cuGetErrorName(status, ctypes.byref(name))

@@ -61,6 +61,7 @@ from tierstore.cache.policies.lru import LRUPolicy
 from tierstore.cache.policy import EvictionPolicy
 from tierstore.errors import CapacityError
 from tierstore.runtime.h2d import HostToDevice
+from tierstore.runtime.stream_ops import StreamOps
 
 Key = tuple[int, int]
 
@@ -84,6 +85,7 @@ class _InstallBuffers:
         self.staged = [torch.empty(num_layers, num_experts, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self.staged_ids = [t.numpy().reshape(-1) for t in self.staged]  # [L * E] views by key id
         self.marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if timed else None
+        self.mark_handles: list[int] = []  # the marks' driver handles (`DevicePool` sets them: `StreamOps.handle`)
         self.streamed = False  # issued by `install_located(..., streamed=True)`: no launch waits for its copies
 
 
@@ -121,6 +123,10 @@ class DevicePool:
         self._device_index = self._stream.device_index if self._stream is not None else None
         self._compute_mark = torch.cuda.Event() if self._stream is not None else None
         self._h2d = HostToDevice(self.device) if self._stream is not None else None  # row and table copies
+        # the located installs' stream ordering through the driver, on raw handles (torch's forms cost more host time)
+        self._ops = StreamOps(self.device) if self._stream is not None else None
+        self._copy_handle = self._stream.cuda_stream if self._stream is not None else None
+        self._compute_handle = self._ops.handle(self._compute_mark) if self._ops is not None else None
         # `write_reserved`'s copies: their own stream and timing events (they run outside the safe point)
         self._reserve_stream = torch.cuda.Stream(self.device) if self._stream is not None else None
         self._reserve_marks = ([torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -130,6 +136,8 @@ class DevicePool:
         # events; an install takes the next set and first waits for the install that used it last
         self._installs = [_InstallBuffers(num_layers, num_experts, pin, timed=self._stream is not None)
                           for _ in range(INSTALLS_IN_FLIGHT)]
+        for buffers in self._installs if self._ops is not None else ():
+            buffers.mark_handles = [self._ops.handle(mark) for mark in buffers.marks]
         self._next_install = 0
         self._in_flight: deque[_InstallBuffers] = deque()  # issued on the copy stream, oldest first
         self.layer_waits = layer_waits and self._stream is not None
@@ -145,6 +153,7 @@ class DevicePool:
         self._side_done = torch.cuda.Event() if self._side is not None else None
         for event in (self._layer_ready or []) + (self._side_ready or []):
             event.record(torch.cuda.current_stream(self.device))
+        self._layer_handles = [event.cuda_event for event in self._layer_ready] if self._layer_ready else None
         self._plan: _VictimPlan | None = None
         self.copies = 0  # row copies issued (a merged run counts once)
         self.copy_seconds = 0.0  # the copies' own time (device events on CUDA; the memcpys on CPU)
@@ -381,10 +390,11 @@ class DevicePool:
             self.table.copy_(self._stage_table(buffers, ids, slots, victims)[1])
             self.copy_seconds += time.perf_counter() - started
         else:
-            start, end = buffers.marks
-            start.record(copy)
+            start, end = buffers.mark_handles
+            copy = self._copy_handle
+            self._ops.record(start, copy)
             self._issue_by_layer(self._located_runs(ids, slots, addresses, nbytes), ids, slots, victims, buffers, copy)
-            end.record(copy)
+            self._ops.record(end, copy)
             self._in_flight.append(buffers)
         self._map(ids, slots, victims, victim_slots)
 
@@ -393,17 +403,17 @@ class DevicePool:
         """`install_located(..., streamed=True)` on CUDA: victims unmapped on the compute stream, then on the copy
         stream (after that) every layer's runs and the final table; no layer event is recorded."""
         unmapped, final = self._stage_table(buffers, ids, slots, victims)
-        compute, copy = torch.cuda.current_stream(self._device_index), self._stream
+        ops, compute, copy = self._ops, self._ops.current(), self._copy_handle
         if unmapped is not None:
             self._copy_table(unmapped, compute)
-        self._compute_mark.record(compute)
-        copy.wait_event(self._compute_mark)
-        start, end = buffers.marks
-        start.record(copy)
+        ops.record(self._compute_handle, compute)
+        ops.wait(copy, self._compute_handle)
+        start, end = buffers.mark_handles
+        ops.record(start, copy)
         for _, runs in runs_by_layer:
             self._issue(runs, copy)
         self._copy_table(final, copy)
-        end.record(copy)
+        ops.record(end, copy)
         self._in_flight.append(buffers)
 
     def _located_runs(self, ids: list[int], slots: list[int], addresses: list[int], nbytes: int):
@@ -549,16 +559,20 @@ class DevicePool:
         """The host state of an install (while its copies run): key ids `ids` into `slots` (lists or int arrays),
         the free ones among them taken from the free list's end (`install`'s pop order) or, given, `free_taken`."""
         policy, mirror = self.policy, self.mirror.reshape(-1)
-        mirror[victims] = -1
-        self.owner[victim_slots] = -1
-        policy.on_evict_many(victims)
+        if victims:
+            mirror[victims] = -1
+            self.owner[victim_slots] = -1
+            policy.on_evict_many(victims)
         if free_taken is None:
             del self._free[len(self._free) - (len(slots) - len(victims)):]
         elif free_taken:
             self._free = [slot for slot in self._free if slot not in free_taken]
-        mirror[ids] = slots
-        self.owner[slots, 0], self.owner[slots, 1] = np.divmod(ids, self.num_experts)
-        self.generation[slots] += 1
+        key_ids, slot_ids = np.asarray(ids, dtype=np.int64), np.asarray(slots, dtype=np.int64)  # [N] each, once
+        layers = key_ids // self.num_experts
+        mirror[key_ids] = slot_ids
+        self.owner[slot_ids, 0] = layers
+        self.owner[slot_ids, 1] = key_ids - layers * self.num_experts
+        self.generation[slot_ids] += 1
         policy.on_insert_many(ids)
 
     def _take_install_buffers(self) -> _InstallBuffers:
@@ -626,7 +640,7 @@ class DevicePool:
                 for layer, group in by_layer:
                     indices = list(group)
                     yield layer, self._row_runs([rows[i] for i in indices], [slots[i] for i in indices])
-            self._issue_by_layer(runs_by_layer(), ids, slots, victims, buffers, stream)
+            self._issue_by_layer(runs_by_layer(), ids, slots, victims, buffers, stream.cuda_stream)
             return
         self._copy_table(self._stage_table(buffers, ids, slots, victims)[1], stream)
         for layer in self._layers_only_losing(ids, victims):
@@ -647,22 +661,23 @@ class DevicePool:
         stream.wait_event(self._side_done)
 
     def _issue_by_layer(self, runs_by_layer, ids, slots, victims: list[int], buffers: _InstallBuffers,
-                        stream: torch.cuda.Stream) -> None:
+                        stream: int) -> None:
         """The `layer_waits` order on one copy stream: the runs (slot, host address, bytes) of the lowest layer
         that gets any, the final table (staged on the host while those rows are on the bus), the events of that
         layer and of the layers that only lost victims, then each later layer's runs followed by its event.
-        `runs_by_layer`: (layer, runs) in ascending layer order, best lazily (the first rows go out first). No
-        kernel reads a slot these rows overwrite before the table unmaps its victim: what ran before is done
+        `runs_by_layer`: (layer, runs) in ascending layer order, best lazily (the first rows go out first); `stream`:
+        the copy stream's raw handle (the events are recorded through `StreamOps`). No kernel reads a slot these rows overwrite before the table unmaps its victim: what ran before is done
         (the copy stream waited for it, or the caller synchronised it), or, for an install during a pass
         (`after_compute` False), reads only unfinished layers, which own no victim; what runs later waits for a
         layer event, recorded after the table."""
+        record, layer_ready = self._ops.record, self._layer_handles
         for count, (layer, runs) in enumerate(runs_by_layer):
             self._issue(runs, stream)
             if count == 0:
                 self._copy_table(self._stage_table(buffers, ids, slots, victims)[1], stream)
                 for victim_layer in self._layers_only_losing(ids, victims):
-                    self._layer_ready[victim_layer].record(stream)
-            self._layer_ready[layer].record(stream)
+                    record(layer_ready[victim_layer], stream)
+            record(layer_ready[layer], stream)
 
     def _layers_only_losing(self, ids, victims: list[int]) -> list[int]:
         """Layers that lose victims and get no row, ascending."""
@@ -706,8 +721,9 @@ class DevicePool:
         self._copy_rows(rows, slots, stream)
         self._copy_table(final, stream)
 
-    def _copy_table(self, staged: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
-        """The device table := a staging table: on `stream` (asynchronous; CUDA) or at once (None: CPU)."""
+    def _copy_table(self, staged: torch.Tensor, stream: torch.cuda.Stream | int | None) -> None:
+        """The device table := a staging table: on `stream` (a stream or its raw handle; asynchronous; CUDA) or at
+        once (None: CPU)."""
         if stream is None:
             self.table.copy_(staged)
         else:  # same shape and dtype (`_InstallBuffers`), both contiguous
@@ -727,9 +743,9 @@ class DevicePool:
                     rows[first].as_strided((count * nbytes,), (1,)))
             self.copies += 1
 
-    def _issue(self, runs, stream: torch.cuda.Stream | None) -> None:
-        """Copies (first slot, host address, bytes) into consecutive slots from there: asynchronous on `stream`
-        through the driver (`HostToDevice`), where the host issues one in a few microseconds, faster than the copy
+    def _issue(self, runs, stream: torch.cuda.Stream | int | None) -> None:
+        """Copies (first slot, host address, bytes) into consecutive slots from there: asynchronous on `stream` (a
+        stream or its raw handle) through the driver (`HostToDevice`), where the host issues one in a few microseconds, faster than the copy
         engine moves a row; or at once (None: a CPU pool)."""
         base, slot_bytes = self.slots.data_ptr(), self.slot_bytes
         for slot, address, nbytes in runs:
