@@ -1,7 +1,7 @@
 """Host time of the install's stream-ordering calls, torch's form against the driver's (`StreamOps`), side by side in
-one process on one CUDA device: the current stream, an event record, a stream's wait on an event, and the
-located install's whole ordering (current stream, record, wait, two records: what `_issue_streamed` makes besides
-its copies).
+one process on one CUDA device: the current stream, an event record, a stream's wait on an event, the located
+install's whole ordering (current stream, record, wait, two records: what `_issue_streamed` makes besides its
+copies), and what retiring an install asks (an event's query, the time between two events).
 
 Each variant runs `--calls` times per round, the variants taking turns round by round; the table gives the median
 over rounds of the mean per call, microseconds, and the ratio driver / torch. The work queued is only event
@@ -49,7 +49,9 @@ def variants(ops: StreamOps, copy: torch.cuda.Stream):
     return [("current stream", lambda: torch.cuda.current_stream(device), ops.current),
             ("event record", lambda: marks[1].record(copy), lambda: ops.record(handles[1], copy_handle)),
             ("stream waits on event", lambda: copy.wait_event(marks[0]), lambda: ops.wait(copy_handle, handles[0])),
-            ("install ordering (5 calls)", torch_ordering, driver_ordering)]
+            ("install ordering (5 calls)", torch_ordering, driver_ordering),
+            ("event query", marks[2].query, lambda: ops.done(handles[2])),
+            ("elapsed time", lambda: marks[1].elapsed_time(marks[2]), lambda: ops.elapsed_ms(handles[1], handles[2]))]
 
 
 def per_call_us(fn, calls: int) -> float:

@@ -278,7 +278,7 @@ class DevicePool:
         self.collect()
         waited = [buffers for buffers in self._in_flight if not buffers.streamed]
         if waited:
-            torch.cuda.current_stream(self._device_index).wait_event(waited[-1].marks[1])
+            self._ops.wait(self._ops.current(), waited[-1].mark_handles[1])
 
     # -- mutation -------------------------------------------------------------------------------
     def install(self, keys: Sequence[Key], rows: Sequence[torch.Tensor], exclude: Iterable[Key],
@@ -702,8 +702,7 @@ class DevicePool:
                 break
 
     def _count_copies(self, done: _InstallBuffers) -> None:
-        start, end = done.marks
-        self.copy_seconds += start.elapsed_time(end) / 1e3
+        self.copy_seconds += self._ops.elapsed_ms(*done.mark_handles) / 1e3
 
     def idle(self) -> bool:
         """Whether every install's copies are done (never blocks; `collect()` first)."""
@@ -712,7 +711,7 @@ class DevicePool:
 
     def collect(self) -> None:
         """Retire the installs whose copies are done (never blocks): brings `copy_seconds` up to date."""
-        while self._in_flight and self._in_flight[0].marks[1].query():
+        while self._in_flight and self._ops.done(self._in_flight[0].mark_handles[1]):
             self._count_copies(self._in_flight.popleft())
 
     def _copy(self, rows, slots, unmapped: torch.Tensor | None, final: torch.Tensor, stream) -> None:
