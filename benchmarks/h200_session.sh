@@ -1795,7 +1795,8 @@ case "$step" in
       --pack-dir /tmp/rp --steps 100 --warm-steps 30 --commit "$commit" --json "$work/host-ds-v2-lite-0.5.json"
     ds_recorded_orders
     ;;
-  ops27)  # twenty-fourth session: the located install's stream ordering through the driver (StreamOps) and its map
+  ops27|ops27b)  # twenty-fourth session (ops27 at aba1411, with the event query and elapsed time through the driver
+    # too; ops27b at the final code): the located install's stream ordering through the driver (StreamOps) and its map
     # on arrays: the per-call cost of torch's form against the driver's, the runtime's GPU tests and those of the pass
     # pair, first pass, streaming and StreamOps, the host profile (install parts wrapped) and ds-v2-lite's recorded
     # cells in both orders. Limits 60 + 200 + 200 + 100 + 2 x 140 s (about 450 s in all seen so far).

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runtime_fixtures import ToyMoE, arena_runtime, cuda_toy_model, graph_replayer, toy_geometry
+from test_runtime_fixtures import ToyMoE, arena_runtime, cuda_toy_model, graph_replayer, on_copy_stream, toy_geometry
 
 from tierstore.errors import ConfigError
 from tierstore.runtime import RuntimeConfig, TieredRuntime
@@ -139,7 +139,7 @@ def _hold_rows(pool) -> None:
 
     def held(runs, stream):
         if table_sent[0]:
-            with torch.cuda.stream(stream):
+            with on_copy_stream(stream):
                 torch.cuda._sleep(HOLD_CYCLES)
         issue(runs, stream)
     pool._issue, pool._copy_table, pool._take_install_buffers = held, table, taken

@@ -97,6 +97,12 @@ def runtime_hf_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.
     return model.to(dtype).eval()
 
 
+def on_copy_stream(stream: torch.cuda.Stream | int):
+    """`torch.cuda.stream` of a pool's copy stream as its hooks get it: a torch stream, or its raw handle (the located
+    installs pass handles: `StreamOps`)."""
+    return torch.cuda.stream(stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.ExternalStream(stream))
+
+
 def cuda_toy_model() -> tuple[MoEGeometry, ToyMoE]:
     """(geometry, model) of the CUDA runtime tests: `toy_geometry` at hidden 128, inter 64, the routers on the GPU;
     skips the test without CUDA."""

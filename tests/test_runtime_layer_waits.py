@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runtime_fixtures import ToyMoE, cuda_toy_model, graph_replayer, memory_source, toy_geometry
+from test_runtime_fixtures import ToyMoE, cuda_toy_model, graph_replayer, memory_source, on_copy_stream, toy_geometry
 
 from tierstore.errors import ConfigError
 from tierstore.runtime import RuntimeConfig, TieredRuntime
@@ -58,7 +58,7 @@ def _hold_rows(pool: DevicePool) -> None:
     issue = pool._issue
 
     def held(runs, stream):
-        with torch.cuda.stream(stream):  # the pool's copy stream
+        with on_copy_stream(stream):  # the pool's copy stream
             torch.cuda._sleep(HOLD_CYCLES)
         issue(runs, stream)
 

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from test_runtime_fixtures import on_copy_stream
+
 from tierstore.cache.policy import get_policy
 from tierstore.errors import CapacityError
 from tierstore.runtime.pools import DevicePool
@@ -169,7 +171,7 @@ def test_two_installs_in_flight_keep_their_own_staging_and_a_third_waits_for_the
     issue = p._issue
 
     def held(runs, stream):
-        with torch.cuda.stream(stream):
+        with on_copy_stream(stream):
             torch.cuda._sleep(20_000_000)  # ~10 ms on the copy stream before each install's rows
         issue(runs, stream)
 

@@ -1,6 +1,6 @@
-"""StreamOps (the located install's stream ordering and timing through the driver API) on CUDA, marker `gpu`: its
-records are torch's events' own records (query, synchronize, elapsed_time see them, and its query and elapsed time
-agree with torch's), its waits order one stream after another, and its current stream is torch's."""
+"""StreamOps (the located install's stream ordering through the driver API) on CUDA, marker `gpu`: its records are
+torch's events' own records (query, synchronize, elapsed_time see them), its waits order one stream after another,
+and its current stream is torch's."""
 
 import pytest
 import torch
@@ -44,10 +44,10 @@ def test_a_record_is_the_torch_events_last(ops):
     with torch.cuda.stream(stream):
         torch.cuda._sleep(SLEEP_CYCLES)
     ops.record(end_handle, stream.cuda_stream)
-    assert not end.query() and not ops.done(end_handle)  # pending behind the sleep: torch sees this record
+    assert not end.query()  # pending behind the sleep: the record torch sees is this one
     end.synchronize()
-    assert end.query() and ops.done(end_handle)
-    assert ops.elapsed_ms(start_handle, end_handle) == start.elapsed_time(end) > 1.0  # ms: the sleep lies between
+    assert end.query()
+    assert start.elapsed_time(end) > 1.0  # ms: the sleep lies between the two records
 
 
 def test_wait_orders_a_stream_after_an_event(ops):

@@ -666,10 +666,10 @@ class DevicePool:
         that gets any, the final table (staged on the host while those rows are on the bus), the events of that
         layer and of the layers that only lost victims, then each later layer's runs followed by its event.
         `runs_by_layer`: (layer, runs) in ascending layer order, best lazily (the first rows go out first); `stream`:
-        the copy stream's raw handle (the events are recorded through `StreamOps`). No kernel reads a slot these rows overwrite before the table unmaps its victim: what ran before is done
-        (the copy stream waited for it, or the caller synchronised it), or, for an install during a pass
-        (`after_compute` False), reads only unfinished layers, which own no victim; what runs later waits for a
-        layer event, recorded after the table."""
+        the copy stream's raw handle (the events are recorded through `StreamOps`). No kernel reads a slot these
+        rows overwrite before the table unmaps its victim: what ran before is done (the copy stream waited for it, or
+        the caller synchronised it), or, for an install during a pass (`after_compute` False), reads only unfinished
+        layers, which own no victim; what runs later waits for a layer event, recorded after the table."""
         record, layer_ready = self._ops.record, self._layer_handles
         for count, (layer, runs) in enumerate(runs_by_layer):
             self._issue(runs, stream)
@@ -702,7 +702,8 @@ class DevicePool:
                 break
 
     def _count_copies(self, done: _InstallBuffers) -> None:
-        self.copy_seconds += self._ops.elapsed_ms(*done.mark_handles) / 1e3
+        start, end = done.marks
+        self.copy_seconds += start.elapsed_time(end) / 1e3
 
     def idle(self) -> bool:
         """Whether every install's copies are done (never blocks; `collect()` first)."""
@@ -711,7 +712,7 @@ class DevicePool:
 
     def collect(self) -> None:
         """Retire the installs whose copies are done (never blocks): brings `copy_seconds` up to date."""
-        while self._in_flight and self._ops.done(self._in_flight[0].mark_handles[1]):
+        while self._in_flight and self._in_flight[0].marks[1].query():
             self._count_copies(self._in_flight.popleft())
 
     def _copy(self, rows, slots, unmapped: torch.Tensor | None, final: torch.Tensor, stream) -> None:
@@ -744,7 +745,8 @@ class DevicePool:
 
     def _issue(self, runs, stream: torch.cuda.Stream | int | None) -> None:
         """Copies (first slot, host address, bytes) into consecutive slots from there: asynchronous on `stream` (a
-        stream or its raw handle) through the driver (`HostToDevice`), where the host issues one in a few microseconds, faster than the copy
+        stream or its raw handle) through the driver (`HostToDevice`), where the host issues one in a few
+        microseconds, faster than the copy
         engine moves a row; or at once (None: a CPU pool)."""
         base, slot_bytes = self.slots.data_ptr(), self.slot_bytes
         for slot, address, nbytes in runs:

@@ -1,10 +1,9 @@
-"""The install's stream ordering and timing through the driver API: the current stream's handle, an event record,
-a stream's wait on an event, an event's query and the time between two events, one ctypes call each.
+"""The install's stream ordering through the driver API: the current stream's handle, an event record and a
+stream's wait on an event, one ctypes call each.
 
 torch's forms cost several microseconds of host time apiece (`torch.cuda.current_stream` builds a Stream object,
 `Event.record` and `Stream.wait_event` pass Python wrappers and checks), and an install that streams makes five of
-them while its step's pass runs, then a query and an elapsed time per install retired (`benchmarks/stream_ops_cost.py`
-times both forms). The events stay torch's own:
+them while its step's pass runs (`benchmarks/stream_ops_cost.py` times both forms). The events stay torch's own:
 `handle` gives a `torch.cuda.Event`'s driver handle, recording it once through torch first when it has none yet
 (torch creates an event at its first record), and torch's `query`, `synchronize`, `elapsed_time` and a graph's
 wait on it then see the records made here as their own.
@@ -18,12 +17,9 @@ import torch
 
 from tierstore.runtime.h2d import INVALID_CONTEXT
 
-_NOT_READY = 600  # CUDA_ERROR_NOT_READY: the event's last record has not completed
-
 
 class StreamOps:
-    """`current()`, `record(event, stream)`, `wait(stream, event)`, `done(event)`, `elapsed_ms(start, end)` on raw
-    handles (ints) of one CUDA device."""
+    """`current()`, `record(event, stream)`, `wait(stream, event)` on raw handles (ints) of one CUDA device."""
 
     def __init__(self, device: torch.device) -> None:
         from tierstore.kernels.cuda.loader import driver
@@ -38,13 +34,6 @@ class StreamOps:
         self._wait = self._driver.lib.cuStreamWaitEvent
         self._wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
         self._wait.restype = ctypes.c_int
-        self._query = self._driver.lib.cuEventQuery
-        self._query.argtypes = [ctypes.c_void_p]
-        self._query.restype = ctypes.c_int
-        self._elapsed = self._driver.lib.cuEventElapsedTime
-        self._elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
-        self._elapsed.restype = ctypes.c_int
-        self._milliseconds = ctypes.c_float()
 
     def current(self) -> int:
         """The handle of this thread's current stream on the device."""
@@ -74,22 +63,6 @@ class StreamOps:
             status = self._wait(stream, event, 0)
         if status:
             self._fail("cuStreamWaitEvent", status)
-
-    def done(self, event: int) -> bool:
-        """Whether event handle `event`'s last record has completed (never blocks)."""
-        status = self._query(event)
-        if status == _NOT_READY:
-            return False
-        if status:
-            self._fail("cuEventQuery", status)
-        return True
-
-    def elapsed_ms(self, start: int, end: int) -> float:
-        """Milliseconds between two completed records of timing events (`enable_timing=True`)."""
-        status = self._elapsed(ctypes.byref(self._milliseconds), start, end)
-        if status:
-            self._fail("cuEventElapsedTime", status)
-        return self._milliseconds.value
 
     def _fail(self, call: str, status: int) -> None:
         name = ctypes.c_char_p()
