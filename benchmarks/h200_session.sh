@@ -1799,7 +1799,8 @@ case "$step" in
     # too; ops27b at the final code): the located install's stream ordering through the driver (StreamOps) and its map
     # on arrays: the per-call cost of torch's form against the driver's, the runtime's GPU tests and those of the pass
     # pair, first pass, streaming and StreamOps, the host profile (install parts wrapped) and ds-v2-lite's recorded
-    # cells in both orders. Limits 60 + 200 + 200 + 100 + 2 x 140 s (about 450 s in all seen so far).
+    # cells in both orders; ops27b also the main job (limit 60 s). Limits 60 + 200 + 200 + 100 + 2 x 140 s (ops27 took
+    # 256 s in all).
     stage ops-cost 60 python3 benchmarks/stream_ops_cost.py --commit "$commit" --json "$work/ops-cost.json"
     runtime_gpu_tests 200
     stage tests-stream 200 python3 -m pytest tests/test_runtime_pass_pair.py tests/test_runtime_first_pass.py \
@@ -1808,6 +1809,10 @@ case "$step" in
       --coverage 0.5 --recorded benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first \
       --pack-dir /tmp/rp --steps 100 --warm-steps 30 --commit "$commit" --json "$work/host-ds-v2-lite-0.5.json"
     ds_recorded_orders
+    if [ "$step" = ops27b ]; then
+      stage generate-quality 60 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+        --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    fi
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
