@@ -123,9 +123,13 @@ class _Driver:
     def check(self, name: str, *args) -> None:
         status = getattr(self.lib, name)(*args)
         if status != 0:
-            text = ctypes.c_char_p()
-            self.lib.cuGetErrorName(status, ctypes.byref(text))
-            raise CudaError(f"{name} failed: {text.value.decode() if text.value else status}")
+            raise CudaError(f"{name} failed: {self.error_name(status)}")
+
+    def error_name(self, status: int) -> str:
+        """The driver's name of a CUresult (the number itself where it has none)."""
+        text = ctypes.c_char_p()
+        self.lib.cuGetErrorName(status, ctypes.byref(text))
+        return text.value.decode() if text.value else str(status)
 
     def ensure_context(self, device: int) -> None:
         """Make the device's primary context (torch's) current on this thread if none is."""

@@ -40,7 +40,4 @@ class HostToDevice:
             self._driver.ensure_context(self._device)
             status = self._memcpy(dst_ptr, src_ptr, nbytes, handle)
         if status:
-            name = ctypes.c_char_p()
-            self._driver.lib.cuGetErrorName(status, ctypes.byref(name))
-            raise RuntimeError(f"cuMemcpyHtoDAsync of {nbytes} bytes failed: "
-                               f"{name.value.decode() if name.value else status}")
+            raise RuntimeError(f"cuMemcpyHtoDAsync of {nbytes} bytes failed: {self._driver.error_name(status)}")

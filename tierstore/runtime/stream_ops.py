@@ -48,23 +48,16 @@ class StreamOps:
 
     def record(self, event: int, stream: int) -> None:
         """Record event handle `event` on stream handle `stream`."""
-        status = self._record(event, stream)
-        if status == INVALID_CONTEXT:  # a thread that has not touched CUDA through torch yet
-            self._driver.ensure_context(self._device)
-            status = self._record(event, stream)
-        if status:
-            self._fail("cuEventRecord", status)
+        self._call("cuEventRecord", self._record, event, stream)
 
     def wait(self, stream: int, event: int) -> None:
         """Make stream handle `stream` wait on the device for event handle `event`'s last record."""
-        status = self._wait(stream, event, 0)
-        if status == INVALID_CONTEXT:
-            self._driver.ensure_context(self._device)
-            status = self._wait(stream, event, 0)
-        if status:
-            self._fail("cuStreamWaitEvent", status)
+        self._call("cuStreamWaitEvent", self._wait, stream, event, 0)
 
-    def _fail(self, call: str, status: int) -> None:
-        name = ctypes.c_char_p()
-        self._driver.lib.cuGetErrorName(status, ctypes.byref(name))
-        raise RuntimeError(f"{call} failed: {name.value.decode() if name.value else status}")
+    def _call(self, name: str, function, *args) -> None:
+        status = function(*args)
+        if status == INVALID_CONTEXT:  # a thread that has not touched CUDA through torch yet
+            self._driver.ensure_context(self._device)
+            status = function(*args)
+        if status:
+            raise RuntimeError(f"{name} failed: {self._driver.error_name(status)}")
