@@ -171,7 +171,9 @@ def main() -> None:
         "config": args.config, "compare_config": args.compare_config, "compare_first": args.compare_first,
         "interleave": args.interleave, "traces": args.trace, "trace_layers": args.trace_layers,
         "trace_top_k": args.trace_top_k, "synthetic": not args.no_synthetic,
-        "floor": "plain all-resident steady step + steady arena-hit bytes / pinned H2D + arena-miss bytes / source read"}}
+        "floor": "plain all-resident steady step + steady pinned bytes (arena hits less streamed installs, plus "
+                 "streamed rows) / pinned H2D + arena-miss bytes / source read (the faster of the best of 4 warm "
+                 "64-row probe batches and the tiered run's own steady reads)"}}
     compare = _compare_config(args)
     config = _base_config(args)
     if args.no_synthetic and not args.trace:

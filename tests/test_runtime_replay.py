@@ -5,7 +5,8 @@ import pytest
 from test_runtime_fixtures import memory_source, toy_geometry
 
 from tierstore.runtime.config import RuntimeConfig
-from tierstore.runtime.replay import ensure_synthetic_pack, open_synthetic_rows, run_replay, trace_steps
+from tierstore.runtime.replay import (ensure_synthetic_pack, open_synthetic_rows, run_read_gbps, run_replay,
+                                      source_read_gbps, trace_steps)
 
 
 def skewed_routing(geometry, tokens, seed=0):
@@ -54,7 +55,47 @@ def test_replay_reports_cold_and_steady_windows_and_the_floor(tmp_path):
     assert runs["naive"]["steady"]["replay_rate"] == 0.0 and runs["naive"]["cold"]["fetched_bytes"] > 0
     assert result["floor_step_ms"] >= runs["resident"]["steady"]["step_ms"] > 0
     assert result["source_read_gbps"] > 0 and result["coverage"] == 12 / 48
+    # the floor's disk rate is the faster of the probe and the tiered run's own steady reads
+    assert result["source_read_run_gbps"] == pytest.approx(run_read_gbps(steady))
+    assert result["source_read_gbps"] == max(result["source_read_probe_gbps"], result["source_read_run_gbps"])
     assert result["tiered_over_floor"] == pytest.approx(steady["step_ms"] / result["floor_step_ms"])
+
+
+class _TimedRows:
+    """A row source whose batches take a set time each (seconds, in order), recording the keys each batch asked."""
+
+    def __init__(self, seconds, num_layers=4, num_experts=16, row_bytes=1000):
+        self.num_layers, self.num_experts, self.row_bytes, self.stride = num_layers, num_experts, row_bytes, 1024
+        self.seconds, self.batches = list(seconds), []
+
+    def read_rows(self, keys, dests):
+        import time
+        assert len(dests) == len(keys) and all(len(d) == self.stride for d in dests)
+        self.batches.append(list(keys))
+        time.sleep(self.seconds.pop(0))
+
+
+def test_the_source_probe_warms_the_reader_then_keeps_its_best_batch_of_distinct_rows():
+    source = _TimedRows([0.2, 0.05, 0.01, 0.03, 0.05])  # the first (untimed) batch is the slowest
+    gbps = source_read_gbps(source, rows=12, batches=4)
+    assert len(source.batches) == 5 and all(len(b) == 12 for b in source.batches)
+    keys = [k for b in source.batches for k in b]
+    assert len(set(keys)) == len(keys)  # no batch rereads a row
+    assert all(0 <= l < 4 and 0 <= e < 16 for l, e in keys)
+    assert 12 * 1000 / 0.03 / 1e9 < gbps <= 12 * 1000 / 0.01 / 1e9  # the 10 ms batch, not the warm-up or the mean
+
+
+def test_the_source_probe_of_a_small_source_reads_one_row_per_batch():
+    source = _TimedRows([0.001] * 5, num_layers=1, num_experts=3)
+    assert source_read_gbps(source, rows=64, batches=4) > 0
+    assert [len(b) for b in source.batches] == [1] * 5
+
+
+def test_a_runs_own_read_rate_is_its_miss_bytes_over_its_arena_time():
+    window = {"arena_miss_bytes": 3_000_000, "per_step": {"arena_ms": [1.0, 0.5, 0.0, 1.5]}}
+    assert run_read_gbps(window) == pytest.approx(3e6 / 3e-3 / 1e9)
+    assert run_read_gbps({"arena_miss_bytes": 0, "per_step": {"arena_ms": [1.0]}}) == 0.0
+    assert run_read_gbps({"arena_miss_bytes": 5, "per_step": None}) == 0.0
 
 
 def test_a_pool_that_holds_everything_is_preloaded_and_never_misses():
