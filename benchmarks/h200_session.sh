@@ -1814,6 +1814,34 @@ case "$step" in
         --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     fi
     ;;
+  matrix28|matrix28b)  # twenty-fifth session: issue #5's whole benchmark matrix again at the current code (last run in
+    # full at 54fb697 / 9fc5316), default config, separate runs (resident, resident readback, tiered, naive), bf16, the
+    # floor's disk rate the faster of the warm best-of-4 probe and the run's own reads (f93c96a). matrix28: ds-v2-lite
+    # (8 layers) synthetic and recorded, each with the 4 GiB arena preloaded and with none, at 100 / 50 / 25 / 10 %,
+    # then qwen3-30b-a3b (16 layers) synthetic preloaded; matrix28b: qwen3-30b-a3b synthetic with no arena and the
+    # recorded trace (layers tiled) with both arenas. Limits 230 + 160 + 150 = 540 s and 300 + 240 = 540 s; estimates
+    # from 54fb697's summaries (matrix, recorded: 80 + 92 + 47 + 45 + 143 s) and 9fc5316's qwen3none logs.
+    if [ "$step" = matrix28 ]; then
+      stage replay-syn-ds 230 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+        --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4,0 --arena-preload --dtype bfloat16 \
+        --commit "$commit" --out "$work/replay_ds-v2-lite_synthetic_$step.json"
+      stage replay-rec-ds 160 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+        --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4,0 --arena-preload --dtype bfloat16 \
+        --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first \
+        --trace-top-k trace --commit "$commit" --out "$work/replay_ds-v2-lite_recorded_$step.json"
+      stage replay-syn-qwen3 150 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+        --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+        --commit "$commit" --out "$work/replay_qwen3-30b-a3b_synthetic_$step.json"
+    else
+      stage replay-syn-qwen3-none 300 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b \
+        --layers 16 --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 0 --dtype bfloat16 \
+        --commit "$commit" --out "$work/replay_qwen3-30b-a3b_synthetic-none_$step.json"
+      stage replay-rec-qwen3 240 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+        --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4,0 --arena-preload --dtype bfloat16 \
+        --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers tile \
+        --trace-top-k trace --commit "$commit" --out "$work/replay_qwen3-30b-a3b_recorded_$step.json"
+    fi
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
