@@ -1842,6 +1842,17 @@ case "$step" in
         --trace-top-k trace --commit "$commit" --out "$work/replay_qwen3-30b-a3b_recorded_$step.json"
     fi
     ;;
+  pieces28)  # twenty-fifth session: the pack's read rate by batch size, rows whole against rows cut into pieces in
+    # flight together (the reader's piece_bytes; benchmarks/read_pieces.py), ds-v2-lite and qwen3-30b-a3b, 8 threads,
+    # then ds-v2-lite with 16; the reader tests. Limits 150 + 200 + 100 + 60 s.
+    stage pieces-ds 150 python3 benchmarks/read_pieces.py --preset ds-v2-lite --layers 8 --pack-dir /tmp/rp \
+      --commit "$commit" --json "$work/read-pieces-ds-v2-lite.json"
+    stage pieces-qwen3 200 python3 benchmarks/read_pieces.py --preset qwen3-30b-a3b --layers 16 --pack-dir /tmp/rp \
+      --commit "$commit" --json "$work/read-pieces-qwen3-30b-a3b.json"
+    stage pieces-ds-16 100 python3 benchmarks/read_pieces.py --preset ds-v2-lite --layers 8 --pack-dir /tmp/rp \
+      --threads 16 --commit "$commit" --json "$work/read-pieces-ds-v2-lite-16threads.json"
+    stage tests 60 python3 -m pytest tests/test_reader_backends.py -q
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
