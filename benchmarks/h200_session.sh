@@ -1844,7 +1844,8 @@ case "$step" in
     ;;
   pieces28)  # twenty-fifth session: the pack's read rate by batch size, rows whole against rows cut into pieces in
     # flight together (the reader's piece_bytes; benchmarks/read_pieces.py), ds-v2-lite and qwen3-30b-a3b, 8 threads,
-    # then ds-v2-lite with 16; the reader tests. Limits 150 + 200 + 100 + 60 s.
+    # then ds-v2-lite with 16; the reader tests. Limits 150 + 200 + 100 + 60 s. Pieces did not pay and were reverted:
+    # run this step from 14a916b, where piece_bytes and read_pieces.py are.
     stage pieces-ds 150 python3 benchmarks/read_pieces.py --preset ds-v2-lite --layers 8 --pack-dir /tmp/rp \
       --commit "$commit" --json "$work/read-pieces-ds-v2-lite.json"
     stage pieces-qwen3 200 python3 benchmarks/read_pieces.py --preset qwen3-30b-a3b --layers 16 --pack-dir /tmp/rp \

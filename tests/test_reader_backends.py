@@ -98,61 +98,6 @@ def test_on_read_skips_failed_reads_and_its_exception_fails_the_read(data_file, 
     reader.close()
 
 
-def piece_readers(path, direct, piece_bytes):
-    yield PreadvPoolReader(path, direct=direct, threads=4, piece_bytes=piece_bytes)
-    if uring_unavailable_reason() is None:
-        yield UringReader(path, direct=direct, depth=4, piece_bytes=piece_bytes)  # more pieces than the depth
-
-
-@pytest.mark.parametrize("direct", [False, True])
-def test_reads_in_pieces_land_exact_bytes_and_call_on_read_once_per_whole_read(data_file, direct):
-    path, data = data_file
-    if direct and not direct_io_supported(path):
-        pytest.skip("filesystem refuses O_DIRECT")
-    row = 3 * BLOCK - 4096  # five pages: pieces of two pages leave a one-page tail
-    rows = (NUM_BLOCKS * BLOCK) // row
-    order = torch.randperm(rows, generator=torch.Generator().manual_seed(2)).tolist()
-    for reader in piece_readers(path, direct, 2 * 4096):
-        dest = aligned(rows * row)
-        dest.fill_(0xEE)  # poisoned: every byte checked below was written by a read
-        view = memoryview(dest.numpy())
-        ops = [ReadOp(r * row, view[i * row:(i + 1) * row]) for i, r in enumerate(order)]
-        seen: dict[int, list[bytes]] = {}
-        reader.read(ops, on_read=lambda index: seen.setdefault(index, []).append(bytes(ops[index].dest)))
-        assert bytes(view) == b"".join(data[r * row:(r + 1) * row] for r in order), reader.describe()
-        # once per caller read, with its index, after every piece of it landed
-        assert sorted(seen) == list(range(rows)) and all(len(calls) == 1 for calls in seen.values())
-        assert all(seen[i][0] == data[r * row:(r + 1) * row] for i, r in enumerate(order)), reader.describe()
-        assert "pieces of 8 KiB" in reader.describe()
-        reader.close()
-
-
-@pytest.mark.parametrize("make", ["preadv", "uring"])
-def test_a_read_with_a_failed_piece_fails_closed_and_skips_its_on_read(data_file, make):
-    path, data = data_file
-    if make == "uring":
-        uring_or_skip()
-    reader = {"preadv": lambda: PreadvPoolReader(path, threads=2, piece_bytes=4096),
-              "uring": lambda: UringReader(path, depth=2, piece_bytes=4096)}[make]()
-    view = memoryview(bytearray(4 * BLOCK))
-    tail = (NUM_BLOCKS - 1) * BLOCK
-    ops = [ReadOp(0, view[:2 * BLOCK]), ReadOp(tail, view[2 * BLOCK:])]  # its second block is past the end
-    called = []
-    with pytest.raises(ReadError, match=rf"of 8 reads .* offset {tail + BLOCK}: short read"):
-        reader.read(ops, on_read=called.append)
-    assert called == [0]  # the whole first read; the second's pieces in the file landed, but it is failed
-    assert bytes(view[:2 * BLOCK]) == data[:2 * BLOCK]
-    reader.close()
-
-
-def test_piece_size_must_be_whole_pages(data_file):
-    path, _ = data_file
-    for bad in (-4096, 1000, 4096 + 1):
-        with pytest.raises(ValueError, match="piece_bytes must be 0 or a positive multiple of 4096"):
-            PreadvPoolReader(path, piece_bytes=bad)
-    assert make_reader(path, backend="preadv-pool", piece_bytes=4096).piece_bytes == 4096
-
-
 def test_faulty_reader_runs_on_read_after_its_faults(data_file):
     path, data = data_file
     reader = FaultyReader(PreadvPoolReader(path), FaultPlan(eio_offsets={0}, flip_offsets={BLOCK}))

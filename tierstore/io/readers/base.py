@@ -15,7 +15,6 @@ read's failure.
 from __future__ import annotations
 
 import os
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,48 +62,20 @@ def read_remainder(fd: int, op: ReadOp, done: int) -> str | None:
 OnRead = Callable[[int], None]
 
 
-def split_ops(ops: Sequence[ReadOp], piece_bytes: int) -> tuple[list[ReadOp], list[int]]:
-    """`ops` cut into reads of at most `piece_bytes` each (0: left whole), with the index in `ops` of each piece.
-    A backend issues pieces of one read at once, so one large read is not a single request at a time."""
-    if not piece_bytes:
-        return list(ops), list(range(len(ops)))
-    pieces, owners = [], []
-    for index, op in enumerate(ops):
-        for start in range(0, len(op.dest), piece_bytes):
-            pieces.append(ReadOp(op.offset + start, op.dest[start:start + piece_bytes]))
-            owners.append(index)
-    return pieces, owners
-
-
 class PendingBatch:
-    """A submitted batch; backends attach what they need to finish it. `ops` are the reads the backend issues:
-    the caller's, or with `piece_bytes` their pieces (`split_ops`), and `on_read` is called with the caller's index
-    once every piece of that read has finished."""
+    """A submitted batch; backends attach what they need to finish it."""
 
-    def __init__(self, ops: Sequence[ReadOp], on_read: OnRead | None = None, piece_bytes: int = 0):
-        self.ops, self._owners = split_ops(ops, piece_bytes)
+    def __init__(self, ops: Sequence[ReadOp], on_read: OnRead | None = None):
+        self.ops = list(ops)
         self.on_read = on_read
         self.failures: dict[int, str] = {}
-        self._pieces_left = None
-        if piece_bytes and on_read is not None and len(self.ops) > len(ops):
-            self._pieces_left = [0] * len(ops)
-            for owner in self._owners:
-                self._pieces_left[owner] += 1
-            self._lock = threading.Lock()  # pieces of one read may finish on different reader threads
 
     def finished(self, index: int) -> str | None:
-        """Read `index` (of `ops`) finished fully: run `on_read` for its caller's read once that read's last piece has;
-        returns why it failed, or None."""
+        """Read `index` finished fully: run `on_read`; returns why it failed, or None."""
         if self.on_read is None:
             return None
-        owner = self._owners[index]
-        if self._pieces_left is not None:
-            with self._lock:
-                self._pieces_left[owner] -= 1
-                if self._pieces_left[owner]:
-                    return None
         try:
-            self.on_read(owner)
+            self.on_read(index)
         except Exception as exc:  # the read is then failed: its destination is not trusted
             return f"on_read failed: {exc!r}"
         return None
@@ -116,12 +87,9 @@ class Reader(ABC):
 
     name: str = "reader"
 
-    def __init__(self, path: Path | str, direct: bool = False, piece_bytes: int = 0):
-        if piece_bytes < 0 or piece_bytes % PAGE_BYTES:
-            raise ValueError(f"piece_bytes must be 0 or a positive multiple of {PAGE_BYTES}, got {piece_bytes}")
+    def __init__(self, path: Path | str, direct: bool = False):
         self.path = Path(path)
         self.direct = direct
-        self.piece_bytes = piece_bytes  # reads longer than this are issued as pieces of it (0: whole)
         flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
         try:
             self.fd = os.open(self.path, flags)
@@ -168,8 +136,7 @@ class Reader(ABC):
         self.close()
 
     def describe(self) -> str:
-        pieces = f", pieces of {self.piece_bytes >> 10} KiB" if self.piece_bytes else ""
-        return f"{self.name} ({'O_DIRECT' if self.direct else 'buffered'}{pieces})"
+        return f"{self.name} ({'O_DIRECT' if self.direct else 'buffered'})"
 
     def raise_failures(self, batch: PendingBatch) -> None:
         if batch.failures:

@@ -67,18 +67,13 @@ def chosen_backend(requested: str = "auto") -> str:
     return "preadv-pool"
 
 
-DEFAULT_PIECE_BYTES = 0
-
-
 def make_reader(path: Path | str, direct: bool = False, backend: str = "auto", threads: int = 8,
-                depth: int = 64, registered: memoryview | None = None,
-                piece_bytes: int = DEFAULT_PIECE_BYTES) -> Reader:
+                depth: int = 64, registered: memoryview | None = None) -> Reader:
     """A reader of `path` on the process's chosen backend. `registered`: memory most reads land
-    in (the arena), registered with io_uring as a fixed buffer. `piece_bytes`: reads longer than
-    this go out as pieces of it, all in flight together (0: each read whole)."""
+    in (the arena), registered with io_uring as a fixed buffer."""
     if chosen_backend(backend) == "io_uring":
-        return UringReader(path, direct=direct, depth=depth, registered=registered, piece_bytes=piece_bytes)
-    return PreadvPoolReader(path, direct=direct, threads=threads, piece_bytes=piece_bytes)
+        return UringReader(path, direct=direct, depth=depth, registered=registered)
+    return PreadvPoolReader(path, direct=direct, threads=threads)
 
 
 def direct_io_supported(path: Path | str) -> bool:

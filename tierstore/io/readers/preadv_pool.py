@@ -13,8 +13,8 @@ from tierstore.io.readers.base import OnRead, PendingBatch, ReadOp, Reader, read
 class PreadvPoolReader(Reader):
     name = "preadv-pool"
 
-    def __init__(self, path: Path | str, direct: bool = False, threads: int = 8, piece_bytes: int = 0):
-        super().__init__(path, direct, piece_bytes)
+    def __init__(self, path: Path | str, direct: bool = False, threads: int = 8):
+        super().__init__(path, direct)
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.threads = threads
@@ -26,7 +26,7 @@ class PreadvPoolReader(Reader):
 
     def submit(self, ops: Sequence[ReadOp], on_read: OnRead | None = None) -> PendingBatch:
         self.check_ops(ops)
-        batch = PendingBatch(ops, on_read, self.piece_bytes)
+        batch = PendingBatch(ops, on_read)
         if not self.direct:
             for op in batch.ops:
                 os.posix_fadvise(self.fd, op.offset, len(op.dest), os.POSIX_FADV_WILLNEED)

@@ -35,9 +35,8 @@ MAX_FIXED_BYTES = 1 << 30  # the kernel's limit on one registered buffer
 class UringReader(Reader):
     name = "io_uring"
 
-    def __init__(self, path: Path | str, direct: bool = False, depth: int = 64, registered: memoryview | None = None,
-                 piece_bytes: int = 0):
-        super().__init__(path, direct, piece_bytes)
+    def __init__(self, path: Path | str, direct: bool = False, depth: int = 64, registered: memoryview | None = None):
+        super().__init__(path, direct)
         if not 1 <= depth <= 4096:
             raise ValueError(f"queue depth must be in [1, 4096], got {depth}")
         self._uring = load_liburing()
@@ -96,7 +95,7 @@ class UringReader(Reader):
 
     def submit(self, ops: Sequence[ReadOp], on_read: OnRead | None = None) -> PendingBatch:
         self.check_ops(ops)
-        batch = PendingBatch(ops, on_read, self.piece_bytes)
+        batch = PendingBatch(ops, on_read)
         batch.done = [0] * len(batch.ops)
         return batch
 
