@@ -1854,6 +1854,15 @@ case "$step" in
       --threads 16 --commit "$commit" --json "$work/read-pieces-ds-v2-lite-16threads.json"
     stage tests 60 python3 -m pytest tests/test_reader_backends.py -q
     ;;
+  host28)  # twenty-fifth session: where a streaming step's host time goes on the synthetic trace (step_host_profile.py,
+    # skewed trace, 4 GiB arena preloaded, bf16, graphs), ds-v2-lite at 25 / 10 / 50 % and qwen3-30b-a3b at 25 %, where
+    # matrix28's streaming cells sat at 1.25x-1.29x their floor. Limits 4 x 100 s.
+    for cell in "ds-v2-lite 8 0.25" "ds-v2-lite 8 0.1" "ds-v2-lite 8 0.5" "qwen3-30b-a3b 16 0.25"; do
+      set -- $cell
+      stage "host-$1-$3" 100 python3 benchmarks/step_host_profile.py --preset "$1" --layers "$2" --coverage "$3" \
+        --pack-dir /tmp/rp --steps 100 --warm-steps 30 --commit "$commit" --json "$work/host-$1-$3.json"
+    done
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
