@@ -1863,6 +1863,20 @@ case "$step" in
         --pack-dir /tmp/rp --steps 100 --warm-steps 30 --commit "$commit" --json "$work/host-$1-$3.json"
     done
     ;;
+  matrix28c)  # twenty-fifth session: matrix28's cells with the arena again (a second process each, for their spread;
+    # ds-v2-lite synthetic sat at 1.254x / 1.286x / 1.257x), ds-v2-lite synthetic beside stream_heat_halving=512 (the
+    # heat's memory 4x longer, in the same process, after the default run). Limits 200 + 120 + 150 s.
+    stage replay-syn-ds 200 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --compare-config stream_heat_halving=512 --commit "$commit" --out "$work/replay_ds-v2-lite_synthetic_$step.json"
+    stage replay-rec-ds 120 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first \
+      --trace-top-k trace --commit "$commit" --out "$work/replay_ds-v2-lite_recorded_$step.json"
+    stage replay-syn-qwen3 150 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --commit "$commit" --out "$work/replay_qwen3-30b-a3b_synthetic_$step.json"
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
