@@ -76,6 +76,23 @@ replay_matrix() {  # replay_matrix NAME LIMIT PRESET LAYERS OUT: benchmarks/repl
     --coverages 1.0,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 --commit "$commit" --out "$5"
 }
 
+matrix_cells() {  # matrix_cells DS_ARENAS [ARGS...]: issue #5's cells at 100 / 50 / 25 / 10 %, bf16, default config:
+  # ds-v2-lite (8 layers) synthetic (with ARGS) and recorded over the arenas DS_ARENAS (GiB, e.g. 4,0; 4 preloaded),
+  # then qwen3-30b-a3b (16 layers) synthetic with the 4 GiB arena; limits 230 + 160 + 150 s
+  local arenas="$1"
+  shift
+  stage replay-syn-ds 230 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+    --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb "$arenas" --arena-preload --dtype bfloat16 \
+    "$@" --commit "$commit" --out "$work/replay_ds-v2-lite_synthetic_$step.json"
+  stage replay-rec-ds 160 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+    --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb "$arenas" --arena-preload --dtype bfloat16 \
+    --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first \
+    --trace-top-k trace --commit "$commit" --out "$work/replay_ds-v2-lite_recorded_$step.json"
+  stage replay-syn-qwen3 150 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+    --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+    --commit "$commit" --out "$work/replay_qwen3-30b-a3b_synthetic_$step.json"
+}
+
 old_replay() {  # old_replay NAME LIMIT PRESET LAYERS OUT SHA: replay_matrix's run of the old tree unpacked in /tmp/old
   stage "$1" "$2" env PYTHONPATH=/tmp/old bash -c "cd /tmp/old && python3 benchmarks/replay.py --pack-dir /tmp/rp \
     --presets $3 --layers $4 --steps 220 --warmup 20 --coverages 1.0,0.5,0.25,0.1 --arena-gb 4 --arena-preload \
@@ -1822,16 +1839,7 @@ case "$step" in
     # recorded trace (layers tiled) with both arenas. Limits 230 + 160 + 150 = 540 s and 300 + 240 = 540 s; estimates
     # from 54fb697's summaries (matrix, recorded: 80 + 92 + 47 + 45 + 143 s) and 9fc5316's qwen3none logs.
     if [ "$step" = matrix28 ]; then
-      stage replay-syn-ds 230 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
-        --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4,0 --arena-preload --dtype bfloat16 \
-        --commit "$commit" --out "$work/replay_ds-v2-lite_synthetic_$step.json"
-      stage replay-rec-ds 160 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
-        --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4,0 --arena-preload --dtype bfloat16 \
-        --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first \
-        --trace-top-k trace --commit "$commit" --out "$work/replay_ds-v2-lite_recorded_$step.json"
-      stage replay-syn-qwen3 150 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
-        --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-        --commit "$commit" --out "$work/replay_qwen3-30b-a3b_synthetic_$step.json"
+      matrix_cells 4,0
     else
       stage replay-syn-qwen3-none 300 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b \
         --layers 16 --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 0 --dtype bfloat16 \
@@ -1865,17 +1873,8 @@ case "$step" in
     ;;
   matrix28c)  # twenty-fifth session: matrix28's cells with the arena again (a second process each, for their spread;
     # ds-v2-lite synthetic sat at 1.254x / 1.286x / 1.257x), ds-v2-lite synthetic beside stream_heat_halving=512 (the
-    # heat's memory 4x longer, in the same process, after the default run). Limits 200 + 120 + 150 s.
-    stage replay-syn-ds 200 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
-      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --compare-config stream_heat_halving=512 --commit "$commit" --out "$work/replay_ds-v2-lite_synthetic_$step.json"
-    stage replay-rec-ds 120 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
-      --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first \
-      --trace-top-k trace --commit "$commit" --out "$work/replay_ds-v2-lite_recorded_$step.json"
-    stage replay-syn-qwen3 150 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
-      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --commit "$commit" --out "$work/replay_qwen3-30b-a3b_synthetic_$step.json"
+    # heat's memory 4x longer, in the same process, after the default run). Limits 230 + 160 + 150 s.
+    matrix_cells 4 --compare-config stream_heat_halving=512
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
