@@ -166,11 +166,11 @@ def host_to_device_gbps(device: torch.device, nbytes: int = 256 << 20) -> float:
 
 
 def source_read_gbps(source, rows: int = 64, batches: int = 4, seed: int = 0) -> float:
-    """The read bandwidth of a row source (the pack through the runtime's reader), best of `batches` timed batches
-    of `rows` rows each, after one untimed batch that warms the reader (its threads, its ring): every batch reads
-    rows none of the others read, drawn at random over the whole file, into page-aligned host memory. The best
-    batch, so that a floor built on it is a lower bound (one cold batch had read 1.2-2.2 GB/s on a disk the runs
-    themselves read at 1.65-1.84)."""
+    """The read bandwidth of a row source (the pack through the runtime's reader): the best of `batches` timed
+    batches of `rows` rows each, into page-aligned host memory, after one untimed batch that warms the reader (its
+    threads, its ring). The rows are drawn at random over the whole file, and no batch rereads another's where the
+    source has that many. The best batch, so that a floor built on it is a lower bound (one cold batch had read
+    1.2-2.2 GB/s on a disk the runs themselves read at 1.65-1.84)."""
     total = source.num_layers * source.num_experts
     per_batch = max(1, min(rows, total // (batches + 1)))
     order = np.random.default_rng(seed).permutation(total)
@@ -181,7 +181,7 @@ def source_read_gbps(source, rows: int = 64, batches: int = 4, seed: int = 0) ->
         picked = order[np.arange(batch * per_batch, (batch + 1) * per_batch) % total]
         keys = [divmod(int(i), source.num_experts) for i in picked]
         started = time.perf_counter()
-        source.read_rows(keys, dests[:len(keys)])
+        source.read_rows(keys, dests)
         seconds = time.perf_counter() - started
         if batch:  # batch 0 warms the reader
             best = max(best, len(keys) * source.row_bytes / seconds / 1e9)
