@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"floor (steady): {result['floor_step_ms']:.3f} ms/step (plain all-resident + arena hits at "
           f"{result['h2d_gbps']:.1f} GB/s host->device + arena misses at {result['source_read_gbps']:.2f} GB/s source "
           f"read, the faster of the probe's {result['source_read_probe_gbps']:.2f} and the run's own "
-          f"{result['source_read_run_gbps']:.2f}); tiered / floor {result['tiered_over_floor']:.2f}x, naive / tiered {result['naive_over_tiered']:.2f}x, "
+          f"{result['source_read_run_gbps']:.2f}); tiered / floor {result['tiered_over_floor']:.2f}x, "
+          f"naive / tiered {result['naive_over_tiered']:.2f}x, "
           f"tiered / resident {result['tiered_over_resident']:.2f}x; pool {pool_slots} slots = "
           f"{100 * result['coverage']:.1f}% of experts, {result['pool_over_touched']:.2f}x the "
           f"{result['touched_keys']} keys the replay routes")

@@ -307,9 +307,10 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
 
     with both bandwidths measured in this run (`floor_readback_step_ms`: the same on the readback
     baseline); source read is the faster of a probe after the runs (`source_read_gbps`'s best warm batch:
-    `source_read_probe_gbps`) and the tiered run's own steady reads (`run_read_gbps`: `source_read_run_gbps`). `naive_over_floor` is the best naive / tiered ratio a tiered step at its floor could
-    reach. A tiered pool that holds every expert is preloaded; `arena_preload`: the tiered and naive
-    arenas are filled before the clock starts (no compulsory pack reads in the timed steps).
+    `source_read_probe_gbps`) and the tiered run's own steady reads (`run_read_gbps`: `source_read_run_gbps`).
+    `naive_over_floor` is the best naive / tiered ratio a tiered step at its floor could reach. A tiered pool that
+    holds every expert is preloaded; `arena_preload`: the tiered and naive arenas are filled before the clock starts
+    (no compulsory pack reads in the timed steps).
     `overhead` with a pool that holds every expert: also `nomiss_overhead` (variants interleaved).
     `source_factory()` returns a fresh row source per run (e.g. PackRows over the pack); `graph`:
     CUDA-graph forwards on CUDA (the naive baseline is eager by definition). `touched_keys`: the
