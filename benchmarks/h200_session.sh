@@ -4,7 +4,8 @@
 # passgather2, mend12, closing12, mend12b, gatherclock, passgather3, and the eleventh's: pair, pair2, pair3, pair4, pair5, pair6, pair7, pairclock2, closing13, and the twelfth's: choice, choice2, closing14, closing14b, closing14c, fp4pair2, and the thirteenth's: closing15, stagewake, closing15b, closing15c, blocks15, final15, and the fourteenth's: unread16, pairclock16, pairprof16, pairprof16b, pairprof16c, plans16, closing16, final16, closing16b, and the fifteenth's: closing17, closing18, final17, recent17, recent17b, and the sixteenth's: closing19, final19, final19b, and the seventeenth's: copies20, spares20, grid20, closing20, recorded20, and the eighteenth's: nomiss21, first21, first21b, choice21, choice21b, and the nineteenth's: head22, skip22, skip22b, skip22c; steps that compare against an older tree need
 # its tarball in .baseline carried too (hostpath, hostpath2, qwen3ab, located*, closing11, planvariant); staged /
 # stagedx's code was reverted: run them from a5beae6 / 973424c; stage_pass_log's was removed after closing15c, whose
-# steps closing15b / closing15c are in h200_session.sh at d518448 / c7e9d20: run them from there).
+# steps closing15b / closing15c are in h200_session.sh at d518448 / c7e9d20: run them from there; the readers' pieces
+# were reverted after pieces28, which is in h200_session.sh at 14a916b: run it from there).
 # Run from the repository root on the GPU machine:
 #   TIERSTORE_COMMIT=<sha of the tree, taken on the dev machine> bash benchmarks/h200_session.sh kernels
 #   TIERSTORE_COMMIT=<sha> bash benchmarks/h200_session.sh runtime      (carry .whl for liburing)
@@ -1849,18 +1850,6 @@ case "$step" in
         --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers tile \
         --trace-top-k trace --commit "$commit" --out "$work/replay_qwen3-30b-a3b_recorded_$step.json"
     fi
-    ;;
-  pieces28)  # twenty-fifth session: the pack's read rate by batch size, rows whole against rows cut into pieces in
-    # flight together (the reader's piece_bytes; benchmarks/read_pieces.py), ds-v2-lite and qwen3-30b-a3b, 8 threads,
-    # then ds-v2-lite with 16; the reader tests. Limits 150 + 200 + 100 + 60 s. Pieces did not pay and were reverted:
-    # run this step from 14a916b, where piece_bytes and read_pieces.py are.
-    stage pieces-ds 150 python3 benchmarks/read_pieces.py --preset ds-v2-lite --layers 8 --pack-dir /tmp/rp \
-      --commit "$commit" --json "$work/read-pieces-ds-v2-lite.json"
-    stage pieces-qwen3 200 python3 benchmarks/read_pieces.py --preset qwen3-30b-a3b --layers 16 --pack-dir /tmp/rp \
-      --commit "$commit" --json "$work/read-pieces-qwen3-30b-a3b.json"
-    stage pieces-ds-16 100 python3 benchmarks/read_pieces.py --preset ds-v2-lite --layers 8 --pack-dir /tmp/rp \
-      --threads 16 --commit "$commit" --json "$work/read-pieces-ds-v2-lite-16threads.json"
-    stage tests 60 python3 -m pytest tests/test_reader_backends.py -q
     ;;
   host28)  # twenty-fifth session: where a streaming step's host time goes on the synthetic trace (step_host_profile.py,
     # skewed trace, 4 GiB arena preloaded, bf16, graphs), ds-v2-lite at 25 / 10 / 50 % and qwen3-30b-a3b at 25 %, where
