@@ -24,6 +24,9 @@ _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED = 8
 _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_CARVEOUT = 9
 
 
+INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: no context current on this thread yet
+
+
 class CudaError(RuntimeError):
     """A failed driver call or nvcc run (message carries the driver's error name or nvcc's output)."""
 
@@ -130,6 +133,16 @@ class _Driver:
         text = ctypes.c_char_p()
         self.lib.cuGetErrorName(status, ctypes.byref(text))
         return text.value.decode() if text.value else str(status)
+
+    def retry_in_context(self, status: int, device: int, what: str, function, *args) -> None:
+        """After `function(*args)` (a driver call) returned a nonzero `status`: where the thread had no current
+        context (one that has not touched CUDA through torch yet), make the device's current and call once more;
+        raise RuntimeError naming `what` if that fails too, or at once for any other status."""
+        if status == INVALID_CONTEXT:
+            self.ensure_context(device)
+            status = function(*args)
+        if status:
+            raise RuntimeError(f"{what} failed: {self.error_name(status)}")
 
     def ensure_context(self, device: int) -> None:
         """Make the device's primary context (torch's) current on this thread if none is."""

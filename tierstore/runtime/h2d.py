@@ -16,9 +16,6 @@ import ctypes
 
 import torch
 
-INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: no context current on this thread yet
-
-
 class HostToDevice:
     """`copy(dst_ptr, src_ptr, nbytes, stream)`: an asynchronous copy on `stream` (a torch CUDA stream, or its raw
     handle as an int: `StreamOps`)."""
@@ -36,8 +33,6 @@ class HostToDevice:
     def copy(self, dst_ptr: int, src_ptr: int, nbytes: int, stream: torch.cuda.Stream | int) -> None:
         handle = stream if type(stream) is int else stream.cuda_stream
         status = self._memcpy(dst_ptr, src_ptr, nbytes, handle)
-        if status == INVALID_CONTEXT:  # a thread that has not touched CUDA through torch yet
-            self._driver.ensure_context(self._device)
-            status = self._memcpy(dst_ptr, src_ptr, nbytes, handle)
         if status:
-            raise RuntimeError(f"cuMemcpyHtoDAsync of {nbytes} bytes failed: {self._driver.error_name(status)}")
+            self._driver.retry_in_context(status, self._device, f"cuMemcpyHtoDAsync of {nbytes} bytes", self._memcpy,
+                                          dst_ptr, src_ptr, nbytes, handle)

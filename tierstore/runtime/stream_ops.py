@@ -15,7 +15,6 @@ import ctypes
 
 import torch
 
-from tierstore.runtime.h2d import INVALID_CONTEXT
 
 
 class StreamOps:
@@ -48,16 +47,12 @@ class StreamOps:
 
     def record(self, event: int, stream: int) -> None:
         """Record event handle `event` on stream handle `stream`."""
-        self._call("cuEventRecord", self._record, event, stream)
+        status = self._record(event, stream)
+        if status:
+            self._driver.retry_in_context(status, self._device, "cuEventRecord", self._record, event, stream)
 
     def wait(self, stream: int, event: int) -> None:
         """Make stream handle `stream` wait on the device for event handle `event`'s last record."""
-        self._call("cuStreamWaitEvent", self._wait, stream, event, 0)
-
-    def _call(self, name: str, function, *args) -> None:
-        status = function(*args)
-        if status == INVALID_CONTEXT:  # a thread that has not touched CUDA through torch yet
-            self._driver.ensure_context(self._device)
-            status = function(*args)
+        status = self._wait(stream, event, 0)
         if status:
-            raise RuntimeError(f"{name} failed: {self._driver.error_name(status)}")
+            self._driver.retry_in_context(status, self._device, "cuStreamWaitEvent", self._wait, stream, event, 0)
