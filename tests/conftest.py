@@ -1,9 +1,33 @@
 """Shared pytest set-up: markers `gpu` and `vllm` skip cleanly where their hardware or package is absent."""
 
+import importlib.machinery
 import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _keep_the_repository_root_off_sys_path() -> None:
+    """The source folder `kernels/` installs as `tierstore.kernels`; on sys.path under its bare name
+    it shadows PyPI's `kernels` (Hugging Face's hub kernels, which vLLM installs and transformers
+    imports: `from kernels import CUDAProperties` then fails). `python -m pytest` puts the root
+    first, so it comes off here, and child Pythons started in the root are told not to add it
+    back (PYTHONSAFEPATH). `benchmarks/`, which the tests import and which is not installed, is
+    registered from its folder instead."""
+    here = {str(ROOT), ""} if Path.cwd() == ROOT else {str(ROOT)}
+    sys.path[:] = [entry for entry in sys.path if entry not in here]
+    os.environ["PYTHONSAFEPATH"] = "1"
+    if "benchmarks" not in sys.modules:
+        spec = importlib.machinery.ModuleSpec("benchmarks", None, is_package=True)
+        spec.submodule_search_locations = [str(ROOT / "benchmarks")]
+        sys.modules["benchmarks"] = importlib.util.module_from_spec(spec)
+
+
+_keep_the_repository_root_off_sys_path()
 
 
 def _has_cuda() -> bool:

@@ -3,12 +3,9 @@ its real one (benchmarks/quality: train.py preset `tiny`, then export.py). CPU o
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # `benchmarks` lives at the repository root and is not installed
 
 
 def write_corpus(root: Path) -> Path:

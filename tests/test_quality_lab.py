@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from quality_fixtures import train_and_export_tiny, write_corpus  # also puts `benchmarks` on the path
+from quality_fixtures import train_and_export_tiny, write_corpus
 
 from benchmarks.quality import degeneration
 from benchmarks.quality.corpus import Corpus, CorpusMismatchError, require_same_corpus

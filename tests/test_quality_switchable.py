@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quality_fixtures import ROOT  # noqa: F401  (puts `benchmarks` on the path)
 
 from benchmarks.quality import switchable
 from benchmarks.quality.decoding import GatedDecoder
