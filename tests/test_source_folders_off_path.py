@@ -38,3 +38,20 @@ def test_benchmarks_imports_from_its_folder():
     from benchmarks.quality import presets
 
     assert Path(presets.__file__).resolve().parent == ROOT / "benchmarks" / "quality"
+
+
+def test_python_m_tierstore_takes_the_checkout_root_off_its_path():
+    from tierstore.__main__ import CHECKOUT, without_checkout_root
+
+    assert CHECKOUT == ROOT
+    elsewhere = str(ROOT.parent / "elsewhere")
+    path = ["", str(ROOT), str(ROOT / "benchmarks"), elsewhere, "/usr/lib/python3.11"]
+    assert without_checkout_root(path, ROOT) == [str(ROOT / "benchmarks"), elsewhere, "/usr/lib/python3.11"]
+    assert without_checkout_root(["", "."], ROOT.parent) == ["", "."]  # cwd is elsewhere: nothing to take off
+
+
+def test_python_m_tierstore_runs_from_the_checkout_root():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    out = subprocess.run([sys.executable, "-m", "tierstore", "--help"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, check=True)
+    assert "generate" in out.stdout
