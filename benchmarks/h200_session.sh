@@ -213,7 +213,7 @@ case "$step" in
     stage io-fetch 90 python3 benchmarks/io_fetch.py --dir /tmp/iobh --rows 64 --repeats 5 --depths 1,8,32 \
       --out "$work/io_fetch.json"
     ;;
-  runtime2)  # ~8.5 min of stage limits; estimates in docs/runtime.md ("Next H200 step: runtime2")
+  runtime2)  # ~8.5 min of stage limits; estimates in docs/runtime-history.md ("runtime2: commands and sizing")
     stage replay-qwen3 180 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
       --steps 220 --warmup 20 --coverages 0.25,1 --arena-gb 4 --commit "$commit" --out "$work/replay_qwen3.json"
     stage replay-recorded 170 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
@@ -380,13 +380,13 @@ case "$step" in
       --compare-config early_fetch=1 --commit "$commit" --out "$work/replay_early_fetch.json"
     stage kernel-presets-test 170 python3 -m pytest tests/test_kernels_gpu.py -m gpu -q -k test_presets_match_reference
     ;;
-  matrix)  # issue #5's benchmark matrix cells never measured with the current code (docs/runtime.md, "What of the
-    # issue's benchmark matrix is measured"): synthetic trace, bf16, 220 steps (20 cold): ds-v2-lite (8 layers) with
+  matrix)  # issue #5's benchmark matrix cells never measured with the current code (docs/runtime-history.md, "What of the
+    # issue's benchmark matrix was measured"): synthetic trace, bf16, 220 steps (20 cold): ds-v2-lite (8 layers) with
     # no arena at 10 / 25 / 50 / 100%; qwen3-30b-a3b (16 layers) with the 4 GiB arena preloaded at 10 / 50%, then
     # 25 / 100% (never measured preloaded either). Stage limits 200 + 170 + 150 = 520 s. Estimates, not measured:
     # replay-none-ds ~105 s (bf18a97's no-arena rows, replay_h200_steady.json: 20.5 s of timed steps over the four
     # coverages at 60 steps, x 220/60 = ~75 s, plus ~30 s of imports, compiles and pack build as sized in
-    # docs/runtime.md "runtime2: commands and sizing"); each qwen3 stage ~70-90 s (runtime2 / runtime3's replay-qwen3,
+    # docs/runtime-history.md "runtime2: commands and sizing"); each qwen3 stage ~70-90 s (runtime2 / runtime3's replay-qwen3,
     # the same preset, layers and steps at 25 / 100% with a cold arena: 66 s / 65 s, plus the preloads of 2.5 GiB)
     stage replay-none-ds 200 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
       --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 0 --dtype bfloat16 --commit "$commit" \

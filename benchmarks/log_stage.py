@@ -3,7 +3,7 @@
 then sets a host flag (on the current stream, capturable); `stage_log_ref` is the plain-torch reference.
 
 Tried in the runtime in the thirteenth session (config `stage_pass_log`, d518448-c7e9d20) and removed: its read waited
-~5 us less in sync_wake, but the runtime's steps were not measurably faster (docs/runtime.md, "The pass's own
+~5 us less in sync_wake, but the runtime's steps were not measurably faster (docs/runtime-history.md, "The pass's own
 read-back")."""
 
 from __future__ import annotations

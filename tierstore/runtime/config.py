@@ -74,7 +74,7 @@ class RuntimeConfig:
       the replay benchmark), and a pass pair read the pool without the per-layer waits, after one device wait for
       the installs still in flight (usually none: a step's replay waited for its fetch's rows); replays and
       prefill keep the waits. Same slots and bytes: the result is unchanged. On the H200 the waits cost a no-miss
-      pass ~40 us (its graph's launch ~20 us of it) at 50 % coverage on the recorded trace (docs/runtime.md,
+      pass ~40 us (its graph's launch ~20 us of it) at 50 % coverage on the recorded trace (docs/runtime-history.md,
       "A first pass without the layer waits").
     - `copy_streams` (1 or 2, default 1; with `layer_waits`): a fetch's row copies alternate between this
       many copy streams, so one copy's set-up overlaps another's transfer (each MoE layer then waits on one
@@ -85,7 +85,7 @@ class RuntimeConfig:
       that the pass did not route, so the copies overlap the rest of the pass; what is still missing at the
       pass-log read is fetched as before, without waiting for those copies. Same bytes and kernels: the
       replay's result is unchanged; the pass pays two small device-to-host copies per MoE layer. On the H200
-      it was slower than the default in 16 of 24 cells and faster in 8, by at most 1.22x (docs/runtime.md,
+      it was slower than the default in 16 of 24 cells and faster in 8, by at most 1.22x (docs/runtime-history.md,
       "Early fetch"), hence off.
     - `gather_in_pass` (default off; decode steps, a pool that can miss, an arena): the pass fetches for itself.
       Before each decode pass the host arms spare slots (free ones, then the first experts of the policy's
@@ -97,7 +97,7 @@ class RuntimeConfig:
       fetch's copies are in flight. On CUDA the kernels are CUDA C++ built with nvcc (`kernels/cuda/pass_gather.cu`);
       on a CPU their torch reference.
       On the H200 it was even with the default at 50 % coverage (0.98x-1.04x its step time over four runs) and
-      slower at 25 % (by 2-13 %) (docs/runtime.md, "The pass's own fetch"), hence off.
+      slower at 25 % (by 2-13 %) (docs/runtime-history.md, "The pass's own fetch"), hence off.
     - `pass_pair` (`auto`, the default; true; false; decode steps, a pool that can miss, an arena): a decode step
       that is likely to miss (a recent pass missed) is launched as a pair, its pass and the replay together (one
       CUDA graph where the caller captures `TieredRuntime.pass_pair`): after each MoE layer's experts the first
@@ -109,17 +109,17 @@ class RuntimeConfig:
       knobs (its CUDA kernels failing to build turn it off with a warning); off on a CPU, where a pass is not
       asynchronous and a pair costs two. The caller launches the pairs (`tierstore generate`, the replay
       benchmark; not yet the vLLM adapter, which turns it off). On the H200 it was faster than single passes at
-      50 % coverage on average (1.05x-1.07x), even with them at 25 % and 1-3 % slower at 10 % (docs/runtime.md, "The
-      timed choice"); since the seventeenth session's deeper spares and timed copy grid the default is 0.83x-0.92x
-      / 0.85x-0.99x / 0.94x-1.02x the single passes' step at 50 / 25 / 10 % on the synthetic trace, and 1.13x at
-      50 % on the recorded trace, where misses are rare (docs/runtime.md, "The pair's spares staged deeper and its
-      copy grid timed").
+      50 % coverage on average (1.05x-1.07x), even with them at 25 % and 1-3 % slower at 10 %
+      (docs/runtime-history.md, "The timed choice"); since the seventeenth session's deeper spares and timed copy
+      grid the default is 0.83x-0.92x / 0.85x-0.99x / 0.94x-1.02x the single passes' step at 50 / 25 / 10 % on the
+      synthetic trace, and 1.13x at 50 % on the recorded trace, where misses are rare (docs/runtime-history.md,
+      "The pair's spares staged deeper and its copy grid timed").
       `pass_pair_copy_blocks` (default 4) is the side stream's copy grid, which shares the SMs with both passes,
       and `pass_pair_wide_blocks` (default 16; 0: none) a wider one for pairs whose copies are most of the step:
       with both, each pair's copies work over one of the two, picked by their recent pair times (a timed choice as
       `pass_pair_choice`'s, kernel copies). On the H200 (seventeenth session) 16 blocks beat 4 at 25 % and at
-      qwen3-30b-a3b 10 % (by 6-10 %; even at ds-v2-lite 10 %) and lost by 9 % at qwen3-30b-a3b 50 % (docs/runtime.md,
-      "The pair's spares staged deeper and its copy grid timed").
+      qwen3-30b-a3b 10 % (by 6-10 %; even at ds-v2-lite 10 %) and lost by 9 % at qwen3-30b-a3b 50 %
+      (docs/runtime-history.md, "The pair's spares staged deeper and its copy grid timed").
       `pass_pair_choice` ("timed", the default; "always"): which decode steps likely to miss launch their pair:
       those where a pair's expected wall time is below a single pass's: each kind's recent times with and without a
       first-pass miss, weighed by the share of the last 8 such steps whose first pass missed (whichever kind ran;
@@ -141,7 +141,7 @@ class RuntimeConfig:
       cost 0.30-0.65 ms against 0.23-0.37 ms for a single pass that missed nothing (its staging of the next pair's
       spares is host work the shorter step no longer hides), a pair that missed 1-10 % more than before (the
       segments' waits and nodes), so the step was 0.997x-1.057x the replay-always one on the recorded trace and
-      0.84x-1.08x on the synthetic one (docs/runtime.md, "A pair's replay only when its first pass missed").
+      0.84x-1.08x on the synthetic one (docs/runtime-history.md, "A pair's replay only when its first pass missed").
       `stream_arena` (default auto): a decode pass computes an expert without a pool slot straight from its row in
       the pinned arena, read over the bus by the kernels (the Triton stages' STREAM, and where config `cuda_w2` runs
       the CUDA kernels their W2_STREAM builds; `runtime/stream_rows.py`), instead of missing it: the same bytes as
@@ -155,7 +155,7 @@ class RuntimeConfig:
       miss as before. The CPU runtime (torch backend) streams the same way (`TorchExperts`) when asked (true), for
       tests. On the H200
       (twenty-first session, the CUDA kernels) auto's steps took 0.61x-1.01x the time of steps
-      without streaming on the recorded trace and 0.80x-0.99x on the synthetic one (docs/runtime.md, "Streamed
+      without streaming on the recorded trace and 0.80x-0.99x on the synthetic one (docs/runtime-history.md, "Streamed
       installs under the next pass, only the hotter experts").
       A step's streamed rows are installed while the next decode step's first pass runs (their host work off the
       step's path), and `stream_install` picks which ones: `hotter` (the default) installs a streamed expert into a
@@ -179,8 +179,8 @@ class RuntimeConfig:
       pass's hits reached the policy); false takes it like any other victim, so the spares run short less often.
       A policy choice only: either way a victim routed later in the same pass is missed there and fetched. On the
       H200 (interleaved) the guard's step took 1.057x-1.062x the time at qwen3-30b-a3b 25 %; without it 50 % was
-      1.4-1.5 % slower there, ds-v2-lite within -1.5 % to +0.6 % (docs/runtime.md, "The pair's spares and the pass
-      before").
+      1.4-1.5 % slower there, ds-v2-lite within -1.5 % to +0.6 % (docs/runtime-history.md, "The pair's spares and
+      the pass before").
       `gather_spares_per_miss` (default 4; with `gather_in_pass` or `pass_pair`): the victims staged for the next
       pass, as a multiple of the most experts a recent pass missed or gathered (plus 16 and the free slots). They are
       planned while the pass before runs, from the head of the eviction order that pass takes its own victims from,

@@ -6,7 +6,7 @@ halved every `halving` steps so that a change of regime shows) and admits a stre
 or over a colder resident one: a row then crosses the bus a second time only where it is expected to save more
 streaming than the expert it displaces. On the H200 with the trace recorded from `tierstore generate` this installed
 0.17-0.55 rows per steady step where installing every streamed expert over LRU victims installed 0.17-11.3, and fewer
-rows were streamed (docs/runtime.md, "Streamed installs under the next pass, only the hotter experts").
+rows were streamed (docs/runtime-history.md, "Streamed installs under the next pass, only the hotter experts").
 """
 
 from __future__ import annotations
