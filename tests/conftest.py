@@ -13,18 +13,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _keep_the_repository_root_off_sys_path() -> None:
     """The source folder `kernels/` installs as `tierstore.kernels`; on sys.path under its bare name
-    it shadows PyPI's `kernels` (Hugging Face's hub kernels, which vLLM installs and transformers
-    imports: `from kernels import CUDAProperties` then fails). `python -m pytest` puts the root
-    first, so it comes off here, and child Pythons started in the root are told not to add it
-    back (PYTHONSAFEPATH). `benchmarks/`, which the tests import and which is not installed, is
-    registered from its folder instead."""
+    it shadows PyPI's `kernels` (Hugging Face's hub kernels, which vLLM and transformers >= 5.25
+    install and transformers imports: `from kernels import CUDAProperties` then fails).
+    `python -m pytest` puts the root first, so it comes off here; the folders the tests import from
+    the root without an install (`tests`, `benchmarks`) are registered from their folders instead.
+    A Python the tests start with `-c` or `-m` gets `-P` for the same reason
+    (tests/test_source_folders_off_path.py checks that they do)."""
     here = {str(ROOT), ""} if Path.cwd() == ROOT else {str(ROOT)}
     sys.path[:] = [entry for entry in sys.path if entry not in here]
-    os.environ["PYTHONSAFEPATH"] = "1"
-    if "benchmarks" not in sys.modules:
-        spec = importlib.machinery.ModuleSpec("benchmarks", None, is_package=True)
-        spec.submodule_search_locations = [str(ROOT / "benchmarks")]
-        sys.modules["benchmarks"] = importlib.util.module_from_spec(spec)
+    for name in ("tests", "benchmarks"):
+        if name not in sys.modules:
+            spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            spec.submodule_search_locations = [str(ROOT / name)]
+            sys.modules[name] = importlib.util.module_from_spec(spec)
 
 
 _keep_the_repository_root_off_sys_path()

@@ -32,7 +32,7 @@ def _skip_without_direct_io(directory: Path) -> None:
 
 
 def test_help_lists_bench():
-    out = subprocess.run([sys.executable, "-m", "tierstore", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-P", "-m", "tierstore", "--help"], capture_output=True, text=True, check=True)
     assert "bench" in out.stdout
 
 

@@ -47,7 +47,7 @@ def test_peak_rss_stays_near_one_layer_on_a_large_checkpoint(tmp_path):
     path = tmp_path / "large"
     expert_bytes = write_large_checkpoint(path, **DIMS)
     layer_bytes = expert_bytes // DIMS["num_layers"]
-    out = subprocess.run([sys.executable, "-c", CHILD, str(path), str(Path(__file__).parent)],
+    out = subprocess.run([sys.executable, "-P", "-c", CHILD, str(path), str(Path(__file__).parent)],
                          capture_output=True, text=True, timeout=120, check=True)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["checked"] * 2 == expert_bytes  # every bf16 weight was read and compared

@@ -105,7 +105,7 @@ def test_demo_checkpoint_is_built_once(tmp_path, monkeypatch):
 
 
 def test_help_lists_subcommands():
-    out = subprocess.run([sys.executable, "-m", "tierstore", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-P", "-m", "tierstore", "--help"], capture_output=True, text=True, check=True)
     assert "inspect" in out.stdout
 
 

@@ -190,7 +190,7 @@ def test_kill_9_of_tierstore_pack_never_serves_a_wrong_row_and_a_rerun_completes
     out = tmp_path / "packs"
 
     def command(directory):
-        return [sys.executable, "-m", "tierstore", "pack", str(ckpt_dir), "--out", str(directory), "--device",
+        return [sys.executable, "-P", "-m", "tierstore", "pack", str(ckpt_dir), "--out", str(directory), "--device",
                 "cpu"]  # with its progress bar: the bar's first draw is the "started working" signal
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}

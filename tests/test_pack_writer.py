@@ -75,7 +75,7 @@ def read_all_written(directory, spec) -> dict:
 
 
 def writer_args(directory, spec_fields, layers, delay=0.0) -> list[str]:
-    return [sys.executable, "-c", WRITER_SCRIPT, json.dumps(spec_fields), str(directory), json.dumps(layers),
+    return [sys.executable, "-P", "-c", WRITER_SCRIPT, json.dumps(spec_fields), str(directory), json.dumps(layers),
             str(delay)]
 
 

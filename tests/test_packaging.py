@@ -35,7 +35,7 @@ def _not_ours(origin: str | None) -> bool:
 def _probe(python: str) -> dict:
     # Run outside the repository so the source folders are not on sys.path by accident.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([python, "-c", PROBE], cwd="/", env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([python, "-P", "-c", PROBE], cwd="/", env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
 
@@ -46,7 +46,7 @@ def test_import_tierstore_loads_no_heavy_or_optional_packages():
         " if m in sys.modules]\n"
         "print(','.join(heavy))"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-P", "-c", code], cwd="/", capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
 
 
@@ -67,7 +67,7 @@ def test_wheel_installs_kernels_and_adapter_under_tierstore(tmp_path):
     for folder in ("tierstore", "kernels", "vllm_adapter"):
         shutil.copytree(REPO / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
+        [sys.executable, "-P", "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
         check=True,
     )
     (wheel,) = tmp_path.glob("tierstore-*.whl")
@@ -80,7 +80,7 @@ def test_wheel_installs_kernels_and_adapter_under_tierstore(tmp_path):
     scratch = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(scratch)
     python = str(scratch / "bin" / "python")
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True)
+    subprocess.run([python, "-P", "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True)
     # torch and friends come from the test environment, appended after the wheel's own site-packages
     (scratch_site,) = scratch.glob("lib/python*/site-packages")
     (scratch_site / "test-deps.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")

@@ -177,7 +177,7 @@ CHILD = textwrap.dedent("""
 
 
 def peak_growth(ckpt, mode):
-    out = subprocess.run([sys.executable, "-c", CHILD, str(ckpt), mode], capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, "-P", "-c", CHILD, str(ckpt), mode], capture_output=True, text=True, timeout=300,
                          check=True)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     return report["peak"] - report["baseline"]

@@ -1,10 +1,11 @@
 """The repository's `kernels/` folder never answers to the bare name `kernels` while the tests run
-(it would shadow PyPI's `kernels`, which transformers imports when it is installed), in the test
-process and in a Python the tests start in the repository root; `benchmarks` still imports."""
+(it would shadow PyPI's `kernels`, which transformers imports when it is installed): not in the test
+process, not in the Pythons the tests start, not under `python -m tierstore`; `tests` and
+`benchmarks` still import from their folders."""
 
 import importlib.util
-import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,32 +13,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OURS = ROOT / "kernels" / "__init__.py"
 
-PROBE = """
-import importlib.util, json, sys
-spec = importlib.util.find_spec("kernels")
-print(json.dumps({"origin": spec.origin if spec else None, "path": sys.path}))
-"""
-
 
 def test_bare_kernels_is_not_the_source_folder_in_the_test_process():
+    assert OURS.is_file()  # what would shadow, were the root on the path
     spec = importlib.util.find_spec("kernels")
     assert spec is None or Path(spec.origin) != OURS
     assert str(ROOT) not in sys.path
+    assert not (Path.cwd() == ROOT and "" in sys.path)
 
 
-def test_bare_kernels_is_not_the_source_folder_in_a_child_started_in_the_root():
-    assert (ROOT / "kernels" / "__init__.py").is_file()  # what would shadow, were the root on the path
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=dict(os.environ), capture_output=True,
-                         text=True, check=True)
-    found = json.loads(out.stdout)
-    assert found["origin"] is None or Path(found["origin"]) != OURS
-    assert "" not in found["path"] and str(ROOT) not in found["path"]
+def test_every_python_the_tests_start_with_c_or_m_keeps_the_cwd_off_its_path():
+    """`python -c` / `-m` put the cwd (the root, under pytest) first on sys.path; `-P` leaves it off."""
+    unsafe = []
+    for path in sorted(ROOT.glob("tests/**/*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r'\b(sys\.executable|python), "-[cm]"', line) and "no -P:" not in line:
+                unsafe.append(f"{path.relative_to(ROOT)}:{number}")
+    assert unsafe == []
 
 
-def test_benchmarks_imports_from_its_folder():
+def test_tests_and_benchmarks_import_from_their_folders():
     from benchmarks.quality import presets
+    from tests import kernel_fixtures
 
     assert Path(presets.__file__).resolve().parent == ROOT / "benchmarks" / "quality"
+    assert Path(kernel_fixtures.__file__).resolve().parent == ROOT / "tests"
 
 
 def test_python_m_tierstore_takes_the_checkout_root_off_its_path():
@@ -51,7 +51,6 @@ def test_python_m_tierstore_takes_the_checkout_root_off_its_path():
 
 
 def test_python_m_tierstore_runs_from_the_checkout_root():
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
-    out = subprocess.run([sys.executable, "-m", "tierstore", "--help"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, check=True)
+    command = [sys.executable, "-m", "tierstore", "--help"]  # no -P: the module itself takes the root off
+    out = subprocess.run(command, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, check=True)
     assert "generate" in out.stdout

@@ -37,7 +37,7 @@ def test_register_is_idempotent():
 
 def test_importing_the_plugin_package_does_not_import_vllm():
     code = "import sys, tierstore.vllm_adapter; print('vllm' in sys.modules, 'torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 
 
@@ -45,7 +45,7 @@ def test_register_in_a_fresh_process_through_vllms_loader():
     code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
             "from vllm.model_executor.layers.quantization import get_quantization_config as g; "
             "print(g('tierstore').__name__)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "TierstoreConfig"
 
