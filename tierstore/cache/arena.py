@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tierstore.cache.heat import HeatWriter, parse_heat
@@ -143,6 +144,8 @@ class Arena:
         # here), the id of each slot (None: free); plain lists, which a few dozen lookups read fastest
         self._num_experts = source.num_experts
         self._address_of_id: list[int | None] = [None] * (source.num_layers * source.num_experts)
+        # the same addresses as one array, 0 where there is no row, for the tables passes read (`address_array`)
+        self._address_array = np.zeros(source.num_layers * source.num_experts, dtype=np.int64)  # [L * E]
         self._id_of_slot: list[int | None] = [None] * num_slots
         self.version = 0  # bumped whenever a row's address changes (`address_table` then differs)
         self.registered = False
@@ -222,7 +225,9 @@ class Arena:
                 slot = self._table.evict_lru(busy)
                 if slot is not None:
                     self._evictions += 1
-                    self._address_of_id[self._id_of_slot[slot]] = self._id_of_slot[slot] = None
+                    victim = self._id_of_slot[slot]
+                    self._address_of_id[victim] = self._id_of_slot[slot] = None
+                    self._address_array[victim] = 0
                     self.version += 1
             if slot is None:
                 overflow.append(key)
@@ -267,7 +272,8 @@ class Arena:
     def _publish(self, key: Key, slot: int) -> None:
         self._table.publish(key, slot)
         key_id = key[0] * self._num_experts + key[1]
-        self._address_of_id[key_id] = self.memory.data_ptr() + slot * self.stride
+        self._address_of_id[key_id] = address = self.memory.data_ptr() + slot * self.stride
+        self._address_array[key_id] = address
         self._id_of_slot[slot] = key_id
         self.version += 1
 
@@ -283,6 +289,13 @@ class Arena:
         """Each key id's row address (None: not here), as `locate` reads it; the list itself, not a copy: read it,
         never change it. Valid until `version` changes."""
         return self._address_of_id
+
+    def address_array(self) -> np.ndarray:
+        """`address_table` as one int64 array [L * E], 0 where the arena has no row: a read-only view of the
+        arena's own, for the tables a pass reads (`StreamRows`, `PassGather`). Valid until `version` changes."""
+        view = self._address_array.view()
+        view.flags.writeable = False
+        return view
 
     def row_at(self, address: int) -> torch.Tensor:
         """The row (uint8 [row_bytes], a view of its slot) at a host address that `address_table` gives."""

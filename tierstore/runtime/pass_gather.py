@@ -165,7 +165,7 @@ class PassGather:
         index, count, self.armed_free = self._staged
         self._staged = None
         if self.arena.version != self._addresses_synced:
-            self._addresses.numpy()[:] = [address or 0 for address in self.arena.address_table()]
+            self._addresses.numpy()[:] = self.arena.address_array()
             self._addresses_synced = self.arena.version
             self._write(self.buffers.addresses, self._addresses, self._addresses.numel())
         self._write(self.buffers.control, self._controls[index], 3 + 2 * count)

@@ -39,6 +39,7 @@ class StreamRows:
         self.device = pool_slots.device
         self.at = torch.zeros(num_layers * num_experts, dtype=torch.int64, device=self.device)  # [L * E]
         self._rows: list[torch.Tensor | None] = [None] * (num_layers * num_experts)  # CPU: each id's row
+        self._published = np.zeros(num_layers * num_experts, dtype=np.int64)  # [L * E] addresses as last published
         self._version = -1
         # every expert has a published row: a streaming pass lacks none (the CUDA multi-token kernels' batches still miss)
         self.complete = False
@@ -47,17 +48,20 @@ class StreamRows:
         """Publish the arena's rows (between passes); nothing when the arena's rows are as last published."""
         if arena.version == self._version:
             return
-        addresses = arena.address_table()  # [L * E] host address or None
-        rows = np.array([0 if a is None else a for a in addresses], dtype=np.int64)  # [L * E], 0: no row
-        misaligned = rows[rows % ROW_ALIGN != 0]
+        rows = arena.address_array()  # [L * E] host address, 0: no row
+        misaligned = np.flatnonzero(rows % ROW_ALIGN)
         if misaligned.size:
-            raise ConfigError(f"stream_arena: arena row at {int(misaligned[0]):#x} is not {ROW_ALIGN}-byte aligned")
+            raise ConfigError(f"stream_arena: arena row at {int(rows[misaligned[0]]):#x} is not {ROW_ALIGN}-byte "
+                              f"aligned")
         offsets = np.where(rows != 0, rows - self._base, 0)
         self.at.copy_(torch.from_numpy(offsets))  # a host copy: done on return, rare (the arena grew)
-        if self.device.type == "cpu":
-            self._rows = [arena.row_at(a) if a is not None else None for a in addresses]
+        if self.device.type == "cpu":  # only the ids whose row moved
+            moved = np.flatnonzero(rows != self._published)
+            for key_id, address in zip(moved.tolist(), rows[moved].tolist()):
+                self._rows[key_id] = arena.row_at(address) if address else None
+        self._published = rows.copy()
         self._version = arena.version
-        self.complete = bool(np.all(rows != 0))
+        self.complete = bool(rows.all())
 
     def row(self, key_id: int) -> torch.Tensor | None:
         """CPU: the published arena row of `key_id` (uint8 [row_bytes], a view), or None."""
