@@ -9,7 +9,7 @@ route and combine (`cuda_fp4_only`: what the W2 launches cost), Triton's whole o
 A fourth stage, `mixed`, times both ops on a mixed-residency layer (a quarter of the experts FP4, the rest W2):
 `cuda_tier_mixed` (TierMoeCuda) against `triton_mixed`.
 Pools, routings, graph timing with rotating routings (L2 defeated), ceilings, bf16 and the runner come from
-benchmarks/kernels.py; provenance, validity rule, derived columns and the printed table from
+benchmarks/moe_kernels.py; provenance, validity rule, derived columns and the printed table from
 benchmarks/cuda_w2.py. Checks first (outputs poisoned with NaN, against the plain-torch references incl.
 `moe_mm_ref`, vs Triton, repeats byte-identical, variants byte-identical, miss counts equal); a failed check
 marks its CUDA rows invalid (time kept aside). JSON written after every step.

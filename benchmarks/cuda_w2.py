@@ -6,13 +6,13 @@ kernel (two row groupings) vs Triton's down, and the whole op (route -> CUDA gat
 also has a multi-token variant (`*_multi`: w2_multi.py, one CUDA block per expert and up to 8 of its pairs) run on a
 block_tokens 16 workspace of the same routing; every other variant and Triton run on block_tokens 1 workspaces.
 Pools, routings, CUDA-graph timing with rotating routings (L2 defeated) and the streaming-read ceiling come
-from benchmarks/kernels.py; the pools hold no FP4-resident expert (the CUDA path's restriction).
+from benchmarks/moe_kernels.py; the pools hold no FP4-resident expert (the CUDA path's restriction).
 
 Order: build (nvcc -> fatbin, driver API load), checks for every T (outputs poisoned with NaN: CUDA vs the
 plain-torch references incl. `moe_mm_ref` for the whole op, vs Triton, repeat launches byte-identical, variants
 byte-identical to each other; a multi-token variant is compared with its stage's first variant, recorded, not
 required byte-identical: another binary), then for each T and stage: CUDA variants and Triton (two rounds, alternating),
-the stage's ceiling or bf16. Each step is isolated (benchmarks/kernels.py Runner): a build, launch or check
+the stage's ceiling or bf16. Each step is isolated (benchmarks/moe_kernels.py Runner): a build, launch or check
 failure is recorded in the JSON and the rest runs; a failed check marks that CUDA row invalid (time kept aside).
 
     python3 benchmarks/cuda_w2.py --commit <sha> --json cuda_w2.json
@@ -104,8 +104,8 @@ DEVICE = "cuda"  # the CPU test of this script's bookkeeping sets "cpu"
 
 
 def _bench_kernels():
-    """benchmarks/kernels.py as a module (its name clashes with the `kernels` folder, so by path)."""
-    spec = importlib.util.spec_from_file_location("bench_kernels_for_cuda_w2", ROOT / "benchmarks" / "kernels.py")
+    """benchmarks/moe_kernels.py as a module (by path: benchmarks/ is not on sys.path)."""
+    spec = importlib.util.spec_from_file_location("bench_kernels_for_cuda_w2", ROOT / "benchmarks" / "moe_kernels.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -181,7 +181,7 @@ def _build(stage: str, options: dict, multi: bool = False, geo=None) -> tuple[ob
 
 
 def _routed(geo, tokens, ids, w2, f4, block_tokens: int, dtype=torch.bfloat16):
-    """A workspace of `block_tokens` routed for `ids` (outside any timing, as benchmarks/kernels.py does)."""
+    """A workspace of `block_tokens` routed for `ids` (outside any timing, as benchmarks/moe_kernels.py does)."""
     from tierstore.kernels import MissLog, MoeWorkspace, moe_route
 
     ws = MoeWorkspace.allocate(tokens, geo.top_k, geo.num_experts, geo.hidden, geo.expert_inter, dtype, DEVICE,
@@ -371,10 +371,10 @@ def _timed(runner, label, calls, reps, kb, tokens, stage, variant, rnd, nbytes, 
 
 def _timing_routings(kb, geo, state, lay, tokens, device) -> tuple[dict, list, int]:
     """(bytes of one expert's matrices per stage in layout `lay`, the T's rotating routings on `device` (enough to
-    defeat L2, as benchmarks/kernels.py), the experts they route to on average)."""
+    defeat L2, as benchmarks/moe_kernels.py), the experts they route to on average)."""
     stage_bytes = {"gate_up": lay.w13.word_bytes + lay.w13.scale_bytes, "down": lay.w2.word_bytes + lay.w2.scale_bytes}
     stage_bytes["whole"] = stage_bytes["gate_up"] + stage_bytes["down"]
-    count = max(4, min(32, int(8 * 2**20 * 60 / (tokens * geo.top_k * stage_bytes["whole"]) + 1)))  # as kernels.py
+    count = max(4, min(32, int(8 * 2**20 * 60 / (tokens * geo.top_k * stage_bytes["whole"]) + 1)))  # as moe_kernels.py
     routings = kb._routings(tokens, geo.top_k, geo.num_experts, count, state["gen"], device)
     return stage_bytes, routings, kb._unique_experts(routings)
 

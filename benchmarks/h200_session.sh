@@ -197,7 +197,7 @@ fi
 case "$step" in
   kernels)
     stage kernel-tests 240 python3 -m pytest tests/test_kernels_moe.py tests/test_kernels_gpu.py -q
-    stage kernels 300 python3 benchmarks/kernels.py --tokens 1,8,32 --config 64,8 --commit "$commit" \
+    stage kernels 300 python3 benchmarks/moe_kernels.py --tokens 1,8,32 --config 64,8 --commit "$commit" \
       --json "$work/kernels-deepseek-v3.json"
     ;;
   runtime)
@@ -232,7 +232,7 @@ case "$step" in
     stage kernel-tests 120 python3 -m pytest tests/test_kernels_moe.py tests/test_kernels_gpu.py -q \
       -k "down_ or bytes_0_and_1 or fp4 or plain_and_ptx or graph"
     stage cuda-w2-tests 100 python3 -m pytest tests/test_cuda_w2.py -q
-    stage kernels 200 python3 benchmarks/kernels.py --tokens 1,8,32 --config 64,8 --commit "$commit" \
+    stage kernels 200 python3 benchmarks/moe_kernels.py --tokens 1,8,32 --config 64,8 --commit "$commit" \
       --skip w2_fused_plain,w2_gate_up_plain,w2_fused_mma16,dequant_grouped_mm --json "$work/kernels-deepseek-v3-v9.json"
     stage cuda-w2 140 python3 benchmarks/cuda_w2.py --commit "$commit" --json "$work/cuda_w2.json"
     ;;
@@ -255,7 +255,7 @@ case "$step" in
       tests/test_runtime_fetch_split.py -m gpu -q
     stage kernel-tests 80 python3 -m pytest tests/test_kernels_moe.py tests/test_kernels_gpu.py -q \
       -k "down_launch"
-    stage kernels 120 python3 benchmarks/kernels.py --tokens 1,8,32 --config 64,8 --commit "$commit" \
+    stage kernels 120 python3 benchmarks/moe_kernels.py --tokens 1,8,32 --config 64,8 --commit "$commit" \
       --skip w2_gate_up,w2_down,w2_fused_plain,w2_gate_up_plain,w2_fused_mma16,dequant_grouped_mm,fp4_gate_up,w2_fused_down64w8,fp4_fused_down64w8 \
       --json "$work/kernels-deepseek-v3-v10.json"
     stage gate-split 70 python3 benchmarks/gate_cost.py --split --presets ds-v2-lite --layers 8 --steps 60 --warmup 10 \
@@ -398,22 +398,22 @@ case "$step" in
       --layers 16 --steps 220 --warmup 20 --coverages 0.25,1 --arena-gb 4 --arena-preload --dtype bfloat16 \
       --commit "$commit" --out "$work/replay_preloaded_qwen3_b.json"
     ;;
-  presets)  # issue #9 s. 3: the Triton kernels (benchmarks/kernels.py: W2 / FP4 fused, stages, bf16 _grouped_mm, the
+  presets)  # issue #9 s. 3: the Triton kernels (benchmarks/moe_kernels.py: W2 / FP4 fused, stages, bf16 _grouped_mm, the
     # streaming ceilings) on the DESIGN.md presets never measured with the current kernels, T = 1 / 8 / 32 / 64 / 512,
     # and deepseek-v3 at T = 64 / 512; then the CUDA C++ W2 whole op (benchmarks/cuda_w2.py, verify's variants) on the
     # presets whose shapes it accepts (hidden and inter multiples of 512: olmoe-1b-7b, mixtral-8x7b, ds4-flash,
     # kimi-k2; not ds-v2-lite (inter 1408) or qwen3-30b-a3b (768)) at T = 1 / 8 / 32. Variants not timed here: the
     # plain-Triton decode twins, dequantize-then-_grouped_mm and the down64w8 candidate (as in the kernels2 / final
-    # runs). Stage limits 60 + 6 x 60 + 4 x 35 = 560 s. Estimates, not measured: ~25-40 s per kernels.py run (the
+    # runs). Stage limits 60 + 6 x 60 + 4 x 35 = 560 s. Estimates, not measured: ~25-40 s per moe_kernels.py run (the
     # deepseek-v3 runs at T = 1 / 8 / 32 took 38 s (kernels), 26 s (kernels2), 24 s (final), mostly start-up and
     # checks; T = 64 / 512 were never timed with these kernels); ~13 s per cuda_w2.py run (verify: 13 s, the same
     # variants at T = 1 / 8 / 32 on deepseek-v3). Each JSON is rewritten after every stage, so a run stopped at its
     # limit keeps the T values it finished.
     skip=w2_fused_plain,w2_gate_up_plain,dequant_grouped_mm,w2_fused_down64w8,fp4_fused_down64w8
-    stage kernels-deepseek-v3 60 python3 benchmarks/kernels.py --preset deepseek-v3 --tokens 64,512 --config 64,8 \
+    stage kernels-deepseek-v3 60 python3 benchmarks/moe_kernels.py --preset deepseek-v3 --tokens 64,512 --config 64,8 \
       --skip "$skip" --commit "$commit" --json "$work/kernels-deepseek-v3-t64-512.json"
     for preset in olmoe-1b-7b ds-v2-lite qwen3-30b-a3b mixtral-8x7b ds4-flash kimi-k2; do
-      stage "kernels-$preset" 60 python3 benchmarks/kernels.py --preset "$preset" --tokens 1,8,32,64,512 --config 64,8 \
+      stage "kernels-$preset" 60 python3 benchmarks/moe_kernels.py --preset "$preset" --tokens 1,8,32,64,512 --config 64,8 \
         --skip "$skip" --commit "$commit" --json "$work/kernels-$preset.json"
     done
     for preset in olmoe-1b-7b mixtral-8x7b ds4-flash kimi-k2; do
@@ -448,7 +448,7 @@ case "$step" in
     stage generate-early 40 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --early-fetch --verify-resident
     if [ "$step" = inflight ]; then
-      stage kernels-kimi-k2-t512 45 python3 benchmarks/kernels.py --preset kimi-k2 --tokens 512 --config 64,8 \
+      stage kernels-kimi-k2-t512 45 python3 benchmarks/moe_kernels.py --preset kimi-k2 --tokens 512 --config 64,8 \
         --skip w2_fused_plain,w2_gate_up_plain,dequant_grouped_mm,w2_fused_down64w8,fp4_fused_down64w8 \
         --commit "$commit" --json "$work/kernels-kimi-k2-t512.json"
     fi
@@ -499,18 +499,18 @@ case "$step" in
       --json "$work/cuda-fp4-early-deepseek-v3.json"
     ;;
   btrule)  # moe_mm's default block size: one pair per program up to 4 pairs per expert (was 1), from the Triton rows
-    # of the cuda_w2 / cuda_fp4 runs against kernels.py's default rows of 54fb697 (separate runs). Here side by side
+    # of the cuda_w2 / cuda_fp4 runs against moe_kernels.py's default rows of 54fb697 (separate runs). Here side by side
     # in one run per preset at the batch sizes the change moves: `w2_fused` / `fp4_fused` (the new default, one pair
     # per program) against `*_fused_mma16` (the tensor-core blocks, the old default), and past the new switch
     # (deepseek-v3 T = 129 would be; T = 256 is) the new default's blocks against `*_fused_bt1`. Then the GPU tests
     # of the kernels and of this session's CUDA changes not yet run on a GPU (W2 gate_up width, FP4 8-column gate_up
     # in TierMoeCuda, the runtime's cuda_w2 rule). Stage limits 7 x 45 + 170 = 485 s. Estimates, not measured:
-    # ~25-40 s per kernels.py run (presets: 25-40 s for five T), tests ~120 s.
+    # ~25-40 s per moe_kernels.py run (presets: 25-40 s for five T), tests ~120 s.
     skip=w2_fused_plain,w2_gate_up_plain,dequant_grouped_mm,w2_fused_down64w8,fp4_fused_down64w8,w2_gate_up,fp4_gate_up
     for case in deepseek-v3:64,128,256 kimi-k2:64 ds4-flash:64 qwen3-30b-a3b:32,64 ds-v2-lite:16,32,42 \
                 mixtral-8x7b:8,16 olmoe-1b-7b:16,32; do
       preset="${case%%:*}"
-      stage "kernels-$preset" 45 python3 benchmarks/kernels.py --preset "$preset" --tokens "${case#*:}" --config 64,8 \
+      stage "kernels-$preset" 45 python3 benchmarks/moe_kernels.py --preset "$preset" --tokens "${case#*:}" --config 64,8 \
         --skip "$skip" --commit "$commit" --json "$work/kernels-btrule-$preset.json"
     done
     stage tests 170 python3 -m pytest tests/test_kernels_moe.py tests/test_kernels_gpu.py tests/test_cuda_w2_multi.py \

@@ -1,6 +1,6 @@
 """What the fused op's two weightless launches cost: `moe_route` and `moe_combine` (kernels/moe_mm.py) timed alone,
 together, and an empty Triton launch (a captured graph's floor per kernel node), per preset and T, by CUDA-graph
-replay over rotated routings (benchmarks/kernels.py's timer). Every expert resident in the W2 table except
+replay over rotated routings (benchmarks/moe_kernels.py's timer). Every expert resident in the W2 table except
 `--missing` experts (0 by default: the decode step's usual case).
 
 Routing kernels side by side: the current `route_kernel` with each chunk size and way of counting (`route_c{CHUNK}`,
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from tierstore.geometry import get_preset
 
-    kb, cw2 = _load("kernels"), _load("cuda_w2")
+    kb, cw2 = _load("moe_kernels"), _load("cuda_w2")
     result = dict(provenance=cw2._provenance(args.commit), missing=args.missing, rotations=ROTATIONS, cases=[])
     names = ["empty_launch", "moe_route", "combine", "route_combine", *ROUTES]
     print(f"{'preset':15s} {'T':>3s} {'BT':>3s} " + " ".join(f"{n[:15]:>15s}" for n in names) + "  invalid")

@@ -3,7 +3,7 @@ that reads, warp by warp and K tile by K tile, the bytes the gate_up reads at T 
 routed experts, 64 row tiles each) and only XORs them, at several depths of loads in flight (PROBE_AHEAD) and in two
 patterns: the pool's row layout (the gate_up's own addresses) and the same bytes per warp and tile contiguous (a
 layout that does not exist, as a comparison). One slot set per launch out of `--sets` (L2 defeated as in
-benchmarks/kernels.py), a CUDA graph of back-to-back launches replayed between two events, variants interleaved round by round, the median
+benchmarks/moe_kernels.py), a CUDA graph of back-to-back launches replayed between two events, variants interleaved round by round, the median
 per variant. The probe's output is checked against a torch XOR of the same bytes first (the row pattern at one depth
 and the contiguous one), so the reads are the ones described.
 

@@ -80,7 +80,7 @@ def default_block_tokens(pairs: int, num_experts: int) -> int:
     BT1_MAX_PAIRS_PER_EXPERT pairs per expert on average, then 16 up to 16 per expert, then 64.
 
     Whole op on the H200, one pair per program against the tensor-core blocks, us (the one-pair times from
-    benchmarks/cuda_w2.py's and cuda_fp4.py's Triton rows, the block times from kernels.py's default rows of
+    benchmarks/cuda_w2.py's and cuda_fp4.py's Triton rows, the block times from moe_kernels.py's default rows of
     54fb697: separate runs, bf16 within 10 %): 1.33 - 2 pairs per expert: deepseek-v3 T = 64 W2 3120.1 vs 7836.8,
     FP4 4903.8 vs 9644.5, kimi-k2 T = 64 3148.6 vs 9985.9, ds4-flash T = 64 1386.0 vs 4308.0, mixtral-8x7b T = 8
     408.9 vs 1108.8; 4: olmoe-1b-7b T = 32 268.4 vs 408.5; 8 and more: olmoe-1b-7b T = 64 517.1 vs 430.2,

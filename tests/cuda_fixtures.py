@@ -125,7 +125,7 @@ def bench_module(name: str):
 
 
 def bench_on_cpu(monkeypatch, bench, kb, build, geometry: tuple) -> None:
-    """A benchmark script (`bench`, with benchmarks/kernels.py as `kb`) set up for its CPU test: DEVICE "cpu", `build`
+    """A benchmark script (`bench`, with benchmarks/moe_kernels.py as `kb`) set up for its CPU test: DEVICE "cpu", `build`
     as its `_build`, the preset "tiny" of one layer with `geometry` = (experts, top_k, hidden, inter), every variant
     launched once and timed 10 us, the streaming ceiling 5 us, bf16 50 us."""
     import tierstore.geometry

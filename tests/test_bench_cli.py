@@ -96,7 +96,7 @@ def test_bench_sim_writes_json(tmp_path, capsys):
     assert "numba" in result["provenance"] and "cpu" in result["provenance"]
 
 
-@pytest.mark.parametrize("name, script", [("kernels", "benchmarks/kernels.py"), ("replay", "benchmarks/replay.py"),
+@pytest.mark.parametrize("name, script", [("kernels", "benchmarks/moe_kernels.py"), ("replay", "benchmarks/replay.py"),
                                           ("gate", "benchmarks/gate_cost.py")])
 def test_repo_only_benchmarks_print_their_command(name, script, capsys):
     assert main(["bench", name]) == 2  # nothing measured: not a success

@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py and benchmarks/cuda_w2.py take --preset NAME and run on that preset's shapes
+"""benchmarks/moe_kernels.py and benchmarks/cuda_w2.py take --preset NAME and run on that preset's shapes
 (tierstore.geometry), and h200_session.sh's `presets` step names only presets those scripts accept.
 
 CPU only: the command lines are parsed and each script's setup is stopped at its first use of the geometry,
@@ -41,7 +41,7 @@ def _step(name: str) -> str:
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_kernels_preset_option_sets_the_shapes(preset, tmp_path, monkeypatch):
-    kb = _load("kernels")
+    kb = _load("moe_kernels")
     monkeypatch.setattr(kb, "_provenance", lambda commit: dict(commit=commit))
     seen = {}
 
@@ -58,7 +58,7 @@ def test_kernels_preset_option_sets_the_shapes(preset, tmp_path, monkeypatch):
 
 
 def test_kernels_default_preset_is_unchanged(tmp_path, monkeypatch):
-    kb = _load("kernels")
+    kb = _load("moe_kernels")
     monkeypatch.setattr(kb, "_provenance", lambda commit: dict(commit=commit))
     seen = {}
 
@@ -74,7 +74,7 @@ def test_kernels_default_preset_is_unchanged(tmp_path, monkeypatch):
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_cuda_w2_preset_option_sets_the_shapes(preset, monkeypatch):
     cw = _load("cuda_w2")
-    kb = _load("kernels")
+    kb = _load("moe_kernels")
     args = cw._arguments("cuda_w2", ["--preset", preset, "--tokens", "1,8,32", "--json", "x.json"])
     assert args.preset == preset
     seen = {}

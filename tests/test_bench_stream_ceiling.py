@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py's streaming-read ceiling indexes reads of more than 2^31 words in int64.
+"""benchmarks/moe_kernels.py's streaming-read ceiling indexes reads of more than 2^31 words in int64.
 
 kimi-k2's presets run at 54fb697 stopped at T = 512 with an illegal memory access in the fp4_fused ceiling: a
 read of 8984199168 bytes (2246049792 int32 words) whose word index (pid * ITERS + i) * BLOCK + offs was int32 and
@@ -20,7 +20,7 @@ RESULT = ROOT / "benchmarks" / "results" / "kernels-kimi-k2-54fb697.json"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_kernels_stream_ceiling", ROOT / "benchmarks" / "kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels_stream_ceiling", ROOT / "benchmarks" / "moe_kernels.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

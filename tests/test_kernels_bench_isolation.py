@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py on CPU: each variant and check is isolated, failures are recorded in the JSON
+"""benchmarks/moe_kernels.py on CPU: each variant and check is isolated, failures are recorded in the JSON
 (written after every stage), a CUDA error stops later GPU variants, a failed check marks its rows invalid.
 The timing and check functions are replaced by fakes; the pools are real (tiny geometry, CPU)."""
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def kb(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_kernels_isolation", ROOT / "benchmarks" / "kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels_isolation", ROOT / "benchmarks" / "moe_kernels.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     monkeypatch.setattr(mod, "get_preset", lambda name: _preset("tiny", 1, 8, 2, 512, 512))

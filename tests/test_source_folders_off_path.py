@@ -6,6 +6,7 @@ process, not in the Pythons the tests start, not under `python -m tierstore`; `t
 import importlib.util
 import os
 import re
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +16,21 @@ OURS = ROOT / "kernels" / "__init__.py"
 
 
 def test_bare_kernels_is_not_the_source_folder_in_the_test_process():
+    """Checked after every test module was imported (some put benchmarks/ on sys.path)."""
     assert OURS.is_file()  # what would shadow, were the root on the path
     spec = importlib.util.find_spec("kernels")
-    assert spec is None or Path(spec.origin) != OURS
+    assert spec is None or "site-packages" in Path(spec.origin).parts, spec.origin
     assert str(ROOT) not in sys.path
     assert not (Path.cwd() == ROOT and "" in sys.path)
+
+
+def test_no_benchmark_module_shares_a_name_with_an_installed_or_standard_module():
+    """benchmarks/ is the first folder on a benchmark script's path (and tests put it on theirs): a script named
+    like a package would shadow it for everything imported after (`kernels.py` shadowed PyPI's `kernels`)."""
+    installed = {entry.name.removesuffix(".py") for folder in site.getsitepackages() for entry in Path(folder).iterdir()}
+    names = {path.stem for path in (ROOT / "benchmarks").glob("*.py")}
+    assert "replay" in names
+    assert names & (installed | set(sys.stdlib_module_names)) == set()
 
 
 def test_every_python_the_tests_start_with_c_or_m_keeps_the_cwd_off_its_path():

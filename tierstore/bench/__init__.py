@@ -25,10 +25,10 @@ class RepoBenchmark:
 
 
 REPO_BENCHMARKS = (
-    RepoBenchmark("kernels", "benchmarks/kernels.py",
+    RepoBenchmark("kernels", "benchmarks/moe_kernels.py",
                   "fused W2 / FP4 MoE kernels beside torch._grouped_mm bf16 and a streaming-read ceiling "
                   "(CUDA + Triton)",
-                  "python benchmarks/kernels.py --preset deepseek-v3 --tokens 1,8,32 --config 64,8 "
+                  "python benchmarks/moe_kernels.py --preset deepseek-v3 --tokens 1,8,32 --config 64,8 "
                   "--json kernels.json"),
     RepoBenchmark("replay", "benchmarks/replay.py",
                   "tiered decode at preset shapes, pool coverage x arena size, beside all-resident and "

@@ -18,7 +18,7 @@ and `status` says why. A variant whose check failed (rel. error > REL_TOL, NaN, 
 identical where they must be, check raised or not run) gets `invalid` (reasons) and `us` None; the
 time is kept as `invalid_us`. The JSON is rewritten (atomically) after every stage and on SIGTERM.
 
-    python benchmarks/kernels.py --preset deepseek-v3 --tokens 1,8,32 --config 64,8 --json out.json
+    python benchmarks/moe_kernels.py --preset deepseek-v3 --tokens 1,8,32 --config 64,8 --json out.json
 """
 
 from __future__ import annotations
@@ -652,7 +652,7 @@ def run(preset: str, token_counts: list[int], reps: int, sweep: bool, config: tu
 def _provenance(commit_hint: str | None) -> dict:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "kernels", "benchmarks/kernels.py"],
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "kernels", "benchmarks/moe_kernels.py"],
                                     capture_output=True, text=True).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
         commit, dirty = commit_hint or "unknown", None  # the GPU machine's copy has no .git
