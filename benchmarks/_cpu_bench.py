@@ -8,6 +8,7 @@ PYTHONPATH (which lacks anything added since), while the script's own folder is 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 
@@ -35,6 +36,20 @@ def baseline_worktree(repo: Path, baseline: str) -> Iterator[Path]:
             yield old
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=repo, check=True)
+
+
+def add_tree_options(parser: argparse.ArgumentParser, baseline: str) -> None:
+    """The old tree's options: `--baseline REV` (checked out as a git worktree) or `--baseline-tree DIR`."""
+    parser.add_argument("--baseline", default=baseline, help="git revision of the old tree")
+    parser.add_argument("--baseline-tree", type=Path,
+                        help="the old tree's files instead (a folder holding its tierstore/: where .git lacks it)")
+
+
+def old_tree(repo: Path, args: argparse.Namespace) -> AbstractContextManager[Path]:
+    """The old tree that `add_tree_options` named: its worktree (removed on exit) or the folder given."""
+    if args.baseline_tree is not None:
+        return nullcontext(args.baseline_tree.resolve())
+    return baseline_worktree(repo, args.baseline)
 
 
 def run_rounds(script: str | Path, trees: Mapping[str, Path], rounds: int, args: Sequence[str]) -> dict[str, list]:

@@ -16,15 +16,15 @@ working tree), each round a fresh subprocess importing that tree's tierstore:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import random
 import statistics
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
-from _cpu_bench import baseline_worktree, emit, git_out, run_rounds
+from _cpu_bench import add_tree_options, emit, git_out, old_tree, run_rounds
 
 ROW_BYTES = 64  # one page of arena per row: the table's size, not the bytes, is what is timed
 
@@ -63,9 +63,7 @@ def worker(preset: str, fills: int, seed: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--baseline", default="2dbc214", help="git revision of the old tree")
-    parser.add_argument("--baseline-tree", type=Path,
-                        help="the old tree's files instead (a folder holding its tierstore/: where .git lacks it)")
+    add_tree_options(parser, baseline="2dbc214")
     parser.add_argument("--presets", default="ds-v2-lite,qwen3-30b-a3b,deepseek-v3")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--fills", type=int, default=200, help="timed fetch + refresh pairs per round")
@@ -75,8 +73,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.worker:
-        import json
-
         print(json.dumps(worker(args.preset, args.fills, args.seed)))
         return
     repo = Path(__file__).resolve().parent.parent
@@ -84,8 +80,7 @@ def main() -> None:
     dirty = bool(git_out(repo, "status", "--porcelain", "tierstore").strip())
     presets = args.presets.split(",")
     results, medians = {}, {}
-    with baseline_worktree(repo, args.baseline) if args.baseline_tree is None else nullcontext(
-            args.baseline_tree.resolve()) as old:
+    with old_tree(repo, args) as old:
         for preset in presets:
             rows = run_rounds(__file__, {"old": old, "new": repo}, args.rounds,
                               ["--preset", preset, "--fills", str(args.fills), "--seed", str(args.seed)])

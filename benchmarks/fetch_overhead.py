@@ -33,10 +33,9 @@ import os
 import platform
 import statistics
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
-from _cpu_bench import baseline_worktree, emit, git_out, run_rounds, wrap_timed
+from _cpu_bench import add_tree_options, emit, git_out, old_tree, run_rounds, wrap_timed
 
 PARTS = ("fetch", "arena", "install", "to_first_copy")
 
@@ -109,9 +108,7 @@ def worker(steps: int, warmup: int, device: str, coverage: float, preset: str, l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--baseline", default="002dda0", help="git revision of the old tree")
-    parser.add_argument("--baseline-tree", type=Path,
-                        help="the old tree's files instead (a folder holding its tierstore/: where .git lacks it)")
+    add_tree_options(parser, baseline="002dda0")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=50)
@@ -128,8 +125,7 @@ def main() -> None:
     repo = Path(__file__).resolve().parent.parent
     head = args.commit or git_out(repo, "rev-parse", "HEAD").strip()
     dirty = bool(git_out(repo, "status", "--porcelain", "tierstore").strip())
-    with baseline_worktree(repo, args.baseline) if args.baseline_tree is None else nullcontext(
-            args.baseline_tree.resolve()) as old:
+    with old_tree(repo, args) as old:
         results = run_rounds(__file__, {"old": old, "new": repo}, args.rounds,
                              ["--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
                               "--coverage", str(args.coverage), "--preset", args.preset, "--layers", str(args.layers)])

@@ -39,7 +39,7 @@ class StreamRows:
         self.device = pool_slots.device
         self.at = torch.zeros(num_layers * num_experts, dtype=torch.int64, device=self.device)  # [L * E]
         self._rows: list[torch.Tensor | None] = [None] * (num_layers * num_experts)  # CPU: each id's row
-        self._published = np.zeros(num_layers * num_experts, dtype=np.int64)  # [L * E] addresses as last published
+        self._published = np.zeros(num_layers * num_experts, dtype=np.int64)  # [L * E] CPU: the addresses of `_rows`
         self._version = -1
         # every expert has a published row: a streaming pass lacks none (the CUDA multi-token kernels' batches still miss)
         self.complete = False
@@ -59,7 +59,7 @@ class StreamRows:
             moved = np.flatnonzero(rows != self._published)
             for key_id, address in zip(moved.tolist(), rows[moved].tolist()):
                 self._rows[key_id] = arena.row_at(address) if address else None
-        self._published = rows.copy()
+            self._published = rows.copy()
         self._version = arena.version
         self.complete = bool(rows.all())
 
