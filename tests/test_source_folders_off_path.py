@@ -61,6 +61,18 @@ def test_python_m_tierstore_takes_the_checkout_root_off_its_path():
     assert without_checkout_root(["", "."], ROOT.parent) == ["", "."]  # cwd is elsewhere: nothing to take off
 
 
+def test_python_m_tierstore_installed_keeps_site_packages_beside_pypis_kernels(tmp_path):
+    """Installed, tierstore's parent is site-packages, which may hold PyPI's `kernels/`: it stays on the path."""
+    from tierstore.__main__ import is_checkout, without_checkout_root
+
+    site_packages = tmp_path / "site-packages"
+    (site_packages / "kernels").mkdir(parents=True)
+    (site_packages / "kernels" / "__init__.py").write_text("")
+    path = [str(site_packages), "/usr/lib/python3.11"]
+    assert not is_checkout(site_packages) and is_checkout(ROOT)
+    assert without_checkout_root(path, tmp_path, root=site_packages) == path
+
+
 def test_python_m_tierstore_runs_from_the_checkout_root():
     command = [sys.executable, "-m", "tierstore", "--help"]  # no -P: the module itself takes the root off
     out = subprocess.run(command, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, check=True)

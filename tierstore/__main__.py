@@ -11,11 +11,17 @@ from pathlib import Path
 CHECKOUT = Path(__file__).resolve().parents[1]
 
 
-def without_checkout_root(path: list[str], cwd: Path) -> list[str]:
-    """sys.path less the checkout's root ('' and '.' mean cwd), when the root holds `kernels/`."""
-    if not (CHECKOUT / "kernels" / "__init__.py").is_file():
+def is_checkout(folder: Path) -> bool:
+    """A source checkout (pyproject.toml beside `kernels/`), not the site-packages of an install, where a
+    `kernels/` is PyPI's own and that folder must stay on the path."""
+    return (folder / "pyproject.toml").is_file() and (folder / "kernels" / "__init__.py").is_file()
+
+
+def without_checkout_root(path: list[str], cwd: Path, root: Path = CHECKOUT) -> list[str]:
+    """sys.path less `root` ('' and '.' mean cwd) when it is a checkout."""
+    if not is_checkout(root):
         return path
-    return [entry for entry in path if (cwd / entry).resolve() != CHECKOUT]
+    return [entry for entry in path if (cwd / entry).resolve() != root]
 
 
 if __name__ == "__main__":
