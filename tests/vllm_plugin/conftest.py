@@ -8,6 +8,19 @@ from tierstore.checkpoint.synthetic import write_synthetic_checkpoint
 from moe_helpers import E, FORMATS, H, I, K
 
 
+@pytest.fixture(scope="module", autouse=True)
+def children_keep_the_cwd_off_their_path(tmp_path_factory):
+    """vLLM inspects a model in a child Python (`python -m vllm.model_executor.models.registry`) started in the
+    cwd, the repository root under pytest, where `kernels/` would shadow PyPI's `kernels` for that child's
+    transformers (tests/conftest.py says why): PYTHONSAFEPATH keeps the cwd off its path. Only while these tests
+    run: elsewhere it would also keep a benchmark script's own folder off the path of the scripts tests start.
+    vLLM's cache of inspected models starts empty in each module, so that child runs here as on a new machine."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONSAFEPATH", "1")
+        patch.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def harness():
     import vllm_harness
