@@ -16,7 +16,7 @@
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`), except
 # under $work/baseline/, where the runs of an older tree write (their --commit names that tree).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11|hostcut2|located|located2|located3|syncwake|closing11|planvariant|pinning|passgather|passgather2|mend12|closing12|mend12b|gatherclock|passgather3|pair|pair2|pair3|pair4|pair5|pair6|pair7|pairclock2|closing13|choice|choice2|closing14|closing14b|closing14c|fp4pair2|closing15|stagewake|blocks15|final15|unread16|pairclock16|pairprof16|pairprof16b|pairprof16c|plans16|closing16|final16|closing16b|closing17|closing18|final17|recent17|recent17b|closing19|final19|final19b|copies20|spares20|grid20|closing20|recorded20|nomiss21|first21|first21b|choice21|choice21b|head22|skip22|skip22b|skip22c|mend29|next29}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11|hostcut2|located|located2|located3|syncwake|closing11|planvariant|pinning|passgather|passgather2|mend12|closing12|mend12b|gatherclock|passgather3|pair|pair2|pair3|pair4|pair5|pair6|pair7|pairclock2|closing13|choice|choice2|closing14|closing14b|closing14c|fp4pair2|closing15|stagewake|blocks15|final15|unread16|pairclock16|pairprof16|pairprof16b|pairprof16c|plans16|closing16|final16|closing16b|closing17|closing18|final17|recent17|recent17b|closing19|final19|final19b|copies20|spares20|grid20|closing20|recorded20|nomiss21|first21|first21b|choice21|choice21b|head22|skip22|skip22b|skip22c|mend29|next29|bus30}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -1878,6 +1878,25 @@ case "$step" in
       tests/test_runtime_pass_gather.py tests/test_kernels_stream.py -m "gpu or not gpu" -q
     stage generate-quality 90 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    ;;
+  bus30)  # twenty-seventh session, first call: next29's GPU tests and main job, then what a streamed expert's read
+    # pattern gets over the bus (benchmarks/w2_access.py --memory host: the gate_up's row pattern, the paired one whose
+    # every load covers a row's whole 128-byte tile, both with and without the L2 bulk prefetch, the contiguous
+    # chunk, against the copy engine's H2D copy of the same bytes) at ds-v2-lite's and qwen3-30b-a3b's shapes, and the
+    # paired pattern's cost in device memory. Limits 240 + 90 + 3 x 90 s. Estimates, not measured: the probes ~30-60 s
+    # each (ten builds first, then cached).
+    stage tests 240 python3 -m pytest tests/test_arena_address_tables.py tests/test_runtime_stream_arena.py \
+      tests/test_runtime_pass_gather.py tests/test_kernels_stream.py -m "gpu or not gpu" -q
+    stage generate-quality 90 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    for shape in "ds-v2-lite 1408" "qwen3-30b-a3b 768"; do
+      set -- $shape
+      stage "bus-$1" 90 python3 benchmarks/w2_access.py --memory host --hidden 2048 --inter "$2" --experts 1,4,8 \
+        --sets 16 --patterns rows,paired,rows_prefetch,paired_prefetch,contiguous --ahead 1,2 --commit "$commit" \
+        --json "$work/bus-reads-$1.json"
+    done
+    stage hbm-ds-v2-lite 90 python3 benchmarks/w2_access.py --memory device --hidden 2048 --inter 1408 --experts 6 \
+      --sets 16 --patterns rows,paired --ahead 1,2 --commit "$commit" --json "$work/hbm-reads-ds-v2-lite.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -7,7 +7,15 @@ benchmarks/moe_kernels.py), a CUDA graph of back-to-back launches replayed betwe
 per variant. The probe's output is checked against a torch XOR of the same bytes first (the row pattern at one depth
 and the contiguous one), so the reads are the ones described.
 
+More patterns (`--patterns`): `paired`, the row layout read with each load instruction covering one row's whole
+128-byte K tile (a shuffle then gives every lane the row pattern's registers), and `*_prefetch`, the block's rows
+first asked into L2 by bulk prefetches. `--memory host` puts the slots in pinned host memory, so the probe reads over
+the bus as a streamed expert's arena row is read (`stream_arena`), and adds the copy engine's H2D copy of the same
+bytes (`copy_engine`, one copy per expert) as the baseline a streamed read is charged against.
+
     python3 benchmarks/w2_access.py [--ahead 1,2,4,6] [--rounds 7] [--json PATH]
+    python3 benchmarks/w2_access.py --memory host --hidden 2048 --inter 1408 --experts 1,4 \
+        --patterns rows,paired,rows_prefetch,paired_prefetch,contiguous --ahead 1,2
 """
 import argparse
 import json
@@ -77,56 +85,106 @@ def _xor_contiguous(slots, slot_ids, lay) -> torch.Tensor:
     return torch.stack(out, dim=1)  # [blocks_y, blocks_x, 128]
 
 
+PATTERNS = {  # name -> build defines (PROBE_AHEAD added per variant)
+    "rows": {"PROBE_TILED": 0},
+    "contiguous": {"PROBE_TILED": 1},
+    "paired": {"PROBE_TILED": 0, "PROBE_PAIRED": 1},
+    "rows_prefetch": {"PROBE_TILED": 0, "PROBE_PREFETCH": 1},
+    "paired_prefetch": {"PROBE_TILED": 0, "PROBE_PAIRED": 1, "PROBE_PREFETCH": 1},
+}
+
+
+def _slots(count: int, slot_bytes: int, memory: str) -> torch.Tensor:
+    """[count, slot_bytes] uint8 random bytes in device memory or in pinned host memory (read over the bus)."""
+    if memory == "device":
+        return torch.randint(-128, 128, (count, slot_bytes), dtype=torch.int8, device="cuda").view(torch.uint8)
+    host = torch.randint(-128, 128, (count, slot_bytes), dtype=torch.int8).view(torch.uint8)
+    return host.pin_memory()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--inter", type=int, default=2048)
-    parser.add_argument("--experts", type=int, default=8, help="routed experts per launch (T = 1, top-8)")
-    parser.add_argument("--sets", type=int, default=8, help="slot sets rotated across launches")
+    parser.add_argument("--experts", default="8", help="routed experts per launch (T = 1), one variant each: 1,2,4,8")
+    parser.add_argument("--sets", type=int, default=8, help="slot sets of the largest --experts rotated across launches")
     parser.add_argument("--ahead", default="1,2,4,6", help="PROBE_AHEAD values, one variant per pattern each")
+    parser.add_argument("--patterns", default="rows,contiguous", help=f"of {','.join(PATTERNS)}")
+    parser.add_argument("--memory", choices=("device", "host"), default="device",
+                        help="host: the slots in pinned host memory, read over the bus (as a streamed expert's arena "
+                             "row), with the copy engine's H2D copy of the same bytes as a further variant")
     parser.add_argument("--launches", type=int, default=64, help="launches per timed round")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    patterns = args.patterns.split(",")
+    unknown = [name for name in patterns if name not in PATTERNS]
+    if unknown:
+        raise SystemExit(f"unknown pattern(s) {unknown}: choose from {list(PATTERNS)}")
+    expert_counts = [int(e) for e in args.experts.split(",")]
     device = torch.cuda.current_device()
     lay = w2_slot_layout(args.hidden, args.inter)
     m = lay.w13
-    count = args.experts * args.sets
-    slots = torch.randint(-128, 128, (count, lay.slot_bytes), dtype=torch.int8, device="cuda").view(torch.uint8)
-    slot_of = [torch.arange(i * args.experts, (i + 1) * args.experts, dtype=torch.int32, device="cuda")
-               for i in range(args.sets)]
-    grid = (args.experts, args.inter // ROWS_PER_BLOCK)
-    out = torch.empty(grid[1] * grid[0] * THREADS, dtype=torch.int32, device="cuda")
+    count = max(expert_counts) * args.sets
+    slots = _slots(count, lay.slot_bytes, args.memory)
     tiles = m.words_per_row // 32
-    nbytes = args.experts * 2 * args.inter * tiles * (128 + 16)  # per launch: each row's words and scales read once
+    per_expert = 2 * args.inter * tiles * (128 + 16)  # each row's words and scales, read once per launch
     if (args.inter // ROWS_PER_BLOCK) * 4 * tiles * CHUNK_BYTES > lay.slot_bytes - lay.w13_words_offset:
         raise SystemExit("the contiguous pattern would read past the slot")
+    if lay.w13_scales_offset != lay.w13_words_offset + 2 * args.inter * tiles * 128:
+        raise SystemExit("the w13 scales do not follow its words: the copy variant would copy other bytes")
+    # launch i of `e` experts reads slot group i % (count // e): every launch of a replay reads slots the last
+    # count // e - 1 launches did not
+    groups = {e: [torch.arange(i * e, (i + 1) * e, dtype=torch.int32, device="cuda") for i in range(count // e)]
+              for e in expert_counts}
+    out = torch.empty((args.inter // ROWS_PER_BLOCK) * max(expert_counts) * THREADS, dtype=torch.int32, device="cuda")
+    landing = torch.empty(max(expert_counts), per_expert, dtype=torch.uint8, device="cuda")
 
-    variants = {}
-    for tiled in (0, 1):
+    kernels = {}
+    for name in patterns:
         for ahead in (int(a) for a in args.ahead.split(",")):
-            kernel = loader.load(loader.build(SOURCE, {"PROBE_AHEAD": ahead, "PROBE_TILED": tiled}),
-                                 "w2_access_probe", device)
-            variants[f"{'contiguous' if tiled else 'rows'}_ahead{ahead}"] = (kernel, tiled, ahead)
+            kernels[f"{name}_ahead{ahead}"] = (loader.load(loader.build(SOURCE, {**PATTERNS[name], "PROBE_AHEAD": ahead}),
+                                                           "w2_access_probe", device), name, ahead)
 
-    def launch(kernel, s):
-        kernel.launch(grid, (THREADS,), 0, torch.cuda.current_stream().cuda_stream, "pqqqiiipp",
-                      [slots.data_ptr(), lay.slot_bytes, lay.w13_words_offset, lay.w13_scales_offset,
-                       m.words_per_row, m.blocks_per_row, args.inter, slot_of[s].data_ptr(), out.data_ptr()])
+    def launch(kernel, e, i):
+        kernel.launch((e, args.inter // ROWS_PER_BLOCK), (THREADS,), 0, torch.cuda.current_stream().cuda_stream,
+                      "pqqqiiipp", [slots.data_ptr(), lay.slot_bytes, lay.w13_words_offset, lay.w13_scales_offset,
+                                    m.words_per_row, m.blocks_per_row, args.inter,
+                                    groups[e][i % len(groups[e])].data_ptr(), out.data_ptr()])
+
+    def copy(e, i):  # the copy engine: one H2D copy per expert of the bytes the probe reads (as an install's rows)
+        group = i % len(groups[e])
+        for j in range(e):
+            s = group * e + j
+            landing[j].copy_(slots[s, lay.w13_words_offset:lay.w13_words_offset + per_expert], non_blocking=True)
 
     checks = {}
-    want = _xor_rows(slots, slot_of[0].tolist(), lay).reshape(-1)
-    want_contiguous = _xor_contiguous(slots, slot_of[0].tolist(), lay).reshape(-1)
-    for name, (kernel, tiled, _) in variants.items():
+    e0 = expert_counts[0]
+    first = groups[e0][0].tolist()
+    want = _xor_rows(slots, first, lay).reshape(-1).to("cuda")
+    want_contiguous = _xor_contiguous(slots, first, lay).reshape(-1).to("cuda")
+    for name, (kernel, pattern, _) in kernels.items():
+        size = (args.inter // ROWS_PER_BLOCK) * e0 * THREADS
         out.fill_(0x7FC00000)  # poison
-        launch(kernel, 0)
+        launch(kernel, e0, 0)
         torch.cuda.synchronize()
-        if tiled:
-            checks[name] = bool(torch.equal(out, want_contiguous))
-        else:
-            checks[name] = bool(torch.equal(out, want))
+        checks[name] = bool(torch.equal(out[:size], want_contiguous if pattern == "contiguous" else want))
+    if args.memory == "host":
+        landing.fill_(0)
+        copy(e0, 0)
+        torch.cuda.synchronize()
+        checks["copy_engine"] = all(
+            torch.equal(landing[j].cpu(), slots[s, lay.w13_words_offset:lay.w13_words_offset + per_expert])
+            for j, s in enumerate(first))
     print("checks:", checks)
+
+    variants = {}  # (name, experts) -> a callable issuing launch i
+    for e in expert_counts:
+        for name, (kernel, _, _) in kernels.items():
+            variants[(name, e)] = (lambda i, kernel=kernel, e=e: launch(kernel, e, i))
+        if args.memory == "host":
+            variants[("copy_engine", e)] = (lambda i, e=e: copy(e, i))
 
     # Each variant's launches captured in one CUDA graph (a launch from Python takes longer than the kernel runs:
     # timed eagerly, the host's issue rate would be measured), replayed between two events.
@@ -134,42 +192,48 @@ def main() -> None:
     stream.wait_stream(torch.cuda.current_stream())
     graphs = {}
     with torch.cuda.stream(stream):
-        for name, (kernel, _, _) in variants.items():
-            for s in range(args.sets):  # warm-up outside the capture
-                launch(kernel, s)
-            graphs[name] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[name], stream=stream):
+        for key, issue in variants.items():
+            for i in range(len(groups[key[1]])):  # warm-up outside the capture
+                issue(i)
+            graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[key], stream=stream):
                 for i in range(args.launches):
-                    launch(kernel, i % args.sets)
+                    issue(i)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = {name: [] for name in variants}
-    for name in variants:
-        graphs[name].replay()
+    times = {key: [] for key in variants}
+    for key in variants:
+        graphs[key].replay()
     for _ in range(args.rounds):
-        for name in variants:
+        for key in variants:
             torch.cuda.synchronize()
             start.record()
-            graphs[name].replay()
+            graphs[key].replay()
             end.record()
             end.synchronize()
-            times[name].append(1000 * start.elapsed_time(end) / args.launches)
+            times[key].append(1000 * start.elapsed_time(end) / args.launches)
     rows = []
-    for name, (kernel, tiled, ahead) in variants.items():
-        us = statistics.median(times[name])
-        rows.append(dict(variant=name, pattern="contiguous" if tiled else "rows", ahead=ahead, us=us,
-                         rounds_us=times[name], gbs=nbytes / us / 1e3, pct_hbm=100 * nbytes / us / 1e6 / HBM_TBS,
-                         registers=kernel.attribute("num_regs"), local_bytes=kernel.attribute("local_bytes"),
+    for (name, e), rounds_us in times.items():
+        us = statistics.median(rounds_us)
+        nbytes = e * per_expert
+        kernel = kernels[name][0] if name in kernels else None
+        rows.append(dict(variant=name, experts=e, pattern=kernels[name][1] if kernel else name,
+                         ahead=kernels[name][2] if kernel else None, us=us, rounds_us=rounds_us,
+                         gbs=nbytes / us / 1e3, pct_hbm=100 * nbytes / us / 1e6 / HBM_TBS,
+                         registers=kernel.attribute("num_regs") if kernel else None,
+                         local_bytes=kernel.attribute("local_bytes") if kernel else None,
                          check=checks[name]))
-    print(f"{'variant':<20} {'us':>7} {'GB/s':>7} {'%HBM':>6} {'regs':>5} check")
+    print(f"{'variant':<22} {'experts':>7} {'us':>8} {'GB/s':>7} {'%HBM':>6} {'regs':>5} check")
     for r in rows:
-        print(f"{r['variant']:<20} {r['us']:7.2f} {r['gbs']:7.0f} {r['pct_hbm']:6.1f} {r['registers']:5d} {r['check']}")
+        regs = "" if r["registers"] is None else r["registers"]
+        print(f"{r['variant']:<22} {r['experts']:7d} {r['us']:8.2f} {r['gbs']:7.1f} {r['pct_hbm']:6.1f} {regs:>5} "
+              f"{r['check']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(provenance=provenance(args.commit), bytes_per_launch=nbytes, hidden=args.hidden,
-                           inter=args.inter, experts=args.experts, sets=args.sets, launches=args.launches,
-                           rows=rows), f, indent=1)
+            json.dump(dict(provenance=provenance(args.commit), memory=args.memory, bytes_per_expert=per_expert,
+                           hidden=args.hidden, inter=args.inter, experts=expert_counts, sets=args.sets,
+                           launches=args.launches, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
