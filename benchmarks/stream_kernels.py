@@ -3,8 +3,10 @@ preset's shapes with `n` of its top-k experts computed from pinned arena rows ov
 with every expert in a pool slot, and against the copy engine moving those n rows (the floor's bus time).
 
 Variants, side by side in one process: `resident` (W2MoeCuda(), every expert in a slot), `stream` (the W2_STREAM
-builds, n experts without a slot) and `stream_prefetch` (W2_STREAM_PREFETCH: a streamed pair's block first asks its
-rows into L2 with bulk prefetches). Before timing, every variant's outputs of every layer are checked equal bit for
+builds, n experts without a slot), `stream_prefetch` (W2_STREAM_PREFETCH: a streamed pair's block first asks its
+rows into L2 with bulk prefetches), `stream_stage` (W2_STREAM_STAGE with the prefetch: a streamed pair's block first
+copies its rows into shared memory in contiguous runs, where the stage fits) and `resident_stage_build` (that build
+with every expert in a slot: what its larger shared memory costs the blocks that stream nothing). Before timing, every variant's outputs of every layer are checked equal bit for
 bit to the resident ones (outputs poisoned first). Timing: a CUDA graph of `--layers` such layers (each its own
 experts), L2 flushed (a 256 MiB write) before each replay, events around the replay only; the rounds rotate the
 variants; per layer, the median of the rounds. `h2d_us`: n rows by cudaMemcpyAsync from pinned memory, timed the same
@@ -34,7 +36,12 @@ from tierstore.kernels.cuda.w2_moe import W2MoeCuda  # noqa: E402
 from tierstore.kernels.layout import w2_slot_layout  # noqa: E402
 from tierstore.runtime.synthetic import random_experts  # noqa: E402
 
-VARIANTS = ("resident", "stream", "stream_prefetch")
+# variant -> (W2MoeCuda stream options, None: the plain build; whether every expert has a slot)
+VARIANTS = {"resident": (None, True), "stream": (dict(stream_prefetch=False), False),
+            "stream_prefetch": (dict(stream_prefetch=True), False),
+            "stream_stage": (dict(stream_prefetch=True, stream_stage=True), False),
+            "resident_stage_build": (dict(stream_prefetch=True, stream_stage=True), True)}
+STREAMING = [v for v, (_, resident) in VARIANTS.items() if not resident]
 FLUSH_BYTES = 256 << 20
 
 
@@ -106,13 +113,13 @@ def bench_preset(name: str, layers: int, counts: list[int], rounds: int, reps: i
     rows = random_experts(g, False, layers * k, seed=3)  # [L * k, slot_bytes]
     slots, arena = rows.cuda(), rows.pin_memory()
     wps = w2_down.wps_of(layout)
-    ops = {"resident": W2MoeCuda(wps=wps), "stream": W2MoeCuda(wps=wps, stream=True, stream_prefetch=False),
-           "stream_prefetch": W2MoeCuda(wps=wps, stream=True, stream_prefetch=True)}
+    ops = {v: W2MoeCuda(wps=wps) if options is None else W2MoeCuda(wps=wps, stream=True, **options)
+           for v, (options, _) in VARIANTS.items()}
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     results = []
     for n in counts:
         n = min(n, k)
-        cases = {v: Layers(g, layers, n, v == "resident", slots, arena, seed=n) for v in VARIANTS}
+        cases = {v: Layers(g, layers, n, resident, slots, arena, seed=n) for v, (_, resident) in VARIANTS.items()}
         for case in cases.values():  # the same inputs in every variant
             case.x.copy_(cases["resident"].x)
             case.weights.copy_(cases["resident"].weights)
@@ -122,13 +129,14 @@ def bench_preset(name: str, layers: int, counts: list[int], rounds: int, reps: i
             case.run(ops[variant])
             torch.cuda.synchronize()
             checks[variant] = case.outs.clone()
-        counts_ok = cases["stream"].misses.counts.tolist() == [0, n * layers] if n else True
+        counts_ok = all(cases[v].misses.counts.tolist() == [0, n * layers] for v in STREAMING) if n else True
         exact = {v: bool(torch.equal(checks[v], checks["resident"]) and not checks[v].isnan().any()) for v in VARIANTS}
         graphs = {v: _graph(lambda c=cases[v], op=ops[v]: c.run(op)) for v in VARIANTS}
         copy_dst = torch.empty(max(n, 1), layout.slot_bytes, dtype=torch.uint8, device="cuda")
         times = {v: [] for v in (*VARIANTS, "h2d")}
         for r in range(rounds):
-            order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+            names = list(VARIANTS)
+            order = names[r % len(names):] + names[:r % len(names)]
             for v in order:
                 times[v].append(_time(graphs[v].replay, flush, reps) / layers)
             times["h2d"].append(_time(lambda: copy_dst[:n].copy_(arena[:n], non_blocking=True), flush, reps)
@@ -137,13 +145,13 @@ def bench_preset(name: str, layers: int, counts: list[int], rounds: int, reps: i
         row_bytes = layout.slot_bytes
         result = {"preset": name, "streamed": n, "top_k": k, "row_bytes": row_bytes, "layers": layers,
                   "exact": exact, "logged_ok": counts_ok, "us_per_layer": us,
-                  "extra_us": {v: us[v] - us["resident"] for v in VARIANTS[1:]}}
+                  "extra_us": {v: us[v] - us["resident"] for v in list(VARIANTS)[1:]}}
         result["stream_gbps"] = {v: n * row_bytes / (result["extra_us"][v] * 1e3) if n and result["extra_us"][v] > 0
-                                 else None for v in VARIANTS[1:]}
+                                 else None for v in STREAMING}
         result["h2d_gbps"] = n * row_bytes / (us["h2d"] * 1e3) if n else None
         results.append(result)
-        print(f"{name} n={n}: resident {us['resident']:.1f} us/layer, stream +{result['extra_us']['stream']:.1f}, "
-              f"stream_prefetch +{result['extra_us']['stream_prefetch']:.1f}, h2d of the rows {us['h2d']:.1f} us; "
+        extra = ", ".join(f"{v} +{result['extra_us'][v]:.1f}" for v in list(VARIANTS)[1:])
+        print(f"{name} n={n}: resident {us['resident']:.1f} us/layer, {extra}, h2d of the rows {us['h2d']:.1f} us; "
               f"exact {exact}, logged {counts_ok}", flush=True)
     return results
 
@@ -167,13 +175,16 @@ def main() -> None:
                   "device": torch.cuda.get_device_name(), "torch": torch.__version__, "argv": sys.argv[1:]}
     if args.json:
         args.json.write_text(json.dumps({"provenance": provenance, "method": __doc__, "results": results}, indent=1))
-    print(f"{'preset':<15} {'n':>2} {'resident us':>11} {'+stream':>8} {'+prefetch':>9} {'h2d us':>7} {'GB/s s/p/h2d':>18} exact")
+    print(f"{'preset':<15} {'n':>2} {'resident us':>11} {'+stream':>8} {'+prefetch':>9} {'+stage':>7} "
+          f"{'+res.stage':>10} {'h2d us':>7} {'GB/s s/p/st/h2d':>22} exact")
     for r in results:
-        gb = r["stream_gbps"]
+        gb, extra = r["stream_gbps"], r["extra_us"]
         fmt = lambda v: f"{v:.1f}" if v else "-"  # noqa: E731
-        print(f"{r['preset']:<15} {r['streamed']:>2} {r['us_per_layer']['resident']:>11.1f} {r['extra_us']['stream']:>8.1f} "
-              f"{r['extra_us']['stream_prefetch']:>9.1f} {r['us_per_layer']['h2d']:>7.1f} "
-              f"{fmt(gb['stream']):>5}/{fmt(gb['stream_prefetch'])}/{fmt(r['h2d_gbps'])} {all(r['exact'].values())}")
+        print(f"{r['preset']:<15} {r['streamed']:>2} {r['us_per_layer']['resident']:>11.1f} {extra['stream']:>8.1f} "
+              f"{extra['stream_prefetch']:>9.1f} {extra['stream_stage']:>7.1f} {extra['resident_stage_build']:>10.1f} "
+              f"{r['us_per_layer']['h2d']:>7.1f} "
+              f"{fmt(gb['stream'])}/{fmt(gb['stream_prefetch'])}/{fmt(gb['stream_stage'])}/{fmt(r['h2d_gbps'])} "
+              f"{all(r['exact'].values())}")
 
 
 if __name__ == "__main__":

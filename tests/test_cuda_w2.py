@@ -1039,3 +1039,48 @@ def test_v3_bench_checks_isolate_a_variant_whose_launch_raises():
         "check raised: RuntimeError: cuLaunchKernelEx failed: CUDA_ERROR_NOT_SUPPORTED"]
     assert bench._invalid([check], "cuda_down") == [] and bench._invalid([check], "cuda_down_eg") == []
     assert check["variants"]["cuda_down_eg"]["same_bytes_as_default"] is True
+
+
+def test_stream_stage_builds_take_their_stage_only_where_it_fits(monkeypatch):
+    """W2_STREAM_STAGE: the define only with stream (and passed through W2MoeCuda), the carveout asked for, and the
+    launches' shared memory: the activation pairs plus a block's rows and scales (32 gate + 32 up rows for the gate_up,
+    64 rows for the down) where that stays within STREAM_STAGE_LIMIT, else the pairs alone (DeepSeek-V3's gate_up)."""
+    from tierstore.kernels.cuda import w2_gate_up
+
+    built, carveouts = stub_builds(monkeypatch)
+    with pytest.raises(ValueError, match="stage needs stream"):
+        w2_gate_up.build_defines(2, early=True, pair_order=True, stage=True)
+    W2MoeCuda(device=0, stream=True)
+    without_stage = len(carveouts)
+    built.clear()
+    moe = W2MoeCuda(device=0, stream=True, stream_stage=True)
+    assert built[0] == ("w2_gate_up.cu", {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_PDL": 1, "W2_DECODE_MAD": 1,
+                                          "W2_PAIR_ORDER": 1, "W2_STREAM": 1, "W2_STREAM_PREFETCH": 1,
+                                          "W2_STREAM_STAGE": 1})
+    assert built[1][1]["W2_STREAM_STAGE"] == 1 and len(carveouts) == 2 * without_stage + 2  # both single-token kernels
+    for hidden, inter, gate_stage, down_stage in ((2048, 1408, True, True), (2048, 768, True, True),
+                                                  (7168, 2048, False, True)):
+        lay = w2_slot_layout(hidden, inter)
+        w13, w2m = lay.w13, lay.w2
+        gate_want = 2 * hidden + (64 * (4 * w13.words_per_row + w13.blocks_per_row) if gate_stage else 0)
+        down_want = 2 * w2_down.act_k(lay) + (64 * (4 * w2m.words_per_row + w2m.blocks_per_row) if down_stage else 0)
+        assert moe.gate_up.shared_bytes(lay) == gate_want <= w2_gate_up.STREAM_STAGE_LIMIT
+        assert moe.down.shared_bytes(lay) == down_want <= w2_gate_up.STREAM_STAGE_LIMIT
+    lay = w2_slot_layout(2048, 1408)
+    assert W2MoeCuda(device=0, stream=True).gate_up.shared_bytes(lay) == 2 * 2048  # no stage build: the pairs
+    monkeypatch.setattr(w2_gate_up, "STREAM_STAGE_LIMIT", 0)
+    assert moe.gate_up.shared_bytes(lay) == 2 * 2048 and moe.down.shared_bytes(lay) == 2 * w2_down.act_k(lay)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kernel", ["gate_up", "down"])
+def test_stream_stage_builds_compile_without_spills(tmp_path, kernel):
+    from tierstore.kernels.cuda import w2_gate_up
+
+    source = SOURCE if kernel == "gate_up" else w2_down.SOURCE
+    defines = w2_gate_up.build_defines(2, early=True, pdl=True, mad=True, pair_order=True, stream=True, prefetch=True,
+                                       stage=True)
+    for extra in ({}, {"W2_WPS": 16}) if kernel == "down" else ({},):
+        report = ptxas_report(source, tmp_path / "k.cubin", defines | extra | ({"W2_GROUPS": 1} if extra or
+                                                                                 kernel == "down" else {}))
+        assert "0 bytes spill stores" in report and registers(report) <= 128  # 4 blocks of 128 threads per SM

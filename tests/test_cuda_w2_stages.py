@@ -21,6 +21,7 @@ from tests.cuda_fixtures import (bench_module, captured, fp4_pool, gate_up_into_
 from tests.test_cuda_w2 import _cuobjdump
 from tierstore.kernels import MissLog, MoeWorkspace, moe_route
 from tierstore.kernels.cuda import loader, w2_gate_up
+from tierstore.kernels.layout import w2_slot_layout
 from tierstore.kernels.cuda.w2_gate_up import SOURCE, W2GateUpCuda, w2_gate_up_ref
 from tierstore.kernels.cuda.w2_moe import SINGLE, W2MoeCuda
 
@@ -70,8 +71,8 @@ def test_wrapper_refuses_one_stage_and_passes_the_define(monkeypatch):
     staged = W2GateUpCuda(ahead=2, device=0, early=True, stages=4)
     assert built == [("w2_gate_up.cu", {"W2_AHEAD": 2}), ("w2_gate_up.cu", {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_STAGES": 4})]
     assert carveouts == [True]  # only the staged build asks for the largest carveout
-    assert plain.shared_bytes(7168) == 14336  # the activation pairs alone, as before
-    assert staged.shared_bytes(7168) == 14336 + 4 * w2_gate_up.STAGE_BYTES == 51200  # 4 per SM fit 228 KB
+    assert plain.shared_bytes(w2_slot_layout(7168, 2048)) == 14336  # the activation pairs alone, as before
+    assert staged.shared_bytes(w2_slot_layout(7168, 2048)) == 14336 + 4 * w2_gate_up.STAGE_BYTES == 51200  # 4 per SM fit 228 KB
     moe = W2MoeCuda(device=0, gate_single=SINGLE | {"stages": 3})
     assert moe.gate_up.stages == 3 and moe.down.pdl and W2MoeCuda(device=0).gate_up.stages == 0
 

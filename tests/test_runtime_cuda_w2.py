@@ -105,11 +105,12 @@ class _Calls:
         self.builds, self.passed = 0, []
         self.kernels = object()
 
-        self.fp4_layouts = []
+        self.fp4_layouts, self.stream_stages = [], []
 
-        def build(layout, fp4_layout, device, stream=False):
+        def build(layout, fp4_layout, device, stream=False, stream_stage=False):
             self.builds += 1
             self.fp4_layouts.append(fp4_layout)
+            self.stream_stages.append(stream_stage)
             return self.kernels
 
         def moe_mm(hidden, ids, weights, w2, fp4, layer, misses, workspace, swiglu_limit=None, cuda_w2=None,
@@ -172,6 +173,7 @@ def test_triton_backend_passes_the_kernels_to_moe_mm_only_with_the_knob(monkeypa
             x = torch.randn(tokens, g.hidden).to(torch.bfloat16)
             runtime.moe(0, x, *model.route(0, x.float()))
     assert calls.builds == int(knob)  # once per runtime, at boot
+    assert calls.stream_stages == [False] * int(knob)  # config stream_stage's default
     want = calls.kernels if knob else None
     if knob:
         assert calls.passed == [(1, want)] * 3 + [(16, want)] * 5 + [(64, None)]
@@ -221,7 +223,7 @@ def test_auto_falls_back_to_triton_when_the_build_fails(monkeypatch, caplog):
     calls = _Calls(monkeypatch)
     monkeypatch.setattr(compute, "cuda_w2_unavailable", lambda *a: None)
 
-    def fail(layout, fp4_layout, device, stream=False):
+    def fail(layout, fp4_layout, device, stream=False, stream_stage=False):
         raise ConfigError("TIERSTORE_CUDA_W2 (config cuda_w2): the CUDA kernels did not build or load (nvcc failed)")
 
     monkeypatch.setattr(compute, "load_cuda_w2", fail)
@@ -334,3 +336,13 @@ def test_with_an_fp4_pool_the_cuda_path_agrees_with_the_triton_path_on_mixed_res
     on, off = outs[True], outs[False]
     assert not on.isnan().any()  # every FP4 pair computed (the W2 down marks them NaN until the FP4 down runs)
     assert float((on - off).norm() / off.norm()) <= 2e-2  # other kernels, other sums: within the bf16 budget
+
+
+def test_config_stream_stage_reaches_the_kernels_build(monkeypatch):
+    pytest.importorskip("triton")
+    calls = _Calls(monkeypatch)
+    g = toy_geometry(**{**FITS, "experts": 16})
+    with TieredRuntime(g, memory_source(g), pool_slots=16, backend="triton",
+                       config=RuntimeConfig(cuda_w2=True, stream_stage=True, kpi_every=0)):
+        pass
+    assert calls.stream_stages == [True]

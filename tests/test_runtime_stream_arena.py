@@ -8,7 +8,8 @@ row hits: its second streams again, the install issued only once that second pas
 after a streamed step exact, the install still pending dropped; an arena not filled yet misses what it lacks
 (fetched and replayed) and streams what it gained since; the combine's STREAM in Triton's interpreter; the knob's
 refusals. GPU (marker gpu, nvcc): the CUDA stream builds against the resident kernels on the same bytes (outputs
-poisoned, equal bit for bit, at the down kernels' 32- and 16-word tile widths, with and without the L2 prefetch),
+poisoned, equal bit for bit, at the down kernels' 32- and 16-word tile widths, read plainly, with the L2 prefetch,
+staged in shared memory and by a stage build given no room for its stage),
 and the runtime end to end, eager and in CUDA graphs, equal to its all-resident run with no replay."""
 
 from __future__ import annotations
@@ -284,17 +285,25 @@ def cuda():
         pytest.skip("needs a Hopper GPU and nvcc")
 
 
+# how a stream build reads a streamed row: W2MoeCuda's stream options, and whether the stage gets its shared memory
+STREAM_READS = {"plain": (dict(stream_prefetch=False), None), "prefetch": (dict(stream_prefetch=True), None),
+                "stage": (dict(stream_prefetch=True, stream_stage=True), True),
+                "stage_no_room": (dict(stream_prefetch=True, stream_stage=True), False)}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("read", list(STREAM_READS))
 @pytest.mark.parametrize("inter", [512, 768])
-def test_cuda_stream_builds_equal_the_resident_kernels_on_the_same_bytes(cuda, inter, prefetch):
+def test_cuda_stream_builds_equal_the_resident_kernels_on_the_same_bytes(cuda, monkeypatch, inter, read):
     """moe_mm with W2MoeCuda(stream=True) over a pool where half the routed experts have no slot but an arena row in
     pinned memory, against W2MoeCuda() with every expert in a slot: the same output bit for bit (poisoned first), no
-    missing pair, the streamed experts logged."""
+    missing pair, the streamed experts logged. The streamed rows read plainly, with the L2 prefetch, staged in shared
+    memory (W2_STREAM_STAGE: the launches are given the room), and by a stage build given no room (its blocks then
+    read as the prefetch build's)."""
     from test_runtime_fixtures import random_slot_rows
 
     from tierstore.kernels import MissLog, MoeWorkspace, TierPool, fp4_tier, moe_mm
-    from tierstore.kernels.cuda import w2_down
+    from tierstore.kernels.cuda import w2_down, w2_gate_up
     from tierstore.kernels.cuda.w2_moe import W2MoeCuda
     from tierstore.kernels.layout import w2_slot_layout
 
@@ -317,7 +326,13 @@ def test_cuda_stream_builds_equal_the_resident_kernels_on_the_same_bytes(cuda, i
     part = TierPool(slots, part_table, layout, stream_at=at.cuda())
     fp4 = fp4_tier(g.hidden, g.expert_inter, 1, g.num_moe_layers, experts, "cuda")
     wps = w2_down.wps_of(layout)
-    plain, streaming = W2MoeCuda(wps=wps), W2MoeCuda(wps=wps, stream=True, stream_prefetch=prefetch)
+    options, room = STREAM_READS[read]
+    if room is False:
+        monkeypatch.setattr(w2_gate_up, "STREAM_STAGE_LIMIT", 0)
+    plain, streaming = W2MoeCuda(wps=wps), W2MoeCuda(wps=wps, stream=True, **options)
+    staged = (streaming.gate_up.shared_bytes(layout) > 2 * g.hidden,
+              streaming.down.shared_bytes(layout) > 2 * w2_down.act_k(layout))
+    assert staged == ((True, True) if room else (False, False))
     gen = torch.Generator().manual_seed(inter)
     for trial in range(4):
         ids = torch.stack([torch.randperm(experts, generator=gen)[:g.top_k] for _ in range(1)]).to(torch.int32).cuda()

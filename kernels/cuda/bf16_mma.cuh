@@ -30,17 +30,31 @@ struct WordTile {
   Scales sa, sb;
 };
 
+// How a tile's vectors are read: GlobalLoads through the read-only path (weights in device memory or the pinned
+// arena, unchanged while the kernel runs), SharedLoads plainly (a streamed block's rows staged in shared memory:
+// w2_fragments.cuh `stage_region`; such a block builds its activation pairs before its first tile load).
+struct GlobalLoads {
+  static constexpr bool kShared = false;
+  template <class T>
+  __device__ __forceinline__ T operator()(const T* p) const { return __ldg(p); }
+};
+struct SharedLoads {
+  static constexpr bool kShared = true;
+  template <class T>
+  __device__ __forceinline__ T operator()(const T* p) const { return *p; }
+};
+
 // ra / rb: the two rows' words as uint4 [words_per_row / 4]; sa / sb: their scales, one Scales per tile.
-template <class Scales>
+template <class Scales, class Loads = GlobalLoads>
 __device__ __forceinline__ WordTile<Scales> load_tile(const uint4* ra, const uint4* rb, const Scales* sa,
-                                                      const Scales* sb, int t, int c) {
+                                                      const Scales* sb, int t, int c, Loads ld = {}) {
   WordTile<Scales> r;
-  r.a0 = __ldg(ra + 8 * t + c);
-  r.a1 = __ldg(ra + 8 * t + 4 + c);
-  r.b0 = __ldg(rb + 8 * t + c);
-  r.b1 = __ldg(rb + 8 * t + 4 + c);
-  r.sa = __ldg(sa + t);
-  r.sb = __ldg(sb + t);
+  r.a0 = ld(ra + 8 * t + c);
+  r.a1 = ld(ra + 8 * t + 4 + c);
+  r.b0 = ld(rb + 8 * t + c);
+  r.b1 = ld(rb + 8 * t + 4 + c);
+  r.sa = ld(sa + t);
+  r.sb = ld(sb + t);
   return r;
 }
 
@@ -52,11 +66,20 @@ struct TileRows {
   const Scales *sa, *sb;
 };
 
+// The same rows staged in shared memory (read with SharedLoads).
+template <class Scales>
+struct SharedTileRows : TileRows<Scales> {};
+
 // One warp's two A rows' tile t for the K loop (`first_loads`, `k_loop`): rows of another kind (16-word FP4 tiles,
 // fp4_half_tiles.cuh) bring their own `load_rows` and tile type.
 template <class Scales>
 __device__ __forceinline__ WordTile<Scales> load_rows(const TileRows<Scales>& r, int t, int load_c) {
   return load_tile(r.ra, r.rb, r.sa, r.sb, t, load_c);
+}
+
+template <class Scales>
+__device__ __forceinline__ WordTile<Scales> load_rows(const SharedTileRows<Scales>& r, int t, int load_c) {
+  return load_tile(r.ra, r.rb, r.sa, r.sb, t, load_c, SharedLoads{});
 }
 
 // The K loop of one warp over `tiles` K tiles of its two A rows: a register ring of kAhead + 1 tiles, tile t in

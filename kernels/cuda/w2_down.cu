@@ -110,11 +110,84 @@ using ScaleVec = uint2;  // one 16-word tile's 8 scale bytes
 using ScaleVec = uint4;  // one 32-word tile's 16 scale bytes
 #endif
 constexpr int kScaleVecBytes = sizeof(ScaleVec);
+static_assert(kRowsPerBlock * kScaleVecBytes % 16 == 0, "a block's scales are whole 16-byte vectors");
+
+#if W2_STREAM_STAGE
+// Bytes of the activation pairs xp in dynamic shared memory: 2 x K (K = inter, or the pair tiles' K).
+__device__ __forceinline__ unsigned long long xp_bytes(int words_per_row, int inter) {
+#if W2_WPS == 16
+  return 2ull * pair_tiles(words_per_row) * kTileK;
+#else
+  return 2ull * inter;
+#endif
+}
+#endif
 
 }  // namespace
 
+// One warp's K loop over its row groups (rows `words` / scales `scales`, row g of group 0, read with `ld`), the y rows
+// written as each group completes. GlobalLoads: `pairs()` builds the activation pairs after the first loads are issued
+// and the block waits; SharedLoads (a staged block): they were built before.
+template <class Loads, class Pairs>
+__device__ __forceinline__ void down_rows(const uint4* words, const ScaleVec* scales, Loads ld, Pairs pairs,
+                                          long long row_vecs, long long scale_vecs, int words_per_row, int tiles,
+                                          int c, const uint32_t* xp, float* y_row, int n0, float (&acc)[2][4]) {
+  const int steps = kGroups * tiles;  // (group, tile) in order; step s = group s / tiles, tile s % tiles
+  // Load cursor: the tile and the row-group offset of the next step to be loaded.
+  int load_t = 0;
+  long long load_w = 0, load_s = 0;  // row offsets (uint4) of the loaded group's row g: words, scales
+  auto load_next = [&]() {
+#if W2_WPS == 16
+    const Tile r = load_tile16(words + load_w, words + load_w + 8 * row_vecs, scales + load_s,
+                               scales + load_s + 8 * scale_vecs, load_t, c, words_per_row / 16, ld);
+#else
+    const Tile r = load_tile(words + load_w, words + load_w + 8 * row_vecs, scales + load_s,
+                             scales + load_s + 8 * scale_vecs, load_t, c, ld);
+#endif
+    if (++load_t == tiles) {
+      load_t = 0;
+      load_w += kRowsPerGroup * row_vecs;
+      load_s += kRowsPerGroup * scale_vecs;
+    }
+    return r;
+  };
+
+  Tile ring[kAhead + 1];  // step s lives in ring[s % (kAhead + 1)]
+#pragma unroll
+  for (int j = 0; j < kAhead; ++j) {
+    if (j < steps) ring[j] = load_next();
+  }
+  if constexpr (!Loads::kShared) {
+    pairs();
+    __syncthreads();
+  }
+  int t = 0, n = n0;  // compute cursor: tile, row g of the current group
+  for (int s0 = 0; s0 < steps; s0 += kAhead + 1) {
+#pragma unroll
+    for (int j = 0; j <= kAhead; ++j) {
+      const int s = s0 + j;
+      if (s < steps) {
+        if (s + kAhead < steps) ring[(j + kAhead) % (kAhead + 1)] = load_next();
+#if W2_WPS == 16
+        tile_mma16(ring[j], xp + t * kPairWordsPerTile, c, acc);
+#else
+        tile_mma(ring[j], xp + t * kPairWordsPerTile, c, acc);
+#endif
+        if (++t == tiles) {  // the group's rows are complete
+          if (c < 2) y_row[n + 8 * c] = acc[0][2 * c] + acc[1][2 * c];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc[0][q] = acc[1][q] = 0.f;
+          t = 0;
+          n += kRowsPerGroup;
+        }
+      }
+    }
+  }
+}
+
 // Grid (route block, H / kRowsPerBlock), 128 threads; dynamic shared memory 2 * K bytes (act pairs; K = inter, or
-// with W2_WPS 16 the pair tiles' 512 each).
+// with W2_WPS 16 the pair tiles' 512 each), then in a W2_STREAM_STAGE build, where the host gave room for it, a
+// streamed block's stage (its rows' words, then their scales).
 extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
     const uint16_t* __restrict__ act, long long stride_act,                              // act bf16 [P, I]
     const uint8_t* __restrict__ slots, long long slot_bytes, long long words_off,
@@ -178,8 +251,17 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
   }
 #if W2_STREAM
   const long long slot_at = w2_slot >= 0 ? static_cast<long long>(w2_slot) * slot_bytes : streamed;
+#if W2_STREAM_STAGE
+  // the block's rows, then their scales: [64 * groups][row_vecs] uint4, then [64 * groups][scale_vecs] ScaleVec
+  const long long stage_words = kRowsPerBlock * row_vecs;
+  const long long stage_scales = kRowsPerBlock * scale_vecs * kScaleVecBytes / 16;
+  const bool staged = (w2_slot < 0) & (dynamic_shared_bytes() >= xp_bytes(words_per_row, inter) +
+                                                                      16ull * (stage_words + stage_scales));
+#else
+  constexpr bool staged = false;
+#endif
 #if W2_STREAM_PREFETCH
-  if (w2_slot < 0) {  // the block's rows and their scales, asked into L2 before the first tile load
+  if ((w2_slot < 0) & !staged) {  // the block's rows and their scales, asked into L2 before the first tile load
     const long long first = static_cast<long long>(row_tile) * kRowsPerBlock;
     prefetch_region_l2(slots + slot_at + words_off + 16 * (first * row_vecs), 16 * kRowsPerBlock * row_vecs);
     prefetch_region_l2(slots + slot_at + scales_off + kScaleVecBytes * (first * scale_vecs),
@@ -210,63 +292,35 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
 #else
   const int tiles = words_per_row / kWps;
 #endif
-  const int steps = kGroups * tiles;  // (group, tile) in order; step s = group s / tiles, tile s % tiles
-
-  // Load cursor: the tile and the row-group offset of the next step to be loaded.
-  int load_t = 0;
-  long long load_w = 0, load_s = 0;  // row offsets (uint4) of the loaded group's row g: words, scales
-  auto load_next = [&]() {
-#if W2_WPS == 16
-    const Tile r = load_tile16(lo + load_w, lo + load_w + 8 * row_vecs, sl + load_s, sl + load_s + 8 * scale_vecs,
-                               load_t, c, words_per_row / 16);
-#else
-    const Tile r = load_tile(lo + load_w, lo + load_w + 8 * row_vecs, sl + load_s, sl + load_s + 8 * scale_vecs,
-                             load_t, c);
-#endif
-    if (++load_t == tiles) {
-      load_t = 0;
-      load_w += kRowsPerGroup * row_vecs;
-      load_s += kRowsPerGroup * scale_vecs;
-    }
-    return r;
-  };
-
-  Tile ring[kAhead + 1];  // step s lives in ring[s % (kAhead + 1)]
-#pragma unroll
-  for (int j = 0; j < kAhead; ++j) {
-    if (j < steps) ring[j] = load_next();
-  }
-#if W2_PDL
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // act is the preceding gate_up's output
-#endif
-#if W2_WPS == 16
-  build_pairs(act + pair * stride_act, xp, tiles * kTileK, inter);
-#else
-  build_pairs(act + pair * stride_act, xp, inter);
-#endif
-  __syncthreads();
 
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-  int t = 0, n = n0;  // compute cursor: tile, row g of the current group
-  for (int s0 = 0; s0 < steps; s0 += kAhead + 1) {
-#pragma unroll
-    for (int j = 0; j <= kAhead; ++j) {
-      const int s = s0 + j;
-      if (s < steps) {
-        if (s + kAhead < steps) ring[(j + kAhead) % (kAhead + 1)] = load_next();
-#if W2_WPS == 16
-        tile_mma16(ring[j], xp + t * kPairWordsPerTile, c, acc);
-#else
-        tile_mma(ring[j], xp + t * kPairWordsPerTile, c, acc);
+  // Build the activation pairs (after the preceding gate_up, whose output act is) and wait for the block.
+  auto pairs = [&]() {
+#if W2_PDL
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // act is the preceding gate_up's output
 #endif
-        if (++t == tiles) {  // the group's rows are complete
-          if (c < 2) y_row[n + 8 * c] = acc[0][2 * c] + acc[1][2 * c];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) acc[0][q] = acc[1][q] = 0.f;
-          t = 0;
-          n += kRowsPerGroup;
-        }
-      }
-    }
+#if W2_WPS == 16
+    build_pairs(act + pair * stride_act, xp, tiles * kTileK, inter);
+#else
+    build_pairs(act + pair * stride_act, xp, inter);
+#endif
+  };
+#if W2_STREAM_STAGE
+  if (staged) {  // a streamed block: its rows into shared memory in contiguous runs, the K loop from there
+    uint4* stage = smem + xp_bytes(words_per_row, inter) / 16;  // after xp
+    const long long first = static_cast<long long>(row_tile) * kRowsPerBlock;
+    const uint8_t* row = slots + slot_at;
+    stage_region(stage, row + words_off + 16 * (first * row_vecs), stage_words);
+    stage_region(stage + stage_words, row + scales_off + kScaleVecBytes * (first * scale_vecs), stage_scales);
+    commit_copies();
+    pairs();
+    wait_copies<0>();
+    __syncthreads();
+    const long long local = n0 - first;  // the lane's row g of group 0 in the block
+    down_rows(stage + local * row_vecs + c, reinterpret_cast<const ScaleVec*>(stage + stage_words) + local * scale_vecs,
+              SharedLoads{}, pairs, row_vecs, scale_vecs, words_per_row, tiles, c, xp, y_row, n0, acc);
+    return;
   }
+#endif
+  down_rows(lo, sl, GlobalLoads{}, pairs, row_vecs, scale_vecs, words_per_row, tiles, c, xp, y_row, n0, acc);
 }

@@ -36,10 +36,10 @@ def rows_per_block(groups: int) -> int:
 
 def build_defines(ahead: int, groups: int, early: bool = False, route_major: bool = False, pdl: bool = False,
                   wps: int = 32, mad: bool = False, pair_order: bool = False, stream: bool = False,
-                  prefetch: bool = False) -> dict:
+                  prefetch: bool = False, stage: bool = False) -> dict:
     """nvcc defines of a build (the v3 / v5 / pair-order / stream ones and W2_WPS only when not the default: the
     default's command is the one before they existed)."""
-    defines = (w2_gate_up.build_defines(ahead, early, route_major, pdl, mad, pair_order, stream, prefetch)
+    defines = (w2_gate_up.build_defines(ahead, early, route_major, pdl, mad, pair_order, stream, prefetch, stage)
                | {"W2_GROUPS": groups})
     return defines | {"W2_WPS": 16} if wps == 16 else defines
 
@@ -157,21 +157,36 @@ class W2DownCuda:
     (W2_DECODE_MAD, as in `W2GateUpCuda`; same bytes); pair_order: W2_PAIR_ORDER, one block per routed pair read
     from the topk_ids each call passes (as in `W2GateUpCuda`; same bytes); stream: W2_STREAM, arena rows read over
     the bus for pairs without a slot (as in `W2GateUpCuda`; same bytes); prefetch: W2_STREAM_PREFETCH (as in
-    `W2GateUpCuda`).
+    `W2GateUpCuda`); stage: W2_STREAM_STAGE, a streamed block's rows staged in shared memory first (as in
+    `W2GateUpCuda`: `shared_bytes`; same bytes).
     """
 
     def __init__(self, ahead: int = 2, groups: int = 1, device: int | None = None, early: bool = False,
                  route_major: bool = False, pdl: bool = False, pairs_grid: bool = False, wps: int = 32,
-                 mad: bool = False, pair_order: bool = False, stream: bool = False, prefetch: bool = False) -> None:
+                 mad: bool = False, pair_order: bool = False, stream: bool = False, prefetch: bool = False,
+                 stage: bool = False) -> None:
         if pdl and not early:
             raise ValueError("pdl needs early (W2_PDL builds on W2_EARLY's FP4 branch)")
         check_wps(wps)
-        defines = build_defines(ahead, groups, early, route_major, pdl, wps, mad, pair_order, stream, prefetch)
+        defines = build_defines(ahead, groups, early, route_major, pdl, wps, mad, pair_order, stream, prefetch, stage)
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
         self.ahead, self.groups, self.early, self.route_major, self.pdl = ahead, groups, early, route_major, pdl
         self.pairs_grid, self.wps, self.mad, self.pair_order, self.stream = pairs_grid, wps, mad, pair_order, stream
+        self.stage = stage
         self.kernel = loader.load(loader.build(SOURCE, defines), KERNEL, self.device)
+        if stage:
+            self.kernel.prefer_max_shared()  # a stage of 4 blocks per SM needs the largest carveout
+
+    def shared_bytes(self, layout: SlotLayout) -> int:
+        """Dynamic shared memory of a launch: the activation pairs (K / 2 x 4 bytes), then, in a stream stage build
+        where it fits, a stage of a block's rows and their scales."""
+        base = 2 * act_k(layout)
+        if not self.stage:
+            return base
+        m = layout.w2
+        rows = rows_per_block(self.groups)
+        return base + w2_gate_up.stream_stage_bytes(rows * (4 * m.words_per_row + m.blocks_per_row), base)
 
     def __call__(self, w2, fp4, layer: int, ws, out=None, topk_ids=None):
         out = ws.y if out is None else out
@@ -180,7 +195,7 @@ class W2DownCuda:
             w2_gate_up.check_topk_ids(topk_ids, ws)
         grid = (w2_gate_up.route_blocks_grid(ws, self.pairs_grid, self.pair_order),
                 w2.layout.hidden // rows_per_block(self.groups))
-        smem = 2 * act_k(w2.layout)  # activation pairs: K / 2 x 4 bytes
+        smem = self.shared_bytes(w2.layout)
         self.kernel.allow_shared(smem)
         stream = torch.cuda.current_stream().cuda_stream
         args = (launch_args(w2, fp4, layer, ws, out, topk_ids if self.pair_order else None)

@@ -53,6 +53,18 @@
 #if W2_STREAM_PREFETCH && !W2_STREAM
 #error "W2_STREAM_PREFETCH needs W2_STREAM"
 #endif
+// W2_STREAM_STAGE 1 (with W2_STREAM): a streamed pair's block first copies its rows' words and scales, each a
+// contiguous run of the arena row, into shared memory after its activation pairs (`stage_region`: every copy
+// instruction of a warp reads 512 contiguous bytes, where the tile loads read 64 bytes of each of eight rows), then
+// runs its K loop from there (SharedLoads). Only where the launch's dynamic shared memory holds the stage (the host
+// sizes it: `stream_stage_bytes` in w2_gate_up.py / w2_down.py), else such a block reads as without (with the
+// prefetch where built). Same bytes, same decode and mmas in the same order: the output does not change.
+#ifndef W2_STREAM_STAGE
+#define W2_STREAM_STAGE 0
+#endif
+#if W2_STREAM_STAGE && !W2_STREAM
+#error "W2_STREAM_STAGE needs W2_STREAM"
+#endif
 
 namespace {
 
@@ -157,5 +169,32 @@ __device__ __forceinline__ void prefetch_region_l2(const uint8_t* at, long long 
 #endif
 
 using Rows = TileRows<uint4>;  // a warp's two A rows for first_loads / k_loop (bf16_mma.cuh)
+
+__device__ __forceinline__ void copy_async_16(uint4* dst, const uint4* src) {
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Wait until at most `kPending` of this thread's committed copy groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+// The launch's dynamic shared memory in bytes (what the host passed).
+__device__ __forceinline__ unsigned dynamic_shared_bytes() {
+  unsigned bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+  return bytes;
+}
+
+// vecs 16-byte vectors from `at` (16-byte aligned) into shared memory `to`, by all of the block's threads, thread i
+// copying vectors i, i + blockDim.x, ...: a warp's copy instruction reads 512 contiguous bytes. Not committed.
+__device__ __forceinline__ void stage_region(uint4* to, const uint8_t* at, long long vecs) {
+  const uint4* from = reinterpret_cast<const uint4*>(at);
+  for (long long v = threadIdx.x; v < vecs; v += blockDim.x) copy_async_16(to + v, from + v);
+}
 
 }  // namespace

@@ -64,6 +64,9 @@
 #if W2_STAGES == 1
 #error "W2_STAGES is 0 (the register ring) or at least 2"
 #endif
+#if W2_STAGES && W2_STREAM_STAGE
+#error "W2_STREAM_STAGE runs the register ring from its stage: no W2_STAGES build"
+#endif
 
 namespace {
 
@@ -141,8 +144,15 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_gate_up_mma(
   const long long streamed = w2_slot >= 0 ? 0 : stream_at[table_row + expert];
   if ((f4_slot >= 0) | ((w2_slot < 0) & (streamed == 0))) return;
   const long long slot_at = w2_slot >= 0 ? static_cast<long long>(w2_slot) * slot_bytes : streamed;
+#if W2_STREAM_STAGE
+  // the block's gate rows, its up rows, then both rows' scales: [2][32][row_vecs] then [2][32][scale_vecs] uint4
+  const long long stage_words = kRowsPerBlock * row_vecs, stage_scales = kRowsPerBlock * scale_vecs;
+  const bool staged = (w2_slot < 0) & (dynamic_shared_bytes() >= 2ull * hidden + 32ull * (stage_words + stage_scales));
+#else
+  constexpr bool staged = false;
+#endif
 #if W2_STREAM_PREFETCH
-  if (w2_slot < 0) {  // the block's gate and up rows and their scales, all asked into L2 before the first tile load
+  if ((w2_slot < 0) & !staged) {  // the block's gate and up rows and their scales, all asked into L2 before the first tile load
     const long long first = static_cast<long long>(row_tile) * kRowsPerBlock;
     const uint8_t* words = slots + slot_at + words_off + 16 * (first * row_vecs);
     const uint8_t* scales = slots + slot_at + scales_off + 16 * (first * scale_vecs);
@@ -179,24 +189,47 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_gate_up_mma(
 #endif
   const int tiles = words_per_row / kWps;
 
-  const Rows rows{gate, up, gs, us};
-
-#if W2_STAGES
-  uint4* warp_stages = smem + hidden / 8 + (threadIdx.x >> 5) * (W2_STAGES * kStageVecs);  // after xp [H / 2] words
-  staged_first_loads<W2_STAGES>(rows, warp_stages, tiles, load_c, lane, g, c);
-#else
-  Tile ring[kAhead + 1];  // bf16_mma.cuh `k_loop`
-  first_loads<kAhead>(rows, ring, tiles, load_c);
-#endif
-  build_pairs(x + (pair / top_k) * stride_x, xp, hidden);
-  __syncthreads();
-
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#if W2_STAGES
-  staged_k_loop<W2_STAGES>(rows, warp_stages, xp, tiles, load_c, lane, g, c, acc);
-#else
-  k_loop<kAhead, kPairWordsPerTile>(rows, ring, xp, tiles, load_c, c, acc);
+#if W2_STREAM_STAGE
+  if (staged) {  // a streamed block: its rows into shared memory in contiguous runs, the K loop from there
+    uint4* stage = smem + hidden / 8;  // after xp [H / 2] words
+    const uint8_t* row = slots + slot_at;
+    const long long first = static_cast<long long>(row_tile) * kRowsPerBlock;
+    stage_region(stage, row + words_off + 16 * (first * row_vecs), stage_words);
+    stage_region(stage + stage_words, row + words_off + 16 * ((first + inter) * row_vecs), stage_words);
+    stage_region(stage + 2 * stage_words, row + scales_off + 16 * (first * scale_vecs), stage_scales);
+    stage_region(stage + 2 * stage_words + stage_scales, row + scales_off + 16 * ((first + inter) * scale_vecs),
+                 stage_scales);
+    commit_copies();
+    build_pairs(x + (pair / top_k) * stride_x, xp, hidden);
+    wait_copies<0>();
+    __syncthreads();
+    const long long local = n - first;  // the lane's row in the block
+    const SharedTileRows<uint4> rows{{stage + local * row_vecs + c, stage + stage_words + local * row_vecs + c,
+                                      stage + 2 * stage_words + local * scale_vecs,
+                                      stage + 2 * stage_words + stage_scales + local * scale_vecs}};
+    Tile ring[kAhead + 1];
+    first_loads<kAhead>(rows, ring, tiles, 0);
+    k_loop<kAhead, kPairWordsPerTile>(rows, ring, xp, tiles, 0, c, acc);
+  } else
 #endif
+  {
+    const Rows rows{gate, up, gs, us};
+#if W2_STAGES
+    uint4* warp_stages = smem + hidden / 8 + (threadIdx.x >> 5) * (W2_STAGES * kStageVecs);  // after xp [H / 2] words
+    staged_first_loads<W2_STAGES>(rows, warp_stages, tiles, load_c, lane, g, c);
+#else
+    Tile ring[kAhead + 1];  // bf16_mma.cuh `k_loop`
+    first_loads<kAhead>(rows, ring, tiles, load_c);
+#endif
+    build_pairs(x + (pair / top_k) * stride_x, xp, hidden);
+    __syncthreads();
+#if W2_STAGES
+    staged_k_loop<W2_STAGES>(rows, warp_stages, xp, tiles, load_c, lane, g, c, acc);
+#else
+    k_loop<kAhead, kPairWordsPerTile>(rows, ring, xp, tiles, load_c, c, acc);
+#endif
+  }
   if (c == 0) {
     float gate_v = acc[0][0] + acc[1][0], up_v = acc[0][2] + acc[1][2];
     if (has_limit) {

@@ -117,7 +117,8 @@ def check_hidden_out(hidden, out, ws, hidden_size: int) -> None:
 
 
 def build_defines(ahead: int, early: bool = False, route_major: bool = False, pdl: bool = False,
-                  mad: bool = False, pair_order: bool = False, stream: bool = False, prefetch: bool = False) -> dict:
+                  mad: bool = False, pair_order: bool = False, stream: bool = False, prefetch: bool = False,
+                  stage: bool = False) -> dict:
     """nvcc defines of a build: the v3 / v5 / pair-order / stream defines only when on, so the default's command (and
     cached image) is the same as before they existed. Shared with w2_down.py."""
     if pair_order and not early:
@@ -126,12 +127,28 @@ def build_defines(ahead: int, early: bool = False, route_major: bool = False, pd
         raise ValueError("stream needs pair_order (W2_STREAM builds on W2_PAIR_ORDER's prologue)")
     if prefetch and not stream:
         raise ValueError("prefetch needs stream (W2_STREAM_PREFETCH prefetches streamed pairs' rows)")
+    if stage and not stream:
+        raise ValueError("stage needs stream (W2_STREAM_STAGE stages streamed pairs' rows)")
     defines = {"W2_AHEAD": ahead}
     for name, on in (("W2_EARLY", early), ("W2_ROUTE_MAJOR", route_major), ("W2_PDL", pdl), ("W2_DECODE_MAD", mad),
-                     ("W2_PAIR_ORDER", pair_order), ("W2_STREAM", stream), ("W2_STREAM_PREFETCH", prefetch)):
+                     ("W2_PAIR_ORDER", pair_order), ("W2_STREAM", stream), ("W2_STREAM_PREFETCH", prefetch),
+                     ("W2_STREAM_STAGE", stage)):
         if on:
             defines[name] = 1
     return defines
+
+
+# The most dynamic shared memory a single-token block may take with its stream stage and still leave room for the 4
+# blocks per SM of its launch bounds (227 KiB per SM on Hopper, 1 KiB of it reserved per block).
+STREAM_STAGE_LIMIT = 227 * 1024 // 4 - 1024
+
+
+def stream_stage_bytes(words_bytes: int, base_bytes: int) -> int:
+    """Dynamic shared memory for a W2_STREAM_STAGE build's streamed block to stage `words_bytes` (its rows' words and
+    scales) after the `base_bytes` it always takes (the activation pairs): base + stage where that fits
+    STREAM_STAGE_LIMIT, else 0 (the kernel then reads such blocks as a plain stream build does). Shared with
+    w2_down.py."""
+    return words_bytes if base_bytes + words_bytes <= STREAM_STAGE_LIMIT else 0
 
 
 def route_blocks_grid(ws, pairs_grid: bool, pair_order: bool = False) -> int:
@@ -169,30 +186,39 @@ class W2GateUpCuda:
     pair_order): W2_STREAM, a pair whose expert has no W2 slot but an arena row (the tier's `stream_at`) is computed
     from that row in pinned host memory, over the bus; the same bytes as from a slot. prefetch (needs stream):
     W2_STREAM_PREFETCH, a streamed pair's block first asks its rows into L2 with bulk prefetches; same bytes out.
+    stage (needs stream): W2_STREAM_STAGE, a streamed pair's block first copies its rows into shared memory in
+    contiguous runs (512 bytes per warp instruction instead of 64 of each of eight rows) and computes from there,
+    where the stage fits (`stream_stage_bytes`; elsewhere such blocks read as without, prefetching where built); same
+    bytes out.
     """
 
     def __init__(self, ahead: int = 1, device: int | None = None, early: bool = False, route_major: bool = False,
                  pdl: bool = False, pairs_grid: bool = False, stages: int = 0, mad: bool = False,
-                 pair_order: bool = False, stream: bool = False, prefetch: bool = False) -> None:
+                 pair_order: bool = False, stream: bool = False, prefetch: bool = False, stage: bool = False) -> None:
         if stages == 1 or stages < 0:
             raise ValueError(f"stages is 0 (the register ring) or at least 2, got {stages}")
         if stream and stages:
             raise ValueError("stream reads the arena with plain loads: it has no staged (cp.async) build")
-        defines = build_defines(ahead, early, route_major, pdl, mad, pair_order, stream, prefetch)
+        defines = build_defines(ahead, early, route_major, pdl, mad, pair_order, stream, prefetch, stage)
         defines |= {"W2_STAGES": stages} if stages else {}
         self.device = torch.cuda.current_device() if device is None else device
         torch.cuda.init()
         self.ahead, self.early, self.route_major, self.pdl = ahead, early, route_major, pdl
         self.pairs_grid, self.stages, self.mad, self.pair_order = pairs_grid, stages, mad, pair_order
-        self.stream = stream
+        self.stream, self.stage = stream, stage
         image = loader.build(SOURCE, defines)
         self.kernel = loader.load(image, KERNEL, self.device)
-        if stages:
+        if stages or stage:
             self.kernel.prefer_max_shared()  # the stages need the largest carveout for 4 blocks per SM
 
-    def shared_bytes(self, hidden_size: int) -> int:
-        """Dynamic shared memory of a launch: the activation pairs (H / 2 x 4 bytes), then the stages."""
-        return 2 * hidden_size + self.stages * STAGE_BYTES
+    def shared_bytes(self, layout: SlotLayout) -> int:
+        """Dynamic shared memory of a launch: the activation pairs (H / 2 x 4 bytes), then the stages, or a stream
+        stage build's stage of a block's 32 gate and 32 up rows and their scales where it fits."""
+        base = 2 * layout.hidden + self.stages * STAGE_BYTES
+        if not self.stage:
+            return base
+        m = layout.w13
+        return base + stream_stage_bytes(2 * ROWS_PER_BLOCK * (4 * m.words_per_row + m.blocks_per_row), base)
 
     def __call__(self, hidden, top_k: int, w2, fp4, layer: int, ws, out=None, swiglu_limit: float | None = None,
                  topk_ids=None):
@@ -201,7 +227,7 @@ class W2GateUpCuda:
         if self.pair_order:
             check_topk_ids(topk_ids, ws)
         grid = (route_blocks_grid(ws, self.pairs_grid, self.pair_order), w2.layout.inter // ROWS_PER_BLOCK)
-        smem = self.shared_bytes(w2.layout.hidden)
+        smem = self.shared_bytes(w2.layout)
         self.kernel.allow_shared(smem)
         args = launch_args(hidden, top_k, w2, fp4, layer, ws, out, swiglu_limit,
                            topk_ids if self.pair_order else None) + stream_args(w2, self.stream)

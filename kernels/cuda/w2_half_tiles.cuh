@@ -40,15 +40,16 @@ __device__ __forceinline__ uint32_t scale_both(const uint4& q, int j) {
 // the rows' 16-word tiles. The same 16-byte word loads as load_tile; the scale bytes of tile 2t in .sa / .sb bytes
 // 0..7, of tile 2t + 1 in bytes 8..15. Where tile 2t + 1 does not exist (an odd count), words and scales of tile 2t
 // are loaded again in its place (no load past the row; no branch): finite weights, which meet zero activations.
+template <class Loads = GlobalLoads>
 __device__ __forceinline__ Tile load_tile16(const uint4* ra, const uint4* rb, const uint2* sa, const uint2* sb, int t,
-                                            int c, int tiles16) {
+                                            int c, int tiles16, Loads ld = {}) {
   const int hi = min(2 * t + 1, tiles16 - 1);  // the upper 16-word tile, or tile 2t again
   Tile r;
-  r.a0 = __ldg(ra + 8 * t + c);
-  r.a1 = __ldg(ra + 4 * hi + c);
-  r.b0 = __ldg(rb + 8 * t + c);
-  r.b1 = __ldg(rb + 4 * hi + c);
-  const uint2 sa_lo = __ldg(sa + 2 * t), sa_hi = __ldg(sa + hi), sb_lo = __ldg(sb + 2 * t), sb_hi = __ldg(sb + hi);
+  r.a0 = ld(ra + 8 * t + c);
+  r.a1 = ld(ra + 4 * hi + c);
+  r.b0 = ld(rb + 8 * t + c);
+  r.b1 = ld(rb + 4 * hi + c);
+  const uint2 sa_lo = ld(sa + 2 * t), sa_hi = ld(sa + hi), sb_lo = ld(sb + 2 * t), sb_hi = ld(sb + hi);
   r.sa = make_uint4(sa_lo.x, sa_lo.y, sa_hi.x, sa_hi.y);
   r.sb = make_uint4(sb_lo.x, sb_lo.y, sb_hi.x, sb_hi.y);
   return r;

@@ -15,26 +15,13 @@
 
 #include <cstdint>
 
-#include "w2_fragments.cuh"  // Tile, Rows, tile_mma, kPairWordsPerTile
+#include "w2_fragments.cuh"  // Tile, Rows, tile_mma, kPairWordsPerTile, copy_async_16
 
 namespace {
 
 constexpr int kStageWordVecs = 4 * 32;                 // 4 word vectors per lane
 constexpr int kStageVecs = kStageWordVecs + 8 * 2;     // + a gate and an up scale vector per row g
 constexpr int kStageBytes = kStageVecs * 16;           // 2304 bytes per warp and stage
-
-__device__ __forceinline__ void copy_async_16(uint4* dst, const uint4* src) {
-  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// Wait until at most `kPending` of this thread's committed copy groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void wait_copies() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
 
 // Tile t of the warp's rows into `stage` (not committed). load_c: the loads' word vector index, as in `load_tile`.
 __device__ __forceinline__ void stage_tile(const Rows& r, int t, int load_c, int lane, int g, int c, uint4* stage) {

@@ -71,10 +71,11 @@ def cuda_w2_unavailable(layout: SlotLayout, fp4_layout: SlotLayout | None, devic
     return None
 
 
-def auto_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torch.device, stream: bool = False):
+def auto_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torch.device, stream: bool = False,
+                 stream_stage: bool = False):
     """Config `cuda_w2` "auto": the CUDA whole op where nothing is missing (`cuda_w2_unavailable`) and it builds, else
     None (the Triton stages), the reason logged: INFO where a condition is unmet on a CUDA device, WARNING when the
-    build or load fails. `stream`: its stream builds (`load_cuda_w2`)."""
+    build or load fails. `stream`, `stream_stage`: its stream builds (`load_cuda_w2`)."""
     reason = cuda_w2_unavailable(layout, fp4_layout, device, "triton")
     if reason is not None:
         if device.type == "cuda":
@@ -82,18 +83,20 @@ def auto_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torc
         return None
     log.info("config cuda_w2 auto: building or loading the CUDA C++ kernels (nvcc on first use, cached after)")
     try:
-        return load_cuda_w2(layout, fp4_layout, device, stream=stream)
+        return load_cuda_w2(layout, fp4_layout, device, stream=stream, stream_stage=stream_stage)
     except ConfigError as error:
         log.warning("CUDA C++ kernels off (config cuda_w2 auto; the Triton kernels run): %s", error)
         return None
 
 
-def load_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torch.device, stream: bool = False):
+def load_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torch.device, stream: bool = False,
+                 stream_stage: bool = False):
     """The CUDA whole op for config `cuda_w2`, after `check_cuda_w2`: `W2MoeCuda` (the W2 stages), or with an FP4
     pool `TierMoeCuda` (the W2 stages, then the FP4 stages for FP4-resident pairs). nvcc builds cached on disk,
     loaded into torch's context; a failed build or load is a ConfigError. One object serves every layer and batch
     size: the kernels take the shapes and buffers as launch arguments. `stream` (config stream_arena, no FP4 pool):
-    the single-token kernels' stream builds."""
+    the single-token kernels' stream builds; `stream_stage` (config stream_stage, with `stream`): their W2_STREAM_STAGE
+    builds."""
     check_cuda_w2(layout, fp4_layout, device, "triton")
     from tierstore.kernels.cuda import w2_down
     from tierstore.kernels.cuda.loader import CudaError
@@ -101,7 +104,8 @@ def load_cuda_w2(layout: SlotLayout, fp4_layout: SlotLayout | None, device: torc
     from tierstore.kernels.cuda.w2_moe import W2MoeCuda
 
     try:
-        kernels = W2MoeCuda(device=device.index, wps=w2_down.wps_of(layout), stream=stream)
+        kernels = W2MoeCuda(device=device.index, wps=w2_down.wps_of(layout), stream=stream,
+                            stream_stage=stream and stream_stage)
         if fp4_layout is not None:
             kernels = TierMoeCuda(w2=kernels, device=device.index, fp4_wps=w2_down.wps_of(fp4_layout))
     except (CudaError, OSError) as error:
@@ -229,11 +233,12 @@ class TorchExperts:
 class TritonExperts:
     """`stream` (config stream_arena, no FP4 pool): every pass computes an expert without a slot from its arena row,
     `stream.at` (the Triton stages' STREAM, and with config cuda_w2 the CUDA op's stream builds for the batches its
-    single-token kernels serve; the batches of its multi-token kernels miss such experts as without streaming)."""
+    single-token kernels serve; the batches of its multi-token kernels miss such experts as without streaming);
+    `stream_stage` (config stream_stage): those CUDA stream builds stage a streamed block's rows in shared memory."""
 
     def __init__(self, pool: DevicePool, layout: SlotLayout, log: PassLog, swiglu_limit: float | None,
                  fp4_pool: DevicePool | None = None, fp4_layout: SlotLayout | None = None, cuda_w2: bool | str = False,
-                 gather: PassGather | None = None, stream: StreamRows | None = None):
+                 gather: PassGather | None = None, stream: StreamRows | None = None, stream_stage: bool = False):
         from tierstore.kernels.moe_mm import MissLog, TierPool, fp4_tier
 
         # config cuda_w2: the CUDA C++ gate_up + down, built here once (boot), or None (Triton stages); `auto` falls back
@@ -243,8 +248,8 @@ class TritonExperts:
         if stream is not None and fp4_pool is not None:
             raise ConfigError("stream_arena streams W2 rows only: it does not run beside an FP4 pool")
         self._streams = stream is not None
-        self.cuda_w2 = (auto_cuda_w2(layout, tier4, pool.device, self._streams) if cuda_w2 == "auto"
-                        else load_cuda_w2(layout, tier4, pool.device, self._streams) if cuda_w2 else None)
+        self.cuda_w2 = (auto_cuda_w2(layout, tier4, pool.device, self._streams, stream_stage) if cuda_w2 == "auto"
+                        else load_cuda_w2(layout, tier4, pool.device, self._streams, stream_stage) if cuda_w2 else None)
         self._fp4 = fp4_pool is not None
         self.log, self.swiglu_limit, self.gather = log, swiglu_limit, gather
         self.w2_pool = TierPool(pool.slots, pool.table, layout, stream_at=stream.at if stream is not None else None)

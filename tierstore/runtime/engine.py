@@ -194,12 +194,14 @@ class TieredRuntime:
         self.fp4, self.gate, self._fp4_manager, self._gate_budget = None, None, None, None
         self._setup_precision_tier(fp4_source, fp4_slots, fp4_arena_slots)
         experts_class = TritonExperts if self.backend == "triton" else TorchExperts
+        kernel_options = {"stream_stage": self.config.stream_stage} if self.backend == "triton" else {}
         fp4_pool = self.fp4.pool if self.fp4 is not None else None
         fp4_layout = self.fp4.layout if self.fp4 is not None else None
         try:  # a refused compute (e.g. config cuda_w2 beside an FP4 pool) must not leave the FP4 manager running
             self.experts = experts_class(self.pool, self.layout, self.log, geometry.swiglu_limit, fp4_pool, fp4_layout,
                                          cuda_w2=self.config.cuda_w2,
-                                         gather=self._gather if not self.pairs else None, stream=self._stream_rows)
+                                         gather=self._gather if not self.pairs else None, stream=self._stream_rows,
+                                         **kernel_options)
         except BaseException:
             if self._fp4_manager is not None:
                 self._fp4_manager.close()
