@@ -61,7 +61,7 @@ class Layers:
                     table[layer, j] = row
                 else:
                     at[layer * experts + j] = arena[row].data_ptr() - slots.data_ptr()
-        self.w2 = TierPool(slots, table.cuda(), self.layout, stream_at=None if resident else at.cuda())
+        self.w2 = TierPool(slots, table.cuda(), self.layout, stream_at=at.cuda())  # all zero where resident
         self.fp4 = fp4_tier(geometry.hidden, geometry.expert_inter, 1, layers, experts, "cuda")
         gen = torch.Generator().manual_seed(seed)
         self.ids = torch.arange(k, dtype=torch.int32).view(1, k).cuda()

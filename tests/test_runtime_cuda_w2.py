@@ -173,7 +173,7 @@ def test_triton_backend_passes_the_kernels_to_moe_mm_only_with_the_knob(monkeypa
             x = torch.randn(tokens, g.hidden).to(torch.bfloat16)
             runtime.moe(0, x, *model.route(0, x.float()))
     assert calls.builds == int(knob)  # once per runtime, at boot
-    assert calls.stream_stages == [False] * int(knob)  # config stream_stage's default
+    assert calls.stream_stages == [True] * int(knob)  # config stream_stage's default
     want = calls.kernels if knob else None
     if knob:
         assert calls.passed == [(1, want)] * 3 + [(16, want)] * 5 + [(64, None)]
@@ -343,6 +343,6 @@ def test_config_stream_stage_reaches_the_kernels_build(monkeypatch):
     calls = _Calls(monkeypatch)
     g = toy_geometry(**{**FITS, "experts": 16})
     with TieredRuntime(g, memory_source(g), pool_slots=16, backend="triton",
-                       config=RuntimeConfig(cuda_w2=True, stream_stage=True, kpi_every=0)):
+                       config=RuntimeConfig(cuda_w2=True, stream_stage=False, kpi_every=0)):
         pass
-    assert calls.stream_stages == [True]
+    assert calls.stream_stages == [False]

@@ -317,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(kWarps * 32, 4) w2_down_mma(
     wait_copies<0>();
     __syncthreads();
     const long long local = n0 - first;  // the lane's row g of group 0 in the block
-    down_rows(stage + local * row_vecs + c, reinterpret_cast<const ScaleVec*>(stage + stage_words) + local * scale_vecs,
+    down_rows(stage + local * row_vecs, reinterpret_cast<const ScaleVec*>(stage + stage_words) + local * scale_vecs,
               SharedLoads{}, pairs, row_vecs, scale_vecs, words_per_row, tiles, c, xp, y_row, n0, acc);
     return;
   }

@@ -163,7 +163,7 @@ class RuntimeConfig:
       (each expert's heat: the decode steps that routed it, halved every `stream_heat_halving` decode steps, 0 =
       never), so a row crosses the bus a second time only where it displaces a colder one; `all` installs every
       streamed expert over the pool's policy's victims (the twentieth session's rule: each missed row then crosses
-      the bus twice). `stream_stage` (default false; the CUDA kernels' stream builds): a streamed expert's block
+      the bus twice). `stream_stage` (default true; the CUDA kernels' stream builds): a streamed expert's block
       first copies its rows from the arena into shared memory in contiguous runs (each warp instruction 512
       contiguous bytes, where the K loop's loads take 64 bytes of each of eight rows), then computes from there; where
       the stage does not fit a block's shared memory (DeepSeek-V3's gate_up) it reads as without. Same bytes, same
@@ -255,7 +255,7 @@ class RuntimeConfig:
     stream_arena: bool | str = "auto"
     stream_install: str = "hotter"
     stream_heat_halving: int = 128
-    stream_stage: bool = False
+    stream_stage: bool = True
     cuda_w2: bool | str = "auto"
     full_pool_reads: bool = False
 
