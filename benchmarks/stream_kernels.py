@@ -5,8 +5,9 @@ with every expert in a pool slot, and against the copy engine moving those n row
 Variants, side by side in one process: `resident` (W2MoeCuda(), every expert in a slot), `stream` (the W2_STREAM
 builds, n experts without a slot), `stream_prefetch` (W2_STREAM_PREFETCH: a streamed pair's block first asks its
 rows into L2 with bulk prefetches), `stream_stage` (W2_STREAM_STAGE with the prefetch: a streamed pair's block first
-copies its rows into shared memory in contiguous runs, where the stage fits) and `resident_stage_build` (that build
-with every expert in a slot: what its larger shared memory costs the blocks that stream nothing). Before timing, every variant's outputs of every layer are checked equal bit for
+copies its rows into shared memory in contiguous runs, where the stage fits), `resident_stage_build` (that build
+with every expert in a slot: what its larger shared memory costs the blocks that stream nothing), both with the
+carveout that just fits (the default) and with the largest (`*_max`). Before timing, every variant's outputs of every layer are checked equal bit for
 bit to the resident ones (outputs poisoned first). Timing: a CUDA graph of `--layers` such layers (each its own
 experts), L2 flushed (a 256 MiB write) before each replay, events around the replay only; the rounds rotate the
 variants; per layer, the median of the rounds. `h2d_us`: n rows by cudaMemcpyAsync from pinned memory, timed the same
@@ -40,7 +41,9 @@ from tierstore.runtime.synthetic import random_experts  # noqa: E402
 VARIANTS = {"resident": (None, True), "stream": (dict(stream_prefetch=False), False),
             "stream_prefetch": (dict(stream_prefetch=True), False),
             "stream_stage": (dict(stream_prefetch=True, stream_stage=True), False),
-            "resident_stage_build": (dict(stream_prefetch=True, stream_stage=True), True)}
+            "resident_stage_build": (dict(stream_prefetch=True, stream_stage=True), True),
+            "stream_stage_max": (dict(stream_prefetch=True, stream_stage=True, stream_stage_carveout="max"), False),
+            "resident_stage_max": (dict(stream_prefetch=True, stream_stage=True, stream_stage_carveout="max"), True)}
 STREAMING = [v for v, (_, resident) in VARIANTS.items() if not resident]
 FLUSH_BYTES = 256 << 20
 
@@ -176,12 +179,13 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"provenance": provenance, "method": __doc__, "results": results}, indent=1))
     print(f"{'preset':<15} {'n':>2} {'resident us':>11} {'+stream':>8} {'+prefetch':>9} {'+stage':>7} "
-          f"{'+res.stage':>10} {'h2d us':>7} {'GB/s s/p/st/h2d':>22} exact")
+          f"{'+res.stage':>10} {'+st.max':>7} {'+res.max':>8} {'h2d us':>7} {'GB/s s/p/st/h2d':>22} exact")
     for r in results:
         gb, extra = r["stream_gbps"], r["extra_us"]
         fmt = lambda v: f"{v:.1f}" if v else "-"  # noqa: E731
         print(f"{r['preset']:<15} {r['streamed']:>2} {r['us_per_layer']['resident']:>11.1f} {extra['stream']:>8.1f} "
               f"{extra['stream_prefetch']:>9.1f} {extra['stream_stage']:>7.1f} {extra['resident_stage_build']:>10.1f} "
+              f"{extra['stream_stage_max']:>7.1f} {extra['resident_stage_max']:>8.1f} "
               f"{r['us_per_layer']['h2d']:>7.1f} "
               f"{fmt(gb['stream'])}/{fmt(gb['stream_prefetch'])}/{fmt(gb['stream_stage'])}/{fmt(r['h2d_gbps'])} "
               f"{all(r['exact'].values())}")

@@ -218,12 +218,16 @@ def replayed_once(call, misses, out):
 
 def stub_builds(monkeypatch) -> tuple[list, list]:
     """Kernel wrappers built without nvcc or a device: loader.build records (source file name, defines), loader.load
-    returns a stand-in whose prefer_max_shared calls are counted. Returns (builds, carveout requests)."""
+    returns a stand-in that records its carveout requests (True for prefer_max_shared, the percent for
+    prefer_carveout). Returns (builds, carveout requests)."""
     built, carveouts = [], []
 
     class Loaded:
         def prefer_max_shared(self):
             carveouts.append(True)
+
+        def prefer_carveout(self, percent):
+            carveouts.append(percent)
 
     monkeypatch.setattr(torch.cuda, "init", lambda: None)
     monkeypatch.setattr(loader, "build", lambda source, defines=None, **kw: built.append((source.name, defines)) or b"")

@@ -1057,7 +1057,9 @@ def test_stream_stage_builds_take_their_stage_only_where_it_fits(monkeypatch):
     assert built[0] == ("w2_gate_up.cu", {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_PDL": 1, "W2_DECODE_MAD": 1,
                                           "W2_PAIR_ORDER": 1, "W2_STREAM": 1, "W2_STREAM_PREFETCH": 1,
                                           "W2_STREAM_STAGE": 1})
-    assert built[1][1]["W2_STREAM_STAGE"] == 1 and len(carveouts) == 2 * without_stage + 2  # both single-token kernels
+    assert built[1][1]["W2_STREAM_STAGE"] == 1 and len(carveouts) == 2 * without_stage  # "fit": none asked yet
+    W2MoeCuda(device=0, stream=True, stream_stage=True, stream_stage_carveout="max")
+    assert carveouts[3 * without_stage:] == [True, True]  # "max": both single-token kernels, once at init
     for hidden, inter, gate_stage, down_stage in ((2048, 1408, True, True), (2048, 768, True, True),
                                                   (7168, 2048, False, True)):
         lay = w2_slot_layout(hidden, inter)
@@ -1070,6 +1072,28 @@ def test_stream_stage_builds_take_their_stage_only_where_it_fits(monkeypatch):
     assert W2MoeCuda(device=0, stream=True).gate_up.shared_bytes(lay) == 2 * 2048  # no stage build: the pairs
     monkeypatch.setattr(w2_gate_up, "STREAM_STAGE_LIMIT", 0)
     assert moe.gate_up.shared_bytes(lay) == 2 * 2048 and moe.down.shared_bytes(lay) == 2 * w2_down.act_k(lay)
+
+
+def test_stage_carveout_fit_asks_the_smallest_that_holds_four_blocks_once_per_size(monkeypatch):
+    """StageCarveout "fit": a launch asks w2_multi.fit_carveout(smem, 4) when its shared memory differs from the last
+    one's, nothing otherwise; "max" asks 100 % once at init and nothing at launches; anything else is refused."""
+    from tierstore.kernels.cuda import w2_gate_up, w2_multi
+
+    _, carveouts = stub_builds(monkeypatch)
+    kernel = loader.load(b"", "k", 0)
+    fit = w2_gate_up.StageCarveout(kernel, "fit")
+    assert carveouts == []
+    for smem in (4096, 4096, 40960, 40960, 4096):
+        fit.launch(smem)
+    assert carveouts == [w2_multi.fit_carveout(4096, 4), w2_multi.fit_carveout(40960, 4),
+                         w2_multi.fit_carveout(4096, 4)]
+    assert carveouts[0] < carveouts[1] <= 100
+    carveouts.clear()
+    top = w2_gate_up.StageCarveout(kernel, "max")
+    top.launch(4096)
+    assert carveouts == [True]
+    with pytest.raises(ValueError, match="stage_carveout is one of"):
+        w2_gate_up.StageCarveout(kernel, "most")
 
 
 @needs_nvcc

@@ -158,13 +158,13 @@ class W2DownCuda:
     from the topk_ids each call passes (as in `W2GateUpCuda`; same bytes); stream: W2_STREAM, arena rows read over
     the bus for pairs without a slot (as in `W2GateUpCuda`; same bytes); prefetch: W2_STREAM_PREFETCH (as in
     `W2GateUpCuda`); stage: W2_STREAM_STAGE, a streamed block's rows staged in shared memory first (as in
-    `W2GateUpCuda`: `shared_bytes`; same bytes).
+    `W2GateUpCuda`: `shared_bytes`; same bytes); stage_carveout: as in `W2GateUpCuda`.
     """
 
     def __init__(self, ahead: int = 2, groups: int = 1, device: int | None = None, early: bool = False,
                  route_major: bool = False, pdl: bool = False, pairs_grid: bool = False, wps: int = 32,
                  mad: bool = False, pair_order: bool = False, stream: bool = False, prefetch: bool = False,
-                 stage: bool = False) -> None:
+                 stage: bool = False, stage_carveout: str = "fit") -> None:
         if pdl and not early:
             raise ValueError("pdl needs early (W2_PDL builds on W2_EARLY's FP4 branch)")
         check_wps(wps)
@@ -175,8 +175,7 @@ class W2DownCuda:
         self.pairs_grid, self.wps, self.mad, self.pair_order, self.stream = pairs_grid, wps, mad, pair_order, stream
         self.stage = stage
         self.kernel = loader.load(loader.build(SOURCE, defines), KERNEL, self.device)
-        if stage:
-            self.kernel.prefer_max_shared()  # a stage of 4 blocks per SM needs the largest carveout
+        self._carveout = w2_gate_up.StageCarveout(self.kernel, stage_carveout) if stage else None
 
     def shared_bytes(self, layout: SlotLayout) -> int:
         """Dynamic shared memory of a launch: the activation pairs (K / 2 x 4 bytes), then, in a stream stage build
@@ -197,6 +196,8 @@ class W2DownCuda:
                 w2.layout.hidden // rows_per_block(self.groups))
         smem = self.shared_bytes(w2.layout)
         self.kernel.allow_shared(smem)
+        if self._carveout is not None:
+            self._carveout.launch(smem)
         stream = torch.cuda.current_stream().cuda_stream
         args = (launch_args(w2, fp4, layer, ws, out, topk_ids if self.pair_order else None)
                 + w2_gate_up.stream_args(w2, self.stream))

@@ -143,6 +143,29 @@ def build_defines(ahead: int, early: bool = False, route_major: bool = False, pd
 STREAM_STAGE_LIMIT = 227 * 1024 // 4 - 1024
 
 
+STAGE_CARVEOUTS = ("fit", "max")
+
+
+class StageCarveout:
+    """The shared-memory carveout of a stream stage build's kernel: "max" (the largest, asked once) or "fit" (the
+    smallest that holds the launch's 4 blocks per SM, asked when a launch's shared memory changes), so that the rest
+    of the SM stays L1 for the blocks that stream nothing. Shared with w2_down.py."""
+
+    def __init__(self, kernel, carveout: str) -> None:
+        if carveout not in STAGE_CARVEOUTS:
+            raise ValueError(f"stage_carveout is one of {STAGE_CARVEOUTS}, got {carveout!r}")
+        self.kernel, self.carveout, self._smem = kernel, carveout, None
+        if carveout == "max":
+            kernel.prefer_max_shared()
+
+    def launch(self, smem: int) -> None:
+        if self.carveout == "fit" and smem != self._smem:
+            from .w2_multi import fit_carveout  # w2_multi imports this module
+
+            self.kernel.prefer_carveout(fit_carveout(smem, 4))
+            self._smem = smem
+
+
 def stream_stage_bytes(words_bytes: int, base_bytes: int) -> int:
     """Dynamic shared memory for a W2_STREAM_STAGE build's streamed block to stage `words_bytes` (its rows' words and
     scales) after the `base_bytes` it always takes (the activation pairs): base + stage where that fits
@@ -189,12 +212,13 @@ class W2GateUpCuda:
     stage (needs stream): W2_STREAM_STAGE, a streamed pair's block first copies its rows into shared memory in
     contiguous runs (512 bytes per warp instruction instead of 64 of each of eight rows) and computes from there,
     where the stage fits (`stream_stage_bytes`; elsewhere such blocks read as without, prefetching where built); same
-    bytes out.
+    bytes out. stage_carveout: "fit" or "max" (`StageCarveout`).
     """
 
     def __init__(self, ahead: int = 1, device: int | None = None, early: bool = False, route_major: bool = False,
                  pdl: bool = False, pairs_grid: bool = False, stages: int = 0, mad: bool = False,
-                 pair_order: bool = False, stream: bool = False, prefetch: bool = False, stage: bool = False) -> None:
+                 pair_order: bool = False, stream: bool = False, prefetch: bool = False, stage: bool = False,
+                 stage_carveout: str = "fit") -> None:
         if stages == 1 or stages < 0:
             raise ValueError(f"stages is 0 (the register ring) or at least 2, got {stages}")
         if stream and stages:
@@ -208,8 +232,9 @@ class W2GateUpCuda:
         self.stream, self.stage = stream, stage
         image = loader.build(SOURCE, defines)
         self.kernel = loader.load(image, KERNEL, self.device)
-        if stages or stage:
+        if stages:
             self.kernel.prefer_max_shared()  # the stages need the largest carveout for 4 blocks per SM
+        self._carveout = StageCarveout(self.kernel, stage_carveout) if stage else None
 
     def shared_bytes(self, layout: SlotLayout) -> int:
         """Dynamic shared memory of a launch: the activation pairs (H / 2 x 4 bytes), then the stages, or a stream
@@ -229,6 +254,8 @@ class W2GateUpCuda:
         grid = (route_blocks_grid(ws, self.pairs_grid, self.pair_order), w2.layout.inter // ROWS_PER_BLOCK)
         smem = self.shared_bytes(w2.layout)
         self.kernel.allow_shared(smem)
+        if self._carveout is not None:
+            self._carveout.launch(smem)
         args = launch_args(hidden, top_k, w2, fp4, layer, ws, out, swiglu_limit,
                            topk_ids if self.pair_order else None) + stream_args(w2, self.stream)
         self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream,

@@ -80,12 +80,14 @@ class W2MoeCuda:
     serves); stream: the single-token kernels' W2_STREAM builds (pair order needed), which compute a pair without a
     slot from its arena row (`w2.stream_at`; `streams`); stream_prefetch: their W2_STREAM_PREFETCH (a streamed pair's
     rows asked into L2 first); stream_stage: their W2_STREAM_STAGE (a streamed pair's rows copied into shared memory
-    in contiguous runs first, where the stage fits; there the prefetch is skipped)."""
+    in contiguous runs first, where the stage fits; there the prefetch is skipped); stream_stage_carveout: their
+    shared-memory carveout (`w2_gate_up.StageCarveout`)."""
 
     def __init__(self, gate_ahead: int = 2, down_ahead: int = 2, down_groups: int = 1, device: int | None = None,
                  gate_multi: dict | None = None, gate_single: dict | None = None, down_single: dict | None = None,
                  gate_multi_wide: dict | None = None, wps: int = 32, down_multi: dict | None = None,
-                 stream: bool = False, stream_prefetch: bool = True, stream_stage: bool = False):
+                 stream: bool = False, stream_prefetch: bool = True, stream_stage: bool = False,
+                 stream_stage_carveout: str = "fit"):
         gate_single = SINGLE if gate_single is None else gate_single
         down_single = SINGLE if down_single is None else down_single
         if gate_single.get("pair_order", False) != down_single.get("pair_order", False):
@@ -93,6 +95,7 @@ class W2MoeCuda:
                              "before both)")
         if stream:
             extra = {"stream": True, "prefetch": stream_prefetch, "stage": stream_stage}
+            extra |= {"stage_carveout": stream_stage_carveout} if stream_stage else {}
             gate_single, down_single = gate_single | extra, down_single | extra
         self.stream = stream
         self.gate_up = W2GateUpCuda(ahead=gate_ahead, device=device, **gate_single)
