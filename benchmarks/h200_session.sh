@@ -16,7 +16,7 @@
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`), except
 # under $work/baseline/, where the runs of an older tree write (their --commit names that tree).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11|hostcut2|located|located2|located3|syncwake|closing11|planvariant|pinning|passgather|passgather2|mend12|closing12|mend12b|gatherclock|passgather3|pair|pair2|pair3|pair4|pair5|pair6|pair7|pairclock2|closing13|choice|choice2|closing14|closing14b|closing14c|fp4pair2|closing15|stagewake|blocks15|final15|unread16|pairclock16|pairprof16|pairprof16b|pairprof16c|plans16|closing16|final16|closing16b|closing17|closing18|final17|recent17|recent17b|closing19|final19|final19b|copies20|spares20|grid20|closing20|recorded20|nomiss21|first21|first21b|choice21|choice21b|head22|skip22|skip22b|skip22c|mend29|next29|bus30|stage30|stage30b|stage30c}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11|hostcut2|located|located2|located3|syncwake|closing11|planvariant|pinning|passgather|passgather2|mend12|closing12|mend12b|gatherclock|passgather3|pair|pair2|pair3|pair4|pair5|pair6|pair7|pairclock2|closing13|choice|choice2|closing14|closing14b|closing14c|fp4pair2|closing15|stagewake|blocks15|final15|unread16|pairclock16|pairprof16|pairprof16b|pairprof16c|plans16|closing16|final16|closing16b|closing17|closing18|final17|recent17|recent17b|closing19|final19|final19b|copies20|spares20|grid20|closing20|recorded20|nomiss21|first21|first21b|choice21|choice21b|head22|skip22|skip22b|skip22c|mend29|next29|bus30|stage30|stage30b|stage30c|stage30d}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -1944,6 +1944,33 @@ case "$step" in
     # stream_kernels.py; the stream builds' GPU tests (stage, the SASS of the other builds) and the main job; then
     # issue #5's arena cells again at this commit's default against stream_stage=0 in one process.
     # Limits 90 + 60 + 70 + 90 + 90 + 90 + 100 s (stage30b's took 58 / 18 / 57 / 49 / 73 / 68 s).
+    stage tests 90 python3 -m pytest tests/test_runtime_stream_arena.py tests/test_cuda_w2.py -m gpu -q \
+      -k "stream or sass"
+    stage stream-kernels 60 python3 benchmarks/stream_kernels.py --presets ds-v2-lite,qwen3-30b-a3b --streamed 0,1,4 \
+      --rounds 3 --commit "$commit" --json "$work/stream-kernels.json"
+    stage generate-quality 70 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    stage replay-syn-ds 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --compare-config stream_stage=0 --commit "$commit" --out "$work/replay_ds-v2-lite_synthetic_$step.json"
+    stage replay-rec-ds 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+      --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first \
+      --trace-top-k trace --compare-config stream_stage=0 --commit "$commit" \
+      --out "$work/replay_ds-v2-lite_recorded_$step.json"
+    stage replay-syn-qwen3 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --compare-config stream_stage=0 --commit "$commit" --out "$work/replay_qwen3-30b-a3b_synthetic_$step.json"
+    stage replay-rec-qwen3 100 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+      --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+      --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers tile \
+      --trace-top-k trace --compare-config stream_stage=0 --commit "$commit" \
+      --out "$work/replay_qwen3-30b-a3b_recorded_$step.json"
+    ;;
+  stage30d)  # twenty-eighth session: stage30c's "fit" carveout cost the layers that stream nothing more than "max"
+    # (3.5 vs 2.0 us at ds-v2-lite): "max" is the default again; stream_kernels.py adds the plain build asking the
+    # largest carveout (whether the carveout or the stage build costs those layers); the GPU tests, the main job and
+    # issue #5's arena cells at this default against stream_stage=0 in one process. Limits as stage30c's.
     stage tests 90 python3 -m pytest tests/test_runtime_stream_arena.py tests/test_cuda_w2.py -m gpu -q \
       -k "stream or sass"
     stage stream-kernels 60 python3 benchmarks/stream_kernels.py --presets ds-v2-lite,qwen3-30b-a3b --streamed 0,1,4 \

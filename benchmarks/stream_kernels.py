@@ -2,12 +2,13 @@
 preset's shapes with `n` of its top-k experts computed from pinned arena rows over the bus, against the same layer
 with every expert in a pool slot, and against the copy engine moving those n rows (the floor's bus time).
 
-Variants, side by side in one process: `resident` (W2MoeCuda(), every expert in a slot), `stream` (the W2_STREAM
-builds, n experts without a slot), `stream_prefetch` (W2_STREAM_PREFETCH: a streamed pair's block first asks its
-rows into L2 with bulk prefetches), `stream_stage` (W2_STREAM_STAGE with the prefetch: a streamed pair's block first
-copies its rows into shared memory in contiguous runs, where the stage fits), `resident_stage_build` (that build
-with every expert in a slot: what its larger shared memory costs the blocks that stream nothing), both with the
-carveout that just fits (the default) and with the largest (`*_max`). Before timing, every variant's outputs of every layer are checked equal bit for
+Variants, side by side in one process: `resident` (W2MoeCuda(), every expert in a slot), `resident_max_carveout`
+(that build with both single-token kernels asking the largest shared-memory carveout, as the stage build does),
+`stream` (the W2_STREAM builds, n experts without a slot), `stream_prefetch` (W2_STREAM_PREFETCH: a streamed pair's
+block first asks its rows into L2 with bulk prefetches), `stream_stage` (W2_STREAM_STAGE with the prefetch: a
+streamed pair's block first copies its rows into shared memory in contiguous runs, where the stage fits; the largest
+carveout, the default), `resident_stage_build` (that build with every expert in a slot: what it costs the blocks that
+stream nothing), and both of those with the carveout that just fits 4 blocks (`*_fit`). Before timing, every variant's outputs of every layer are checked equal bit for
 bit to the resident ones (outputs poisoned first). Timing: a CUDA graph of `--layers` such layers (each its own
 experts), L2 flushed (a 256 MiB write) before each replay, events around the replay only; the rounds rotate the
 variants; per layer, the median of the rounds. `h2d_us`: n rows by cudaMemcpyAsync from pinned memory, timed the same
@@ -37,13 +38,14 @@ from tierstore.kernels.cuda.w2_moe import W2MoeCuda  # noqa: E402
 from tierstore.kernels.layout import w2_slot_layout  # noqa: E402
 from tierstore.runtime.synthetic import random_experts  # noqa: E402
 
-# variant -> (W2MoeCuda stream options, None: the plain build; whether every expert has a slot)
-VARIANTS = {"resident": (None, True), "stream": (dict(stream_prefetch=False), False),
-            "stream_prefetch": (dict(stream_prefetch=True), False),
-            "stream_stage": (dict(stream_prefetch=True, stream_stage=True), False),
-            "resident_stage_build": (dict(stream_prefetch=True, stream_stage=True), True),
-            "stream_stage_max": (dict(stream_prefetch=True, stream_stage=True, stream_stage_carveout="max"), False),
-            "resident_stage_max": (dict(stream_prefetch=True, stream_stage=True, stream_stage_carveout="max"), True)}
+# variant -> (W2MoeCuda stream options; None: the plain build; "max_carveout": the plain build asking the largest
+# carveout), whether every expert has a slot)
+STAGE = dict(stream_prefetch=True, stream_stage=True)
+VARIANTS = {"resident": (None, True), "resident_max_carveout": ("max_carveout", True),
+            "stream": (dict(stream_prefetch=False), False), "stream_prefetch": (dict(stream_prefetch=True), False),
+            "stream_stage": (STAGE, False), "resident_stage_build": (STAGE, True),
+            "stream_stage_fit": (STAGE | dict(stream_stage_carveout="fit"), False),
+            "resident_stage_fit": (STAGE | dict(stream_stage_carveout="fit"), True)}
 STREAMING = [v for v, (_, resident) in VARIANTS.items() if not resident]
 FLUSH_BYTES = 256 << 20
 
@@ -109,6 +111,16 @@ def _time(launch, flush: torch.Tensor, reps: int) -> float:
     return statistics.median(samples)
 
 
+def _build(options, wps: int) -> W2MoeCuda:
+    if isinstance(options, dict):
+        return W2MoeCuda(wps=wps, stream=True, **options)
+    op = W2MoeCuda(wps=wps)
+    if options == "max_carveout":
+        op.gate_up.kernel.prefer_max_shared()
+        op.down.kernel.prefer_max_shared()
+    return op
+
+
 def bench_preset(name: str, layers: int, counts: list[int], rounds: int, reps: int) -> list[dict]:
     g = get_preset(name)
     k = g.top_k
@@ -116,8 +128,7 @@ def bench_preset(name: str, layers: int, counts: list[int], rounds: int, reps: i
     rows = random_experts(g, False, layers * k, seed=3)  # [L * k, slot_bytes]
     slots, arena = rows.cuda(), rows.pin_memory()
     wps = w2_down.wps_of(layout)
-    ops = {v: W2MoeCuda(wps=wps) if options is None else W2MoeCuda(wps=wps, stream=True, **options)
-           for v, (options, _) in VARIANTS.items()}
+    ops = {v: _build(options, wps) for v, (options, _) in VARIANTS.items()}
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     results = []
     for n in counts:
@@ -178,15 +189,15 @@ def main() -> None:
                   "device": torch.cuda.get_device_name(), "torch": torch.__version__, "argv": sys.argv[1:]}
     if args.json:
         args.json.write_text(json.dumps({"provenance": provenance, "method": __doc__, "results": results}, indent=1))
-    print(f"{'preset':<15} {'n':>2} {'resident us':>11} {'+stream':>8} {'+prefetch':>9} {'+stage':>7} "
-          f"{'+res.stage':>10} {'+st.max':>7} {'+res.max':>8} {'h2d us':>7} {'GB/s s/p/st/h2d':>22} exact")
+    print(f"{'preset':<15} {'n':>2} {'resident us':>11} {'+res.max':>8} {'+stream':>8} {'+prefetch':>9} {'+stage':>7} "
+          f"{'+res.stage':>10} {'+st.fit':>7} {'+res.fit':>8} {'h2d us':>7} {'GB/s s/p/st/h2d':>22} exact")
     for r in results:
         gb, extra = r["stream_gbps"], r["extra_us"]
         fmt = lambda v: f"{v:.1f}" if v else "-"  # noqa: E731
-        print(f"{r['preset']:<15} {r['streamed']:>2} {r['us_per_layer']['resident']:>11.1f} {extra['stream']:>8.1f} "
-              f"{extra['stream_prefetch']:>9.1f} {extra['stream_stage']:>7.1f} {extra['resident_stage_build']:>10.1f} "
-              f"{extra['stream_stage_max']:>7.1f} {extra['resident_stage_max']:>8.1f} "
-              f"{r['us_per_layer']['h2d']:>7.1f} "
+        print(f"{r['preset']:<15} {r['streamed']:>2} {r['us_per_layer']['resident']:>11.1f} "
+              f"{extra['resident_max_carveout']:>8.1f} {extra['stream']:>8.1f} {extra['stream_prefetch']:>9.1f} "
+              f"{extra['stream_stage']:>7.1f} {extra['resident_stage_build']:>10.1f} {extra['stream_stage_fit']:>7.1f} "
+              f"{extra['resident_stage_fit']:>8.1f} {r['us_per_layer']['h2d']:>7.1f} "
               f"{fmt(gb['stream'])}/{fmt(gb['stream_prefetch'])}/{fmt(gb['stream_stage'])}/{fmt(r['h2d_gbps'])} "
               f"{all(r['exact'].values())}")
 

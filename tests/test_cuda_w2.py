@@ -1057,9 +1057,10 @@ def test_stream_stage_builds_take_their_stage_only_where_it_fits(monkeypatch):
     assert built[0] == ("w2_gate_up.cu", {"W2_AHEAD": 2, "W2_EARLY": 1, "W2_PDL": 1, "W2_DECODE_MAD": 1,
                                           "W2_PAIR_ORDER": 1, "W2_STREAM": 1, "W2_STREAM_PREFETCH": 1,
                                           "W2_STREAM_STAGE": 1})
-    assert built[1][1]["W2_STREAM_STAGE"] == 1 and len(carveouts) == 2 * without_stage  # "fit": none asked yet
-    W2MoeCuda(device=0, stream=True, stream_stage=True, stream_stage_carveout="max")
-    assert carveouts[3 * without_stage:] == [True, True]  # "max": both single-token kernels, once at init
+    assert built[1][1]["W2_STREAM_STAGE"] == 1  # the default carveout, "max": both single-token kernels at init
+    assert len(carveouts) == 2 * without_stage + 2 and carveouts[-2:] == [True, True]
+    W2MoeCuda(device=0, stream=True, stream_stage=True, stream_stage_carveout="fit")
+    assert len(carveouts) == 3 * without_stage + 2  # "fit": none asked before a launch
     for hidden, inter, gate_stage, down_stage in ((2048, 1408, True, True), (2048, 768, True, True),
                                                   (7168, 2048, False, True)):
         lay = w2_slot_layout(hidden, inter)

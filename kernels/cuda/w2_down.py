@@ -164,7 +164,7 @@ class W2DownCuda:
     def __init__(self, ahead: int = 2, groups: int = 1, device: int | None = None, early: bool = False,
                  route_major: bool = False, pdl: bool = False, pairs_grid: bool = False, wps: int = 32,
                  mad: bool = False, pair_order: bool = False, stream: bool = False, prefetch: bool = False,
-                 stage: bool = False, stage_carveout: str = "fit") -> None:
+                 stage: bool = False, stage_carveout: str = "max") -> None:
         if pdl and not early:
             raise ValueError("pdl needs early (W2_PDL builds on W2_EARLY's FP4 branch)")
         check_wps(wps)

@@ -147,9 +147,11 @@ STAGE_CARVEOUTS = ("fit", "max")
 
 
 class StageCarveout:
-    """The shared-memory carveout of a stream stage build's kernel: "max" (the largest, asked once) or "fit" (the
-    smallest that holds the launch's 4 blocks per SM, asked when a launch's shared memory changes), so that the rest
-    of the SM stays L1 for the blocks that stream nothing. Shared with w2_down.py."""
+    """The shared-memory carveout of a stream stage build's kernel: "max" (the largest, asked once; the default) or
+    "fit" (the smallest that holds the launch's 4 blocks per SM, asked when a launch's shared memory changes, the
+    rest of the SM left to L1). On the H200 (stage30c, benchmarks/stream_kernels.py) "fit" cost the layers that
+    stream nothing 3.5 / 2.3 us at ds-v2-lite / qwen3-30b-a3b where "max" cost 2.0 / 1.8, and streamed no faster.
+    Shared with w2_down.py."""
 
     def __init__(self, kernel, carveout: str) -> None:
         if carveout not in STAGE_CARVEOUTS:
@@ -218,7 +220,7 @@ class W2GateUpCuda:
     def __init__(self, ahead: int = 1, device: int | None = None, early: bool = False, route_major: bool = False,
                  pdl: bool = False, pairs_grid: bool = False, stages: int = 0, mad: bool = False,
                  pair_order: bool = False, stream: bool = False, prefetch: bool = False, stage: bool = False,
-                 stage_carveout: str = "fit") -> None:
+                 stage_carveout: str = "max") -> None:
         if stages == 1 or stages < 0:
             raise ValueError(f"stages is 0 (the register ring) or at least 2, got {stages}")
         if stream and stages:

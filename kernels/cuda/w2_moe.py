@@ -87,7 +87,7 @@ class W2MoeCuda:
                  gate_multi: dict | None = None, gate_single: dict | None = None, down_single: dict | None = None,
                  gate_multi_wide: dict | None = None, wps: int = 32, down_multi: dict | None = None,
                  stream: bool = False, stream_prefetch: bool = True, stream_stage: bool = False,
-                 stream_stage_carveout: str = "fit"):
+                 stream_stage_carveout: str = "max"):
         gate_single = SINGLE if gate_single is None else gate_single
         down_single = SINGLE if down_single is None else down_single
         if gate_single.get("pair_order", False) != down_single.get("pair_order", False):
