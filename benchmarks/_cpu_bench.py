@@ -60,7 +60,10 @@ def run_rounds(script: str | Path, trees: Mapping[str, Path], rounds: int, args:
         for name, tree in trees.items():
             env = dict(os.environ, PYTHONPATH=str(tree))
             cmd = [sys.executable, str(script), "--worker", *args]
-            done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
+            done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
+            if done.returncode:
+                tail = "\n".join(done.stderr.strip().splitlines()[-12:])
+                raise SystemExit(f"the {name} tree's worker ({tree}) exited {done.returncode}:\n{tail}")
             results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
     return results
 

@@ -20,7 +20,8 @@ fetch.
 The parent process alternates rounds between the trees (`--baseline REV`, checked out as a git
 worktree, and the working tree), each round a fresh subprocess importing that tree's tierstore.
 
-    python benchmarks/fetch_overhead.py --baseline 002dda0 --out benchmarks/results/fetch_overhead_cpu.json
+    python benchmarks/fetch_overhead.py --out X.json     # the working tree against its HEAD (the default)
+    python benchmarks/fetch_overhead.py --baseline e8b7b7f --out X.json   # trees from e8b7b7f on have its hooks
     python3 benchmarks/fetch_overhead.py --device cuda --baseline e8b7b7f --rounds 3 --steps 300 --out X.json
 """
 
@@ -59,10 +60,11 @@ def worker(steps: int, warmup: int, device: str, coverage: float, preset: str, l
     g = get_preset(preset).with_layers(layers)
     if device == "cpu":  # tiny rows: the memcpys must not hide the Python around them
         g = dataclasses.replace(g, hidden=128, expert_inter=128)
-    # both trees: Triton; single passes (a tree with pass_pair would pair on CUDA: not the path timed here)
-    knobs = dict(kpi_every=0, force_pool=True, cuda_w2=False)
-    if "pass_pair" in {field.name for field in dataclasses.fields(RuntimeConfig)}:
-        knobs["pass_pair"] = False
+    # both trees: Triton; single passes that fetch (a tree with pass_pair would pair on CUDA, one with stream_arena
+    # would stream its misses: not the path timed here); each knob only where the tree's config has it
+    wanted = dict(kpi_every=0, force_pool=True, cuda_w2=False, pass_pair=False, stream_arena=False)
+    fields = {field.name for field in dataclasses.fields(RuntimeConfig)}
+    knobs = {name: value for name, value in wanted.items() if name in fields}
     runtime = TieredRuntime(g, MemoryRowSource(tiled_rows(g, False)), pool_slots=round(coverage * g.total_routed_experts),
                             arena_slots=g.total_routed_experts, device=device, config=RuntimeConfig(**knobs),
                             output_words=1)
@@ -108,7 +110,7 @@ def worker(steps: int, warmup: int, device: str, coverage: float, preset: str, l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true")
-    add_tree_options(parser, baseline="002dda0")
+    add_tree_options(parser, baseline="HEAD")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=50)
