@@ -52,6 +52,38 @@ ds_recorded_orders() {  # ds-v2-lite on the recorded trace at 50 / 25 / 10 %, th
   done
 }
 
+stage_arena_cells() {  # stage_arena_cells LIMIT LIMIT LIMIT LIMIT: issue #5's arena cells (ds-v2-lite synthetic and
+  # recorded, qwen3-30b-a3b synthetic and recorded; 4 GiB preloaded, bf16) at the default against stream_stage=0 in
+  # one process (twenty-seventh session)
+  stage replay-syn-ds "$1" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+    --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+    --compare-config stream_stage=0 --commit "$commit" --out "$work/replay_ds-v2-lite_synthetic_$step.json"
+  stage replay-rec-ds "$2" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+    --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+    --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first \
+    --trace-top-k trace --compare-config stream_stage=0 --commit "$commit" \
+    --out "$work/replay_ds-v2-lite_recorded_$step.json"
+  stage replay-syn-qwen3 "$3" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+    --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+    --compare-config stream_stage=0 --commit "$commit" --out "$work/replay_qwen3-30b-a3b_synthetic_$step.json"
+  stage replay-rec-qwen3 "$4" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
+    --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
+    --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers tile \
+    --trace-top-k trace --compare-config stream_stage=0 --commit "$commit" \
+    --out "$work/replay_qwen3-30b-a3b_recorded_$step.json"
+}
+
+stage30_checks_and_cells() {  # stage30c / stage30d: the stream builds' GPU tests, the kernels alone, the main job,
+  # then the arena cells (limits 90 + 60 + 70 + 90 + 90 + 90 + 100 s)
+  stage tests 90 python3 -m pytest tests/test_runtime_stream_arena.py tests/test_cuda_w2.py -m gpu -q \
+    -k "stream or sass"
+  stage stream-kernels 60 python3 benchmarks/stream_kernels.py --presets ds-v2-lite,qwen3-30b-a3b --streamed 0,1,4 \
+    --rounds 3 --commit "$commit" --json "$work/stream-kernels.json"
+  stage generate-quality 70 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+    --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+  stage_arena_cells 90 90 90 100
+}
+
 compare_rounds() {  # compare_rounds NAME LIMIT CONFIG ROUNDS COVERAGES [alternate|interleave|same [STEPS]]: replay.py
   # --compare-config CONFIG on both presets, ROUNDS rounds, each cell's default and compared runs in one process (the
   # default first; with "alternate", the compared config first in the even rounds: --compare-first; with "interleave",
@@ -1922,77 +1954,20 @@ case "$step" in
     stage tests 100 python3 -m pytest tests/test_runtime_stream_arena.py -m gpu -q -k "stream_builds or cuda"
     stage stream-kernels 80 python3 benchmarks/stream_kernels.py --presets ds-v2-lite,qwen3-30b-a3b --streamed 0,1,2,4 \
       --rounds 3 --commit "$commit" --json "$work/stream-kernels.json"
-    stage replay-syn-ds 100 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
-      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --compare-config stream_stage=0 --commit "$commit" --out "$work/replay_ds-v2-lite_synthetic_$step.json"
-    stage replay-rec-ds 100 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
-      --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first \
-      --trace-top-k trace --compare-config stream_stage=0 --commit "$commit" \
-      --out "$work/replay_ds-v2-lite_recorded_$step.json"
-    stage replay-syn-qwen3 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
-      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --compare-config stream_stage=0 --commit "$commit" --out "$work/replay_qwen3-30b-a3b_synthetic_$step.json"
-    stage replay-rec-qwen3 110 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
-      --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers tile \
-      --trace-top-k trace --compare-config stream_stage=0 --commit "$commit" \
-      --out "$work/replay_qwen3-30b-a3b_recorded_$step.json"
+    stage_arena_cells 100 100 90 110
     ;;
   stage30c)  # twenty-eighth session: stage30b's stage build cost the layers that stream nothing ~2 us each (max
-    # carveout); now the carveout that just fits 4 blocks (the default) against the largest, side by side in
+    # carveout); now the carveout that just fits 4 blocks (the default at f180fd0) against the largest, side by side in
     # stream_kernels.py; the stream builds' GPU tests (stage, the SASS of the other builds) and the main job; then
     # issue #5's arena cells again at this commit's default against stream_stage=0 in one process.
     # Limits 90 + 60 + 70 + 90 + 90 + 90 + 100 s (stage30b's took 58 / 18 / 57 / 49 / 73 / 68 s).
-    stage tests 90 python3 -m pytest tests/test_runtime_stream_arena.py tests/test_cuda_w2.py -m gpu -q \
-      -k "stream or sass"
-    stage stream-kernels 60 python3 benchmarks/stream_kernels.py --presets ds-v2-lite,qwen3-30b-a3b --streamed 0,1,4 \
-      --rounds 3 --commit "$commit" --json "$work/stream-kernels.json"
-    stage generate-quality 70 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
-      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
-    stage replay-syn-ds 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
-      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --compare-config stream_stage=0 --commit "$commit" --out "$work/replay_ds-v2-lite_synthetic_$step.json"
-    stage replay-rec-ds 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
-      --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first \
-      --trace-top-k trace --compare-config stream_stage=0 --commit "$commit" \
-      --out "$work/replay_ds-v2-lite_recorded_$step.json"
-    stage replay-syn-qwen3 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
-      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --compare-config stream_stage=0 --commit "$commit" --out "$work/replay_qwen3-30b-a3b_synthetic_$step.json"
-    stage replay-rec-qwen3 100 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
-      --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers tile \
-      --trace-top-k trace --compare-config stream_stage=0 --commit "$commit" \
-      --out "$work/replay_qwen3-30b-a3b_recorded_$step.json"
+    stage30_checks_and_cells
     ;;
   stage30d)  # twenty-eighth session: stage30c's "fit" carveout cost the layers that stream nothing more than "max"
     # (3.5 vs 2.0 us at ds-v2-lite): "max" is the default again; stream_kernels.py adds the plain build asking the
     # largest carveout (whether the carveout or the stage build costs those layers); the GPU tests, the main job and
     # issue #5's arena cells at this default against stream_stage=0 in one process. Limits as stage30c's.
-    stage tests 90 python3 -m pytest tests/test_runtime_stream_arena.py tests/test_cuda_w2.py -m gpu -q \
-      -k "stream or sass"
-    stage stream-kernels 60 python3 benchmarks/stream_kernels.py --presets ds-v2-lite,qwen3-30b-a3b --streamed 0,1,4 \
-      --rounds 3 --commit "$commit" --json "$work/stream-kernels.json"
-    stage generate-quality 70 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
-      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
-    stage replay-syn-ds 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
-      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --compare-config stream_stage=0 --commit "$commit" --out "$work/replay_ds-v2-lite_synthetic_$step.json"
-    stage replay-rec-ds 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
-      --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first \
-      --trace-top-k trace --compare-config stream_stage=0 --commit "$commit" \
-      --out "$work/replay_ds-v2-lite_recorded_$step.json"
-    stage replay-syn-qwen3 90 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
-      --steps 220 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --compare-config stream_stage=0 --commit "$commit" --out "$work/replay_qwen3-30b-a3b_synthetic_$step.json"
-    stage replay-rec-qwen3 100 python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b --layers 16 \
-      --steps 240 --warmup 20 --coverages 1,0.5,0.25,0.1 --arena-gb 4 --arena-preload --dtype bfloat16 \
-      --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers tile \
-      --trace-top-k trace --compare-config stream_stage=0 --commit "$commit" \
-      --out "$work/replay_qwen3-30b-a3b_recorded_$step.json"
+    stage30_checks_and_cells
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -1076,25 +1076,24 @@ def test_stream_stage_builds_take_their_stage_only_where_it_fits(monkeypatch):
 
 
 def test_stage_carveout_fit_asks_the_smallest_that_holds_four_blocks_once_per_size(monkeypatch):
-    """StageCarveout "fit": a launch asks w2_multi.fit_carveout(smem, 4) when its shared memory differs from the last
-    one's, nothing otherwise; "max" asks 100 % once at init and nothing at launches; anything else is refused."""
-    from tierstore.kernels.cuda import w2_gate_up, w2_multi
+    """ask_stage_carveout "fit": a launch asks fit_carveout(smem, 4) when its shared memory differs from the last one's,
+    nothing otherwise; "max" asks 100 % once, leaving nothing for the launches; anything else is refused."""
+    from tierstore.kernels.cuda import carveout, w2_gate_up
 
     _, carveouts = stub_builds(monkeypatch)
     kernel = loader.load(b"", "k", 0)
-    fit = w2_gate_up.StageCarveout(kernel, "fit")
+    fit = w2_gate_up.ask_stage_carveout(kernel, "fit")
     assert carveouts == []
     for smem in (4096, 4096, 40960, 40960, 4096):
         fit.launch(smem)
-    assert carveouts == [w2_multi.fit_carveout(4096, 4), w2_multi.fit_carveout(40960, 4),
-                         w2_multi.fit_carveout(4096, 4)]
+    assert carveouts == [carveout.fit_carveout(4096, 4), carveout.fit_carveout(40960, 4),
+                         carveout.fit_carveout(4096, 4)]
     assert carveouts[0] < carveouts[1] <= 100
     carveouts.clear()
-    top = w2_gate_up.StageCarveout(kernel, "max")
-    top.launch(4096)
+    assert w2_gate_up.ask_stage_carveout(kernel, "max") is None
     assert carveouts == [True]
     with pytest.raises(ValueError, match="stage_carveout is one of"):
-        w2_gate_up.StageCarveout(kernel, "most")
+        w2_gate_up.ask_stage_carveout(kernel, "most")
 
 
 @needs_nvcc

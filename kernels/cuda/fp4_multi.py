@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from . import loader, w2_down, w2_gate_up, w2_multi
+from .carveout import FitCarveout
 from .fp4_stages import check_down_build, check_geometry
 
 SOURCE = Path(__file__).with_name("fp4_moe_multi.cu")
@@ -99,12 +100,11 @@ class Fp4GateUpMultiCuda(_Built):
         self.threads, self.rows_per_block = 32 * warps, 8 * warps
         super().__init__(GATE_KERNEL, {"FP4_AHEAD": ahead, "FP4_WARPS": warps, "FP4_STAGE_COLS": stage_cols,
                                        "FP4_EARLY": int(early), "FP4_PDL": int(pdl)} | _mad_define(mad), device)
-        self._carveout_k = None  # the K the "fit" carveout was set for
+        self._fit = FitCarveout(self.kernel, 16 // warps) if carveout == "fit" else None
 
     def _set_carveout(self, k_len: int) -> None:
-        if self.carveout == "fit" and self._carveout_k != k_len:
-            self.kernel.prefer_carveout(w2_multi.fit_carveout(shared_bytes(k_len, self.stage_cols), 16 // self.warps))
-            self._carveout_k = k_len
+        if self._fit is not None:
+            self._fit.launch(shared_bytes(k_len, self.stage_cols))
 
     def __call__(self, hidden, top_k: int, fp4, layer: int, ws, out=None, swiglu_limit: float | None = None):
         out = ws.act if out is None else out

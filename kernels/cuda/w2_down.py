@@ -175,7 +175,7 @@ class W2DownCuda:
         self.pairs_grid, self.wps, self.mad, self.pair_order, self.stream = pairs_grid, wps, mad, pair_order, stream
         self.stage = stage
         self.kernel = loader.load(loader.build(SOURCE, defines), KERNEL, self.device)
-        self._carveout = w2_gate_up.StageCarveout(self.kernel, stage_carveout) if stage else None
+        self._fit = w2_gate_up.ask_stage_carveout(self.kernel, stage_carveout) if stage else None
 
     def shared_bytes(self, layout: SlotLayout) -> int:
         """Dynamic shared memory of a launch: the activation pairs (K / 2 x 4 bytes), then, in a stream stage build
@@ -196,8 +196,8 @@ class W2DownCuda:
                 w2.layout.hidden // rows_per_block(self.groups))
         smem = self.shared_bytes(w2.layout)
         self.kernel.allow_shared(smem)
-        if self._carveout is not None:
-            self._carveout.launch(smem)
+        if self._fit is not None:
+            self._fit.launch(smem)
         stream = torch.cuda.current_stream().cuda_stream
         args = (launch_args(w2, fp4, layer, ws, out, topk_ids if self.pair_order else None)
                 + w2_gate_up.stream_args(w2, self.stream))

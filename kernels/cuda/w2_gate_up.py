@@ -14,6 +14,7 @@ import torch
 
 from ..layout import SlotLayout, unpack_matrix_ref
 from . import loader
+from .carveout import FitCarveout
 
 SOURCE = Path(__file__).with_name("w2_gate_up.cu")
 KERNEL = "w2_gate_up_mma"
@@ -146,26 +147,18 @@ STREAM_STAGE_LIMIT = 227 * 1024 // 4 - 1024
 STAGE_CARVEOUTS = ("fit", "max")
 
 
-class StageCarveout:
-    """The shared-memory carveout of a stream stage build's kernel: "max" (the largest, asked once; the default) or
-    "fit" (the smallest that holds the launch's 4 blocks per SM, asked when a launch's shared memory changes, the
-    rest of the SM left to L1). On the H200 (stage30c, benchmarks/stream_kernels.py) "fit" cost the layers that
-    stream nothing 3.5 / 2.3 us at ds-v2-lite / qwen3-30b-a3b where "max" cost 2.0 / 1.8, and streamed no faster.
-    Shared with w2_down.py."""
-
-    def __init__(self, kernel, carveout: str) -> None:
-        if carveout not in STAGE_CARVEOUTS:
-            raise ValueError(f"stage_carveout is one of {STAGE_CARVEOUTS}, got {carveout!r}")
-        self.kernel, self.carveout, self._smem = kernel, carveout, None
-        if carveout == "max":
-            kernel.prefer_max_shared()
-
-    def launch(self, smem: int) -> None:
-        if self.carveout == "fit" and smem != self._smem:
-            from .w2_multi import fit_carveout  # w2_multi imports this module
-
-            self.kernel.prefer_carveout(fit_carveout(smem, 4))
-            self._smem = smem
+def ask_stage_carveout(kernel, carveout: str) -> FitCarveout | None:
+    """The shared-memory carveout of a stream stage build's kernel: "max" (the largest, asked now; None returned; the
+    default) or "fit" (a `FitCarveout` of the launch's 4 blocks per SM for the launches to ask, the rest of the SM
+    left to L1). On the H200 (stage30c, benchmarks/stream_kernels.py) "fit" cost the layers that stream nothing
+    3.5 / 2.3 us at ds-v2-lite / qwen3-30b-a3b where "max" cost 2.0 / 1.8, and streamed no faster. Shared with
+    w2_down.py."""
+    if carveout not in STAGE_CARVEOUTS:
+        raise ValueError(f"stage_carveout is one of {STAGE_CARVEOUTS}, got {carveout!r}")
+    if carveout == "fit":
+        return FitCarveout(kernel, 4)
+    kernel.prefer_max_shared()
+    return None
 
 
 def stream_stage_bytes(words_bytes: int, base_bytes: int) -> int:
@@ -214,7 +207,7 @@ class W2GateUpCuda:
     stage (needs stream): W2_STREAM_STAGE, a streamed pair's block first copies its rows into shared memory in
     contiguous runs (512 bytes per warp instruction instead of 64 of each of eight rows) and computes from there,
     where the stage fits (`stream_stage_bytes`; elsewhere such blocks read as without, prefetching where built); same
-    bytes out. stage_carveout: "fit" or "max" (`StageCarveout`).
+    bytes out. stage_carveout: "fit" or "max" (`ask_stage_carveout`).
     """
 
     def __init__(self, ahead: int = 1, device: int | None = None, early: bool = False, route_major: bool = False,
@@ -236,7 +229,7 @@ class W2GateUpCuda:
         self.kernel = loader.load(image, KERNEL, self.device)
         if stages:
             self.kernel.prefer_max_shared()  # the stages need the largest carveout for 4 blocks per SM
-        self._carveout = StageCarveout(self.kernel, stage_carveout) if stage else None
+        self._fit = ask_stage_carveout(self.kernel, stage_carveout) if stage else None
 
     def shared_bytes(self, layout: SlotLayout) -> int:
         """Dynamic shared memory of a launch: the activation pairs (H / 2 x 4 bytes), then the stages, or a stream
@@ -256,8 +249,8 @@ class W2GateUpCuda:
         grid = (route_blocks_grid(ws, self.pairs_grid, self.pair_order), w2.layout.inter // ROWS_PER_BLOCK)
         smem = self.shared_bytes(w2.layout)
         self.kernel.allow_shared(smem)
-        if self._carveout is not None:
-            self._carveout.launch(smem)
+        if self._fit is not None:
+            self._fit.launch(smem)
         args = launch_args(hidden, top_k, w2, fp4, layer, ws, out, swiglu_limit,
                            topk_ids if self.pair_order else None) + stream_args(w2, self.stream)
         self.kernel.launch(grid, (THREADS,), smem, torch.cuda.current_stream().cuda_stream,

@@ -81,7 +81,7 @@ class W2MoeCuda:
     slot from its arena row (`w2.stream_at`; `streams`); stream_prefetch: their W2_STREAM_PREFETCH (a streamed pair's
     rows asked into L2 first); stream_stage: their W2_STREAM_STAGE (a streamed pair's rows copied into shared memory
     in contiguous runs first, where the stage fits; there the prefetch is skipped); stream_stage_carveout: their
-    shared-memory carveout (`w2_gate_up.StageCarveout`)."""
+    shared-memory carveout (`w2_gate_up.ask_stage_carveout`)."""
 
     def __init__(self, gate_ahead: int = 2, down_ahead: int = 2, down_groups: int = 1, device: int | None = None,
                  gate_multi: dict | None = None, gate_single: dict | None = None, down_single: dict | None = None,

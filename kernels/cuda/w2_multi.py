@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from . import loader, w2_down, w2_gate_up
+from .carveout import FitCarveout, fit_carveout
 
 COLS = 8  # kCols in w2_multi.cuh: pairs per CUDA block (the mma's N)
 PAD_WORDS = 4  # kPadWords: per-column shared-memory pad
@@ -38,21 +39,6 @@ def shared_bytes(k_len: int, cols: int = COLS) -> int:
     """Dynamic shared memory of a block: `cols` columns (COLS; the gate_up v2's stage_cols) of k_len / 2 activation
     pairs plus the pad, 4 bytes each."""
     return 4 * cols * (k_len // 2 + PAD_WORDS)
-
-
-# Hopper SM shared-memory capacities (KB) a carveout can select, and the driver's reserve per resident block.
-CARVEOUT_KB = (0, 8, 16, 32, 64, 100, 132, 164, 196, 228)
-RESERVED_PER_BLOCK = 1024
-
-
-def fit_carveout(smem: int, blocks: int) -> int:
-    """The carveout preference (percent of the largest capacity) of the smallest capacity that holds `blocks` blocks
-    of `smem` dynamic bytes plus the driver's reserve each; the rest of the SM's 256 KB stays L1."""
-    need = blocks * (smem + RESERVED_PER_BLOCK)
-    kb = next((kb for kb in CARVEOUT_KB if kb * 1024 >= need), None)
-    if kb is None:
-        raise ValueError(f"{blocks} blocks of {smem} shared bytes do not fit an SM ({CARVEOUT_KB[-1]} KB)")
-    return -(-100 * kb // CARVEOUT_KB[-1])
 
 
 def check_block_tokens(ws) -> None:
@@ -153,15 +139,14 @@ class W2GateUpMultiCuda(_Built):
         if mad:
             defines["W2_DECODE_MAD"] = 1
         super().__init__(GATE_SOURCE, GATE_KERNEL, defines, device)
-        self._carveout_k = None  # the K the "fit" carveout was set for
+        self._fit = FitCarveout(self.kernel, 16 // warps) if carveout == "fit" else None
 
     def smem(self, k_len: int) -> int:
         return shared_bytes(k_len, self.stage_cols)
 
     def _set_carveout(self, k_len: int) -> None:
-        if self.carveout == "fit" and self._carveout_k != k_len:
-            self.kernel.prefer_carveout(fit_carveout(self.smem(k_len), 16 // self.warps))
-            self._carveout_k = k_len
+        if self._fit is not None:
+            self._fit.launch(self.smem(k_len))
 
     def attributes(self, k_len: int | None = None) -> dict:
         if k_len is not None:
