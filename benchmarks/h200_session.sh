@@ -84,6 +84,30 @@ stage30_checks_and_cells() {  # stage30c / stage30d: the stream builds' GPU test
   stage_arena_cells 90 90 90 100
 }
 
+policy_cells() {  # policy_cells ARENA LIMIT LIMIT LIMIT LIMIT: issue #5's cells at 50 / 25 / 10 % with the arena ARENA
+  # (GiB; 4 preloaded, or 0), the default pool policy (lru) against freq-dense in one process (twenty-ninth session):
+  # ds-v2-lite synthetic and recorded, qwen3-30b-a3b synthetic and recorded (layers tiled), bf16
+  local arena="$1" name
+  name=$([ "$arena" = 0 ] && echo none || echo arena)
+  stage "replay-syn-ds-$name" "$2" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+    --steps 220 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb "$arena" --arena-preload --dtype bfloat16 \
+    --compare-config policy=freq-dense --commit "$commit" --out "$work/replay_ds-v2-lite_synthetic-${name}_$step.json"
+  stage "replay-rec-ds-$name" "$3" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+    --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb "$arena" --arena-preload --dtype bfloat16 \
+    --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first \
+    --trace-top-k trace --compare-config policy=freq-dense --commit "$commit" \
+    --out "$work/replay_ds-v2-lite_recorded-${name}_$step.json"
+  stage "replay-syn-qwen3-$name" "$4" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b \
+    --layers 16 --steps 220 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb "$arena" --arena-preload \
+    --dtype bfloat16 --compare-config policy=freq-dense --commit "$commit" \
+    --out "$work/replay_qwen3-30b-a3b_synthetic-${name}_$step.json"
+  stage "replay-rec-qwen3-$name" "$5" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b \
+    --layers 16 --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb "$arena" --arena-preload \
+    --dtype bfloat16 --no-synthetic --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers tile \
+    --trace-top-k trace --compare-config policy=freq-dense --commit "$commit" \
+    --out "$work/replay_qwen3-30b-a3b_recorded-${name}_$step.json"
+}
+
 compare_rounds() {  # compare_rounds NAME LIMIT CONFIG ROUNDS COVERAGES [alternate|interleave|same [STEPS]]: replay.py
   # --compare-config CONFIG on both presets, ROUNDS rounds, each cell's default and compared runs in one process (the
   # default first; with "alternate", the compared config first in the even rounds: --compare-first; with "interleave",
@@ -1968,6 +1992,17 @@ case "$step" in
     # largest carveout (whether the carveout or the stage build costs those layers); the GPU tests, the main job and
     # issue #5's arena cells at this default against stream_stage=0 in one process. Limits as stage30c's.
     stage30_checks_and_cells
+    ;;
+  policy31)  # twenty-ninth session, first call: the base pool's policy freq-dense (freq's order over arrays) against
+    # the default lru, in one process per workload, in issue #5's cells without an arena (disk-bound: the pool's misses
+    # are the disk's reads), then the main job with freq-dense. Limits 150 + 80 + 170 + 80 + 70 s.
+    policy_cells 0 150 80 170 80
+    stage generate-quality 70 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --policy freq-dense --verify-resident
+    ;;
+  policy31b)  # twenty-ninth session: the same comparison in issue #5's cells with the 4 GiB arena preloaded (the
+    # pool's misses stream from the arena; the policy's host time is on a short step). Limits 90 + 90 + 100 + 100 s.
+    policy_cells 4 90 90 100 100
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

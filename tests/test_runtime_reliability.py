@@ -51,7 +51,7 @@ def storm(steps, fraction, arena_slots, tokens_per_step, policy):
     return stats
 
 
-@pytest.mark.parametrize("policy", ["lru", "sieve"])
+@pytest.mark.parametrize("policy", ["lru", "sieve", "freq-dense"])
 def test_storm_short(policy):
     storm(steps=60, fraction=14 / 48, arena_slots=16, tokens_per_step=2, policy=policy)
 

@@ -20,6 +20,7 @@ never decides capacity, which stays with the pool. Hook protocol, in the pool's 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Iterable, Iterator
 
 from tierstore.errors import CapacityError, TierstoreError
@@ -202,3 +203,15 @@ def get_policy(name: str, **params) -> EvictionPolicy:
         return factory(**params)
     except TypeError as exc:
         raise UnknownPolicyError(f"policy {name!r}: bad parameters {params}: {exc}") from None
+
+
+def get_decaying_policy(name: str, half_life: float) -> EvictionPolicy:
+    """`get_policy(name)`, with `half_life=half_life` where the policy's factory takes one (`freq`, `freq-dense`,
+    `need`, or a registered policy with that parameter): the runtime's pools call `begin_step` with seconds."""
+    _load_builtins()
+    factory = _REGISTRY.get(name)
+    try:
+        decays = factory is not None and "half_life" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a factory without a signature Python can read
+        decays = False
+    return get_policy(name, half_life=half_life) if decays else get_policy(name)

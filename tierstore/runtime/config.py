@@ -31,6 +31,8 @@ class RuntimeConfig:
     - `miss_tolerance`: a step with at most this many missing pairs keeps its logits without a
       replay (degraded, counted); its missing experts are still fetched for later steps.
     - `policy`: eviction policy of the device pool (any name of the policy registry).
+    - `policy_half_life_s`: wall-clock half-life in seconds of the routing counts of a device-pool policy that
+      decays them (`freq`, `freq-dense`, `need`; the pool calls `begin_step` with time.monotonic()).
     - `force_pool`: start even when the pool is below the per-step working set
       (`working_set_margin` x layers x top-k x `tokens_per_step`).
     - `kpi_every`: log a KPI line every that many steps (0 = never).
@@ -216,6 +218,7 @@ class RuntimeConfig:
     fp_thresh: int = 0
     miss_tolerance: int = 0
     policy: str = "lru"
+    policy_half_life_s: float = 60.0
     force_pool: bool = False
     working_set_margin: float = 1.15
     tokens_per_step: int = 1
@@ -297,6 +300,8 @@ class RuntimeConfig:
             other = "gather_in_pass" if self.gather_in_pass else "early_fetch"
             raise ConfigError(f"pass_pair and {other} both fetch while a pass runs; turn one of them off")
         object.__setattr__(self, "cuda_w2", _switch_setting("cuda_w2", self.cuda_w2))  # frozen: normalised once here
+        if not self.policy_half_life_s > 0:
+            raise ConfigError(f"policy_half_life_s must be > 0 seconds, got {self.policy_half_life_s!r}")
         if not self.working_set_margin >= 1.0:
             raise ConfigError(f"working_set_margin must be >= 1.0, got {self.working_set_margin!r}")
         self._check_precision_tier()

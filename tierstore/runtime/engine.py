@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from tierstore.cache.arena import Arena, RowSource
-from tierstore.cache.policy import get_policy
+from tierstore.cache.policy import get_decaying_policy
 from tierstore.errors import CapacityError, ConfigError
 from tierstore.geometry import MoEGeometry
 from tierstore.kernels.cuda.pass_gather import PLAN_THREADS
@@ -114,7 +114,8 @@ class TieredRuntime:
         # layer with config layer_waits (each MoE layer waits for its own rows: `moe`), except in a pool that
         # holds every expert (filled once by `preload`; nothing to overlap, no wait nodes in the graphs)
         slots = min(pool_slots, geometry.total_routed_experts)
-        self.pool = DevicePool(slots, self.layout.slot_bytes, *shape, self.device, get_policy(self.config.policy),
+        policy = get_decaying_policy(self.config.policy, self.config.policy_half_life_s)  # begin_step: time.monotonic()
+        self.pool = DevicePool(slots, self.layout.slot_bytes, *shape, self.device, policy,
                                overlap=True,
                                layer_waits=self.config.layer_waits and slots < geometry.total_routed_experts,
                                copy_streams=self.config.copy_streams)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from tierstore.cache.arena import Arena, RowSource, aligned_host_buffer
-from tierstore.cache.policy import EvictionPolicy, get_policy
+from tierstore.cache.policy import get_decaying_policy
 from tierstore.errors import CapacityError, PackFormatError
 from tierstore.geometry import MoEGeometry
 from tierstore.kernels.layout import fp4_slot_layout
@@ -49,14 +49,7 @@ from tierstore.runtime.rows import check_row_source
 log = logging.getLogger("tierstore.runtime")
 
 Key = tuple[int, int]
-HALF_LIFE_POLICIES = ("freq", "need")  # registered policies whose counters take a half-life
 HYSTERESIS_FLOOR = 4.0
-
-
-def fp4_policy(name: str, half_life_s: float) -> EvictionPolicy:
-    """The FP4 pool's policy; `freq` / `need` decay with a half-life in seconds (the runtime calls
-    `begin_step` with time.monotonic())."""
-    return get_policy(name, half_life=half_life_s) if name in HALF_LIFE_POLICIES else get_policy(name)
 
 
 @dataclass(frozen=True)
@@ -85,7 +78,7 @@ class Fp4Tier:
         shape = (geometry.num_moe_layers, geometry.num_experts)
         check_row_source(source, geometry, self.layout.slot_bytes, "FP4")
         device = torch.device(device)
-        self.policy = fp4_policy(config.fp4_policy, config.fp4_half_life_s)
+        self.policy = get_decaying_policy(config.fp4_policy, config.fp4_half_life_s)  # begin_step: time.monotonic()
         self.lazy = getattr(self.policy, "promotes_lazily", True)
         self.pool = DevicePool(min(num_slots, geometry.total_routed_experts), self.layout.slot_bytes, *shape, device,
                                self.policy)

@@ -295,7 +295,7 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
     """A plain all-resident run (preloaded, forward + sync, no step protocol), the same with the
     decoder's token readback (forward + copy + sync), the tiered run (token folded into the pass-log
     read; where its pool holds every expert and reads no pass, config full_pool_reads off, the token's own
-    readback as in the plain decoder's) and the naive on-demand baseline (eager, token read back), of
+    readback as in the plain decoder's) and the naive on-demand baseline (eager, LRU, token read back), of
     the same steps, each with a cold window (the first `warmup` steps) and a steady one, plus the floor
     of the steady tiered steps:
 
@@ -351,8 +351,9 @@ def run_replay(geometry: MoEGeometry, source_factory, steps: list[np.ndarray], *
             runs["tiered_flipped"] = separate("tiered_flipped")
         runs["tiered"] = separate("tiered")
     # the naive run never launches a pass pair: its runtime builds no pass gather (pass_pair auto on CUDA would),
-    # nor streams from the arena: it fetches every routed expert before its layer (config stream_arena off)
-    naive = dict(common, config=dataclasses.replace(config, pass_pair=False, stream_arena=False))
+    # nor streams from the arena: it fetches every routed expert before its layer (config stream_arena off); its
+    # pool evicts by LRU whatever the tiered run's policy (issue #5's baseline)
+    naive = dict(common, config=dataclasses.replace(config, pass_pair=False, stream_arena=False, policy="lru"))
     runs["naive"] = _run(geometry, source_factory, steps, pool_slots=pool_slots, arena_slots=arena_slots,
                          preload=full, arena_preload=arena_preload, naive=True, readback="separate", **naive)
     if compare and not compare_first and not interleave:

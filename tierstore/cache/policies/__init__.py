@@ -4,6 +4,7 @@ from tierstore.cache.policies import (  # noqa: F401  (imported to register)
     belady,
     class_lru,
     freq,
+    freq_dense,
     lfu,
     lru,
     need,

@@ -1,0 +1,165 @@
+"""`freq`'s eviction order kept in dense arrays: evict the key routed least, recently.
+
+Every routed pair counts (resident or not, via `observe`), decayed with `half_life` in the time unit of
+`begin_step(now)`, and the counts survive eviction; ties go to the older last insert or hit, then to the lower
+key. The order is `freq`'s: the counts here are decayed all at once at each `begin_step`, there one key at a time
+when read, which is the same sum (bit for bit where every decay factor is a power of two, e.g. `half_life` 1 and
+whole-number times; within rounding otherwise). What differs is the cost: the hooks and the order are numpy
+operations over arrays indexed by key, so a pool of a thousand experts is ordered in tens of microseconds, where
+`freq` sorts Python tuples. Keys are dense ints (`expert_key`); the arrays grow to the largest key seen. Time
+must not go back: a `begin_step` earlier than the last one decays nothing (where `freq` would grow the counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from tierstore.cache.policy import _EMPTY, EvictionPolicy, register_policy
+
+_GROWTH = 1024  # keys of room added at a time past the largest key seen
+
+
+@register_policy("freq-dense")
+class DenseFrequencyPolicy(EvictionPolicy):
+    name = "freq-dense"
+    filtered_order = True  # eviction_order(exclude) is eviction_order() less `exclude`
+
+    def __init__(self, half_life: float = 256.0) -> None:
+        super().__init__()
+        if not half_life > 0:
+            raise ValueError(f"half_life must be positive, got {half_life}")
+        self.half_life = float(half_life)
+        self._heat = np.zeros(0, dtype=np.float64)  # [K] decayed routed counts as of `_stamp`
+        self._touch = np.zeros(0, dtype=np.int64)  # [K] clock of the last insert or hit (resident keys)
+        self._resident = np.zeros(0, dtype=bool)  # [K]
+        self._clock = 0
+        self._stamp: float | None = None  # the time `_heat` is decayed to
+
+    # --- the arrays ----------------------------------------------------------------------
+    def _room(self, top: int) -> None:
+        """Arrays long enough to index key `top`."""
+        if top >= len(self._heat):
+            size = top + 1 + _GROWTH
+            self._heat = np.concatenate([self._heat, np.zeros(size - len(self._heat))])
+            self._touch = np.concatenate([self._touch, np.zeros(size - len(self._touch), dtype=np.int64)])
+            self._resident = np.concatenate([self._resident, np.zeros(size - len(self._resident), dtype=bool)])
+
+    @staticmethod
+    def _ids(keys: Iterable[int]) -> np.ndarray:
+        ids = keys if isinstance(keys, np.ndarray) else np.fromiter(keys, dtype=np.int64)
+        if len(ids) and ids.min() < 0:
+            raise ValueError(f"policy freq-dense: keys are dense non-negative ints, got {int(ids.min())}")
+        return ids.astype(np.int64, copy=False)
+
+    def heat(self, key: int) -> float:
+        """The key's decayed routed count at the last `begin_step` (0.0 for a key never routed)."""
+        return float(self._heat[key]) if 0 <= key < len(self._heat) else 0.0
+
+    # --- hooks ---------------------------------------------------------------------------
+    def begin_step(self, now: float) -> None:
+        super().begin_step(now)
+        if self._stamp is not None and now > self._stamp:
+            self._heat *= 2.0 ** (-(now - self._stamp) / self.half_life)
+        if self._stamp is None or now > self._stamp:
+            self._stamp = now
+
+    def observe(self, keys: Iterable[int]) -> None:
+        ids = self._ids(keys)
+        if len(ids):
+            if self._stamp is None:
+                self._stamp = self.now
+            self._room(int(ids.max()))
+            if len(ids) == 1 or (ids[1:] > ids[:-1]).all():  # distinct (a pool's routed ids are, ascending)
+                self._heat[ids] += 1.0
+            else:
+                np.add.at(self._heat, ids, 1.0)  # one add per occurrence, in order: a key routed twice counts twice
+
+    def _inserted(self, key: int) -> None:
+        self._room(key)
+        self._clock += 1
+        self._touch[key] = self._clock
+        self._resident[key] = True
+
+    def _accessed(self, key: int) -> None:
+        self._clock += 1
+        self._touch[key] = self._clock
+
+    def _removed(self, key: int) -> None:
+        self._resident[key] = False
+
+    # the batch hooks of a pool's install and step close as array operations: the state the single hooks leave,
+    # and where a key fails, the keys before it applied and the single hook's error for it
+    def on_insert_many(self, keys: Iterable[int]) -> None:
+        if type(self) is not DenseFrequencyPolicy:
+            return super().on_insert_many(keys)
+        ids = self._ids(keys)
+        if not len(ids):
+            return
+        self._room(int(ids.max()))
+        seen = self._resident[ids].copy()
+        _, first = np.unique(ids, return_index=True)
+        repeated = np.ones(len(ids), dtype=bool)
+        repeated[first] = False
+        bad = np.flatnonzero(seen | repeated)
+        good = ids[:bad[0]] if len(bad) else ids
+        self.sizes.update(dict.fromkeys(good.tolist(), 1))
+        self._touch[good] = self._clock + 1 + np.arange(len(good))
+        self._clock += len(good)
+        self._resident[good] = True
+        self.version += len(good)
+        if len(bad):
+            self.on_insert(int(ids[bad[0]]))  # raises, as the single hook does
+
+    def on_access_many(self, keys: Iterable[int]) -> None:
+        if type(self) is not DenseFrequencyPolicy:
+            return super().on_access_many(keys)
+        ids = self._ids(keys)
+        if not len(ids):
+            return
+        self._room(int(ids.max()))
+        resident = self._resident[ids]
+        bad = None if resident.all() else int(np.argmin(resident))  # the first key that is not resident
+        good = ids if bad is None else ids[:bad]
+        stamps = self._clock + 1 + np.arange(len(good))
+        if len(good) > 1 and not (good[1:] > good[:-1]).all():  # a repeated key's touch is its last access
+            last = len(good) - 1 - np.unique(good[::-1], return_index=True)[1]
+            good, stamps = good[last], stamps[last]
+        self._touch[good] = stamps
+        self._clock += len(stamps) if bad is None else bad
+        self.version += len(ids) if bad is None else bad
+        if bad is not None:
+            self.on_access(int(ids[bad]))  # raises, as the single hook does
+
+    def on_evict_many(self, keys: Iterable[int]) -> None:
+        if type(self) is not DenseFrequencyPolicy:
+            return super().on_evict_many(keys)
+        ids = self._ids(keys)
+        if not len(ids):
+            return
+        self._room(int(ids.max()))
+        resident = self._resident[ids].copy()
+        _, first = np.unique(ids, return_index=True)
+        once = np.zeros(len(ids), dtype=bool)
+        once[first] = True
+        bad = np.flatnonzero(~(resident & once))
+        good = ids[:bad[0]] if len(bad) else ids
+        for key in good.tolist():
+            del self.sizes[key]
+        self.pinned.difference_update(good.tolist())
+        self._resident[good] = False
+        self.version += len(good)
+        if len(bad):
+            self.on_evict(int(ids[bad[0]]))  # raises
+
+    # --- queries -------------------------------------------------------------------------
+    def eviction_order(self, exclude=_EMPTY) -> Iterator[int]:
+        evictable = self._resident.copy()
+        for skipped in (self.pinned, exclude):
+            if skipped:
+                ids = np.fromiter(skipped, dtype=np.int64, count=len(skipped))
+                evictable[ids[(ids >= 0) & (ids < len(evictable))]] = False
+        ids = np.flatnonzero(evictable)
+        # lowest heat first, then the older touch (`freq`'s (rank, last touch, key): resident keys' touches differ)
+        return iter(ids[np.lexsort((self._touch[ids], self._heat[ids]))].tolist())
