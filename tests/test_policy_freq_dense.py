@@ -82,6 +82,27 @@ def test_order_equals_freq_with_an_everyday_half_life():
         assert np.allclose([dense.heat(k) for k in range(40)], [reference.heat(k) for k in range(40)], rtol=1e-12)
 
 
+def test_a_large_pool_orders_as_freq_past_its_first_victims():
+    rng = random.Random(3)
+    reference, dense = get_policy("freq", half_life=1.0), get_policy("freq-dense", half_life=1.0)
+    for now in range(6):
+        routed = [rng.randrange(1500) for _ in range(900)]  # many repeats: many keys tie on heat
+        for policy in (reference, dense):
+            policy.begin_step(now)
+            policy.observe(routed)
+    fresh = rng.sample(range(1500), 1000)
+    for policy in (reference, dense):
+        policy.on_insert_many(fresh)
+        policy.on_access_many(fresh[::7])
+    exclude = set(rng.sample(range(1500), 50))
+    order = dense.eviction_order(exclude)
+    dense.on_access_many(fresh[:300])  # after the order was asked: it is the order as of the ask
+    assert list(order) == list(reference.eviction_order(exclude))
+    reference.on_access_many(fresh[:300])
+    assert list(dense.eviction_order()) == list(reference.eviction_order())
+    assert dense.victims(40, exclude) == reference.victims(40, exclude)
+
+
 @pytest.mark.parametrize("slots", [6, 16, 32, 48])
 def test_golden_trace_hits_equal_freq(slots):
     trace = load_trace(GOLDEN / "trace.npz")
@@ -126,3 +147,14 @@ def test_runtime_passes_policy_half_life_to_its_pool():
         assert runtime.pool.policy.name == "freq-dense" and runtime.pool.policy.half_life == 12.0
     with pytest.raises(ConfigError, match="policy_half_life_s must be > 0"):
         RuntimeConfig(policy_half_life_s=0)
+
+
+def test_generate_cli_defaults_to_the_runtime_configs_policy():
+    import argparse
+
+    from tierstore.commands.generate import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["generate", "ckpt", "--prompt", "x"])
+    assert args.policy == RuntimeConfig().policy == "freq-dense"

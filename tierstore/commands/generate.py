@@ -26,7 +26,8 @@ def register(subparsers) -> None:
     parser.add_argument("--pack-dir", help="pack directory (default $TIERSTORE_CACHE_DIR/packs)")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--policy", default="lru", help="eviction policy of the device pool (default lru)")
+    parser.add_argument("--policy", default="freq-dense",
+                        help="eviction policy of the device pool (default freq-dense, the runtime's default)")
     parser.add_argument("--replay-mode", choices=("strict", "approximate"), default="strict")
     parser.add_argument("--miss-tol", type=int, default=0, help="missing pairs a step may keep without a replay (degraded)")
     parser.add_argument("--fp-max", type=int, default=32, help="replays per step before strict mode gives up")

@@ -19,6 +19,7 @@ import numpy as np
 from tierstore.cache.policy import _EMPTY, EvictionPolicy, register_policy
 
 _GROWTH = 1024  # keys of room added at a time past the largest key seen
+_FIRST = 128  # victims ordered before the rest of the order is sorted (`_in_order`)
 
 
 @register_policy("freq-dense")
@@ -160,6 +161,24 @@ class DenseFrequencyPolicy(EvictionPolicy):
             if skipped:
                 ids = np.fromiter(skipped, dtype=np.int64, count=len(skipped))
                 evictable[ids[(ids >= 0) & (ids < len(evictable))]] = False
-        ids = np.flatnonzero(evictable)
-        # lowest heat first, then the older touch (`freq`'s (rank, last touch, key): resident keys' touches differ)
-        return iter(ids[np.lexsort((self._touch[ids], self._heat[ids]))].tolist())
+        return self._in_order(np.flatnonzero(evictable))
+
+    def _in_order(self, ids: np.ndarray) -> Iterator[int]:
+        """`ids` lowest heat first, then the older touch (`freq`'s (rank, last touch, key): resident keys' touches
+        differ), as of this call (the heats and touches are copied now)."""
+        return _sorted_by(ids, self._heat[ids], self._touch[ids])
+
+
+def _sorted_by(ids: np.ndarray, heat: np.ndarray, touch: np.ndarray) -> Iterator[int]:
+    """`ids` by (heat, touch). A caller usually takes the first few victims: the first `_FIRST` come from a sort of
+    the heats alone and one of those keys, the rest are sorted (a slower sort of two keys) only when the caller reads
+    past them."""
+    if len(ids) > 2 * _FIRST:
+        cut = np.sort(heat)[_FIRST - 1]  # the _FIRST-th coldest heat (np.partition is slow on many equal heats)
+        first = heat < cut
+        tied = np.flatnonzero(heat == cut)
+        wanted = _FIRST - int(first.sum())  # >= 1: of the keys at `cut`, the oldest touches
+        first[tied[np.argpartition(touch[tied], wanted - 1)[:wanted]] if wanted < len(tied) else tied] = True
+        yield from ids[first][np.lexsort((touch[first], heat[first]))].tolist()
+        ids, heat, touch = ids[~first], heat[~first], touch[~first]
+    yield from ids[np.lexsort((touch, heat))].tolist()
