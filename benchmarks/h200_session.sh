@@ -2004,6 +2004,13 @@ case "$step" in
     # pool's misses stream from the arena; the policy's host time is on a short step). Limits 90 + 90 + 100 + 100 s.
     policy_cells 4 90 90 100 100
     ;;
+  policy31c)  # twenty-ninth session: freq-dense the default now (its first victims from a cheaper sort than at
+    # policy31's 2ad7fd2, the same order): the runtime's GPU tests, the stream arena's, and the main job at this default
+    runtime_gpu_tests 240
+    stage tests-stream 120 python3 -m pytest tests/test_runtime_stream_arena.py tests/test_runtime_pass_gather.py -m gpu -q
+    stage generate-quality 70 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
+    ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 
