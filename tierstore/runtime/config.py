@@ -31,7 +31,7 @@ class RuntimeConfig:
     - `miss_tolerance`: a step with at most this many missing pairs keeps its logits without a
       replay (degraded, counted); its missing experts are still fetched for later steps.
     - `policy`: eviction policy of the device pool (any name of the policy registry). Default `freq-dense` (the
-      routed counts decayed by `policy_half_life_s`; since the twenty-ninth session, when it read 6-43 % fewer rows
+      routed counts decayed by `policy_half_life_s`; since the twenty-ninth session, when it read 4-43 % fewer rows
       from the disk than `lru` on issue #5's replay where the two differed; docs/runtime.md "The base pool's policy").
     - `policy_half_life_s`: wall-clock half-life in seconds of the routing counts of a device-pool policy that
       decays them (`freq`, `freq-dense`, `need`; the pool calls `begin_step` with time.monotonic()).
