@@ -130,6 +130,9 @@ def test_keys_beyond_the_arrays_and_bad_keys():
     assert list(policy.eviction_order({6000, 10**9})) == [5000] and policy.heat(6000) == 1.0
     with pytest.raises(ValueError, match="non-negative"):
         policy.observe([-1])
+    with pytest.raises(ValueError, match="non-negative"):
+        policy.on_insert(-1)
+    assert -1 not in policy and list(policy.eviction_order()) == [5000]
     with pytest.raises(ValueError, match="half_life must be positive"):
         get_policy("freq-dense", half_life=0)
 

@@ -1,8 +1,8 @@
 """`freq`'s eviction order kept in dense arrays: evict the key routed least, recently.
 
 Every routed pair counts (resident or not, via `observe`), decayed with `half_life` in the time unit of
-`begin_step(now)`, and the counts survive eviction; ties go to the older last insert or hit, then to the lower
-key. The order is `freq`'s: the counts here are decayed all at once at each `begin_step`, there one key at a time
+`begin_step(now)`, and the counts survive eviction; ties go to the older last insert or hit (no two resident
+keys share one). The order is `freq`'s: the counts here are decayed all at once at each `begin_step`, there one key at a time
 when read, which is the same sum (bit for bit where every decay factor is a power of two, e.g. `half_life` 1 and
 whole-number times; within rounding otherwise). What differs is the cost: the hooks and the order are numpy
 operations over arrays indexed by key, so a pool of a thousand experts is ordered in tens of microseconds, where
@@ -19,7 +19,7 @@ import numpy as np
 from tierstore.cache.policy import _EMPTY, EvictionPolicy, register_policy
 
 _GROWTH = 1024  # keys of room added at a time past the largest key seen
-_FIRST = 128  # victims ordered before the rest of the order is sorted (`_in_order`)
+_FIRST = 128  # victims ordered before the rest of the order is sorted (`_sorted_by`)
 
 
 @register_policy("freq-dense")
@@ -76,6 +76,11 @@ class DenseFrequencyPolicy(EvictionPolicy):
                 self._heat[ids] += 1.0
             else:
                 np.add.at(self._heat, ids, 1.0)  # one add per occurrence, in order: a key routed twice counts twice
+
+    def on_insert(self, key: int, size: int = 1) -> None:
+        if key < 0:
+            raise ValueError(f"policy freq-dense: keys are dense non-negative ints, got {key}")
+        super().on_insert(key, size)
 
     def _inserted(self, key: int) -> None:
         self._room(key)
