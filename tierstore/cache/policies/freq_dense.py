@@ -1,13 +1,13 @@
 """`freq`'s eviction order kept in dense arrays: evict the key routed least, recently.
 
 Every routed pair counts (resident or not, via `observe`), decayed with `half_life` in the time unit of
-`begin_step(now)`, and the counts survive eviction; ties go to the older last insert or hit (no two resident
-keys share one). The order is `freq`'s: the counts here are decayed all at once at each `begin_step`, there one
-key at a time when read, which is the same sum (bit for bit where every decay factor is a power of two, e.g. `half_life` 1 and
-whole-number times; within rounding otherwise). What differs is the cost: the hooks and the order are numpy
+`begin_step(now)`, and the counts survive eviction; ties go to the older last insert or hit (no two resident keys
+share one). The order is `freq`'s: the counts here are decayed all at once at each `begin_step`, there one key at a
+time when read, which is the same sum (bit for bit where every decay factor is a power of two, e.g. `half_life` 1
+and whole-number times; within rounding otherwise). What differs is the cost: the hooks and the order are numpy
 operations over arrays indexed by key, so a pool of a thousand experts is ordered in tens of microseconds, where
-`freq` sorts Python tuples. Keys are dense ints (`expert_key`); the arrays grow to the largest key seen. Time
-must not go back: a `begin_step` earlier than the last one decays nothing (where `freq` would grow the counts).
+`freq` sorts Python tuples. Keys are dense ints (`expert_key`); the arrays grow to the largest key seen. Time must
+not go back: a `begin_step` earlier than the last one decays nothing (where `freq` would grow the counts).
 """
 
 from __future__ import annotations
