@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 from fp4_fixtures import assert_fp4_coherent, decode_inputs, tier_rows, tiered
@@ -126,12 +127,15 @@ def test_the_manager_gets_each_steps_last_pass_counts_from_the_read_and_a_paused
         assert np.array_equal(runtime._fp4_snapshot.take(), want)
 
 
-def test_with_an_fp4_tier_the_base_pool_policy_still_hears_of_a_step_at_the_next_read_in_the_same_order():
+# freq-dense's counts decay by wall-clock time, so two runs order keys alike only where nothing decays (a half-life
+# so long that every decay factor is exactly 1.0); lru's order is the hooks' order alone
+@pytest.mark.parametrize("policy", [dict(policy="lru"), dict(policy="freq-dense", policy_half_life_s=1e30)])
+def test_with_an_fp4_tier_the_base_pool_policy_still_hears_of_a_step_at_the_next_read_in_the_same_order(policy):
     model, xs = ToyMoE(GEOMETRY), decode_inputs(GEOMETRY, 20, seed=8)
     orders, outputs = [], []
     for eager in (False, True):
         with tiered(GEOMETRY, ROWS, pool_slots=3 * GEOMETRY.top_k * GEOMETRY.num_moe_layers, fp4_slots=6,
-                    fp4_policy="freq", force_pool=True) as runtime:  # base misses: fetches evict
+                    fp4_policy="freq", force_pool=True, **policy) as runtime:  # base misses: fetches evict
             runtime.preload_fp4([(0, 1), (1, 2), (2, 3)])
             assert runtime.pause_fp4_manager(10)  # the same FP4 residency in both runs
             outs = []

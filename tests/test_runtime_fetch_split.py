@@ -106,7 +106,7 @@ def test_hits_applied_before_each_read_change_no_eviction():
     finals = []
     for early in (False, True):
         runtime = TieredRuntime(g, memory_source(g), pool_slots=12, arena_slots=16,
-                                config=RuntimeConfig(kpi_every=0), output_words=1)
+                                config=RuntimeConfig(kpi_every=0, policy="lru"), output_words=1)  # deferred hits
         runtime._early_hits = early
         with runtime:
             out = drive(runtime, steps, warmup=0, readback="folded")
