@@ -111,7 +111,7 @@ def test_the_pool_policy_hears_of_a_step_at_the_next_read_in_the_same_order():
     orders, outputs = [], []
     for eager in (False, True):
         runtime = TieredRuntime(g, memory_source(g), pool_slots=8, device="cpu",
-                                config=RuntimeConfig(kpi_every=0, force_pool=True))
+                                config=RuntimeConfig(kpi_every=0, force_pool=True, policy="lru"))  # hook order
         order, outs = [], []
         for step in routing:
             ids = torch.as_tensor(step[None], dtype=torch.int64)  # [1, L, k]
