@@ -123,6 +123,20 @@ def test_counts_survive_eviction_and_rank_the_key_on_return():
     assert policy.heat(7) == 3.0 and list(policy.eviction_order()) == [9, 3, 7]
 
 
+def test_a_batch_of_repeated_hits_ticks_the_clock_once_per_hit_as_single_hooks_do():
+    one, many = get_policy("freq-dense"), get_policy("freq-dense")
+    for policy in (one, many):
+        policy.on_insert_many([1, 2, 3])
+    for key in (3, 1, 3, 3):
+        one.on_access(key)
+    many.on_access_many([3, 1, 3, 3])
+    for policy in (one, many):
+        policy.on_insert(4)  # its touch comes after every hit's
+        policy.on_access(2)
+    assert list(many.eviction_order()) == list(one.eviction_order()) == [1, 3, 4, 2]
+    assert many._clock == one._clock and np.array_equal(many._touch[:5], one._touch[:5])
+
+
 def test_keys_beyond_the_arrays_and_bad_keys():
     policy = get_policy("freq-dense")
     policy.on_insert(5000)  # grows the arrays

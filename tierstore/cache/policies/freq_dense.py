@@ -97,67 +97,67 @@ class DenseFrequencyPolicy(EvictionPolicy):
 
     # the batch hooks of a pool's install and step close as array operations: the state the single hooks leave,
     # and where a key fails, the keys before it applied and the single hook's error for it
+    def _batch(self, keys: Iterable[int]) -> np.ndarray:
+        ids = self._ids(keys)
+        if len(ids):
+            self._room(int(ids.max()))
+        return ids
+
+    @staticmethod
+    def _first_failing(ok: np.ndarray) -> int | None:
+        """The index of the first key a batch hook cannot take (`ok` False), or None."""
+        return None if ok.all() else int(np.argmin(ok))
+
+    @staticmethod
+    def _first_occurrences(ids: np.ndarray) -> np.ndarray:
+        once = np.zeros(len(ids), dtype=bool)
+        once[np.unique(ids, return_index=True)[1]] = True
+        return once
+
     def on_insert_many(self, keys: Iterable[int]) -> None:
         if type(self) is not DenseFrequencyPolicy:
             return super().on_insert_many(keys)
-        ids = self._ids(keys)
-        if not len(ids):
-            return
-        self._room(int(ids.max()))
-        seen = self._resident[ids].copy()
-        _, first = np.unique(ids, return_index=True)
-        repeated = np.ones(len(ids), dtype=bool)
-        repeated[first] = False
-        bad = np.flatnonzero(seen | repeated)
-        good = ids[:bad[0]] if len(bad) else ids
+        ids = self._batch(keys)
+        bad = self._first_failing(~self._resident[ids] & self._first_occurrences(ids))
+        good = ids if bad is None else ids[:bad]
         self.sizes.update(dict.fromkeys(good.tolist(), 1))
         self._touch[good] = self._clock + 1 + np.arange(len(good))
         self._clock += len(good)
         self._resident[good] = True
         self.version += len(good)
-        if len(bad):
-            self.on_insert(int(ids[bad[0]]))  # raises, as the single hook does
+        if bad is not None:
+            self.on_insert(int(ids[bad]))  # raises, as the single hook does
 
     def on_access_many(self, keys: Iterable[int]) -> None:
         if type(self) is not DenseFrequencyPolicy:
             return super().on_access_many(keys)
-        ids = self._ids(keys)
-        if not len(ids):
-            return
-        self._room(int(ids.max()))
-        resident = self._resident[ids]
-        bad = None if resident.all() else int(np.argmin(resident))  # the first key that is not resident
+        ids = self._batch(keys)
+        bad = self._first_failing(self._resident[ids])
         good = ids if bad is None else ids[:bad]
-        stamps = self._clock + 1 + np.arange(len(good))
-        if len(good) > 1 and not (good[1:] > good[:-1]).all():  # a repeated key's touch is its last access
-            last = len(good) - 1 - np.unique(good[::-1], return_index=True)[1]
+        accesses = len(good)  # each one ticks the clock, a repeated key's included
+        stamps = self._clock + 1 + np.arange(accesses)
+        if accesses > 1 and not (good[1:] > good[:-1]).all():  # a repeated key's touch is its last access
+            last = accesses - 1 - np.unique(good[::-1], return_index=True)[1]
             good, stamps = good[last], stamps[last]
         self._touch[good] = stamps
-        self._clock += len(stamps) if bad is None else bad
-        self.version += len(ids) if bad is None else bad
+        self._clock += accesses
+        self.version += accesses
         if bad is not None:
             self.on_access(int(ids[bad]))  # raises, as the single hook does
 
     def on_evict_many(self, keys: Iterable[int]) -> None:
         if type(self) is not DenseFrequencyPolicy:
             return super().on_evict_many(keys)
-        ids = self._ids(keys)
-        if not len(ids):
-            return
-        self._room(int(ids.max()))
-        resident = self._resident[ids].copy()
-        _, first = np.unique(ids, return_index=True)
-        once = np.zeros(len(ids), dtype=bool)
-        once[first] = True
-        bad = np.flatnonzero(~(resident & once))
-        good = ids[:bad[0]] if len(bad) else ids
+        ids = self._batch(keys)
+        bad = self._first_failing(self._resident[ids] & self._first_occurrences(ids))
+        good = ids if bad is None else ids[:bad]
         for key in good.tolist():
             del self.sizes[key]
         self.pinned.difference_update(good.tolist())
         self._resident[good] = False
         self.version += len(good)
-        if len(bad):
-            self.on_evict(int(ids[bad[0]]))  # raises
+        if bad is not None:
+            self.on_evict(int(ids[bad]))  # raises, as the single hook does
 
     # --- queries -------------------------------------------------------------------------
     def eviction_order(self, exclude=_EMPTY) -> Iterator[int]:
