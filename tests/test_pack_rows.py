@@ -1,5 +1,6 @@
 """PackRows verifies each row's checksum as soon as its read finishes, while later reads of the
-batch are still outstanding, and returns only when every read and verification is done."""
+batch are still outstanding (the last read's row on the thread that read it), and returns only
+when every read and verification is done."""
 
 import hashlib
 import threading
@@ -12,7 +13,7 @@ from tierstore.io.layout import PackSpec
 from tierstore.io.pack import Pack
 from tierstore.io.pack_rows import PackRows
 from tierstore.io.pack_writer import PackWriter
-from tierstore.io.readers import MemoryReader
+from tierstore.io.readers import MemoryReader, PreadvPoolReader
 
 SPEC = PackSpec(tag="base", num_layers=2, num_experts=4, row_bytes=5000, checkpoint_id="rows-test",
                 abi_tag="w2-test", zero_mode="auto")
@@ -77,4 +78,44 @@ def test_a_corrupt_row_fails_the_batch_after_every_verification_finished(pack):
         source.read_rows(keys, [memoryview(bytearray(SPEC.stride)) for _ in keys])
     with pytest.raises(ValueError, match="verify_threads"):
         PackRows(pack, MemoryReader(image, identity=identity), verify_threads=0)
+    source.close()
+
+
+def _hashing_threads(monkeypatch) -> list[str]:
+    """Patch PackRows' checksum to record the name of each thread that runs it."""
+    names: list[str] = []
+    real_checksum = pack_rows.row_checksum
+
+    def checksum(payload):
+        names.append(threading.current_thread().name)
+        return real_checksum(payload)
+
+    monkeypatch.setattr(pack_rows, "row_checksum", checksum)
+    return names
+
+
+def test_the_last_read_of_a_batch_is_verified_where_it_was_read_and_the_others_on_the_pool(pack, monkeypatch):
+    names = _hashing_threads(monkeypatch)
+    source = PackRows(pack, PreadvPoolReader(pack.path, threads=4))
+    keys = [(0, 0), (1, 3), (0, 2), (1, 1)]
+    dests = [memoryview(bytearray(SPEC.stride)) for _ in keys]
+    source.read_rows(keys, dests)
+    assert [bytes(d[:SPEC.row_bytes]) for d in dests] == [row(*key) for key in keys]
+    assert len(names) == len(keys)
+    assert sum(not name.startswith("tierstore-verify") for name in names) == 1
+    names.clear()
+    source.read_rows([(1, 2)], dests[:1])  # one row: on the calling thread (the pool reads <= 2 rows there)
+    assert names == [threading.current_thread().name]
+    assert bytes(dests[0][:SPEC.row_bytes]) == row(1, 2)
+    source.close()
+
+
+@pytest.mark.parametrize("keys", [[(0, 2)], [(0, 1), (0, 2)], [(0, 2), (0, 1)]])
+def test_a_corrupt_row_fails_its_batch_whichever_thread_verified_it(pack, keys):
+    image = bytearray(pack.path.read_bytes())
+    image[SPEC.row_offset(0, 2) + 4999] ^= 0x80
+    identity = MemoryReader.from_file(pack.path).file_identity()
+    source = PackRows(pack, MemoryReader(image, identity=identity))
+    with pytest.raises(PackFormatError, match=r"1 row\(s\) .* fail their checksum: \(0, 2\)"):
+        source.read_rows(keys, [memoryview(bytearray(SPEC.stride)) for _ in keys])
     source.close()

@@ -2,11 +2,14 @@
 row is handed on. A row that fails its checksum is never returned as good data.
 
 Each row is verified as soon as its own read has finished, on a small verification pool, while
-the rest of the batch is still being read; `read_rows` returns only when every read and every
-verification of the batch is done."""
+the rest of the batch is still being read; the batch's last read to finish has nothing left to
+overlap with, so its row is verified on the thread that read it (a batch of one row never waits
+for the pool's wake-up). `read_rows` returns only when every read and every verification of the
+batch is done."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
@@ -51,15 +54,25 @@ class PackRows:
                 raise ReadError(f"destination of row ({layer}, {expert}) is {len(dest)} bytes, expected {self.stride}")
             ops.append(ReadOp(self.pack.spec.row_offset(layer, expert), dest))
         checks: dict[int, Future] = {}
+        sums: dict[int, str] = {}
+        unread = [len(ops)]
+        counting = threading.Lock()
 
         def verify(index: int) -> None:  # called as each read finishes, maybe on a reader thread
-            checks[index] = self._verifier.submit(row_checksum, dests[index][:self.row_bytes])
+            with counting:
+                unread[0] -= 1
+                last = not unread[0]
+            if last:  # no read left to overlap with: a hand-off to the pool would only add its wake-up
+                sums[index] = row_checksum(dests[index][:self.row_bytes])
+            else:
+                checks[index] = self._verifier.submit(row_checksum, dests[index][:self.row_bytes])
 
         try:
             self.reader.read(ops, on_read=verify)
         finally:
             wait(checks.values())  # no verification is left reading memory the caller may reuse
-        bad = [key for index, key in enumerate(keys) if checks[index].result() != self.pack.checksum(*key)]
+        sums.update((index, check.result()) for index, check in checks.items())
+        bad = [key for index, key in enumerate(keys) if sums[index] != self.pack.checksum(*key)]
         if bad:
             listed = ", ".join(f"({layer}, {expert})" for layer, expert in bad[:8])
             raise PackFormatError(f"{len(bad)} row(s) of {self.pack.path} fail their checksum: {listed}; "
