@@ -2012,8 +2012,8 @@ case "$step" in
       --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     ;;
   reads32)  # thirtieth session: a step's few pack rows (1 / 2 / 4) read into pinned against pageable memory, through
-    # PackRows (checksums on the verification thread), with the checksums inline, or raw, back to back or after a 3 ms
-    # idle gap (benchmarks/read_destinations.py; every row read once), ds-v2-lite (26 layers) and qwen3-30b-a3b (16).
+    # PackRows (since 4e28267 the last row's checksum where it was read), every checksum handed to a verification
+    # thread (PackRows before), checksums inline, or raw, back to back or after a 3 ms idle gap (benchmarks/read_destinations.py; every row read once), ds-v2-lite (26 layers) and qwen3-30b-a3b (16).
     # Limits 150 + 150 s.
     stage reads-ds 150 python3 benchmarks/read_destinations.py --preset ds-v2-lite --pack-dir /tmp/rd \
       --commit "$commit" --json "$work/read-destinations-ds-v2-lite.json"
