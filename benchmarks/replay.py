@@ -173,7 +173,9 @@ def main() -> None:
         "trace_top_k": args.trace_top_k, "synthetic": not args.no_synthetic,
         "floor": "plain all-resident steady step + steady pinned bytes (arena hits less streamed installs, plus "
                  "streamed rows) / pinned H2D + arena-miss bytes / source read (the faster of the best of 4 warm "
-                 "64-row probe batches and the tiered run's own steady reads)"}}
+                 "64-row probe batches and the tiered run's own steady reads); floor_batched: the same with each "
+                 "step's arena-miss rows charged at the best of 3 probe batches of that many rows (1 / 2 / 4 / ... 64, "
+                 "linear between)"}}
     compare = _compare_config(args)
     config = _base_config(args)
     if args.no_synthetic and not args.trace:
@@ -222,7 +224,9 @@ def main() -> None:
                     b = t["steady"]["breakdown"]
                     print(f"  resident+readback {runs['resident_readback']['steady']['step_ms']:.3f} ms (tiered "
                           f"{result['tiered_over_resident_readback']:.2f}x of it); naive/floor "
-                          f"{result['naive_over_floor']:.2f}x; tokens match resident: {result['tokens_match_resident']}; "
+                          f"{result['naive_over_floor']:.2f}x; floor at the steps' batch sizes "
+                          f"{result['floor_batched_step_ms']:.3f} ms ({result['tiered_over_floor_batched']:.2f}x); "
+                          f"tokens match resident: {result['tokens_match_resident']}; "
                           f"steady steps reading the pack {b.get('disk_steps', 0)} ({b.get('disk_step_ms', 0):.3f} ms "
                           f"vs {b.get('no_disk_step_ms', 0):.3f} ms), multi-replay steps {b.get('multi_replay_steps', 0)}",
                           flush=True)

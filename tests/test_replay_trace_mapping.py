@@ -115,9 +115,12 @@ def test_tierstore_replay_maps_a_recorded_trace(tmp_path, toy_preset, capsys):
             "--arena-gb", "0.001", "--pack-dir", str(tmp_path / "pack"), "--device", "cpu", "--warmup", "2",
             "--json", str(out)]
     assert main(args) == 0, capsys.readouterr()
-    assert "trace mapping: layers run layer l <- trace layer l;" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "trace mapping: layers run layer l <- trace layer l;" in printed
     result = json.loads(out.read_text())
     assert result["top_k"] == 2 and result["trace_mapping"]["top_k"]["used"] == 2 and result["steps"] == 8
+    read_pack = any(result["runs"]["tiered"]["steady"]["per_step"]["arena_miss_rows"])
+    assert ("floor at the steps' own batch sizes" in printed) == read_pack
     assert main(args[:-2] + ["--trace-top-k", "refuse"]) == 2
     assert "refused: trace (2 layers x 8 experts, top-2) at toy" in capsys.readouterr().err
     assert main(args[:-2] + ["--layers", "3"]) == 2

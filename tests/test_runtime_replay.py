@@ -5,8 +5,8 @@ import pytest
 from test_runtime_fixtures import memory_source, toy_geometry
 
 from tierstore.runtime.config import RuntimeConfig
-from tierstore.runtime.replay import (ensure_synthetic_pack, open_synthetic_rows, run_read_gbps, run_replay,
-                                      source_read_gbps, trace_steps)
+from tierstore.runtime.replay import (batch_read_ms, ensure_synthetic_pack, open_synthetic_rows, run_read_gbps,
+                                      run_replay, source_read_gbps, source_read_ms_by_batch, trace_steps)
 
 
 def skewed_routing(geometry, tokens, seed=0):
@@ -59,6 +59,15 @@ def test_replay_reports_cold_and_steady_windows_and_the_floor(tmp_path):
     assert result["source_read_run_gbps"] == pytest.approx(run_read_gbps(steady))
     assert result["source_read_gbps"] == max(result["source_read_probe_gbps"], result["source_read_run_gbps"])
     assert result["tiered_over_floor"] == pytest.approx(steady["step_ms"] / result["floor_step_ms"])
+    # the batched floor charges each steady step's pack rows at the probe's time for a batch of that many
+    by_batch = {int(rows): ms for rows, ms in result["source_read_ms_by_batch"].items()}
+    assert sorted(by_batch) == [1, 2, 4] and all(ms > 0 for ms in by_batch.values())  # 48 rows: no 8-row batches
+    miss_rows = steady["per_step"]["arena_miss_rows"]
+    assert sum(miss_rows) * row_bytes == steady["arena_miss_bytes"] > 0
+    pinned_ms = 1e3 * result["floor_pinned_bytes"] / (result["h2d_gbps"] * 1e9)
+    expected = runs["resident"]["steady"]["step_ms"] + (pinned_ms + sum(batch_read_ms(r, by_batch) for r in miss_rows)) / 20
+    assert result["floor_batched_step_ms"] == pytest.approx(expected)
+    assert result["tiered_over_floor_batched"] == pytest.approx(steady["step_ms"] / expected)
 
 
 class _TimedRows:
@@ -89,6 +98,30 @@ def test_the_source_probe_of_a_small_source_reads_one_row_per_batch():
     source = _TimedRows([0.001] * 5, num_layers=1, num_experts=3)
     assert source_read_gbps(source, rows=64, batches=4) > 0
     assert [len(b) for b in source.batches] == [1] * 5
+
+
+def test_the_batch_probe_times_each_size_in_turns_and_keeps_each_ones_fastest_batch():
+    # warm-up (8 rows), then three rounds of 1 / 2 / 4 / 8 rows
+    seconds = [0.1] + [0.010, 0.030, 0.015, 0.060] + [0.004, 0.012, 0.040, 0.045] + [0.020, 0.025, 0.050, 0.080]
+    source = _TimedRows(seconds, num_layers=4, num_experts=16)
+    by_batch = source_read_ms_by_batch(source, sizes=(4, 1, 8, 2, 32), batches=3)
+    assert [len(b) for b in source.batches] == [8] + [1, 2, 4, 8] * 3  # 32 rows would reread: left out
+    keys = [k for b in source.batches for k in b]
+    assert len(set(keys)) == len(keys) == 53
+    assert list(by_batch) == [1, 2, 4, 8]
+    # each size's fastest batch (a sleep may overrun, never undershoot): 4 / 12 / 15 / 45 ms
+    assert 4 <= by_batch[1] < 10 and 12 <= by_batch[2] < 25 and 15 <= by_batch[4] < 40 and 45 <= by_batch[8] < 60
+    assert source_read_ms_by_batch(_TimedRows([], num_layers=1, num_experts=3), batches=3) == {}
+
+
+def test_a_batch_of_rows_is_charged_the_probed_time_interpolated_between_sizes_and_per_row_beyond():
+    by_batch = {1: 2.0, 2: 3.0, 4: 4.0, 8: 6.0}
+    assert batch_read_ms(0, by_batch) == 0.0
+    assert [batch_read_ms(r, by_batch) for r in (1, 2, 4, 8)] == [2.0, 3.0, 4.0, 6.0]
+    assert batch_read_ms(3, by_batch) == pytest.approx(3.5)
+    assert batch_read_ms(6, by_batch) == pytest.approx(5.0)
+    assert batch_read_ms(16, by_batch) == pytest.approx(12.0)  # 8 rows' time per row
+    assert batch_read_ms(3, {4: 4.0}) == pytest.approx(3.0)  # below the smallest probed size: its time per row
 
 
 def test_a_runs_own_read_rate_is_its_miss_bytes_over_its_arena_time():

@@ -97,6 +97,11 @@ def run(args: argparse.Namespace) -> int:
           f"tiered / resident {result['tiered_over_resident']:.2f}x; pool {pool_slots} slots = "
           f"{100 * result['coverage']:.1f}% of experts, {result['pool_over_touched']:.2f}x the "
           f"{result['touched_keys']} keys the replay routes")
+    if any(result["runs"]["tiered"]["steady"]["per_step"]["arena_miss_rows"]):
+        probed = ", ".join(f"{rows} {ms:.2f}" for rows, ms in result["source_read_ms_by_batch"].items())
+        print(f"floor at the steps' own batch sizes: {result['floor_batched_step_ms']:.3f} ms/step (each step's source "
+              f"reads at the probe's time for that many rows; rows: ms {probed}); tiered / it "
+              f"{result['tiered_over_floor_batched']:.2f}x")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)
