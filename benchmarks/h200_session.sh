@@ -108,6 +108,19 @@ policy_cells() {  # policy_cells ARENA LIMIT LIMIT LIMIT LIMIT: issue #5's cells
     --out "$work/replay_qwen3-30b-a3b_recorded-${name}_$step.json"
 }
 
+recorded_none_cells() {  # recorded_none_cells LIMIT LIMIT: issue #5's recorded-trace cells at 50 / 25 / 10 % without
+  # an arena at the default config (ds-v2-lite, qwen3-30b-a3b with layers tiled; bf16), one tiered run each (thirtieth
+  # session: with the floor at the steps' own batch sizes)
+  stage replay-rec-ds-none "$1" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets ds-v2-lite --layers 8 \
+    --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 0 --dtype bfloat16 --no-synthetic \
+    --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers first --trace-top-k trace \
+    --commit "$commit" --out "$work/replay_ds-v2-lite_recorded-none_$step.json"
+  stage replay-rec-qwen3-none "$2" python3 benchmarks/replay.py --pack-dir /tmp/rp --presets qwen3-30b-a3b \
+    --layers 16 --steps 240 --warmup 20 --coverages 0.5,0.25,0.1 --arena-gb 0 --dtype bfloat16 --no-synthetic \
+    --trace benchmarks/traces/generate-quality-checkpoint.npz --trace-layers tile --trace-top-k trace \
+    --commit "$commit" --out "$work/replay_qwen3-30b-a3b_recorded-none_$step.json"
+}
+
 compare_rounds() {  # compare_rounds NAME LIMIT CONFIG ROUNDS COVERAGES [alternate|interleave|same [STEPS]]: replay.py
   # --compare-config CONFIG on both presets, ROUNDS rounds, each cell's default and compared runs in one process (the
   # default first; with "alternate", the compared config first in the even rounds: --compare-first; with "interleave",
@@ -2013,12 +2026,14 @@ case "$step" in
     ;;
   reads32)  # thirtieth session: a step's few pack rows (1 / 2 / 4) read into pinned against pageable memory, through
     # PackRows (since 4e28267 the last row's checksum where it was read), every checksum handed to a verification
-    # thread (PackRows before), checksums inline, or raw, back to back or after a 3 ms idle gap (benchmarks/read_destinations.py; every row read once), ds-v2-lite (26 layers) and qwen3-30b-a3b (16).
-    # Limits 150 + 150 s.
+    # thread (PackRows before), checksums inline, or raw, back to back or after a 3 ms idle gap
+    # (benchmarks/read_destinations.py; every row read once), ds-v2-lite (26 layers) and qwen3-30b-a3b (16); then the
+    # recorded-trace cells without an arena (recorded_none_cells). Limits 150 + 150 + 80 + 80 s.
     stage reads-ds 150 python3 benchmarks/read_destinations.py --preset ds-v2-lite --pack-dir /tmp/rd \
       --commit "$commit" --json "$work/read-destinations-ds-v2-lite.json"
     stage reads-qwen3 150 python3 benchmarks/read_destinations.py --preset qwen3-30b-a3b --layers 16 --pack-dir /tmp/rd \
       --commit "$commit" --json "$work/read-destinations-qwen3-30b-a3b.json"
+    recorded_none_cells 80 80
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
