@@ -1,5 +1,6 @@
 """Where a tiered step's host time goes, function by function, on the replay benchmark's setup (a recorded or the
-skewed trace, preloaded 4 GiB arena, bf16, CUDA graphs, token folded into the pass log, the default config).
+skewed trace, preloaded 4 GiB arena or `--arena-gb` (0: none, every miss read from the pack), bf16, CUDA graphs, token
+folded into the pass log, the default config).
 
 Two clocks over warm steps:
 
@@ -35,7 +36,8 @@ WRAPPED = (("", "step"), ("", "_read_pass"), ("", "_follow_streamed"), ("", "_de
            ("pool", "unmapped_ids"), ("arena", "locate"), ("arena", "hit_ids"), ("_stream_heat", "observe"),
            ("_stream_heat", "admit"), ("_stream_rows", "refresh"), ("_stats", "add_step"), ("_stats", "add_fetch"),
            ("pool", "_take_install_buffers"), ("pool", "_issue_streamed"), ("pool", "_stage_table"),
-           ("pool", "_copy_table"), ("pool", "_issue"), ("pool", "_map"))
+           ("pool", "_copy_table"), ("pool", "_issue"), ("pool", "_map"), ("arena", "fetch"),
+           ("arena.source", "read_rows"), ("arena.source.reader", "read"), ("pool", "wait"), ("pool", "install"))
 
 
 class HostClock:
@@ -46,7 +48,9 @@ class HostClock:
         self._current: dict = {}
         self._wrapped = []
         for owner_name, name in WRAPPED:
-            owner = getattr(runtime, owner_name) if owner_name else runtime
+            owner = runtime
+            for part in owner_name.split(".") if owner_name else ():
+                owner = getattr(owner, part, None)
             if owner is None or not hasattr(owner, name):
                 continue
             label = f"{owner_name or 'runtime'}.{name}"
@@ -118,6 +122,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="steps timed by each clock")
     parser.add_argument("--pack-dir", default="/tmp/rp-host")
     parser.add_argument("--recorded", type=Path, help="a recorded trace (.npz) instead of the skewed one")
+    parser.add_argument("--arena-gb", type=float, default=4.0, help="the arena, preloaded (0: none)")
     parser.add_argument("--trace-layers", default="first")
     parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE", help="a RuntimeConfig field")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu (eager, float32: the logic, slowly)")
@@ -144,9 +149,10 @@ def main() -> None:
     slots = round(args.coverage * g.total_routed_experts)
     config = RuntimeConfig(kpi_every=0, force_pool=True, **(_config_fields(args.config, "--config") or {}))
     with TieredRuntime(g, open_synthetic_rows(spec, args.pack_dir), pool_slots=slots,
-                       arena_slots=int(4 * 2**30) // spec.stride, device=args.device, config=config,
+                       arena_slots=int(args.arena_gb * 2**30) // spec.stride, device=args.device, config=config,
                        output_words=1) as rt:
-        preload_arena(rt)
+        if args.arena_gb:
+            preload_arena(rt)
         if args.coverage >= 1.0:
             rt.preload()
         driver = Driver(rt, steps, warmup=args.warm_steps, graph=cuda, readback="folded",
@@ -172,7 +178,7 @@ def main() -> None:
     profiled = {kind: _top_functions(profiles) for kind, profiles in sorted(by_kind.items())}
     report = {"provenance": {"commit": args.commit, "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu"},
               "preset": args.preset, "layers": args.layers, "coverage": args.coverage, "pool_slots": slots,
-              "recorded": str(args.recorded) if args.recorded else None, "config": args.config,
+              "recorded": str(args.recorded) if args.recorded else None, "arena_gb": args.arena_gb, "config": args.config,
               "streams": rt._stream_rows is not None,
               "median_step_ms": step_ms, "wrapped": wrapped, "cprofile": profiled}
     if args.json:
