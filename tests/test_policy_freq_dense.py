@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from test_runtime_fixtures import memory_source, toy_geometry
 
+from tierstore.cache.policies.freq_dense import DenseFrequencyPolicy
 from tierstore.cache.policy import get_decaying_policy, get_policy
 from tierstore.errors import ConfigError
 from tierstore.runtime import RuntimeConfig, TieredRuntime
@@ -101,6 +102,39 @@ def test_a_large_pool_orders_as_freq_past_its_first_victims():
     reference.on_access_many(fresh[:300])
     assert list(dense.eviction_order()) == list(reference.eviction_order())
     assert dense.victims(40, exclude) == reference.victims(40, exclude)
+
+
+class FreshlySorted(DenseFrequencyPolicy):
+    """`freq-dense` that sorts its resident keys afresh on every order (no order kept between calls)."""
+
+    def _resident_order(self):
+        self._order = None
+        return super()._resident_order()
+
+
+@pytest.mark.parametrize("half_life", [2.7, 1e-3])  # 1e-3: counts decay to zero and tie, the kept order goes stale
+@pytest.mark.parametrize("seed", range(3))
+def test_the_kept_order_equals_a_fresh_sort_of_the_same_state(seed, half_life):
+    kept, fresh = DenseFrequencyPolicy(half_life=half_life), FreshlySorted(half_life=half_life)
+    rng = random.Random(seed)
+    for step, exclude in drive([kept, fresh], seed, steps=400, batched=True):
+        for _ in range(rng.randint(0, 2)):  # some steps ask more than once, some never
+            assert list(kept.eviction_order(exclude)) == list(fresh.eviction_order(exclude)), f"step {step}"
+        assert kept.victim() == fresh.victim()
+
+
+def test_a_count_raised_without_a_hit_is_ordered_by_its_older_touch():
+    policy = get_policy("freq-dense", half_life=1e30)
+    policy.on_insert_many([5, 9])  # 5 touched first
+    policy.observe([9])
+    assert list(policy.eviction_order()) == [5, 9]  # heats 0 < 1
+    policy.observe([5])  # heats tie at 1: the older touch, 5, goes first (the kept order had 9 after 5 by heat)
+    assert list(policy.eviction_order()) == [5, 9]
+    policy.observe([5])
+    assert list(policy.eviction_order()) == [9, 5]
+    policy.on_access(9)
+    policy.observe([9])  # tie again: 5 is now the older touch
+    assert list(policy.eviction_order()) == [5, 9]
 
 
 @pytest.mark.parametrize("slots", [6, 16, 32, 48])

@@ -6,7 +6,9 @@ share one). The order is `freq`'s: the counts here are decayed all at once at ea
 time when read, which is the same sum (bit for bit where every decay factor is a power of two, e.g. `half_life` 1
 and whole-number times; within rounding otherwise). What differs is the cost: the hooks and the order are numpy
 operations over arrays indexed by key, so a pool of a thousand experts is ordered in tens of microseconds, where
-`freq` sorts Python tuples. Keys are dense ints (`expert_key`); the arrays grow to the largest key seen. Time must
+`freq` sorts Python tuples. The order is kept between calls: a call re-sorts only the keys whose count, touch or
+residency changed since the last (merged into the rest in one pass), checks that the result is sorted, and sorts
+everything afresh where it is not (a decay that made two counts equal). Keys are dense ints (`expert_key`); the arrays grow to the largest key seen. Time must
 not go back: a `begin_step` earlier than the last one decays nothing (where `freq` would grow the counts).
 """
 
@@ -19,7 +21,7 @@ import numpy as np
 from tierstore.cache.policy import _EMPTY, EvictionPolicy, register_policy
 
 _GROWTH = 1024  # keys of room added at a time past the largest key seen
-_FIRST = 128  # victims ordered before the rest of the order is sorted (`_sorted_by`)
+_HEAD = 256  # victims turned into a Python list before the rest is (callers usually take the first few)
 
 
 @register_policy("freq-dense")
@@ -35,8 +37,11 @@ class DenseFrequencyPolicy(EvictionPolicy):
         self._heat = np.zeros(0, dtype=np.float64)  # [K] decayed routed counts as of `_stamp`
         self._touch = np.zeros(0, dtype=np.int64)  # [K] clock of the last insert or hit (resident keys)
         self._resident = np.zeros(0, dtype=bool)  # [K]
+        self._changed = np.zeros(0, dtype=bool)  # [K] count, touch or residency changed since `_order` was taken
         self._clock = 0
         self._stamp: float | None = None  # the time `_heat` is decayed to
+        self._order: np.ndarray | None = None  # [R] the resident keys by (heat, touch), as of the last order taken
+        self._decayed = False  # the heats were scaled since `_order` was taken
 
     # --- the arrays ----------------------------------------------------------------------
     def _room(self, top: int) -> None:
@@ -46,6 +51,7 @@ class DenseFrequencyPolicy(EvictionPolicy):
             self._heat = np.concatenate([self._heat, np.zeros(size - len(self._heat))])
             self._touch = np.concatenate([self._touch, np.zeros(size - len(self._touch), dtype=np.int64)])
             self._resident = np.concatenate([self._resident, np.zeros(size - len(self._resident), dtype=bool)])
+            self._changed = np.concatenate([self._changed, np.zeros(size - len(self._changed), dtype=bool)])
 
     @staticmethod
     def _ids(keys: Iterable[int]) -> np.ndarray:
@@ -63,6 +69,7 @@ class DenseFrequencyPolicy(EvictionPolicy):
         super().begin_step(now)
         if self._stamp is not None and now > self._stamp:
             self._heat *= 2.0 ** (-(now - self._stamp) / self.half_life)
+            self._decayed = True
         if self._stamp is None or now > self._stamp:
             self._stamp = now
 
@@ -76,6 +83,7 @@ class DenseFrequencyPolicy(EvictionPolicy):
                 self._heat[ids] += 1.0
             else:
                 np.add.at(self._heat, ids, 1.0)  # one add per occurrence, in order: a key routed twice counts twice
+            self._changed[ids] = True
 
     def on_insert(self, key: int, size: int = 1) -> None:
         if key < 0:
@@ -87,13 +95,16 @@ class DenseFrequencyPolicy(EvictionPolicy):
         self._clock += 1
         self._touch[key] = self._clock
         self._resident[key] = True
+        self._changed[key] = True
 
     def _accessed(self, key: int) -> None:
         self._clock += 1
         self._touch[key] = self._clock
+        self._changed[key] = True
 
     def _removed(self, key: int) -> None:
         self._resident[key] = False
+        self._changed[key] = True
 
     # the batch hooks of a pool's install and step close as array operations: the state the single hooks leave,
     # and where a key fails, the keys before it applied and the single hook's error for it
@@ -124,6 +135,7 @@ class DenseFrequencyPolicy(EvictionPolicy):
         self._touch[good] = self._clock + 1 + np.arange(len(good))
         self._clock += len(good)
         self._resident[good] = True
+        self._changed[good] = True
         self.version += len(good)
         if bad is not None:
             self.on_insert(int(ids[bad]))  # raises, as the single hook does
@@ -140,6 +152,7 @@ class DenseFrequencyPolicy(EvictionPolicy):
             last = accesses - 1 - np.unique(good[::-1], return_index=True)[1]
             good, stamps = good[last], stamps[last]
         self._touch[good] = stamps
+        self._changed[good] = True
         self._clock += accesses
         self.version += accesses
         if bad is not None:
@@ -155,35 +168,58 @@ class DenseFrequencyPolicy(EvictionPolicy):
             del self.sizes[key]
         self.pinned.difference_update(good.tolist())
         self._resident[good] = False
+        self._changed[good] = True
         self.version += len(good)
         if bad is not None:
             self.on_evict(int(ids[bad]))  # raises, as the single hook does
 
     # --- queries -------------------------------------------------------------------------
     def eviction_order(self, exclude=_EMPTY) -> Iterator[int]:
-        evictable = self._resident.copy()
-        for skipped in (self.pinned, exclude):
-            if skipped:
-                ids = np.fromiter(skipped, dtype=np.int64, count=len(skipped))
+        order = self._resident_order()  # never written in place: the iterator may read it after later hooks
+        skipped = [keys for keys in (self.pinned, exclude) if keys]
+        if skipped:
+            evictable = np.ones(len(self._resident), dtype=bool)
+            for keys in skipped:
+                ids = np.fromiter(keys, dtype=np.int64, count=len(keys))
                 evictable[ids[(ids >= 0) & (ids < len(evictable))]] = False
-        return self._in_order(np.flatnonzero(evictable))
+            order = order[evictable[order]]
+        return _listed(order)
 
-    def _in_order(self, ids: np.ndarray) -> Iterator[int]:
-        """`ids` lowest heat first, then the older touch (`freq`'s (rank, last touch, key): resident keys' touches
-        differ), as of this call (the heats and touches are copied now)."""
-        return _sorted_by(ids, self._heat[ids], self._touch[ids])
+    def _resident_order(self) -> np.ndarray:
+        """int64 [R] the resident keys, lowest heat first, then the older touch (`freq`'s (rank, last touch, key):
+        resident keys' touches differ, so the order is unique). From the last order taken: the keys that changed
+        since are sorted and merged into the others (a stable sort by heat of the two sorted runs, the unchanged
+        first: a changed resident key was inserted or hit since, so its touch is the newer where heats tie), and the
+        result is kept only where it checks sorted; otherwise (a decay that made heats equal, a key counted without
+        a hit) everything is sorted afresh."""
+        changed = self._changed
+        if self._order is not None and not self._decayed and not changed.any():
+            return self._order
+        order = None
+        if self._order is not None:
+            kept = self._order[~changed[self._order]]  # [U] unchanged resident keys, in their order
+            moved = np.flatnonzero(changed & self._resident)  # [M]
+            moved = moved[np.lexsort((self._touch[moved], self._heat[moved]))]
+            merged = np.concatenate([kept, moved])
+            order = merged[np.argsort(self._heat[merged], kind="stable")]
+            if len(order) != len(self.sizes) or not self._sorted(order):
+                order = None
+        if order is None:
+            order = np.flatnonzero(self._resident)
+            order = order[np.lexsort((self._touch[order], self._heat[order]))]
+        self._order, self._decayed = order, False
+        changed[:] = False
+        return order
+
+    def _sorted(self, order: np.ndarray) -> bool:
+        """Whether `order` is in strictly increasing (heat, touch)."""
+        heat, touch = self._heat[order], self._touch[order]
+        rising = heat[1:] > heat[:-1]
+        return bool((rising | ((heat[1:] == heat[:-1]) & (touch[1:] > touch[:-1]))).all())
 
 
-def _sorted_by(ids: np.ndarray, heat: np.ndarray, touch: np.ndarray) -> Iterator[int]:
-    """`ids` by (heat, touch). A caller usually takes the first few victims: the first `_FIRST` come from a sort of
-    the heats alone and one of those keys, the rest are sorted (a slower sort of two keys) only when the caller reads
-    past them."""
-    if len(ids) > 2 * _FIRST:
-        cut = np.sort(heat)[_FIRST - 1]  # the _FIRST-th coldest heat (np.partition is slow on many equal heats)
-        first = heat < cut
-        tied = np.flatnonzero(heat == cut)
-        wanted = _FIRST - int(first.sum())  # >= 1: of the keys at `cut`, the oldest touches
-        first[tied[np.argpartition(touch[tied], wanted - 1)[:wanted]] if wanted < len(tied) else tied] = True
-        yield from ids[first][np.lexsort((touch[first], heat[first]))].tolist()
-        ids, heat, touch = ids[~first], heat[~first], touch[~first]
-    yield from ids[np.lexsort((touch, heat))].tolist()
+def _listed(ids: np.ndarray) -> Iterator[int]:
+    """The ids of `ids` (an array nothing writes to) as Python ints, the first `_HEAD` converted before the rest."""
+    yield from ids[:_HEAD].tolist()
+    if len(ids) > _HEAD:
+        yield from ids[_HEAD:].tolist()
