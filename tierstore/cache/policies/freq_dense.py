@@ -21,6 +21,7 @@ import numpy as np
 from tierstore.cache.policy import _EMPTY, EvictionPolicy, register_policy
 
 _GROWTH = 1024  # keys of room added at a time past the largest key seen
+_MERGE_SHARE = 2  # the kept order is merged into while fewer than 1 in this many resident keys changed (half)
 _HEAD = 256  # victims turned into a Python list before the rest is (callers usually take the first few)
 
 
@@ -190,15 +191,15 @@ class DenseFrequencyPolicy(EvictionPolicy):
         resident keys' touches differ, so the order is unique). From the last order taken: the keys that changed
         since are sorted and merged into the others (a stable sort by heat of the two sorted runs, the unchanged
         first: a changed resident key was inserted or hit since, so its touch is the newer where heats tie), and the
-        result is kept only where it checks sorted; otherwise (a decay that made heats equal, a key counted without
-        a hit) everything is sorted afresh."""
+        result is kept only where it checks sorted and complete; otherwise (a decay that made heats equal, a key
+        counted without a hit), or where many keys changed, everything is sorted afresh."""
         changed = self._changed
         if self._order is not None and not self._decayed and not changed.any():
             return self._order
         order = None
-        if self._order is not None:
+        moved = np.flatnonzero(changed & self._resident)  # [M] changed resident keys
+        if self._order is not None and _MERGE_SHARE * len(moved) < len(self._order):
             kept = self._order[~changed[self._order]]  # [U] unchanged resident keys, in their order
-            moved = np.flatnonzero(changed & self._resident)  # [M]
             moved = moved[np.lexsort((self._touch[moved], self._heat[moved]))]
             merged = np.concatenate([kept, moved])
             order = merged[np.argsort(self._heat[merged], kind="stable")]
