@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from test_runtime_fixtures import memory_source, toy_geometry
 
+from tierstore.cache.policies import freq_dense
 from tierstore.cache.policies.freq_dense import DenseFrequencyPolicy
 from tierstore.cache.policy import get_decaying_policy, get_policy
 from tierstore.errors import ConfigError
@@ -114,7 +115,8 @@ class FreshlySorted(DenseFrequencyPolicy):
 
 @pytest.mark.parametrize("half_life", [2.7, 1e-3])  # 1e-3: counts decay to zero and tie, the kept order goes stale
 @pytest.mark.parametrize("seed", range(3))
-def test_the_kept_order_equals_a_fresh_sort_of_the_same_state(seed, half_life):
+def test_the_kept_order_equals_a_fresh_sort_of_the_same_state(seed, half_life, monkeypatch):
+    monkeypatch.setattr(freq_dense, "_MERGE_FROM", 0)  # merge at this small pool's size too
     kept, fresh = DenseFrequencyPolicy(half_life=half_life), FreshlySorted(half_life=half_life)
     rng = random.Random(seed)
     for step, exclude in drive([kept, fresh], seed, steps=400, batched=True):
@@ -123,7 +125,8 @@ def test_the_kept_order_equals_a_fresh_sort_of_the_same_state(seed, half_life):
         assert kept.victim() == fresh.victim()
 
 
-def test_a_count_raised_without_a_hit_is_ordered_by_its_older_touch():
+def test_a_count_raised_without_a_hit_is_ordered_by_its_older_touch(monkeypatch):
+    monkeypatch.setattr(freq_dense, "_MERGE_FROM", 0)
     policy = get_policy("freq-dense", half_life=1e30)
     policy.on_insert_many([5, 9])  # 5 touched first
     policy.observe([9])

@@ -21,7 +21,8 @@ import numpy as np
 from tierstore.cache.policy import _EMPTY, EvictionPolicy, register_policy
 
 _GROWTH = 1024  # keys of room added at a time past the largest key seen
-_MERGE_SHARE = 2  # the kept order is merged into while fewer than 1 in this many resident keys changed (half)
+_MERGE_FROM = 256  # resident keys above which a new order merges into the last (below, a fresh sort is as cheap)
+_MERGE_SHARE = 2  # ... while fewer than 1 in this many resident keys changed since (half)
 _HEAD = 256  # victims turned into a Python list before the rest is (callers usually take the first few)
 
 
@@ -188,29 +189,34 @@ class DenseFrequencyPolicy(EvictionPolicy):
 
     def _resident_order(self) -> np.ndarray:
         """int64 [R] the resident keys, lowest heat first, then the older touch (`freq`'s (rank, last touch, key):
-        resident keys' touches differ, so the order is unique). From the last order taken: the keys that changed
-        since are sorted and merged into the others (a stable sort by heat of the two sorted runs, the unchanged
-        first: a changed resident key was inserted or hit since, so its touch is the newer where heats tie), and the
-        result is kept only where it checks sorted and complete; otherwise (a decay that made heats equal, a key
-        counted without a hit), or where many keys changed, everything is sorted afresh."""
-        changed = self._changed
-        if self._order is not None and not self._decayed and not changed.any():
+        resident keys' touches differ, so the order is unique): the last order taken where nothing changed since,
+        else that order with the changed keys merged in (`_merged_order`), else sorted afresh."""
+        if self._order is not None and not self._decayed and not self._changed.any():
             return self._order
-        order = None
-        moved = np.flatnonzero(changed & self._resident)  # [M] changed resident keys
-        if self._order is not None and _MERGE_SHARE * len(moved) < len(self._order):
-            kept = self._order[~changed[self._order]]  # [U] unchanged resident keys, in their order
-            moved = moved[np.lexsort((self._touch[moved], self._heat[moved]))]
-            merged = np.concatenate([kept, moved])
-            order = merged[np.argsort(self._heat[merged], kind="stable")]
-            if len(order) != len(self.sizes) or not self._sorted(order):
-                order = None
+        order = self._merged_order() if len(self.sizes) > _MERGE_FROM else None
         if order is None:
             order = np.flatnonzero(self._resident)
             order = order[np.lexsort((self._touch[order], self._heat[order]))]
         self._order, self._decayed = order, False
-        changed[:] = False
+        self._changed[:] = False
         return order
+
+    def _merged_order(self) -> np.ndarray | None:
+        """The last order taken with the keys changed since sorted and merged into the others (a stable sort by heat
+        of the two sorted runs, the unchanged first: a changed resident key was inserted or hit since, so its touch
+        is the newer where heats tie). None where there is no such order, where half the keys or more changed, or
+        where the result is not sorted and complete (a decay that made heats equal, a count raised without a hit)."""
+        if self._order is None:
+            return None
+        changed = self._changed
+        moved = np.flatnonzero(changed & self._resident)  # [M] changed resident keys
+        if _MERGE_SHARE * len(moved) >= len(self._order):
+            return None
+        kept = self._order[~changed[self._order]]  # [U] unchanged resident keys, in their order
+        moved = moved[np.lexsort((self._touch[moved], self._heat[moved]))]
+        merged = np.concatenate([kept, moved])
+        order = merged[np.argsort(self._heat[merged], kind="stable")]
+        return order if len(order) == len(self.sizes) and self._sorted(order) else None
 
     def _sorted(self, order: np.ndarray) -> bool:
         """Whether `order` is in strictly increasing (heat, touch)."""
