@@ -16,7 +16,7 @@
 # `commit` is overwritten with $TIERSTORE_COMMIT (the original value is kept as `commit_seen`), except
 # under $work/baseline/, where the runs of an older tree write (their --commit names that tree).
 set -uo pipefail
-step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11|hostcut2|located|located2|located3|syncwake|closing11|planvariant|pinning|passgather|passgather2|mend12|closing12|mend12b|gatherclock|passgather3|pair|pair2|pair3|pair4|pair5|pair6|pair7|pairclock2|closing13|choice|choice2|closing14|closing14b|closing14c|fp4pair2|closing15|stagewake|blocks15|final15|unread16|pairclock16|pairprof16|pairprof16b|pairprof16c|plans16|closing16|final16|closing16b|closing17|closing18|final17|recent17|recent17b|closing19|final19|final19b|copies20|spares20|grid20|closing20|recorded20|nomiss21|first21|first21b|choice21|choice21b|head22|skip22|skip22b|skip22c|mend29|next29|bus30|stage30|stage30b|stage30c|stage30d|policy31|policy31b|policy31c|reads32|reads32b|profile32}"
+step="${1:?usage: h200_session.sh kernels|runtime|runtime2|kernels2|runtime3|final|signal|layers|cuda|closing|adopted|last|verify|recorded|resume|matrix|presets|idle|next|fp4multi|fp4early|btrule|qwen3none|fp4tune|closing3|fp4pdl|closing4|resume2|hostpath|hostpath2|threads|closing5|qwen3ab|repeat5|halftiles|halftiles2|gather|halftiles3|auto|autoab|closing6|stages|stages2|mad|mad2|widerule|closing7|fp4mad|routecost|route2|closing8|replay8|pairorder|closing9|fp4pair|mend10|timeline|timeline2|timeline3|timeline4|hostcut|closing10|events11|hostcut2|located|located2|located3|syncwake|closing11|planvariant|pinning|passgather|passgather2|mend12|closing12|mend12b|gatherclock|passgather3|pair|pair2|pair3|pair4|pair5|pair6|pair7|pairclock2|closing13|choice|choice2|closing14|closing14b|closing14c|fp4pair2|closing15|stagewake|blocks15|final15|unread16|pairclock16|pairprof16|pairprof16b|pairprof16c|plans16|closing16|final16|closing16b|closing17|closing18|final17|recent17|recent17b|closing19|final19|final19b|copies20|spares20|grid20|closing20|recorded20|nomiss21|first21|first21b|choice21|choice21b|head22|skip22|skip22b|skip22c|mend29|next29|bus30|stage30|stage30b|stage30c|stage30d|policy31|policy31b|policy31c|reads32|reads32b|profile32|next33|next33b}"
 out="${OUT:?set OUT to the folder that comes back}"
 commit="${TIERSTORE_COMMIT:?set TIERSTORE_COMMIT to the commit of the tree (git rev-parse HEAD on the dev machine)}"
 work="$out/$step"
@@ -2057,6 +2057,27 @@ case "$step" in
     stage profile-qwen3-0.1 120 python3 benchmarks/step_host_profile.py --preset qwen3-30b-a3b --layers 16 --coverage 0.1 \
       --arena-gb 0 --recorded benchmarks/traces/generate-quality-checkpoint.npz --trace-layers tile --commit "$commit" \
       --json "$work/host-none-qwen3-30b-a3b-0.1.json"
+    ;;
+  next33)  # for the next session: profile32's no-arena host profiles, then the few-row reads in a random order each
+    # round (pinned; the arena's path, PackRows, raw; nothing before), ds-v2-lite. Limits 100 + 100 + 120 + 100 s.
+    for cov in 0.25 0.5; do
+      stage "profile-ds-$cov" 100 python3 benchmarks/step_host_profile.py --preset ds-v2-lite --layers 8 --coverage "$cov" \
+        --arena-gb 0 --recorded benchmarks/traces/generate-quality-checkpoint.npz --commit "$commit" \
+        --json "$work/host-none-ds-v2-lite-$cov.json"
+    done
+    stage profile-qwen3-0.1 120 python3 benchmarks/step_host_profile.py --preset qwen3-30b-a3b --layers 16 --coverage 0.1 \
+      --arena-gb 0 --recorded benchmarks/traces/generate-quality-checkpoint.npz --trace-layers tile --commit "$commit" \
+      --json "$work/host-none-qwen3-30b-a3b-0.1.json"
+    stage reads-ds 100 python3 benchmarks/read_destinations.py --preset ds-v2-lite --pack-dir /tmp/rd \
+      --destinations pinned --paths arena,checked,raw --before none --commit "$commit" \
+      --json "$work/read-shuffled-ds-v2-lite.json"
+    ;;
+  next33b)  # for the next session: freq-dense's kept order on the H200's host (benchmarks/policy_order_cost.py, against
+    # lru), the runtime's GPU tests and the main job at this default. Limits 120 + 240 + 70 s.
+    stage policy-cost 120 python3 benchmarks/policy_order_cost.py --json "$work/policy-order-cost-h200.json"
+    runtime_gpu_tests 240
+    stage generate-quality 70 tierstore generate benchmarks/quality/checkpoint --prompt "def read_config(path):" \
+      --max-new-tokens 48 --gpu-pool-frac 0.25 --verify-resident
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

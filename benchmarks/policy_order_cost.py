@@ -1,11 +1,11 @@
-"""The base pool's policy work per decode step on the host, `freq-dense` of this tree against an older tree's and
-`lru`, at the presets' pool sizes, all driven through the same steps in one process.
+"""The base pool's policy work per decode step on the host, `freq-dense` of this tree against `lru` (`--baseline`: an
+older tree's `freq-dense` too), at the presets' pool sizes, all driven through the same steps in one process.
 
 A step as the runtime's pool drives its policy: `begin_step(seconds)`, `observe` of the routed keys (one token,
 Zipf-skewed routing per layer), the victim plan while the pass runs (`islice(eviction_order(), plan)`, the last
 pass's routed keys plus 16 spares: `DevicePool.plan_victims`), then the hits (`on_access_many`) and, for the misses,
 victims from the order less the routed keys (`on_evict_many`) and the inserts (`on_insert_many`). Times the plan
-and the whole step, median over the steps after a warm-up, and checks that every policy of the same kind chose the
+and the whole step, median over the steps after a warm-up, and checks that the two trees' `freq-dense` chose the
 same victims. Writes JSON with provenance.
 
     python3 benchmarks/policy_order_cost.py --baseline 4584795 --json out.json
@@ -99,15 +99,17 @@ def drive(policy, steps: list[np.ndarray], capacity: int, warmup: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", required=True, help="the older tree's commit")
+    parser.add_argument("--baseline", help="an older tree's commit to compare (its freq_dense.py from git)")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3, help="each policy's runs, taking turns")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    old = baseline_class(args.baseline)
-    makers = {"freq-dense": lambda: get_policy("freq-dense", half_life=60.0), f"freq-dense@{args.baseline}":
-              lambda: old(half_life=60.0), "lru": lambda: get_policy("lru")}
+    makers = {"freq-dense": lambda: get_policy("freq-dense", half_life=60.0)}
+    if args.baseline:
+        old = baseline_class(args.baseline)
+        makers[f"freq-dense@{args.baseline}"] = lambda: old(half_life=60.0)
+    makers["lru"] = lambda: get_policy("lru")
     rows = []
     print(f"{'preset':>14s} {'cov':>4s} {'keys':>6s} {'pool':>5s} " + " ".join(f"{name:>30s}" for name in makers)
           + "   (plan / whole step, us, median)")

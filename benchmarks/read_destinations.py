@@ -17,7 +17,8 @@ to back into pageable memory. This times, for each batch size, every combination
   idle) or `gpu` (about `--gap-ms` of matrix products on the GPU, then a stream synchronisation, as a step's
   pass-log read does before its fetch; CUDA only);
 
-the variants taking turns round by round, every batch drawing rows that no earlier batch read (the pack holds all
+the variants in a fresh random order each round (after reads32b; there the list rotated, so each variant mostly
+followed the same one), every batch drawing rows that no earlier batch read (the pack holds all
 the preset's layers). It also times one row's checksum alone. The table gives the median ms per batch (GB/s), one
 line per variant.
 
@@ -162,8 +163,9 @@ def main() -> None:
     for path in paths:  # warms the reader, the verification threads and the arena's staging, off the clock
         timed_batch(rows, arena, draw(max(sizes)), dests["pageable"], path, verifier)
     seconds: dict[tuple, list[float]] = {(b, *v): [] for b in sizes for v in variants}
-    for round_ in range(args.rounds):
-        turn = variants[round_ % len(variants):] + variants[:round_ % len(variants)]
+    shuffler = np.random.default_rng(1)
+    for _ in range(args.rounds):
+        turn = [variants[i] for i in shuffler.permutation(len(variants))]  # no variant always follows the same one
         for size in sizes:
             for dest, path, kind in turn:
                 before(kind)
