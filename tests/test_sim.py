@@ -81,6 +81,20 @@ def test_arena_serves_rows_evicted_from_gpu():
     assert r.bytes_moved()["disk_w2"] == 2 * r.geometry.w2_expert_bytes
 
 
+def test_a_frequency_arena_keeps_the_key_it_is_asked_for_most_where_lru_drops_it():
+    # key 0 asked every third step among keys asked once; the 1-slot pool misses every step, the arena holds 2
+    sequence = [0, 1, 2, 0, 3, 4, 0, 5, 6, 0, 7, 8, 0]
+    t = tiny([[[key]] for key in sequence], num_experts=9)
+    lru = simulate(t, gpu_slots=1, arena_slots=2, arena_policy="lru")
+    freq = simulate(t, gpu_slots=1, arena_slots=2, arena_policy="freq-dense")
+    assert lru.counters["miss_keys"].tolist() == [1] * 13 and lru.counters["arena_rows"].sum() == 0
+    # the second ask of key 0 (step 3) counts it twice; from then on it outranks the keys asked once
+    assert freq.counters["arena_rows"].tolist() == [0] * 6 + [1, 0, 0, 1, 0, 0, 1]
+    assert freq.params["arena_policy"] == "freq-dense"
+    belady = simulate(t, gpu_slots=1, arena_slots=2, arena_policy="belady")  # given the trace's future
+    assert belady.counters["arena_rows"].sum() >= freq.counters["arena_rows"].sum()
+
+
 def test_fp4_pool_lazy_promotion_and_gate():
     t = synthetic_trace(200, 2, 8, 2, skew=1.5, seed=3)
     lazy = simulate(t, gpu_slots=4, fp4_slots=4)

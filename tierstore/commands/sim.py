@@ -40,6 +40,8 @@ def register(subparsers) -> None:
     p.add_argument("--fp4-policy", default="freq")
     p.add_argument("--gate-tau", type=float)
     p.add_argument("--arena-slots", type=int)
+    p.add_argument("--arena-policy", default="lru",
+                   help="the host arena's policy (a frequency policy counts the keys the arena is asked for)")
     p.add_argument("--csv", help="write the rows as CSV")
     p.add_argument("--json", help="write the rows as JSON")
     p.add_argument("--plot", help="write a PNG of hit rate and zero-miss steps against coverage")
@@ -72,7 +74,8 @@ def run(args) -> int:
         slots = [max(1, round(f * trace.num_keys)) for f in (args.coverage or [0.1, 0.25, 0.5])]
     tps = args.tokens_per_step if args.tokens_per_step == "recorded" else int(args.tokens_per_step)
     options = {"geometry": geometry, "tokens_per_step": tps, "pool": args.pool, "fp4_slots": args.fp4_slots,
-               "fp4_policy": args.fp4_policy, "gate_tau": args.gate_tau, "arena_slots": args.arena_slots}
+               "fp4_policy": args.fp4_policy, "gate_tau": args.gate_tau, "arena_slots": args.arena_slots,
+               "arena_policy": args.arena_policy}
     if args.param:
         options["policy_params"] = dict(args.param)
     try:

@@ -63,7 +63,8 @@ class TierEngine:
         if gate_tau is not None and (confidence is None or self.fp4 is None):
             raise ValueError("the confidence gate needs an FP4 pool (fp4_slots > 0) and a trace with confidence")
         self.force_budget = fp4_force_budget
-        self.arena = SlotPool(arena_slots, get_policy(arena_policy)) if arena_slots is not None else None
+        self.arena = (SlotPool(arena_slots, policy_factory(arena_policy, None, steps)()) if arena_slots is not None
+                      else None)
 
     def _pool(self, key: int) -> SlotPool:
         return self.pools[key // self.num_experts] if self.per_layer else self.pools[0]
@@ -103,6 +104,8 @@ class TierEngine:
                     continue
                 c["hit_pairs"][s] += n
             c["miss_keys"][s] = len(missing)
+            if self.arena is not None:  # the keys the arena is asked for (a frequency policy counts them)
+                self.arena.policy.observe(missing)
             c["base_keys"][s] += len(missing)
             for key in missing:
                 if self.arena is not None:

@@ -70,7 +70,8 @@ def simulate(trace: Trace, gpu_slots: int | None = None, policy="lru", *, gpu_gb
     steps = group_steps(trace, tokens_per_step)
     params = {"policy": policy if isinstance(policy, str) else getattr(policy, "__name__", "custom"),
               "gpu_slots": gpu_slots, "coverage": gpu_slots / trace.num_keys, "pool": pool,
-              "tokens_per_step": tokens_per_step, "fp4_slots": fp4_slots, "arena_slots": arena_slots}
+              "tokens_per_step": tokens_per_step, "fp4_slots": fp4_slots, "arena_slots": arena_slots,
+              "arena_policy": arena_policy}
     eligible = (policy in ("lru", "belady") and pool == "global" and not fp4_slots and arena_slots is None
                 and gate_tau is None
                 and not policy_params)
