@@ -15,7 +15,7 @@ import torch
 
 from tierstore.atomic_files import atomic_write_bytes
 from tierstore.cache import heat as heat_module
-from tierstore.cache.arena import Arena, arena_slots, available_host_bytes
+from tierstore.cache.arena import ARENA_POLICIES, Arena, arena_slots, available_host_bytes
 from tierstore.cache.heat import parse_heat
 from tierstore.errors import PackFormatError, ReadError
 from tierstore.io.layout import PackSpec
@@ -79,7 +79,7 @@ def make_reader(kind, pack):
 READERS = ["memory", "preadv-buffered", "preadv-direct", "uring-buffered", "uring-direct"]
 
 
-def open_arena(pack, kind, num_slots, **kwargs):
+def open_arena(pack, kind, num_slots, **kwargs):  # kwargs: Arena's (policy among them)
     source = CountingRows(PackRows(pack, make_reader(kind, pack)))
     return Arena(source, num_slots, **kwargs), source
 
@@ -116,9 +116,10 @@ def test_reboot_with_garbage_memory_serves_rows_from_the_pack(pack, kind):
     assert arena.stats().miss_rows == 20
 
 
+@pytest.mark.parametrize("policy", ARENA_POLICIES)
 @pytest.mark.parametrize("kind", READERS)
-def test_eviction_stress_keeps_bytes_right(pack, kind):
-    arena, source = open_arena(pack, kind, 24)
+def test_eviction_stress_keeps_bytes_right(pack, kind, policy):
+    arena, source = open_arena(pack, kind, 24, policy=policy)
     rng = random.Random(2)
     for _ in range(2):
         keys = ALL_KEYS[:]
@@ -139,9 +140,10 @@ def test_batch_larger_than_the_arena_overflows_through_staging(pack, kind, caplo
     assert "overflowed" in caplog.text
 
 
+@pytest.mark.parametrize("policy", ARENA_POLICIES)
 @pytest.mark.parametrize("kind", ["memory", "preadv-direct"])
-def test_scan_fills_free_slots_and_never_evicts(pack, kind):
-    arena, _ = open_arena(pack, kind, 24)
+def test_scan_fills_free_slots_and_never_evicts(pack, kind, policy):
+    arena, _ = open_arena(pack, kind, 24, policy=policy)
     first, second, decode = ALL_KEYS[:16], ALL_KEYS[16:32], ALL_KEYS[32:36]
     assert_rows(first, arena.fetch(first, scan=True))
     assert all(key in arena for key in first)
@@ -163,19 +165,20 @@ def test_hits_are_zero_copy_views_and_duplicates_share_a_slot(pack):
     assert arena.memory.data_ptr() % 4096 == 0
 
 
+@pytest.mark.parametrize("policy", ARENA_POLICIES)
 @pytest.mark.parametrize("kind", ["memory", "preadv-buffered", "uring-direct"])
-def test_preheat_makes_the_hottest_rows_hits_after_reopen(pack, kind, tmp_path):
+def test_preheat_makes_the_hottest_rows_hits_after_reopen(pack, kind, tmp_path, policy):
     heat = tmp_path / "x.pack.heat.json"
-    arena, _ = open_arena(pack, kind, 8, heat_path=heat)
+    arena, _ = open_arena(pack, kind, 8, heat_path=heat, policy=policy)
     for key in ALL_KEYS[:12]:  # the last 8 fetched are the hottest
         arena.fetch([key])
     arena.close()
     assert parse_heat(heat, LAYERS, EXPERTS)[:8] == ALL_KEYS[11:3:-1]
-    reopened, source = open_arena(pack, kind, 8, heat_path=heat)
+    reopened, source = open_arena(pack, kind, 8, heat_path=heat, policy=policy)
     assert sum(source.reads.values()) == 8
     assert_rows(ALL_KEYS[4:12], reopened.fetch(ALL_KEYS[4:12]))
     assert reopened.stats().hit_rows == 8 and reopened.stats().miss_rows == 0
-    reopened.fetch([ALL_KEYS[20]])  # the LRU victim is the coldest preheated row
+    reopened.fetch([ALL_KEYS[20]])  # the victim is the coldest preheated row (asked for as often, hit first)
     assert ALL_KEYS[4] not in reopened and ALL_KEYS[11] in reopened
 
 
@@ -310,16 +313,17 @@ def test_a_collected_arena_withdraws_its_registration(pack):
     source.close()
 
 
-def faulty_arena(pack, plan, num_slots=8):
+def faulty_arena(pack, plan, num_slots=8, policy="lru"):
     reader = FaultyReader(PreadvPoolReader(pack.path), plan)
-    return Arena(PackRows(pack, reader), num_slots), reader
+    return Arena(PackRows(pack, reader), num_slots, policy=policy), reader
 
 
+@pytest.mark.parametrize("policy", ARENA_POLICIES)
 @pytest.mark.parametrize("fault", ["eio", "short"])
-def test_read_failure_mid_batch_publishes_nothing_and_a_retry_reads_correct_bytes(pack, fault):
+def test_read_failure_mid_batch_publishes_nothing_and_a_retry_reads_correct_bytes(pack, fault, policy):
     victim = pack.spec.row_offset(1, 5)
     plan = FaultPlan(eio_offsets={victim}) if fault == "eio" else FaultPlan(short_offsets={victim})
-    arena, reader = faulty_arena(pack, plan)
+    arena, reader = faulty_arena(pack, plan, policy=policy)
     warm = [(0, 0), (0, 1)]
     arena.fetch(warm)
     batch = [(1, 4), (1, 5), (1, 6)]
@@ -331,9 +335,10 @@ def test_read_failure_mid_batch_publishes_nothing_and_a_retry_reads_correct_byte
     assert reader.fired == [(fault, victim)]
 
 
-def test_failed_read_into_an_evicted_slot_leaves_no_stale_hit(pack):
+@pytest.mark.parametrize("policy", ARENA_POLICIES)
+def test_failed_read_into_an_evicted_slot_leaves_no_stale_hit(pack, policy):
     victim = pack.spec.row_offset(2, 0)
-    arena, _ = faulty_arena(pack, FaultPlan(eio_offsets={victim}), num_slots=2)
+    arena, _ = faulty_arena(pack, FaultPlan(eio_offsets={victim}), num_slots=2, policy=policy)
     arena.fetch([(0, 0), (0, 1)])
     with pytest.raises(ReadError):
         arena.fetch([(2, 0)])  # evicts (0, 0) for a read that fails
@@ -350,8 +355,10 @@ def test_flipped_bit_is_caught_by_the_checksum_and_never_served(pack):
     assert_rows([(3, 3)], arena.fetch([(3, 3)]))
 
 
-def test_random_fault_storm_never_serves_wrong_bytes(pack):
-    arena, reader = faulty_arena(pack, FaultPlan(eio_rate=0.05, short_rate=0.05, flip_rate=0.05, seed=3), 16)
+@pytest.mark.parametrize("policy", ARENA_POLICIES)
+def test_random_fault_storm_never_serves_wrong_bytes(pack, policy):
+    arena, reader = faulty_arena(pack, FaultPlan(eio_rate=0.05, short_rate=0.05, flip_rate=0.05, seed=3), 16,
+                                 policy=policy)
     rng, failures = random.Random(5), 0
     for _ in range(60):
         keys = rng.sample(ALL_KEYS, 6)

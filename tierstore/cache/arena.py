@@ -1,10 +1,11 @@
 """The host arena: one pinned (or, without CUDA, page-aligned ordinary) allocation of `num_slots`
-rows over a row source such as a pack, with LRU replacement and a persisted hot set.
+rows over a row source such as a pack, with LRU replacement (or, with `policy="freq-dense"`, the
+row asked for least: `tierstore.cache.frequency_slots`) and a persisted hot set.
 
 Contract of `fetch(keys, scan)`:
 - hits return zero-copy views of arena slots; duplicate keys in a batch share one slot;
-- misses take free slots, else (unless `scan`) evict the least recently used slot not used by
-  this batch; what finds no slot is read through a staging buffer (`overflow`);
+- misses take free slots, else (unless `scan`) evict the policy's first slot not used by this
+  batch (the least recently used); what finds no slot is read through a staging buffer (`overflow`);
 - keys are published only after all reads of the batch succeeded; on failure the batch's slots
   go back to the free list with no owner, so a failed read can never be served as a hit;
 - returned views stay valid until the next `fetch` (staging) or the slot's eviction. The arena
@@ -30,7 +31,8 @@ import numpy as np
 import torch
 
 from tierstore.cache.heat import HeatWriter, parse_heat
-from tierstore.cache.slots import SlotTable
+from tierstore.cache.frequency_slots import FrequencySlotTable
+from tierstore.cache.slots import ARENA_POLICIES, SlotTable
 from tierstore.errors import CapacityError, PackFormatError
 
 log = logging.getLogger("tierstore.cache")
@@ -127,9 +129,14 @@ class ArenaStats:
 
 class Arena:
     def __init__(self, source: RowSource, num_slots: int, heat_path: Path | str | None = None,
-                 heat_every: int = 1024, preheat: bool = True, pin: bool | None = None):
+                 heat_every: int = 1024, preheat: bool = True, pin: bool | None = None, policy: str = "lru",
+                 half_life_s: float = 60.0):
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        if policy not in ARENA_POLICIES:
+            raise ValueError(f"arena policy must be one of {', '.join(ARENA_POLICIES)}, got {policy!r}")
+        if not half_life_s > 0:
+            raise ValueError(f"the arena policy's half_life_s must be positive, got {half_life_s}")
         self.source = source
         self.num_slots = num_slots
         self.stride = source.stride
@@ -139,7 +146,9 @@ class Arena:
         self.memory = aligned_host_buffer(num_slots * self.stride, self.pin)  # [num_slots * stride] uint8
         # slot s's row bytes, a view made once (a hit then costs no tensor indexing)
         self._rows = self.memory.view(num_slots, self.stride)[:, :source.row_bytes].unbind(0)
-        self._table = SlotTable(num_slots)
+        self.policy = policy
+        self._table = (SlotTable(num_slots) if policy == "lru"
+                       else FrequencySlotTable(num_slots, source.num_experts, half_life_s))
         # the table by key id (layer * E + expert), for `locate`: the row's host address of each id (None: not
         # here), the id of each slot (None: free); plain lists, which a few dozen lookups read fastest
         self._num_experts = source.num_experts
@@ -222,7 +231,7 @@ class Arena:
         for key in missing:
             slot = self._table.take_free()
             if slot is None and not scan:
-                slot = self._table.evict_lru(busy)
+                slot = self._table.evict(busy)
                 if slot is not None:
                     self._evictions += 1
                     victim = self._id_of_slot[slot]

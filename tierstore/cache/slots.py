@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
+ARENA_POLICIES = ("lru", "freq-dense")  # this table's order, and `frequency_slots.FrequencySlotTable`'s
+
 
 class SlotTable:
     """Keys published to slots, least recently used first. A slot is either free, or owned by
@@ -49,7 +51,7 @@ class SlotTable:
     def take_free(self) -> int | None:
         return self._free_slots.pop() if self._free_slots else None
 
-    def evict_lru(self, busy: set[int]) -> int | None:
+    def evict(self, busy: set[int]) -> int | None:
         """Unpublish the least recently used key whose slot is not in `busy`; return its slot."""
         for key, slot in self._key_to_slot.items():
             if slot not in busy:
@@ -58,7 +60,7 @@ class SlotTable:
         return None
 
     def publish(self, key: Hashable, slot: int) -> None:
-        """Make `key` the most recently used owner of `slot` (taken from take_free or evict_lru)."""
+        """Make `key` the most recently used owner of `slot` (taken from take_free or evict)."""
         self._key_to_slot[key] = slot
 
     def release(self, slot: int) -> None:

@@ -127,7 +127,8 @@ class TieredRuntime:
         # and the policy's order can be planned and filtered
         self._plans_victims = (self.pool.num_slots < geometry.total_routed_experts and self.pool.installs_located
                                and self.pool.policy.filtered_order)
-        self.arena = Arena(source, arena_slots, heat_path=heat_path, pin=self.device.type == "cuda")
+        self.arena = Arena(source, arena_slots, heat_path=heat_path, pin=self.device.type == "cuda",
+                           policy=self.config.arena_policy, half_life_s=self.config.policy_half_life_s)
         self.source = source
         # config stream_arena: a decode pass computes a missing expert from its arena row (`StreamRows`, published
         # before each step) instead of missing it; the rows it streamed are installed at the next step's first read
