@@ -90,6 +90,15 @@ def test_bad_policies_are_refused(pack):
 
 
 def test_the_runtime_knob():
+    import argparse
+
+    from tierstore.commands.generate import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["generate", "ckpt", "--prompt", "x"]).arena_policy == RuntimeConfig().arena_policy
+    assert parser.parse_args(["generate", "ckpt", "--prompt", "x", "--arena-policy", "freq-dense"]).arena_policy \
+        == "freq-dense"
     assert RuntimeConfig().arena_policy == "lru"
     assert RuntimeConfig.from_env({"TIERSTORE_ARENA_POLICY": "freq-dense"}).arena_policy == "freq-dense"
     with pytest.raises(ConfigError, match="arena_policy"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tierstore.cache.slots import ARENA_POLICIES
 from tierstore.commands.flags import add_cuda_w2_flag
 
 
@@ -28,6 +29,9 @@ def register(subparsers) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--policy", default="freq-dense",
                         help="eviction policy of the device pool (default freq-dense, the runtime's default)")
+    parser.add_argument("--arena-policy", choices=ARENA_POLICIES, default="lru",
+                        help="what a full host arena evicts: the least recently used row (default) or the row asked "
+                             "for least (freq-dense)")
     parser.add_argument("--replay-mode", choices=("strict", "approximate"), default="strict")
     parser.add_argument("--miss-tol", type=int, default=0, help="missing pairs a step may keep without a replay (degraded)")
     parser.add_argument("--fp-max", type=int, default=32, help="replays per step before strict mode gives up")

@@ -61,7 +61,8 @@ def generate_command(args, out) -> int:
         print(f"pack: {report.packs[tag]} (built {len(report.written[tag])} layers, reused "
               f"{len(report.skipped[tag])}) in {time.perf_counter() - started:.1f} s", file=out)
     config = RuntimeConfig(replay_mode=args.replay_mode, miss_tolerance=args.miss_tol, fp_max=args.fp_max,
-                           policy=args.policy, force_pool=args.force_pool, early_fetch=args.early_fetch,
+                           policy=args.policy, arena_policy=args.arena_policy, force_pool=args.force_pool,
+                           early_fetch=args.early_fetch,
                            gather_in_pass=args.gather_in_pass, pass_pair=args.pass_pair, cuda_w2=args.cuda_w2, kpi_every=0,
                            **fp4_config(args))
     slot_bytes = w2_slot_layout(geometry.hidden, geometry.expert_inter).slot_bytes
