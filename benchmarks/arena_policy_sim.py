@@ -14,16 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
+from tierstore.bench.provenance import provenance
+from tierstore.geometry import get_preset
+from tierstore.sim import load_trace, simulate
+from tierstore.sim.trace import Trace
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
+sys.path.insert(0, str(ROOT / "benchmarks"))  # for replay.py's routing (python -P leaves this folder off)
 from replay import skewed_steps  # noqa: E402
-
-from tierstore.bench.provenance import provenance  # noqa: E402
-from tierstore.geometry import get_preset  # noqa: E402
-from tierstore.sim import load_trace, simulate  # noqa: E402
-from tierstore.sim.trace import Trace  # noqa: E402
 
 ARENA_POLICIES = ("lru", "freq-dense", "belady")
 HALF_LIFE_STEPS = 4096.0  # the runtime's 60 s at 5-15 ms a step is thousands of steps

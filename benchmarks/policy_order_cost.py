@@ -17,7 +17,6 @@ import importlib.util
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from itertools import islice
@@ -25,13 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tierstore.bench.provenance import provenance
+from tierstore.cache import policy as policy_module
+from tierstore.cache.policy import get_policy
+from tierstore.geometry import get_preset
 
-from tierstore.bench.provenance import provenance  # noqa: E402
-from tierstore.cache import policy as policy_module  # noqa: E402
-from tierstore.cache.policy import get_policy  # noqa: E402
-from tierstore.geometry import get_preset  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SHAPES = {"ds-v2-lite": 8, "qwen3-30b-a3b": 16, "deepseek-v3": 58}  # preset -> MoE layers driven
 COVERAGES = (0.5, 0.25)

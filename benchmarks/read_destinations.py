@@ -31,7 +31,6 @@ import argparse
 import itertools
 import json
 import statistics
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -39,14 +38,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tierstore.cache.arena import Arena, aligned_host_buffer  # noqa: E402
-from tierstore.geometry import get_preset  # noqa: E402
-from tierstore.io.checksum import row_checksum  # noqa: E402
-from tierstore.io.readers.base import ReadOp  # noqa: E402
-from tierstore.io.readers.choice import chosen_backend  # noqa: E402
-from tierstore.runtime.replay import ensure_synthetic_pack, open_synthetic_rows  # noqa: E402
+from tierstore.cache.arena import Arena, aligned_host_buffer
+from tierstore.geometry import get_preset
+from tierstore.io.checksum import row_checksum
+from tierstore.io.readers.base import ReadOp
+from tierstore.io.readers.choice import chosen_backend
+from tierstore.runtime.replay import ensure_synthetic_pack, open_synthetic_rows
 
 DESTINATIONS = ("pinned", "pageable")
 PATHS = ("arena", "checked", "pooled", "inline", "raw")
