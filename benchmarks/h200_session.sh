@@ -121,6 +121,20 @@ recorded_none_cells() {  # recorded_none_cells LIMIT LIMIT: issue #5's recorded-
     --commit "$commit" --out "$work/replay_qwen3-30b-a3b_recorded-none_$step.json"
 }
 
+none_profiles() {  # where a step's host time goes without an arena (benchmarks/step_host_profile.py --arena-gb 0),
+  # recorded trace: ds-v2-lite at 25 / 50 %, qwen3-30b-a3b at 10 % (layers tiled); limits 100 + 100 + 120 s (thirtieth
+  # session)
+  local cov
+  for cov in 0.25 0.5; do
+    stage "profile-ds-$cov" 100 python3 benchmarks/step_host_profile.py --preset ds-v2-lite --layers 8 --coverage "$cov" \
+      --arena-gb 0 --recorded benchmarks/traces/generate-quality-checkpoint.npz --commit "$commit" \
+      --json "$work/host-none-ds-v2-lite-$cov.json"
+  done
+  stage profile-qwen3-0.1 120 python3 benchmarks/step_host_profile.py --preset qwen3-30b-a3b --layers 16 --coverage 0.1 \
+    --arena-gb 0 --recorded benchmarks/traces/generate-quality-checkpoint.npz --trace-layers tile --commit "$commit" \
+    --json "$work/host-none-qwen3-30b-a3b-0.1.json"
+}
+
 compare_rounds() {  # compare_rounds NAME LIMIT CONFIG ROUNDS COVERAGES [alternate|interleave|same [STEPS]]: replay.py
   # --compare-config CONFIG on both presets, ROUNDS rounds, each cell's default and compared runs in one process (the
   # default first; with "alternate", the compared config first in the even rounds: --compare-first; with "interleave",
@@ -2049,25 +2063,11 @@ case "$step" in
   profile32)  # thirtieth session: where a step's host time goes without an arena (benchmarks/step_host_profile.py
     # --arena-gb 0, the arena's fetch, PackRows and the reader wrapped too), recorded trace: ds-v2-lite at 25 / 50 %,
     # qwen3-30b-a3b at 10 % (layers tiled). Limits 100 + 100 + 120 s.
-    for cov in 0.25 0.5; do
-      stage "profile-ds-$cov" 100 python3 benchmarks/step_host_profile.py --preset ds-v2-lite --layers 8 --coverage "$cov" \
-        --arena-gb 0 --recorded benchmarks/traces/generate-quality-checkpoint.npz --commit "$commit" \
-        --json "$work/host-none-ds-v2-lite-$cov.json"
-    done
-    stage profile-qwen3-0.1 120 python3 benchmarks/step_host_profile.py --preset qwen3-30b-a3b --layers 16 --coverage 0.1 \
-      --arena-gb 0 --recorded benchmarks/traces/generate-quality-checkpoint.npz --trace-layers tile --commit "$commit" \
-      --json "$work/host-none-qwen3-30b-a3b-0.1.json"
+    none_profiles
     ;;
   next33)  # for the next session: profile32's no-arena host profiles, then the few-row reads in a random order each
     # round (pinned; the arena's path, PackRows, raw; nothing before), ds-v2-lite. Limits 100 + 100 + 120 + 100 s.
-    for cov in 0.25 0.5; do
-      stage "profile-ds-$cov" 100 python3 benchmarks/step_host_profile.py --preset ds-v2-lite --layers 8 --coverage "$cov" \
-        --arena-gb 0 --recorded benchmarks/traces/generate-quality-checkpoint.npz --commit "$commit" \
-        --json "$work/host-none-ds-v2-lite-$cov.json"
-    done
-    stage profile-qwen3-0.1 120 python3 benchmarks/step_host_profile.py --preset qwen3-30b-a3b --layers 16 --coverage 0.1 \
-      --arena-gb 0 --recorded benchmarks/traces/generate-quality-checkpoint.npz --trace-layers tile --commit "$commit" \
-      --json "$work/host-none-qwen3-30b-a3b-0.1.json"
+    none_profiles
     stage reads-ds 100 python3 benchmarks/read_destinations.py --preset ds-v2-lite --pack-dir /tmp/rd \
       --destinations pinned --paths arena,checked,raw --before none --commit "$commit" \
       --json "$work/read-shuffled-ds-v2-lite.json"

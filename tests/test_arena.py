@@ -2,7 +2,6 @@
 O_DIRECT) for cold, warm, reboot, eviction, overflow, scan and preheat; fail-closed faults;
 hostile heat files."""
 
-import hashlib
 import json
 import logging
 import random
@@ -12,6 +11,7 @@ import time
 import psutil
 import pytest
 import torch
+from pack_helpers import shake_row, write_shake_pack
 
 from tierstore.atomic_files import atomic_write_bytes
 from tierstore.cache import heat as heat_module
@@ -30,18 +30,14 @@ ALL_KEYS = [(layer, expert) for layer in range(LAYERS) for expert in range(EXPER
 
 
 def row(layer, expert):
-    return hashlib.shake_128(f"{layer},{expert}".encode()).digest(ROW_BYTES)
+    return shake_row(layer, expert, ROW_BYTES)
 
 
 @pytest.fixture(scope="module")
 def pack(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("pack")
     spec = PackSpec(tag="base", num_layers=LAYERS, num_experts=EXPERTS, row_bytes=ROW_BYTES,
                     checkpoint_id="arena-test", abi_tag="w2-test", zero_mode="auto")
-    with PackWriter(directory, spec) as writer:
-        for layer in range(LAYERS):
-            writer.write_layer(layer, (row(layer, e) for e in range(EXPERTS)))
-    return Pack(directory, spec)
+    return write_shake_pack(tmp_path_factory.mktemp("pack"), spec)
 
 
 class CountingRows:

@@ -2,18 +2,15 @@
 and writes its hot set hottest first; the runtime's knob `arena_policy`. The arena's invariants under both policies
 (eviction stress, scan, preheat, faults) are in test_arena.py."""
 
-import hashlib
-
 import pytest
 import torch
+from pack_helpers import shake_row, write_shake_pack
 
 from tierstore.cache.arena import Arena
 from tierstore.cache.frequency_slots import FrequencySlotTable
 from tierstore.errors import ConfigError
 from tierstore.io.layout import PackSpec
-from tierstore.io.pack import Pack
 from tierstore.io.pack_rows import PackRows
-from tierstore.io.pack_writer import PackWriter
 from tierstore.io.readers import MemoryReader
 from tierstore.runtime import RuntimeConfig
 
@@ -21,17 +18,14 @@ LAYERS, EXPERTS, ROW_BYTES = 1, 9, 5000
 
 
 def row(layer, expert):
-    return hashlib.shake_128(f"{layer},{expert}".encode()).digest(ROW_BYTES)
+    return shake_row(layer, expert, ROW_BYTES)
 
 
 @pytest.fixture(scope="module")
 def pack(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("pack")
     spec = PackSpec(tag="base", num_layers=LAYERS, num_experts=EXPERTS, row_bytes=ROW_BYTES,
                     checkpoint_id="arena-policy-test", abi_tag="w2-test", zero_mode="auto")
-    with PackWriter(directory, spec) as writer:
-        writer.write_layer(0, (row(0, e) for e in range(EXPERTS)))
-    return Pack(directory, spec)
+    return write_shake_pack(tmp_path_factory.mktemp("pack"), spec)
 
 
 def arena(pack, slots, policy):
